@@ -1,0 +1,20 @@
+"""megatron_fsdp: a fully-sharded data-parallel engine in the vocabulary of NVIDIA's Megatron-FSDP.
+
+Flat per-unit parameter and gradient buffers, asynchronous all-gather with prefetch, asynchronous
+reduce-scatter, mixed precision with fp32 main parameters and gradients, address-stable double buffering
+for CUDA-graph replay, and full and sharded state dicts. See :func:`fully_shard`.
+"""
+
+from ._common import ShardingStrategy, TrainingState, is_capturing, simulated_capture
+from ._fully_shard import MegatronFSDP, fully_shard
+from ._unit import FSDPUnit
+
+__all__ = [
+    "fully_shard",
+    "MegatronFSDP",
+    "FSDPUnit",
+    "ShardingStrategy",
+    "TrainingState",
+    "is_capturing",
+    "simulated_capture",
+]

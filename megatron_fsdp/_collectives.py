@@ -1,0 +1,41 @@
+"""Pure collective functions: one place that picks the torch API that exists on this torch version.
+
+torch 2.13 renames ``all_gather_into_tensor``/``reduce_scatter_tensor`` to ``all_gather_single``/
+``reduce_scatter_single`` (the old names warn); torch 2.11 has only the old names. Every call is
+asynchronous and returns the ``Work`` handle; ``Work.wait()`` makes the current CUDA stream wait on NCCL
+(no host sync) and blocks the host on Gloo.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ._common import check_not_capturing
+
+__all__ = ["all_gather", "reduce_scatter", "all_reduce", "broadcast"]
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, what: str) -> Optional[dist.Work]:
+    check_not_capturing(f"all-gather of {what}")
+    return _all_gather_single(output, shard, group=group, async_op=True)
+
+
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, what: str) -> Optional[dist.Work]:
+    check_not_capturing(f"reduce-scatter of {what}")
+    return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, what: str) -> Optional[dist.Work]:
+    check_not_capturing(f"all-reduce of {what}")
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def broadcast(tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup, what: str) -> None:
+    check_not_capturing(f"broadcast of {what}")
+    dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank), group=group)

@@ -1,0 +1,124 @@
+"""Vocabulary shared by the engine's modules: strategies, training states, the capture guard, logging."""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import threading
+from typing import Iterator, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "ShardingStrategy",
+    "TrainingState",
+    "is_capturing",
+    "simulated_capture",
+    "check_not_capturing",
+    "log_rank0",
+]
+
+logger = logging.getLogger("megatron_fsdp")
+
+
+class ShardingStrategy(str, enum.Enum):
+    """What each rank keeps a shard of (Megatron-FSDP's ``zero_dp_strategy`` names).
+
+    Every strategy averages gradients over the data-parallel group; they differ in what is sharded.
+    """
+
+    #: Nothing sharded: replicated parameters, all-reduced gradients, full optimizer state (plain DDP).
+    NO_SHARD = "no_shard"
+    #: ZeRO-1: optimizer state and main parameters sharded; each unit keeps a persistent full gradient
+    #: buffer that is reduce-scattered after backward; compute parameters stay unsharded.
+    OPTIM = "optim"
+    #: ZeRO-2: as ``optim``, but the full gradient buffer is transient (double buffer or freed after the
+    #: reduce-scatter); compute parameters stay unsharded.
+    OPTIM_GRADS = "optim_grads"
+    #: ZeRO-3: compute parameters too are sharded, all-gathered before forward and before backward and
+    #: released after each.
+    OPTIM_GRADS_PARAMS = "optim_grads_params"
+
+    @classmethod
+    def parse(cls, value: Union[str, "ShardingStrategy"]) -> "ShardingStrategy":
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.strip().lower())
+            except ValueError:
+                pass
+        valid = ", ".join(s.value for s in cls)
+        raise ValueError(f"sharding_strategy={value!r} is not one of: {valid}; pass one of those names")
+
+    @property
+    def shards_params(self) -> bool:
+        return self is ShardingStrategy.OPTIM_GRADS_PARAMS
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self is not ShardingStrategy.NO_SHARD
+
+
+class TrainingState(enum.Enum):
+    """Where a unit is in the step. Entered as commented; checked to catch hooks firing out of order."""
+
+    #: Before the unit's forward this step, and again once its post-backward has finished.
+    IDLE = enum.auto()
+    #: Entered in pre-forward (parameters unsharded), left in post-forward.
+    FORWARD = enum.auto()
+    #: Entered in post-forward; the unit waits for the gradient of its outputs.
+    FORWARD_DONE = enum.auto()
+    #: Entered in pre-backward (parameters unsharded again), left in post-backward.
+    BACKWARD = enum.auto()
+
+
+_simulated = threading.local()
+
+
+def is_capturing() -> bool:
+    """True while the current CUDA stream captures a graph, or inside :func:`simulated_capture`."""
+    if getattr(_simulated, "active", False):
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@contextlib.contextmanager
+def simulated_capture() -> Iterator[None]:
+    """Make :func:`is_capturing` true on this thread: the CPU protocol backend's stand-in for a capture."""
+    previous = getattr(_simulated, "active", False)
+    _simulated.active = True
+    try:
+        yield
+    finally:
+        _simulated.active = previous
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def check_not_capturing(what: str) -> None:
+    """Raise RuntimeError if a collective or an allocation is requested inside a graph capture.
+
+    [Note: no FSDP work inside a graph]
+    A collective captured into a CUDA graph replays with the buffers and the communicator state of the
+    capture, not those of the step; an unshard buffer allocated during capture comes from the graph's
+    private pool and moves on the next allocation. Both corrupt training silently, so the engine refuses
+    them loudly. The graph layer runs FSDP hooks outside capture (TE's ``capture_time_hooks``).
+    """
+    if is_capturing():
+        raise RuntimeError(
+            f"[rank {_rank()}] megatron_fsdp: {what} was requested while a CUDA graph is being captured. "
+            "FSDP collectives and unshard allocations must run outside graphs; capture through "
+            "fsdp_cudagraph (which runs FSDP hooks outside the capture), or remove the FSDP hook from the "
+            "captured callable."
+        )
+
+
+def log_rank0(level: int, msg: str, *args: object) -> None:
+    """Log on rank 0 only (or always, without a process group)."""
+    if _rank() == 0:
+        logger.log(level, msg, *args)

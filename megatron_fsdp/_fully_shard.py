@@ -1,0 +1,498 @@
+"""``fully_shard``: the public API, the root wrapper, buffer planning and state dicts."""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Type, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from . import _collectives as C
+from ._common import ShardingStrategy, TrainingState, log_rank0
+from ._unit import FSDPUnit, _Buffer, _PendingReduce, _grad_tensors, make_unit_hooks
+
+__all__ = ["fully_shard", "MegatronFSDP"]
+
+logger = logging.getLogger(__name__)
+
+UnitSpec = Union[Type[nn.Module], str]
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    fsdp_unit_modules: Sequence[UnitSpec],
+    sharding_strategy: Union[str, ShardingStrategy] = ShardingStrategy.OPTIM_GRADS_PARAMS,
+    process_group: Optional[dist.ProcessGroup] = None,
+    compute_dtype: Optional[torch.dtype] = None,
+    main_grad_dtype: torch.dtype = torch.float32,
+    fsdp_double_buffer: bool = False,
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
+    fsdp_double_buffer_numel: Optional[int] = None,
+    prefetch: bool = True,
+) -> "MegatronFSDP":
+    """Shard ``module`` over ``process_group`` and return the wrapper to train with.
+
+    Args:
+        module: the model, already on its device (a CUDA device with NCCL, CPU with Gloo). Every rank
+            must build it the same way; rank 0's initial values are broadcast.
+        fsdp_unit_modules: module classes (or class names) whose instances become FSDP units, e.g. the
+            transformer layer. Parameters that no unit owns form the root unit.
+        sharding_strategy: ``no_shard``, ``optim``, ``optim_grads`` or ``optim_grads_params`` (ZeRO-3).
+        process_group: the data-parallel group (default: the world).
+        compute_dtype: dtype of the parameters that forward and backward see (e.g. ``torch.bfloat16``);
+            default: the parameters' own dtype. Main parameters and optimizer state stay fp32.
+        main_grad_dtype: dtype of the unsharded gradient buffers and of the main gradients (fp32).
+        fsdp_double_buffer: unshard (and unsharded-gradient) buffers of units live in two fixed slots;
+            units alternate between them by forward-order parity, so every unit always uses the same
+            addresses (what CUDA-graph replay needs).
+        fsdp_db_use_persist_buf_on_alloc_fail: a unit larger than a slot gets a persistent buffer of its
+            own instead of an error.
+        fsdp_double_buffer_numel: elements per slot; default the largest unit's size.
+        prefetch: all-gather the next unit (forward) or the previous unit (backward) while the current
+            unit computes.
+
+    Lifecycle: build the optimizer over ``model.optimizer_parameters()`` (fp32 main shards); call
+    ``model(...)``, ``loss.backward()`` (repeat for gradient accumulation), ``optimizer.step()``,
+    ``optimizer.zero_grad()``. Compute parameters are refreshed from the main shards lazily, before each
+    unit's next unshard (an optimizer step bumps the shards' version counters).
+
+    Hazards: a unit must run forward at most once per backward; parameters may not be shared between
+    units; activation checkpointing that re-runs a unit's forward in backward is not supported.
+    """
+    return MegatronFSDP(
+        module,
+        fsdp_unit_modules=fsdp_unit_modules,
+        sharding_strategy=sharding_strategy,
+        process_group=process_group,
+        compute_dtype=compute_dtype,
+        main_grad_dtype=main_grad_dtype,
+        fsdp_double_buffer=fsdp_double_buffer,
+        fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
+        fsdp_double_buffer_numel=fsdp_double_buffer_numel,
+        prefetch=prefetch,
+    )
+
+
+def _matches(module: nn.Module, specs: Sequence[UnitSpec]) -> bool:
+    for s in specs:
+        if isinstance(s, str):
+            if type(module).__name__ == s:
+                return True
+        elif isinstance(module, s):
+            return True
+    return False
+
+
+class MegatronFSDP(nn.Module):
+    """A fully-sharded data-parallel wrapper (see :func:`fully_shard`)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        fsdp_unit_modules: Sequence[UnitSpec],
+        sharding_strategy: Union[str, ShardingStrategy],
+        process_group: Optional[dist.ProcessGroup],
+        compute_dtype: Optional[torch.dtype],
+        main_grad_dtype: torch.dtype,
+        fsdp_double_buffer: bool,
+        fsdp_db_use_persist_buf_on_alloc_fail: bool,
+        fsdp_double_buffer_numel: Optional[int],
+        prefetch: bool,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.strategy = ShardingStrategy.parse(sharding_strategy)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "megatron_fsdp.fully_shard needs an initialised process group: call "
+                "torch.distributed.init_process_group('nccl' on GPUs, 'gloo' on CPU) first (torchrun sets the "
+                "environment it reads)"
+            )
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        if self.rank < 0:
+            raise ValueError(
+                f"process_group does not contain global rank {dist.get_rank()}; pass the data-parallel group "
+                "this rank belongs to"
+            )
+        self.grad_scale = 1.0 / self.world_size
+        self.prefetch = prefetch
+        self.fsdp_double_buffer = fsdp_double_buffer
+        self.fsdp_db_use_persist_buf_on_alloc_fail = fsdp_db_use_persist_buf_on_alloc_fail
+        if fsdp_db_use_persist_buf_on_alloc_fail and not fsdp_double_buffer:
+            raise ValueError(
+                "fsdp_db_use_persist_buf_on_alloc_fail=True needs fsdp_double_buffer=True (it decides what "
+                "happens to units that do not fit the double buffer); enable both or neither"
+            )
+
+        params = list(module.parameters())
+        if not params:
+            raise ValueError("fully_shard got a module without parameters; there is nothing to shard")
+        self.device = params[0].device
+        for n, p in module.named_parameters():
+            if p.device != self.device:
+                raise ValueError(
+                    f"parameter {n} is on {p.device} but {params[0].device} holds the first parameter; move the "
+                    "whole model to one device before fully_shard"
+                )
+        backend = dist.get_backend(self.group)
+        if (backend == "nccl") != (self.device.type == "cuda"):
+            raise ValueError(
+                f"the process group's backend is {backend!r} but the model is on {self.device}; use 'nccl' with "
+                "a model on its CUDA device, 'gloo' with a model on CPU"
+            )
+        self.main_param_dtype = torch.float32
+        self.main_grad_dtype = main_grad_dtype
+        self.compute_dtype = compute_dtype or params[0].dtype
+        for what, dt in (("compute_dtype", self.compute_dtype), ("main_grad_dtype", main_grad_dtype)):
+            if not dt.is_floating_point:
+                raise ValueError(f"{what}={dt} is not a floating-point dtype; pass e.g. torch.bfloat16 or torch.float32")
+
+        self.units: List[FSDPUnit] = []
+        self.root_unit: Optional[FSDPUnit] = None
+        self.slot_owner: List[Optional[FSDPUnit]] = [None, None]
+        self._pending: "collections.deque[_PendingReduce]" = collections.deque()
+        self._forward_order: List[FSDPUnit] = []
+        self._last_forward_order: List[FSDPUnit] = []
+        self._in_root_forward = False
+        self._callback_queued = False
+        self._plan_units(fsdp_unit_modules)
+        self._build_storage(fsdp_double_buffer_numel)
+        self._register_hooks()
+        log_rank0(
+            logging.INFO,
+            "megatron_fsdp: %d units + root, strategy %s, world %d, compute %s, double buffer %s",
+            len(self.units), self.strategy.value, self.world_size, self.compute_dtype, fsdp_double_buffer,
+        )
+
+    # ------------------------------------------------------------------ planning
+    def _plan_units(self, specs: Sequence[UnitSpec]) -> None:
+        if not specs:
+            raise ValueError("fsdp_unit_modules is empty; name at least one module class, e.g. your transformer layer")
+        owner_of: Dict[int, str] = {}
+        unit_modules: List[Tuple[str, nn.Module]] = [
+            (n, m) for n, m in self.module.named_modules() if m is not self.module and _matches(m, specs)
+        ]
+        if not unit_modules:
+            found = sorted({type(m).__name__ for m in self.module.modules()})
+            raise ValueError(
+                f"fsdp_unit_modules={[getattr(s, '__name__', s) for s in specs]} matches no submodule of "
+                f"{type(self.module).__name__}; its module classes are {found[:20]}; name one of those"
+            )
+        unit_set = {id(m) for _, m in unit_modules}
+        for index, (name, m) in enumerate(unit_modules):
+            names, ps = [], []
+            for pn, p in self._own_params(m, unit_set):
+                if id(p) in owner_of:
+                    raise ValueError(
+                        f"parameter {name}.{pn} is shared with unit {owner_of[id(p)]}; a parameter can live in one "
+                        "FSDP unit only: untie it, or make the module that owns both a single unit"
+                    )
+                owner_of[id(p)] = name
+                names.append(f"{name}.{pn}")
+                ps.append(p)
+            self._check_params(name, names, ps)
+            if ps:
+                self.units.append(FSDPUnit(engine=self, name=name, module=m, names=names, params=ps, index=len(self.units), is_root=False))
+        root_names, root_params = [], []
+        for pn, p in self.module.named_parameters():
+            if id(p) not in owner_of:
+                root_names.append(pn)
+                root_params.append(p)
+        if root_params:
+            self._check_params("<root>", root_names, root_params)
+            self.root_unit = FSDPUnit(engine=self, name="", module=self.module, names=root_names, params=root_params, index=-1, is_root=True)
+        for u in self.units:
+            u.module._megatron_fsdp_unit = u  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _own_params(m: nn.Module, unit_set: set) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Parameters of ``m`` that no nested unit claims."""
+        stack: List[Tuple[str, nn.Module]] = [("", m)]
+        seen: set = set()
+        while stack:
+            prefix, mod = stack.pop(0)
+            for pn, p in mod.named_parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield (f"{prefix}{pn}", p)
+            for cn, child in mod.named_children():
+                if id(child) not in unit_set:
+                    stack.append((f"{prefix}{cn}.", child))
+
+    def _check_params(self, unit: str, names: List[str], params: List[nn.Parameter]) -> None:
+        for n, p in zip(names, params):
+            if not p.dtype.is_floating_point:
+                raise ValueError(
+                    f"parameter {n} of unit {unit} has dtype {p.dtype}; a unit's flat buffer holds floating-point "
+                    "parameters cast to one compute dtype; register it as a buffer instead"
+                )
+            if not p.requires_grad:
+                raise NotImplementedError(
+                    f"parameter {n} of unit {unit} has requires_grad=False; frozen parameters inside FSDP units are "
+                    "not supported yet: register it as a buffer, or keep it outside the sharded model"
+                )
+
+    def _build_storage(self, slot_numel: Optional[int]) -> None:
+        dev, cdt, gdt = self.device, self.compute_dtype, self.main_grad_dtype
+        all_units = self.units + ([self.root_unit] if self.root_unit is not None else [])
+        db_units: List[FSDPUnit] = []
+        if self.fsdp_double_buffer:
+            if slot_numel is None:
+                slot_numel = max(u.numel for u in self.units) if self.units else 0
+            for u in self.units:
+                if u.numel <= slot_numel:
+                    db_units.append(u)
+                elif not self.fsdp_db_use_persist_buf_on_alloc_fail:
+                    raise ValueError(
+                        f"unit {u.name} needs {u.numel} elements but fsdp_double_buffer_numel={slot_numel}; raise "
+                        "fsdp_double_buffer_numel, or set fsdp_db_use_persist_buf_on_alloc_fail=True to give such "
+                        "units a persistent buffer of their own"
+                    )
+        self.slot_numel = slot_numel or 0
+        use_p_slots = bool(db_units) and self.strategy.shards_params
+        slots_p = [torch.zeros(self.slot_numel, dtype=cdt, device=dev) for _ in range(2)] if use_p_slots else []
+        slots_g = [torch.zeros(self.slot_numel, dtype=gdt, device=dev) for _ in range(2)] if db_units else []
+        slot_of = {id(u): i % 2 for i, u in enumerate(db_units)}  # [Note: fixed slots] parity of plan order
+        with torch.no_grad():
+            for u in all_units:
+                flat = torch.zeros(u.numel, dtype=torch.float32, device=dev)
+                for p, v in zip(u.params, u.layout.views(flat)):
+                    v.copy_(p.detach())
+                C.broadcast(flat, 0, self.group, f"initial values of unit {u.name}")
+                s = slot_of.get(id(u))
+                # Unsharded strategies keep compute parameters resident, so only ZeRO-3 puts them in slots;
+                # `optim` (ZeRO-1) keeps its full gradient buffer by definition.
+                if s is not None and self.strategy.shards_params:
+                    pbuf = _Buffer("slot", slots_p[s], s)
+                else:
+                    resident = self.fsdp_double_buffer or not self.strategy.shards_params
+                    pbuf = _Buffer("persistent" if resident else "dynamic", torch.zeros(u.numel, dtype=cdt, device=dev))
+                if s is not None and self.strategy is not ShardingStrategy.OPTIM:
+                    gbuf = _Buffer("slot", slots_g[s], s)
+                else:
+                    gkeep = self.fsdp_double_buffer or self.strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM)
+                    gbuf = _Buffer("persistent" if gkeep else "dynamic", torch.zeros(u.numel, dtype=gdt, device=dev))
+                u.init_storage(flat, pbuf, gbuf)
+
+    def _register_hooks(self) -> None:
+        for u in self.units:
+            pre, reg_post_bwd, post, reg_pre_bwd = make_unit_hooks(u)
+            m = u.module
+            u.hook_handles = [
+                m.register_forward_pre_hook(pre),
+                m.register_forward_pre_hook(reg_post_bwd, with_kwargs=True),
+                m.register_forward_hook(post),
+                m.register_forward_hook(reg_pre_bwd),
+            ]
+
+    # ------------------------------------------------------------------ used by units
+    def note_forward(self, unit: FSDPUnit) -> None:
+        if self._in_root_forward:
+            self._forward_order.append(unit)
+
+    def neighbour(self, unit: FSDPUnit, step: int) -> Optional[FSDPUnit]:
+        """The unit that runs after (+1) or before (-1) ``unit`` in forward order."""
+        order = self._forward_order if step < 0 else (self._last_forward_order or self.units)
+        try:
+            i = order.index(unit) + step
+        except ValueError:
+            return None
+        return order[i] if 0 <= i < len(order) else None
+
+    def add_pending_reduce(self, pending: _PendingReduce) -> None:
+        self._pending.append(pending)
+        # Keep one reduction in flight: it overlaps the next unit's backward, and bounds the memory of
+        # on-demand gradient buffers to two units.
+        while len(self._pending) > 1:
+            self._pending.popleft().retire()
+
+    def retire_reduces(self, slot: Optional[int] = None) -> None:
+        keep: "collections.deque[_PendingReduce]" = collections.deque()
+        while self._pending:
+            p = self._pending.popleft()
+            if slot is None or p.unit.grad_buffer.slot == slot:
+                p.retire()
+            else:
+                keep.append(p)
+        self._pending = keep
+
+    # ------------------------------------------------------------------ root forward / backward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._root_pre_forward()
+        self._in_root_forward = True
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            self._in_root_forward = False
+        self._last_forward_order = list(self._forward_order)
+        if torch.is_grad_enabled():
+            tensors = _grad_tensors(out)
+            if len(tensors) == 1:
+                tensors[0].register_hook(self._root_pre_backward)
+            elif tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
+        return out
+
+    def _root_pre_forward(self) -> None:
+        busy = [u.name for u in self.units if u.state in (TrainingState.FORWARD, TrainingState.BACKWARD)]
+        if busy or self._pending:
+            logger.warning(
+                "[rank %d] megatron_fsdp: the previous step did not finish (units %s mid-step); resetting",
+                self.rank, busy,
+            )
+            self._reset_after_abort()
+        self._forward_order = []
+        self._callback_queued = False
+        for u in self.units:
+            u.state = TrainingState.IDLE
+        r = self.root_unit
+        with torch.profiler.record_function("FSDP::root_pre_forward"):
+            if r is not None:
+                r.unshard()
+            if self.prefetch and self.units:
+                (self._last_forward_order or self.units)[0].unshard()
+            if r is not None:
+                r.wait_unshard()
+                r.state = TrainingState.FORWARD_DONE
+
+    def _root_pre_backward(self, *_: Any) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._post_backward_final)
+
+    def _post_backward_final(self) -> None:
+        with torch.profiler.record_function("FSDP::post_backward_final"):
+            for u in self.units:
+                if u.state is not TrainingState.IDLE:
+                    u.post_backward()
+            r = self.root_unit
+            if r is not None:
+                r.state = TrainingState.BACKWARD
+                r.post_backward()
+            self.retire_reduces()
+            self._callback_queued = False
+
+    def _reset_after_abort(self) -> None:
+        """Bring every unit back to IDLE after a step raised part-way (nothing of that step is applied)."""
+        for p in self._pending:
+            if p.work is not None:
+                p.work.wait()
+            p.unit.grad_buffer.free()
+        self._pending.clear()
+        for u in self.units + ([self.root_unit] if self.root_unit else []):
+            u.wait_unshard()
+            for p in u.params:
+                p.grad = None
+            u.state = TrainingState.IDLE
+            u.reshard()
+        self._callback_queued = False
+
+    # ------------------------------------------------------------------ public helpers
+    def all_units(self) -> List[FSDPUnit]:
+        return self.units + ([self.root_unit] if self.root_unit is not None else [])
+
+    def optimizer_parameters(self) -> List[nn.Parameter]:
+        """The fp32 main shards, one flat parameter per unit: what the optimizer must step."""
+        return [u.main_shard for u in self.all_units()]
+
+    def named_optimizer_parameters(self) -> List[Tuple[str, nn.Parameter]]:
+        return [(u.name, u.main_shard) for u in self.all_units()]
+
+    def buffer_addresses(self) -> Dict[str, Dict[str, Optional[int]]]:
+        """Per unit: data pointers of its unshard and gradient buffers (for graph-replay checks)."""
+        return {u.name: u.buffer_addresses() for u in self.all_units()}
+
+    def unit_of(self, module: nn.Module) -> Optional[FSDPUnit]:
+        """The unit that owns ``module`` (the nearest enclosing unit module), or None for the root."""
+        for m in self._ancestors(module):
+            u = getattr(m, "_megatron_fsdp_unit", None)
+            if u is not None and u.engine is self:
+                return u
+        return None
+
+    def _ancestors(self, module: nn.Module) -> List[nn.Module]:
+        path = {id(m): n for n, m in self.module.named_modules()}
+        if id(module) not in path:
+            raise ValueError(f"{type(module).__name__} is not a submodule of the sharded model")
+        name = path[id(module)]
+        out = [module]
+        while name:
+            name = name.rsplit(".", 1)[0] if "." in name else ""
+            out.append(self.module.get_submodule(name) if name else self.module)
+        return out
+
+    # ------------------------------------------------------------------ state dicts
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Gathered fp32 parameters (keys as in the unwrapped module) plus buffers, on every rank."""
+        out: Dict[str, torch.Tensor] = {}
+        for u in self.all_units():
+            full = self._gather_main(u)
+            for n, v in zip(u.layout.names, u.layout.views(full)):
+                out[n] = v.clone()
+        for n, b in self.module.named_buffers():
+            out[n] = b.detach().clone()
+        return out
+
+    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        expected = {n for u in self.all_units() for n in u.layout.names} | {n for n, _ in self.module.named_buffers()}
+        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        if missing or unexpected:
+            raise ValueError(f"load_full_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}")
+        with torch.no_grad():
+            for u in self.all_units():
+                full = torch.zeros(u.numel, dtype=torch.float32, device=self.device)
+                for n, v in zip(u.layout.names, u.layout.views(full)):
+                    src = state_dict[n]
+                    if tuple(src.shape) != tuple(v.shape):
+                        raise ValueError(f"load_full_state_dict: {n} has shape {tuple(src.shape)}, the model expects {tuple(v.shape)}")
+                    v.copy_(src)
+                start = self.rank * u.layout.shard_numel if self.strategy.shards_optimizer else 0
+                u.main_shard.copy_(full[start : start + u.main_shard.numel()])
+            for n, b in self.module.named_buffers():
+                b.copy_(state_dict[n])
+
+    def sharded_state_dict(self) -> Dict[str, Any]:
+        """This rank's fp32 main shards plus the metadata that a load checks (same world and layout)."""
+        return {
+            "megatron_fsdp_meta": {
+                "world_size": self.world_size,
+                "strategy": self.strategy.value,
+                "layouts": {u.name: u.layout.fingerprint() for u in self.all_units()},
+            },
+            "shards": {u.name: u.main_shard.detach().clone() for u in self.all_units()},
+            "buffers": {n: b.detach().clone() for n, b in self.module.named_buffers()},
+        }
+
+    def load_sharded_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        meta = state_dict["megatron_fsdp_meta"]
+        mine = self.sharded_state_dict()["megatron_fsdp_meta"]
+        for key in ("world_size", "strategy"):
+            if meta[key] != mine[key]:
+                raise ValueError(
+                    f"sharded checkpoint has {key}={meta[key]!r} but this model has {mine[key]!r}; load it with the "
+                    "same world size and strategy, or save and load a full state dict instead"
+                )
+        if meta["layouts"] != mine["layouts"]:
+            raise ValueError("sharded checkpoint was saved from a different model or unit plan; use a full state dict")
+        with torch.no_grad():
+            for u in self.all_units():
+                u.main_shard.copy_(state_dict["shards"][u.name])
+            for n, b in self.module.named_buffers():
+                b.copy_(state_dict["buffers"][n])
+
+    def _gather_main(self, u: FSDPUnit) -> torch.Tensor:
+        if not self.strategy.shards_optimizer:
+            return u.main_shard.detach()
+        full = torch.empty(u.numel, dtype=u.main_shard.dtype, device=self.device)
+        work = C.all_gather(full, u.main_shard.detach(), self.group, f"main shard of unit {u.name}")
+        if work is not None:
+            work.wait()
+        return full

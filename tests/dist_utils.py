@@ -1,0 +1,57 @@
+"""Run a function on N Gloo ranks (CPU processes) and collect what each rank returns."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, os.path.join(outdir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(outdir, f"{rank}.pt"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(fn: Callable, world_size: int, *args: Any) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned Gloo ranks; return each rank's result.
+
+    A rank that raises makes this raise with that rank's traceback.
+    """
+    with tempfile.TemporaryDirectory() as outdir:
+        try:
+            mp.spawn(_worker, args=(world_size, _free_port(), outdir, fn, args), nprocs=world_size, join=True)
+        except Exception as exc:
+            errors = []
+            for r in range(world_size):
+                path = os.path.join(outdir, f"{r}.pt")
+                if os.path.exists(path):
+                    rec = torch.load(path, weights_only=False)
+                    if not rec["ok"]:
+                        errors.append(f"--- rank {r} ---\n{rec['error']}")
+            raise RuntimeError("distributed run failed:\n" + "\n".join(errors or [str(exc)])) from None
+        out = []
+        for r in range(world_size):
+            rec = torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False)
+            out.append(rec["result"])
+        return out
