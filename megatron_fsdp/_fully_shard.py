@@ -12,7 +12,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from . import _collectives as C
-from ._common import ShardingStrategy, TrainingState, log_rank0
+from ._common import ShardingStrategy, TrainingState, is_capturing, log_rank0
 from ._unit import FSDPUnit, _Buffer, _PendingReduce, _grad_tensors, make_unit_hooks
 
 __all__ = ["fully_shard", "MegatronFSDP"]
@@ -163,6 +163,8 @@ class MegatronFSDP(nn.Module):
         self._last_forward_order: List[FSDPUnit] = []
         self._in_root_forward = False
         self._callback_queued = False
+        #: When a list, every unit phase appends (phase, unit name, capturing?) to it: a test and debug aid.
+        self.trace: Optional[List[Tuple[str, str, bool]]] = None
         self._plan_units(fsdp_unit_modules)
         self._build_storage(fsdp_double_buffer_numel)
         self._register_hooks()
@@ -294,6 +296,10 @@ class MegatronFSDP(nn.Module):
             ]
 
     # ------------------------------------------------------------------ used by units
+    def record(self, phase: str, unit: FSDPUnit) -> None:
+        if self.trace is not None:
+            self.trace.append((phase, unit.name, is_capturing()))
+
     def note_forward(self, unit: FSDPUnit) -> None:
         if self._in_root_forward:
             self._forward_order.append(unit)
@@ -348,7 +354,7 @@ class MegatronFSDP(nn.Module):
                 "[rank %d] megatron_fsdp: the previous step did not finish (units %s mid-step); resetting",
                 self.rank, busy,
             )
-            self._reset_after_abort()
+            self.reset_step_state()
         self._forward_order = []
         self._callback_queued = False
         for u in self.units:
@@ -380,8 +386,12 @@ class MegatronFSDP(nn.Module):
             self.retire_reduces()
             self._callback_queued = False
 
-    def _reset_after_abort(self) -> None:
-        """Bring every unit back to IDLE after a step raised part-way (nothing of that step is applied)."""
+    def reset_step_state(self) -> None:
+        """Bring every unit back to IDLE: after a step raised part-way, or after a graph capture.
+
+        Waits for collectives in flight and drops their results (nothing of an unfinished step reaches the
+        main gradients), clears compute-parameter gradients and releases on-demand buffers.
+        """
         for p in self._pending:
             if p.work is not None:
                 p.work.wait()

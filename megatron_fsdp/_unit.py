@@ -269,6 +269,7 @@ class FSDPUnit:
                 f"{self.state.name}; a unit may run forward once per backward (no re-entrant or repeated "
                 "calls of one FSDP unit in a step; split the module into separate units instead)"
             )
+        eng.record("pre_forward", self)
         with torch.profiler.record_function(f"FSDP::pre_forward {self.name}"):
             self.unshard()
             self.wait_unshard()
@@ -280,6 +281,7 @@ class FSDPUnit:
                     nxt.unshard()
 
     def post_forward(self, *_: Any) -> None:
+        self.engine.record("post_forward", self)
         with torch.profiler.record_function(f"FSDP::post_forward {self.name}"):
             self.state = TrainingState.FORWARD_DONE
             self.reshard()
@@ -289,6 +291,7 @@ class FSDPUnit:
         if self.state is TrainingState.BACKWARD:
             return
         eng = self.engine
+        eng.record("pre_backward", self)
         with torch.profiler.record_function(f"FSDP::pre_backward {self.name}"):
             self.unshard()
             self.wait_unshard()
@@ -302,6 +305,7 @@ class FSDPUnit:
         """Reduce this unit's parameter gradients (if any) and reshard. Safe to call once per backward."""
         if self.state is TrainingState.IDLE:
             return
+        self.engine.record("post_backward", self)
         with torch.profiler.record_function(f"FSDP::post_backward {self.name}"):
             grads = [p.grad for p in self.params]
             if any(g is not None for g in grads):

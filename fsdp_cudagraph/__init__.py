@@ -1,0 +1,37 @@
+"""fsdp_cudagraph: per-layer (partial) CUDA graphs under the megatron_fsdp sharded data-parallel engine.
+
+The engine's communication lives in module hooks, which graph makers refuse. This package takes the hooks
+off the callables it captures, runs the engine's handlers around warmup and capture (never inside a
+graph), restores them exactly so that they fire around every replay, and checks before each replay that
+the parameters sit where they sat at capture. See :class:`PartialCudaGraphs` and :class:`CudaGraphConfig`.
+"""
+
+from ._capture import BACKENDS, CaptureReport, PartialCudaGraphs
+from ._hooks import extract_hooks, hooks_snapshot, restore_hooks
+from ._te import HAS_TE, TE_REASON, TE_VERSION
+from .config import (
+    CudaGraphConfig,
+    CudaGraphImpl,
+    CudaGraphModule,
+    InferenceCudaGraphScope,
+    add_cuda_graph_args,
+    config_from_args,
+)
+
+__all__ = [
+    "PartialCudaGraphs",
+    "CaptureReport",
+    "BACKENDS",
+    "CudaGraphConfig",
+    "CudaGraphImpl",
+    "CudaGraphModule",
+    "InferenceCudaGraphScope",
+    "add_cuda_graph_args",
+    "config_from_args",
+    "extract_hooks",
+    "restore_hooks",
+    "hooks_snapshot",
+    "HAS_TE",
+    "TE_REASON",
+    "TE_VERSION",
+]

@@ -1,0 +1,381 @@
+"""Partial (per-layer) CUDA graphs of modules that ``megatron_fsdp`` has wrapped.
+
+Lifecycle::
+
+    graphs = PartialCudaGraphs(fsdp_model, config)   # selects callables, starts recording sample args
+    for step in range(num_steps):
+        if step == config.cuda_graph_warmup_steps:
+            graphs.capture()                          # after real eager steps: shapes and state are known
+        loss = loss_fn(fsdp_model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
+    graphs.delete()                                   # back to eager, hooks as before capture
+
+Hazards (the rules that keep replay correct):
+- Replay reads parameters and writes outputs at the addresses of capture. ``megatron_fsdp`` guarantees
+  stable addresses only with ``fsdp_double_buffer`` and ``fsdp_db_use_persist_buf_on_alloc_fail``; before
+  every replay a forward-pre hook compares each graphed callable's parameter addresses (and its unit's
+  gradient buffer) with those recorded at capture and raises on any difference.
+- FSDP collectives never enter a graph: the engine's hooks are taken off the captured modules and run
+  around warmup and capture by the backend (TE's ``capture_time_hooks``), then restored, so at replay they
+  fire around the graph through ``nn.Module.__call__``. The engine raises if asked for a collective while
+  a capture is under way.
+- Inputs are copied into static buffers and outputs are static buffers overwritten by the next replay of
+  the same callable: do not keep a graphed callable's output across its next call.
+- Each graphed callable runs once per forward with the shapes of capture (the reference model's are
+  static); a graphed module in a different training/eval mode than at capture runs eagerly (TE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from megatron_fsdp import MegatronFSDP, simulated_capture
+from megatron_fsdp._unit import FSDPUnit
+
+from ._hooks import HOOK_KEYS, ExtractedHooks, _DICTS, extract_hooks, fsdp_handlers, restore_hooks
+from ._te import require_te
+from .config import CudaGraphConfig, CudaGraphImpl
+
+__all__ = ["PartialCudaGraphs", "CaptureReport", "BACKENDS"]
+
+logger = logging.getLogger(__name__)
+
+#: te: TransformerEngine make_graphed_callables; torch: torch.cuda.make_graphed_callables;
+#: protocol: the same warmup/capture schedule and hook calls without graphs (runs on CPU).
+BACKENDS = ("te", "torch", "protocol")
+
+
+@dataclass
+class CaptureReport:
+    """What a capture did."""
+
+    backend: str
+    callables: List[str]
+    capture_seconds: float
+    graph_memory_bytes: int
+    unknown_hooks: List[str] = field(default_factory=list)
+
+
+@dataclass
+class _Callable:
+    name: str
+    module: nn.Module
+    unit: Optional[FSDPUnit]
+    sample_args: Optional[Tuple[torch.Tensor, ...]] = None
+    sample_kwargs: Optional[Dict[str, torch.Tensor]] = None
+    extracted: Optional[ExtractedHooks] = None
+    plan: Dict[str, Dict[int, Any]] = field(default_factory=lambda: {k: {} for k in HOOK_KEYS})
+    param_ptrs: Tuple[int, ...] = ()
+    grad_ptr: Optional[int] = None
+    had_forward_attr: bool = False
+
+
+def _clone_sample(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone().requires_grad_(x.requires_grad)
+    return x
+
+
+class PartialCudaGraphs:
+    """Select, capture, check and delete per-layer CUDA graphs of a (``megatron_fsdp``-wrapped) model.
+
+    Args:
+        model: a :class:`megatron_fsdp.MegatronFSDP` (or a plain module, without FSDP).
+        config: the :class:`CudaGraphConfig`; ``cuda_graph_modules`` picks submodules by their
+            ``cuda_graph_module`` tag (empty: the FSDP units, i.e. whole layers), or
+            ``cuda_graph_module_patterns`` picks them by qualified-name glob or class name.
+        backend: ``te``, ``torch`` or ``protocol``; default from ``config.cuda_graph_impl``
+            (``transformer_engine`` -> te, ``local`` -> torch).
+    """
+
+    def __init__(self, model: nn.Module, config: CudaGraphConfig, *, backend: Optional[str] = None) -> None:
+        self.config = config
+        self.engine = model if isinstance(model, MegatronFSDP) else None
+        self.root = model.module if isinstance(model, MegatronFSDP) else model
+        if backend is None:
+            backend = config.backend
+        if backend not in BACKENDS:
+            raise ValueError(
+                f"backend={backend!r} is not one of {BACKENDS}; with backend=None set cuda_graph_impl to "
+                "'transformer_engine' or 'local'"
+            )
+        self.backend = backend
+        if self.engine is not None and not (
+            self.engine.fsdp_double_buffer and self.engine.fsdp_db_use_persist_buf_on_alloc_fail
+        ):
+            raise ValueError(
+                f"partial CUDA graphs under megatron_fsdp need fsdp_double_buffer=True and "
+                f"fsdp_db_use_persist_buf_on_alloc_fail=True (the model has {self.engine.fsdp_double_buffer} and "
+                f"{self.engine.fsdp_db_use_persist_buf_on_alloc_fail}): replay needs parameters at fixed "
+                "addresses; pass both to fully_shard"
+            )
+        self.callables = self._select()
+        self._order: List[_Callable] = []
+        self._recorders = [
+            c.module.register_forward_pre_hook(self._recorder(c), with_kwargs=True) for c in self.callables
+        ]
+        self._checks: List[Any] = []
+        self.captured = False
+        self.report: Optional[CaptureReport] = None
+
+    # ------------------------------------------------------------------ selection
+    def _select(self) -> List[_Callable]:
+        cfg = self.config
+        named = list(self.root.named_modules())
+        if cfg.cuda_graph_module_patterns:
+            pats = list(cfg.cuda_graph_module_patterns)
+            chosen = [(n, m) for n, m in named if n and any(fnmatch.fnmatchcase(n, p) or type(m).__name__ == p for p in pats)]
+            if not chosen:
+                raise ValueError(f"cuda_graph_module_patterns={pats} match no submodule; patterns are globs over qualified names (e.g. 'layers.*.attn') or class names")
+        elif not cfg.cuda_graph_modules:
+            if self.engine is None:
+                raise ValueError("cuda_graph_modules=[] (whole layers) needs a megatron_fsdp model whose units are the layers, or cuda_graph_module_patterns")
+            unit_ids = {id(u.module) for u in self.engine.units}
+            chosen = [(n, m) for n, m in named if id(m) in unit_ids]
+        else:
+            wanted = {getattr(v, "value", v) for v in cfg.cuda_graph_modules}
+            chosen = [(n, m) for n, m in named if getattr(type(m), "cuda_graph_module", None) in wanted]
+            found = {getattr(type(m), "cuda_graph_module", None) for _, m in chosen}
+            missing = sorted(wanted - found)
+            if missing:
+                tags = sorted({t for _, m in named if (t := getattr(type(m), "cuda_graph_module", None))})
+                raise ValueError(
+                    f"cuda_graph_modules includes {missing} but no submodule of {type(self.root).__name__} is tagged "
+                    f"so (tags present: {tags}); drop them, or set `cuda_graph_module` on the classes to graph"
+                )
+        names = [n for n, _ in chosen]
+        for a in names:
+            for b in names:
+                if a != b and b.startswith(a + "."):
+                    raise ValueError(f"selected callables {a!r} and {b!r} are nested; graph one or the other")
+        out = []
+        for n, m in chosen:
+            unit = self.engine.unit_of(m) if self.engine is not None else None
+            out.append(_Callable(name=n, module=m, unit=unit))
+        return out
+
+    def _recorder(self, c: _Callable):
+        def record(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+            bad = [type(a).__name__ for a in list(args) + list(kwargs.values()) if not isinstance(a, torch.Tensor)]
+            if bad:
+                raise TypeError(
+                    f"graphed callable {c.name} was called with non-tensor arguments ({bad}); graphs take tensors "
+                    "only: bind constants in the module, or select another scope"
+                )
+            if c not in self._order:
+                self._order.append(c)
+            c.sample_args = tuple(_clone_sample(a) for a in args)
+            c.sample_kwargs = {k: _clone_sample(v) for k, v in kwargs.items()}
+
+        return record
+
+    # ------------------------------------------------------------------ capture
+    def capture(self) -> CaptureReport:
+        """Capture every selected callable (after at least one eager step). Restores hooks on failure."""
+        if self.captured:
+            raise RuntimeError("capture() was already called; call delete() first to capture again")
+        if self.backend != "protocol":
+            self.config.check_runtime()
+        not_run = [c.name for c in self.callables if c.sample_args is None]
+        if not_run:
+            raise RuntimeError(
+                f"callables {not_run[:5]} did not run in an eager step before capture, so their sample args are "
+                "unknown; run at least one eager training step (cuda_graph_warmup_steps >= 1) before capture()"
+            )
+        if self.backend == "torch" and any(c.sample_kwargs for c in self.callables):
+            raise NotImplementedError("torch.cuda.make_graphed_callables takes positional tensors only; use the te backend for callables called with keyword arguments")
+        for h in self._recorders:
+            h.remove()
+        self._recorders = []
+        order = self._order + [c for c in self.callables if c not in self._order]
+        if self.engine is not None:
+            self.engine.reset_step_state()
+        for c in order:
+            c.had_forward_attr = "forward" in c.module.__dict__
+        mem0 = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        t0 = time.perf_counter()
+        try:
+            for c in order:
+                c.extracted = extract_hooks(c.module)
+            self._plan(order)
+            runner = {"te": self._capture_te, "torch": self._capture_torch, "protocol": self._capture_protocol}[self.backend]
+            runner(order)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        except BaseException:
+            for c in order:
+                if not c.had_forward_attr:
+                    c.module.__dict__.pop("forward", None)
+                for attr in ("reset", "backward_dw"):
+                    c.module.__dict__.pop(attr, None)
+            raise
+        finally:
+            for c in order:
+                if c.extracted is not None:
+                    restore_hooks(c.extracted)
+            if self.engine is not None:
+                self.engine.reset_step_state()
+        seconds = time.perf_counter() - t0
+        unknown = [f"{c.name}.{d}[{hid}]={getattr(h, '__qualname__', repr(h))}" for c in order for d, hid, h in c.extracted.unknown]
+        if unknown:
+            logger.warning("fsdp_cudagraph: hooks kept but not run at capture time (they fire around replays): %s", unknown)
+        for c in order:
+            c.param_ptrs = tuple(p.data_ptr() for p in c.module.parameters())
+            gb = c.unit.grad_buffer if c.unit is not None else None
+            c.grad_ptr = gb.tensor.data_ptr() if gb is not None and gb.kind != "dynamic" else None
+            self._checks.append(c.module.register_forward_pre_hook(self._address_check(c)))
+        self._order = order
+        self.captured = True
+        mem = (torch.cuda.memory_allocated() - mem0) if torch.cuda.is_available() else 0
+        self.report = CaptureReport(self.backend, [c.name for c in order], seconds, mem, unknown)
+        return self.report
+
+    def _plan(self, order: List[_Callable]) -> None:
+        """Compose each callable's capture-time hooks from its own hooks and its unit's FSDP handlers."""
+        by_unit: Dict[int, List[_Callable]] = {}
+        for c in order:
+            c.plan = {k: dict(v) for k, v in c.extracted.capture_time.items()}
+            if c.unit is not None and c.module is not c.unit.module:
+                by_unit.setdefault(id(c.unit), []).append(c)
+        for group in by_unit.values():
+            unit = group[0].unit
+            live = {name: getattr(unit.module, name) for name in _DICTS}
+            plan, _, _ = fsdp_handlers(live)
+            first, last = group[0], group[-1]
+            # [Note: one unit, several callables] The unit unshards before its first callable's forward
+            # and reshards after its last; backward runs in reverse, so it unshards before the last
+            # callable's backward and reduces after the first's. Each handler runs once per pass.
+            first.plan["forward_pre_hooks"].update(plan["forward_pre_hooks"])
+            last.plan["forward_hooks"].update(plan["forward_hooks"])
+            last.plan["backward_pre_hooks"].update(plan["backward_pre_hooks"])
+            first.plan["backward_hooks"].update(plan["backward_hooks"])
+
+    def _capture_te(self, order: List[_Callable]) -> None:
+        te = require_te("cuda_graph_impl='transformer_engine'")
+        te.make_graphed_callables(
+            tuple(c.module for c in order),
+            tuple(c.sample_args for c in order),
+            num_warmup_iters=self.config.cuda_graph_num_warmup_iters,
+            allow_unused_input=True,
+            sample_kwargs=tuple(c.sample_kwargs for c in order),
+            capture_time_hooks=[c.plan for c in order],
+        )
+
+    def _capture_torch(self, order: List[_Callable]) -> None:
+        # torch's graph maker takes no capture-time hooks and warms up and captures in one call, so run
+        # one call per FSDP unit with that unit's handlers around it: unsharded before, reduced after.
+        groups: List[List[_Callable]] = []
+        for c in order:
+            if groups and c.unit is not None and groups[-1][0].unit is c.unit:
+                groups[-1].append(c)
+            else:
+                groups.append([c])
+        for group in groups:
+            for key in ("forward_pre_hooks", "backward_pre_hooks"):
+                for c in group:
+                    _run(c.plan[key], c.module)
+            torch.cuda.make_graphed_callables(
+                tuple(c.module for c in group),
+                tuple(c.sample_args for c in group),
+                num_warmup_iters=self.config.cuda_graph_num_warmup_iters,
+                allow_unused_input=True,
+            )
+            for key in ("forward_hooks", "backward_hooks"):
+                for c in group:
+                    _run(c.plan[key], c.module)
+
+    def _capture_protocol(self, order: List[_Callable]) -> None:
+        # TE's schedule: per warmup iteration all forwards in order then all backwards in reverse, then the
+        # capture pass the same way, each pass inside the (simulated) capture context and every hook outside.
+        for it in range(self.config.cuda_graph_num_warmup_iters + 1):
+            capturing = it == self.config.cuda_graph_num_warmup_iters
+            outs = []
+            for c in order:
+                _run(c.plan["forward_pre_hooks"], c.module)
+                with simulated_capture() if capturing else contextlib.nullcontext():
+                    outs.append(c.module(*c.sample_args, **c.sample_kwargs))
+                _run(c.plan["forward_hooks"], c.module)
+            for c, out in zip(reversed(order), reversed(outs)):
+                _run(c.plan["backward_pre_hooks"], c.module)
+                with simulated_capture() if capturing else contextlib.nullcontext():
+                    _grads(c, out)
+                _run(c.plan["backward_hooks"], c.module)
+        for c in order:
+            c.module.forward = _ProtocolReplay(c.module)
+
+    def _address_check(self, c: _Callable):
+        rank = self.engine.rank if self.engine is not None else 0
+
+        def check(module: nn.Module, args: Tuple[Any, ...]) -> None:
+            for (pname, p), ptr in zip(module.named_parameters(), c.param_ptrs):
+                if p.data_ptr() != ptr:
+                    raise RuntimeError(
+                        f"[rank {rank}] fsdp_cudagraph: graphed callable {c.name} (unit {c.unit.name if c.unit else '-'}) "
+                        f"would replay with parameter {pname} at {p.data_ptr():#x}, but it was captured at {ptr:#x}; "
+                        "replay would read stale memory. Keep fsdp_double_buffer and "
+                        "fsdp_db_use_persist_buf_on_alloc_fail on, and do not reassign parameters after capture "
+                        "(or delete() and capture again)"
+                    )
+            if c.grad_ptr is not None and c.unit.grad_buffer.tensor.data_ptr() != c.grad_ptr:
+                raise RuntimeError(
+                    f"[rank {rank}] fsdp_cudagraph: the gradient buffer of unit {c.unit.name} moved from {c.grad_ptr:#x} "
+                    f"(capture) to {c.unit.grad_buffer.tensor.data_ptr():#x}; delete() and capture again"
+                )
+
+        return check
+
+    # ------------------------------------------------------------------ delete
+    def delete(self) -> None:
+        """Reset the graphs, give their memory back and return the modules to eager (hooks as before)."""
+        for h in self._checks + self._recorders:
+            h.remove()
+        self._checks, self._recorders = [], []
+        for c in self._order:
+            reset = c.module.__dict__.get("reset")
+            if callable(reset):
+                reset()
+            for attr in ("forward", "reset", "backward_dw"):
+                if attr != "forward" or not c.had_forward_attr:
+                    c.module.__dict__.pop(attr, None)
+            c.sample_args, c.sample_kwargs = None, None
+        self.captured = False
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+class _ProtocolReplay:
+    """The protocol backend's 'graph': the module's own forward, counted, reached through ``__call__``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.forward = type(module).forward.__get__(module)
+        self.replays = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.replays += 1
+        return self.forward(*args, **kwargs)
+
+    def reset(self) -> None:
+        self.replays = 0
+
+
+def _run(hooks: Dict[int, Any], module: nn.Module) -> None:
+    for fn in hooks.values():
+        if fn(module) is not None:
+            raise RuntimeError("capture-time hooks must return None")
+
+
+def _grads(c: _Callable, out: Any) -> None:
+    outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor) and o.requires_grad]
+    inputs = [a for a in list(c.sample_args) + list(c.sample_kwargs.values()) if a.requires_grad]
+    inputs += [p for p in c.module.parameters() if p.requires_grad]
+    if outs and inputs:
+        torch.autograd.grad(outs, inputs, grad_outputs=[torch.ones_like(o) for o in outs], allow_unused=True)
