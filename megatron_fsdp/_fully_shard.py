@@ -203,6 +203,15 @@ class MegatronFSDP(nn.Module):
             self._check_params(name, names, ps)
             if ps:
                 self.units.append(FSDPUnit(engine=self, name=name, module=m, names=names, params=ps, index=len(self.units), is_root=False))
+        for pn, p in self.module.named_parameters(remove_duplicate=False):
+            # A unit parameter also reachable outside that unit (tied to the root, e.g. a norm or a head) would
+            # be read through the unit's buffer while the unit is resharded.
+            owner = owner_of.get(id(p))
+            if owner is not None and not pn.startswith(f"{owner}."):
+                raise ValueError(
+                    f"parameter {pn} is shared with unit {owner}, outside that unit; a parameter can live in one "
+                    "FSDP unit only: untie it, or keep both users outside the units (in the root)"
+                )
         root_names, root_params = [], []
         for pn, p in self.module.named_parameters():
             if id(p) not in owner_of:

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv and install the package with its test extras. On a machine without torch it
-# installs torch==2.13.0, the CPU build (the workplace's disk holds it; an unpinned torch would pull a
-# multi-GB CUDA build). Where python3 already has torch (a GPU machine), the venv sees that torch instead.
-set -euo pipefail
-cd "$(dirname "$0")/.."
+# Sourced by test.sh and demo.sh: sets PY to a Python that has torch and this package.
+# - python3 already has torch (a GPU machine): use it, install this package editable without deps
+#   (falls back to PYTHONPATH where pip cannot build offline).
+# - otherwise (a fresh CPU machine): make .venv, install torch==2.13.0 (the CPU build on this
+#   workplace's disk; an unpinned torch would pull a multi-GB CUDA build), then this package with [dev].
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if python3 -c "import torch" 2>/dev/null; then
-  [ -d .venv ] || python3 -m venv --system-site-packages .venv
-  .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || .venv/bin/python -m pip install -q --no-deps -e .
-  .venv/bin/python -c "import pytest" 2>/dev/null || .venv/bin/python -m pip install -q pytest || true
+  PY=python3
+  $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  $PY -c "import pytest" 2>/dev/null || $PY -m pip install -q pytest || echo "pytest is missing and could not be installed"
 else
-  [ -d .venv ] || python3 -m venv .venv
-  .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[dev]"
+  [ -x .venv/bin/python ] || python3 -m venv .venv
+  PY=.venv/bin/python
+  $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==2.13.0"
+  $PY -m pip install -q -e ".[dev]"
 fi
+export PY

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's test command: set up, then run the whole suite (GPU/TE tests skip with their reason).
+# The README's test command: set up, then run the suite. Extra arguments go to pytest (e.g. -m gpu).
+# On a CPU machine GPU and TE tests skip with their reason.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+source "$(dirname "$0")/setup.sh"
+exec $PY -m pytest "$@"

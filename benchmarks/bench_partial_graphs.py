@@ -1,0 +1,165 @@
+"""What partial CUDA graphs buy under megatron_fsdp: eager vs graphed, side by side in one run.
+
+Suites (each trains the reference GPT eagerly and with graphs, same seeds, same process):
+  launch   8 TE layers, hidden 1024, seq 512, micro-batch 2, Adam: the launch-bound case, every scope
+  compute  4 TE layers, hidden 4096, seq 2048, micro-batch 1: the compute-bound case, with MFU against the
+           measured bf16 matmul peak of the device
+  overlap  eager only, prefetch on vs off: how much of the communication the engine hides
+  scaling  step and capture time against number of layers (2..32) and sequence length (256..2048)
+
+Run on 2 GPUs (1 GPU works too)::
+
+    torchrun --nproc-per-node 2 benchmarks/bench_partial_graphs.py --suite launch compute overlap scaling \
+        --out benchmarks/results/partial_graphs.json
+
+Reports median step time over the steps after ``--skip`` (capture happens at step 3), tokens/s over the
+whole data-parallel group, peak memory, capture time and the memory the graphs hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from fsdp_cudagraph._te import HAS_TE  # noqa: E402
+from fsdp_cudagraph.align import versions  # noqa: E402
+from fsdp_cudagraph.model import GPTConfig  # noqa: E402
+from fsdp_cudagraph.train import RunSpec, run_training  # noqa: E402
+
+
+def matmul_peak_tflops(device: torch.device) -> float:
+    """Measured bf16 matmul rate (8192^3, random data, median of 10 after warmup)."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return 2 * 8192**3 / (statistics.median(times) * 1e-3) / 1e12
+
+
+def model_flops_per_step(cfg: GPTConfig, tokens: int) -> float:
+    """6 * params * tokens for the matmuls plus attention (12 * layers * seq * hidden per token, causal /2)."""
+    h, f, L, s = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.seq_len
+    per_layer = 4 * h * h + 2 * h * f
+    dense = 6 * tokens * (L * per_layer + h * cfg.vocab_size)
+    attn = 6 * tokens * L * s * h  # 12*L*s*h forward+backward, halved by the causal mask
+    return float(dense + attn)
+
+
+def measure(spec: RunSpec, device: torch.device, skip: int) -> Dict[str, Any]:
+    torch.cuda.reset_peak_memory_stats(device)
+    r = run_training(spec, device)
+    ms = statistics.median(r.step_ms[skip:])
+    world = dist.get_world_size()
+    tokens = spec.micro_batch_size * spec.model.seq_len * spec.grad_accum * world
+    out = {
+        "step_ms": ms,
+        "step_ms_all": r.step_ms,
+        "tokens_per_s": tokens / (ms * 1e-3),
+        "peak_memory_gib": r.peak_memory_bytes / 2**30,
+        "losses": [float(x) for x in r.losses],
+    }
+    if r.capture is not None:
+        out.update(capture_seconds=r.capture.capture_seconds, graph_memory_gib=r.capture.graph_memory_bytes / 2**30,
+                   num_graphed_callables=len(r.capture.callables))
+    return out
+
+
+def pair(cfg: GPTConfig, *, scopes: List[Optional[List[str]]], args: argparse.Namespace, device: torch.device,
+         label: str, mbs: int, prefetch: bool = True) -> List[Dict[str, Any]]:
+    rows = []
+    for scope in scopes:
+        spec = RunSpec(model=cfg, steps=args.steps, micro_batch_size=mbs, backend=args.backend,
+                       cuda_graph_modules=scope, capture_step=3, prefetch=prefetch, lr=1e-4)
+        m = measure(spec, device, args.skip)
+        m.update(label=label, scope=scope, prefetch=prefetch, layers=cfg.num_layers, seq=cfg.seq_len,
+                 hidden=cfg.hidden_size)
+        rows.append(m)
+        if dist.get_rank() == 0:
+            name = "eager" if scope is None else f"graphed {scope}"
+            print(f"  {label:10s} L={cfg.num_layers:2d} s={cfg.seq_len:4d} {name:28s} prefetch={prefetch!s:5s} "
+                  f"{m['step_ms']:8.2f} ms  {m['tokens_per_s']:10.0f} tok/s  peak {m['peak_memory_gib']:.2f} GiB"
+                  + (f"  capture {m['capture_seconds']:.2f} s" if 'capture_seconds' in m else ""), flush=True)
+    base = rows[0]["step_ms"]
+    for r in rows:
+        r["ratio_to_eager"] = r["step_ms"] / base
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", nargs="+", default=["launch"], choices=["launch", "compute", "overlap", "scaling"])
+    p.add_argument("--backend", default="te" if HAS_TE else "torch", choices=["te", "torch"])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--skip", type=int, default=10, help="steps left out of the median (capture is at step 3)")
+    p.add_argument("--out", default="benchmarks/results/partial_graphs.json")
+    args = p.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29513")
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    device = torch.device("cuda", local)
+    use_te = args.backend == "te"
+    result: Dict[str, Any] = {"command": " ".join(sys.argv), "world_size": dist.get_world_size(),
+                              "versions": versions(), "backend": args.backend, "suites": {}}
+    t0 = time.time()
+    if "launch" in args.suite:
+        cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=8, num_heads=16, seq_len=512, use_te=use_te)
+        result["suites"]["launch"] = pair(cfg, scopes=[None, [], ["attn"], ["mlp"], ["attn", "mlp"]], args=args,
+                                          device=device, label="launch", mbs=2)
+    if "compute" in args.suite:
+        cfg = GPTConfig(vocab_size=1024, hidden_size=4096, num_layers=4, num_heads=32, seq_len=2048, use_te=use_te)
+        rows = pair(cfg, scopes=[None, []], args=args, device=device, label="compute", mbs=1)
+        peak = matmul_peak_tflops(device)
+        for r in rows:
+            tokens = 1 * cfg.seq_len
+            r["mfu"] = model_flops_per_step(cfg, tokens) / (r["step_ms"] * 1e-3) / (peak * 1e12)
+            r["matmul_peak_tflops"] = peak
+        result["suites"]["compute"] = rows
+    if "overlap" in args.suite:
+        cfg = GPTConfig(vocab_size=1024, hidden_size=4096, num_layers=4, num_heads=32, seq_len=2048, use_te=use_te)
+        rows = []
+        for prefetch in (True, False):
+            rows += pair(cfg, scopes=[None], args=args, device=device, label="overlap", mbs=1, prefetch=prefetch)
+        rows[1]["ratio_to_prefetch"] = rows[1]["step_ms"] / rows[0]["step_ms"]
+        result["suites"]["overlap"] = rows
+    if "scaling" in args.suite:
+        rows = []
+        for L in (2, 4, 8, 16, 32):
+            cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=L, num_heads=16, seq_len=512, use_te=use_te)
+            rows += pair(cfg, scopes=[None, []], args=args, device=device, label="layers", mbs=2)
+        for s in (256, 1024, 2048):
+            cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=8, num_heads=16, seq_len=s, use_te=use_te)
+            rows += pair(cfg, scopes=[None, []], args=args, device=device, label="seq", mbs=2)
+        result["suites"]["scaling"] = rows
+    result["seconds"] = time.time() - t0
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.out} ({result['seconds']:.0f} s)")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

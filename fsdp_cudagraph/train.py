@@ -1,0 +1,135 @@
+"""One training loop for the demo, the alignment suite and the benchmarks: eager or with partial graphs.
+
+The loop is what a user's loop looks like: build the reference GPT, shard it with ``megatron_fsdp``, train
+with Adam on synthetic data, optionally capture partial graphs before step ``capture_step``. Each rank
+trains on its slice of the same global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_fsdp import MegatronFSDP, fully_shard
+
+from ._capture import CaptureReport, PartialCudaGraphs
+from .config import CudaGraphConfig
+from .model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
+
+__all__ = ["RunSpec", "RunResult", "build_model", "run_training"]
+
+
+@dataclasses.dataclass
+class RunSpec:
+    """One training run. ``cuda_graph_modules=None`` means eager; a list means graphed with that scope."""
+
+    model: GPTConfig
+    steps: int = 20
+    micro_batch_size: int = 2
+    grad_accum: int = 1
+    sharding_strategy: str = "optim_grads_params"
+    compute_dtype: torch.dtype = torch.bfloat16
+    cuda_graph_modules: Optional[Sequence[str]] = None
+    backend: str = "te"
+    capture_step: int = 3
+    side_stream: bool = True
+    lr: float = 1e-3
+    seed: int = 1234
+    prefetch: bool = True
+    #: Perturb the data of this step (flip one token): a negative control for the comparison itself.
+    perturb_step: Optional[int] = None
+
+
+@dataclasses.dataclass
+class RunResult:
+    losses: List[torch.Tensor]
+    step_ms: List[float]
+    peak_memory_bytes: int
+    capture: Optional[CaptureReport]
+    final_state: Dict[str, torch.Tensor]
+
+
+def build_model(spec: RunSpec, device: torch.device) -> MegatronFSDP:
+    torch.manual_seed(spec.seed)
+    model = GPT(spec.model).to(device)
+    return fully_shard(
+        model,
+        fsdp_unit_modules=[TransformerBlock],
+        sharding_strategy=spec.sharding_strategy,
+        compute_dtype=spec.compute_dtype,
+        fsdp_double_buffer=True,
+        fsdp_db_use_persist_buf_on_alloc_fail=True,
+        prefetch=spec.prefetch,
+    )
+
+
+def _impl_for(backend: str) -> str:
+    return {"te": "transformer_engine", "torch": "local", "protocol": "local"}[backend]
+
+
+def run_training(spec: RunSpec, device: torch.device) -> RunResult:
+    """Train per ``spec``; return per-step losses (this rank's, as tensors), times and the final state."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(spec, device)
+    opt = torch.optim.Adam(model.optimizer_parameters(), lr=spec.lr)
+    graphs = None
+    if spec.cuda_graph_modules is not None:
+        gcfg = CudaGraphConfig(
+            cuda_graph_impl=_impl_for(spec.backend),
+            cuda_graph_modules=list(spec.cuda_graph_modules),
+            cuda_graph_warmup_steps=spec.capture_step,
+            use_megatron_fsdp=True,
+            fsdp_double_buffer=True,
+            fsdp_db_use_persist_buf_on_alloc_fail=True,
+        )
+        graphs = PartialCudaGraphs(model, gcfg, backend=spec.backend)
+    cuda = device.type == "cuda"
+    stream = torch.cuda.Stream(device) if cuda and spec.side_stream else None
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(device))
+    losses: List[torch.Tensor] = []
+    host_ms: List[float] = []
+    events: List[Any] = []
+    report = None
+    per_rank = spec.micro_batch_size
+    ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    with ctx:
+        for step in range(spec.steps):
+            if graphs is not None and step == spec.capture_step:
+                report = graphs.capture()
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            step_loss = torch.zeros((), device=device)
+            for mb in range(spec.grad_accum):
+                x, y = synthetic_batch(step * spec.grad_accum + mb, per_rank * world, spec.model, device, seed=spec.seed)
+                x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+                if spec.perturb_step == step:
+                    x = x.clone()
+                    x[0, 0] = (x[0, 0] + 1) % spec.model.vocab_size
+                loss = loss_fn(model(x), y) / spec.grad_accum
+                loss.backward()
+                step_loss += loss.detach()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(step_loss)
+            if cuda:
+                end.record()
+                events.append((start, end))  # read after the loop: no host sync per step
+            host_ms.append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.synchronize(device)
+        ms = [s.elapsed_time(e) for s, e in events]
+    else:
+        ms = host_ms
+    peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    state = model.full_state_dict()
+    if graphs is not None:
+        graphs.delete()
+    return RunResult(losses, ms, peak, report, state)

@@ -1,0 +1,74 @@
+"""GPU tests: bit-exact alignment of eager and graphed training, and the engine on NCCL.
+
+They launch the same entry points a user runs (``python -m fsdp_cudagraph.align``, torchrun for 2 GPUs)
+and check their verdicts. Skipped without CUDA (and the TE rows of the matrix without TE, inside align).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fsdp_cudagraph._te import HAS_TE, TE_REASON
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_GPU = "needs a CUDA GPU: CUDA graphs and NCCL only exist there (this machine has torch.cuda.is_available() == False)"
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=ROOT, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1")
+    return env
+
+
+def _align(tmp_path, nproc: int, backends: list) -> dict:
+    out = tmp_path / f"align-{nproc}.json"
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "fsdp_cudagraph.align"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "fsdp_cudagraph.align"]
+    cmd += ["--backends", *backends, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.gpu
+def test_alignment_torch_backend_1gpu(tmp_path):
+    res = _align(tmp_path, 1, ["torch"])
+    assert res["all_ok"] and all(r["equal"] for r in res["rows"]) and len(res["rows"]) == 13
+    assert all(c["caught"] for c in res["controls"])
+
+
+@pytest.mark.gpu
+@pytest.mark.te
+@pytest.mark.skipif(not HAS_TE, reason=TE_REASON or "TE present")
+def test_alignment_te_backend_1gpu(tmp_path):
+    res = _align(tmp_path, 1, ["te"])
+    assert res["all_ok"] and len(res["rows"]) == 13
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_alignment_2gpu(tmp_path):
+    res = _align(tmp_path, 2, ["te", "torch"] if HAS_TE else ["torch"])
+    assert res["all_ok"] and res["world_size"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_engine_parity_nccl_2gpu(tmp_path):
+    out = tmp_path / "parity.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(ROOT, "tests", "gpu_engine_parity.py"), str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    bad = {k: v["max_rel_loss_diff"] for k, v in res.items() if k != "reference" and not v["ok"]}
+    assert not bad, bad
