@@ -76,6 +76,9 @@ class _Callable:
     param_ptrs: Tuple[int, ...] = ()
     grad_ptr: Optional[int] = None
     had_forward_attr: bool = False
+    #: The module's own instance-level ``forward`` before capture (when ``had_forward_attr``): graph makers
+    #: replace it, and delete() or a failed capture must put it back.
+    own_forward: Any = None
 
 
 def _clone_sample(x: Any) -> Any:
@@ -200,6 +203,7 @@ class PartialCudaGraphs:
             self.engine.reset_step_state()
         for c in order:
             c.had_forward_attr = "forward" in c.module.__dict__
+            c.own_forward = c.module.__dict__.get("forward")
         mem0 = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         t0 = time.perf_counter()
         try:
@@ -212,8 +216,7 @@ class PartialCudaGraphs:
                 torch.cuda.synchronize()
         except BaseException:
             for c in order:
-                if not c.had_forward_attr:
-                    c.module.__dict__.pop("forward", None)
+                _restore_forward(c)
                 for attr in ("reset", "backward_dw"):
                     c.module.__dict__.pop(attr, None)
             raise
@@ -339,11 +342,12 @@ class PartialCudaGraphs:
             h.remove()
         self._checks, self._recorders = [], []
         for c in self._order:
-            reset = c.module.__dict__.get("reset")
-            if callable(reset):
-                reset()
-            for attr in ("forward", "reset", "backward_dw"):
-                if attr != "forward" or not c.had_forward_attr:
+            if self.captured:  # else the modules are untouched (never captured, or the capture undid itself)
+                reset = c.module.__dict__.get("reset")
+                if callable(reset):
+                    reset()
+                _restore_forward(c)
+                for attr in ("reset", "backward_dw"):
                     c.module.__dict__.pop(attr, None)
             c.sample_args, c.sample_kwargs = None, None
         self.captured = False
@@ -356,7 +360,8 @@ class _ProtocolReplay:
     """The protocol backend's 'graph': the module's own forward, counted, reached through ``__call__``."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.forward = type(module).forward.__get__(module)
+        # What the graph makers capture: the module's forward as it stands (an instance override included).
+        self.forward = module.forward
         self.replays = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -365,6 +370,14 @@ class _ProtocolReplay:
 
     def reset(self) -> None:
         self.replays = 0
+
+
+def _restore_forward(c: _Callable) -> None:
+    """Undo a graph maker's ``forward`` replacement: back to the module's own override, or to the class's."""
+    if c.had_forward_attr:
+        c.module.__dict__["forward"] = c.own_forward
+    else:
+        c.module.__dict__.pop("forward", None)
 
 
 def _run(hooks: Dict[int, Any], module: nn.Module) -> None:

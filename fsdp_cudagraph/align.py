@@ -169,10 +169,12 @@ def negative_controls(device: torch.device, backend: str) -> List[Dict[str, Any]
 
 
 def versions() -> Dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:  # noqa: BLE001 - a tarball has no git
-        commit = "unknown"
+    commit = os.environ.get("GIT_COMMIT")  # a copy of the tree without .git (e.g. a GPU machine) passes it in
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        except Exception:  # noqa: BLE001 - a tarball has no git
+            commit = "unknown"
     return {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

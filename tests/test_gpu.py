@@ -33,8 +33,18 @@ def _align(tmp_path, nproc: int, backends: list) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "fsdp_cudagraph.align"]
     cmd += ["--backends", *backends, "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    _keep(out, f"align-{nproc}gpu-{'-'.join(backends)}.json")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+def _keep(path, name: str) -> None:
+    """Copy a result file to $FSDP_CUDAGRAPH_RESULTS (when set) so a GPU run can be recorded."""
+    dest = os.environ.get("FSDP_CUDAGRAPH_RESULTS")
+    if dest and os.path.exists(path):
+        os.makedirs(dest, exist_ok=True)
+        with open(path) as src, open(os.path.join(dest, name), "w") as dst:
+            dst.write(src.read())
 
 
 @pytest.mark.gpu
@@ -68,6 +78,7 @@ def test_engine_parity_nccl_2gpu(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            os.path.join(ROOT, "tests", "gpu_engine_parity.py"), str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    _keep(out, "engine-parity-2gpu.json")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
     bad = {k: v["max_rel_loss_diff"] for k, v in res.items() if k != "reference" and not v["ok"]}
