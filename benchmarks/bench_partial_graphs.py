@@ -111,6 +111,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--skip", type=int, default=10, help="steps left out of the median (capture is at step 3)")
     p.add_argument("--out", default="benchmarks/results/partial_graphs.json")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile steps 15.. of the launch-bound model, eager and graphed (whole layers)")
     args = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -151,6 +153,17 @@ def main() -> int:
             cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=8, num_heads=16, seq_len=s, use_te=use_te)
             rows += pair(cfg, scopes=[None, []], args=args, device=device, label="seq", mbs=2)
         result["suites"]["scaling"] = rows
+    if args.profile:
+        cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=8, num_heads=16, seq_len=512, use_te=use_te)
+        result["profiles"] = {}
+        for scope in (None, []):
+            spec = RunSpec(model=cfg, steps=20, micro_batch_size=2, backend=args.backend, cuda_graph_modules=scope,
+                           capture_step=3, lr=1e-4)
+            r = run_training(spec, device, profile_from=15)
+            key = "eager" if scope is None else "graphed"
+            result["profiles"][key] = r.profile
+            if dist.get_rank() == 0:
+                print(f"--- profile, {key}, 5 steps ---\n{r.profile}", flush=True)
     result["seconds"] = time.time() - t0
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

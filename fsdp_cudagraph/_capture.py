@@ -73,6 +73,7 @@ class _Callable:
     sample_kwargs: Optional[Dict[str, torch.Tensor]] = None
     extracted: Optional[ExtractedHooks] = None
     plan: Dict[str, Dict[int, Any]] = field(default_factory=lambda: {k: {} for k in HOOK_KEYS})
+    params: Tuple[nn.Parameter, ...] = ()
     param_ptrs: Tuple[int, ...] = ()
     grad_ptr: Optional[int] = None
     had_forward_attr: bool = False
@@ -231,7 +232,8 @@ class PartialCudaGraphs:
         if unknown:
             logger.warning("fsdp_cudagraph: hooks kept but not run at capture time (they fire around replays): %s", unknown)
         for c in order:
-            c.param_ptrs = tuple(p.data_ptr() for p in c.module.parameters())
+            c.params = tuple(c.module.parameters())
+            c.param_ptrs = tuple(p.data_ptr() for p in c.params)
             gb = c.unit.grad_buffer if c.unit is not None else None
             c.grad_ptr = gb.tensor.data_ptr() if gb is not None and gb.kind != "dynamic" else None
             self._checks.append(c.module.register_forward_pre_hook(self._address_check(c)))
@@ -317,16 +319,20 @@ class PartialCudaGraphs:
     def _address_check(self, c: _Callable):
         rank = self.engine.rank if self.engine is not None else 0
 
+        data_ptr = torch.Tensor.data_ptr
+
         def check(module: nn.Module, args: Tuple[Any, ...]) -> None:
-            for (pname, p), ptr in zip(module.named_parameters(), c.param_ptrs):
-                if p.data_ptr() != ptr:
-                    raise RuntimeError(
-                        f"[rank {rank}] fsdp_cudagraph: graphed callable {c.name} (unit {c.unit.name if c.unit else '-'}) "
-                        f"would replay with parameter {pname} at {p.data_ptr():#x}, but it was captured at {ptr:#x}; "
-                        "replay would read stale memory. Keep fsdp_double_buffer and "
-                        "fsdp_db_use_persist_buf_on_alloc_fail on, and do not reassign parameters after capture "
-                        "(or delete() and capture again)"
-                    )
+            # The hot path is one tuple comparison per replay; names are looked up only to report.
+            if tuple(map(data_ptr, c.params)) != c.param_ptrs:
+                for (pname, p), ptr in zip(module.named_parameters(), c.param_ptrs):
+                    if p.data_ptr() != ptr:
+                        raise RuntimeError(
+                            f"[rank {rank}] fsdp_cudagraph: graphed callable {c.name} (unit "
+                            f"{c.unit.name if c.unit else '-'}) would replay with parameter {pname} at "
+                            f"{p.data_ptr():#x}, but it was captured at {ptr:#x}; replay would read stale memory. "
+                            "Keep fsdp_double_buffer and fsdp_db_use_persist_buf_on_alloc_fail on, and do not "
+                            "reassign parameters after capture (or delete() and capture again)"
+                        )
             if c.grad_ptr is not None and c.unit.grad_buffer.tensor.data_ptr() != c.grad_ptr:
                 raise RuntimeError(
                     f"[rank {rank}] fsdp_cudagraph: the gradient buffer of unit {c.unit.name} moved from {c.grad_ptr:#x} "

@@ -52,6 +52,8 @@ class RunResult:
     peak_memory_bytes: int
     capture: Optional[CaptureReport]
     final_state: Dict[str, torch.Tensor]
+    #: torch.profiler table of the profiled steps (see run_training's profile_from), else None.
+    profile: Optional[str] = None
 
 
 def build_model(spec: RunSpec, device: torch.device) -> MegatronFSDP:
@@ -72,8 +74,11 @@ def _impl_for(backend: str) -> str:
     return {"te": "transformer_engine", "torch": "local", "protocol": "local"}[backend]
 
 
-def run_training(spec: RunSpec, device: torch.device) -> RunResult:
-    """Train per ``spec``; return per-step losses (this rank's, as tensors), times and the final state."""
+def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[int] = None) -> RunResult:
+    """Train per ``spec``; return per-step losses (this rank's, as tensors), times and the final state.
+
+    ``profile_from``: run torch.profiler (CPU and CUDA) from that step to the end and return its table.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(spec, device)
     opt = torch.optim.Adam(model.optimizer_parameters(), lr=spec.lr)
@@ -102,6 +107,10 @@ def run_training(spec: RunSpec, device: torch.device) -> RunResult:
         for step in range(spec.steps):
             if graphs is not None and step == spec.capture_step:
                 report = graphs.capture()
+            if step == profile_from:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                              + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+                prof.start()
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -123,6 +132,10 @@ def run_training(spec: RunSpec, device: torch.device) -> RunResult:
                 end.record()
                 events.append((start, end))  # read after the loop: no host sync per step
             host_ms.append((time.perf_counter() - t0) * 1e3)
+    table = None
+    if profile_from is not None and profile_from < spec.steps:
+        prof.stop()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
     if cuda:
         torch.cuda.synchronize(device)
         ms = [s.elapsed_time(e) for s, e in events]
@@ -132,4 +145,4 @@ def run_training(spec: RunSpec, device: torch.device) -> RunResult:
     state = model.full_state_dict()
     if graphs is not None:
         graphs.delete()
-    return RunResult(losses, ms, peak, report, state)
+    return RunResult(losses, ms, peak, report, state, table)

@@ -150,7 +150,10 @@ class MegatronFSDP(nn.Module):
             )
         self.main_param_dtype = torch.float32
         self.main_grad_dtype = main_grad_dtype
-        self.compute_dtype = compute_dtype or params[0].dtype
+        # Default from a floating-point parameter: a stray integer parameter is then reported by name below,
+        # not as a compute_dtype the caller never passed.
+        first_float = next((p.dtype for p in params if p.dtype.is_floating_point), params[0].dtype)
+        self.compute_dtype = compute_dtype or first_float
         for what, dt in (("compute_dtype", self.compute_dtype), ("main_grad_dtype", main_grad_dtype)):
             if not dt.is_floating_point:
                 raise ValueError(f"{what}={dt} is not a floating-point dtype; pass e.g. torch.bfloat16 or torch.float32")
@@ -358,6 +361,9 @@ class MegatronFSDP(nn.Module):
 
     def _root_pre_forward(self) -> None:
         busy = [u.name for u in self.units if u.state in (TrainingState.FORWARD, TrainingState.BACKWARD)]
+        # Compute parameters hold gradients between steps only when a backward failed before their unit
+        # reduced them (e.g. the root's head, before any unit's backward ran); they must not reach this step.
+        busy += [u.name for u in self.all_units() if u.name not in busy and any(p.grad is not None for p in u.params)]
         if busy or self._pending:
             logger.warning(
                 "[rank %d] megatron_fsdp: the previous step did not finish (units %s mid-step); resetting",
@@ -398,8 +404,9 @@ class MegatronFSDP(nn.Module):
     def reset_step_state(self) -> None:
         """Bring every unit back to IDLE: after a step raised part-way, or after a graph capture.
 
-        Waits for collectives in flight and drops their results (nothing of an unfinished step reaches the
-        main gradients), clears compute-parameter gradients and releases on-demand buffers.
+        Waits for collectives in flight and drops their results, clears compute-parameter gradients and
+        releases on-demand buffers. Reductions that had already finished stay in the main gradients: call
+        ``optimizer.zero_grad()`` before the next step.
         """
         for p in self._pending:
             if p.work is not None:

@@ -8,7 +8,6 @@ parametrized tests share a job.
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
 from typing import Any, Dict, List, Tuple
@@ -198,7 +197,7 @@ def test_prefetch_off_gives_identical_training(case):
 NUM_ADDRESS_ITERS = 5
 
 
-def _capture_addresses(model: MegatronFSDP, gpt: GPT, cfg: GPTConfig, rank: int, world: int) -> List[Dict[str, Any]]:
+def _capture_addresses(model: MegatronFSDP, cfg: GPTConfig, rank: int, world: int) -> List[Dict[str, Any]]:
     """Train NUM_ADDRESS_ITERS steps recording, per iteration and unit, where its unsharded data lives.
 
     Forward: parameter pointers and unshard-buffer pointer seen by a pre-hook that runs after FSDP's
@@ -281,7 +280,7 @@ def _double_buffer_job(rank: int, world: int) -> Dict[str, Any]:
             slot_numel = max(u.numel for u in probe.units if not hasattr(u.module, "moe"))
         model = shard(gpt, sharding_strategy=strategy, fsdp_double_buffer=True,
                       fsdp_db_use_persist_buf_on_alloc_fail=True, fsdp_double_buffer_numel=slot_numel)
-        out[name] = dict(plan=_unit_plan(model), iters=_capture_addresses(model, gpt, cfg, rank, world),
+        out[name] = dict(plan=_unit_plan(model), iters=_capture_addresses(model, cfg, rank, world),
                          slot_numel=model.slot_numel)
     return out
 
@@ -330,8 +329,14 @@ def test_double_buffer_zero2_gradient_slots_fixed():
         # ZeRO-2 keeps compute parameters resident; only the gradient buffers use the slots.
         assert [u["param_kind"] for u in plan] == ["persistent"] * 3
         assert [u["grad_slot"] for u in plan] == [0, 1, 0]
-        _assert_same_every_iteration(iters)
-        rec = iters[0]
+        # Parameters start installed, so the first all-gathers (of updated parameters) come in iteration 1;
+        # everything iteration 0 records is recorded identically later.
+        assert not any(kind == "all_gather" for kind, _ in iters[0])
+        assert {k: iters[1][k] for k in iters[0]} == iters[0]
+        _assert_same_every_iteration(iters[1:])
+        rec = iters[1]
+        for u in plan:
+            assert rec[("all_gather", f"unit {u['name']}")] == {rec[("forward", u["name"])][1]}
         assert rec[("grad", "layers.0")] == rec[("grad", "layers.2")] != rec[("grad", "layers.1")]
         for u in plan:
             assert rec[("reduce", f"gradients of unit {u['name']}")] == {rec[("grad", u["name"])]}
@@ -391,7 +396,8 @@ def _checkpoint_job(rank: int, world: int, directory: str) -> Dict[str, Any]:
         (fresh.load_sharded_state_dict if kind == "sharded" else fresh.load_full_state_dict)(state)
         fresh_optimizer.load_state_dict(torch.load(optim_path, weights_only=False))
         resumed = [fsdp_step(fresh, fresh_optimizer, step, cfg, rank, world) for step in range(SAVE_AFTER, TOTAL_STEPS)]
-        out[tag] = dict(uninterrupted=uninterrupted, resumed=resumed, final=final, resumed_final=fresh.full_state_dict())
+        out[tag] = dict(uninterrupted=uninterrupted, resumed=resumed, final=final,
+                        resumed_final=fresh.full_state_dict())
     return out
 
 
@@ -420,7 +426,9 @@ class InjectedFailure(RuntimeError):
 
 
 def _arm_failure(gpt: GPT, where: str) -> Dict[str, bool]:
-    """Make the next step raise once, in forward (inside layer 1) or in backward (at layer 0's output)."""
+    """Make the next step raise once: in forward (inside layer 1), in backward (at layer 0's output), or in
+    backward before any unit's backward (at the input of the root's LM head, once the head has its gradient).
+    """
     armed = {"on": False}
 
     def fire():
@@ -432,6 +440,12 @@ def _arm_failure(gpt: GPT, where: str) -> Dict[str, bool]:
         # Inside the unit, so the unit is left mid-forward with its parameters unsharded and the next unit
         # prefetched.
         gpt.layers[1].attn.register_forward_pre_hook(lambda module, args: fire())
+    elif where == "root_backward":
+        # Autograd accumulates head.weight's gradient before it runs the hooks of the head's input, so the
+        # root holds a compute-parameter gradient of the failed step while every unit is still FORWARD_DONE.
+        def on_final_norm(module, args, output):
+            output.register_hook(lambda grad: fire())
+        gpt.ln_f.register_forward_hook(on_final_norm)
     else:
         # Registered after fully_shard, so it runs after FSDP's pre-backward hook on the same tensor: layers 2
         # and 1 have reduced their gradients by then and layer 0 is unsharding.
@@ -472,6 +486,8 @@ def _failure_job(rank: int, world: int, cases: List[Tuple[str, bool, str]]) -> D
 
 FAILURE_CASES = [("optim_grads_params", db, where) for db in (False, True) for where in ("forward", "backward")] + [
     ("no_shard", False, "backward"),
+    ("optim_grads_params", False, "root_backward"),
+    ("no_shard", False, "root_backward"),
 ]
 
 

@@ -1,0 +1,106 @@
+"""Plots for benchmarks/results/ from the JSON the benchmark and alignment scripts write.
+
+    python benchmarks/plot.py benchmarks/results/raw/*.json --outdir benchmarks/results
+
+Needs matplotlib (not a dependency of the package: only this script uses it). Each input file is
+recognised by its content: an alignment run (``rows``), a partial-graph benchmark (``suites``) or a peers
+benchmark (``engines``/``results``). Files it does not recognise are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any, Dict, List
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_alignment(d: Dict[str, Any], name: str, outdir: str) -> str:
+    rows = d["rows"][:6]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), sharex=True)
+    for ax, r in zip(axes.flat, rows):
+        steps = range(len(r["eager_losses"]))
+        ax.plot(steps, r["eager_losses"], "o-", label="eager", ms=5)
+        ax.plot(steps, r["graphed_losses"], "x--", label="graphed", ms=7)
+        ax.axvline(d["capture_step"], color="grey", lw=0.8, ls=":")
+        ax.set_title(f"{r['backend']} {r['strategy']}\nscope={r['scope'] or 'whole layers'}: "
+                     f"{'bit-equal' if r['equal'] else 'MISMATCH'}", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+    axes.flat[0].legend()
+    fig.suptitle(f"Eager vs partial graphs, {d['world_size']} GPU(s), {d['versions']['device']} "
+                 f"(capture before step {d['capture_step']}, dotted)")
+    fig.tight_layout()
+    path = os.path.join(outdir, f"{name}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_suites(d: Dict[str, Any], name: str, outdir: str) -> List[str]:
+    paths = []
+    suites = d["suites"]
+    if "launch" in suites:
+        rows = suites["launch"]
+        labels = ["eager" if r["scope"] is None else ("graphed: whole layers" if r["scope"] == [] else "graphed: " + "+".join(r["scope"])) for r in rows]
+        fig, ax = plt.subplots(figsize=(8, 4))
+        bars = ax.barh(labels, [r["step_ms"] for r in rows], color=["tab:grey"] + ["tab:blue"] * (len(rows) - 1))
+        for b, r in zip(bars, rows):
+            ax.text(b.get_width(), b.get_y() + b.get_height() / 2, f" {r['step_ms']:.1f} ms ({r['ratio_to_eager']:.2f}x)", va="center")
+        ax.set_xlabel("median step time (ms), lower is better")
+        ax.set_title(f"8 TE layers, h1024 s512 mbs2, megatron_fsdp ZeRO-3, {d['world_size']} x {d['versions']['device']}")
+        ax.invert_yaxis()
+        fig.tight_layout()
+        paths.append(os.path.join(outdir, f"{name}-launch.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    if "scaling" in suites:
+        rows = suites["scaling"]
+        fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+        for label, ax, key in (("layers", axes[0], "layers"), ("seq", axes[1], "seq")):
+            sub = [r for r in rows if r["label"] == label]
+            for graphed, style in ((False, "o-"), (True, "x--")):
+                pts = [(r[key], r["step_ms"]) for r in sub if (r["scope"] is not None) == graphed]
+                ax.plot(*zip(*pts), style, label="graphed (whole layers)" if graphed else "eager")
+            ax.set_xlabel("number of layers" if key == "layers" else "sequence length")
+            ax.set_ylabel("step time (ms)")
+            ax.set_xscale("log", base=2)
+            ax.legend()
+        sub = [r for r in rows if r["label"] == "layers" and r["scope"] is not None]
+        axes[2].plot([r["layers"] for r in sub], [r["capture_seconds"] for r in sub], "s-")
+        axes[2].set_xlabel("number of layers")
+        axes[2].set_ylabel("capture time (s)")
+        axes[2].set_xscale("log", base=2)
+        fig.suptitle(f"How cost grows (h1024, mbs2; {d['world_size']} x {d['versions']['device']})")
+        fig.tight_layout()
+        paths.append(os.path.join(outdir, f"{name}-scaling.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+")
+    p.add_argument("--outdir", default="benchmarks/results")
+    args = p.parse_args()
+    for f in args.files:
+        with open(f) as fh:
+            d = json.load(fh)
+        name = os.path.splitext(os.path.basename(f))[0]
+        if "rows" in d and "controls" in d:
+            print("wrote", plot_alignment(d, name, args.outdir))
+        elif "suites" in d:
+            for path in plot_suites(d, name, args.outdir):
+                print("wrote", path)
+        else:
+            print(f"skipped {f}: not an alignment or partial-graph result")
+
+
+if __name__ == "__main__":
+    main()
