@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "phase",
     "ShardingStrategy",
     "TrainingState",
     "is_capturing",
@@ -116,6 +117,16 @@ def check_not_capturing(what: str) -> None:
             "fsdp_cudagraph (which runs FSDP hooks outside the capture), or remove the FSDP hook from the "
             "captured callable."
         )
+
+
+_NULL = contextlib.nullcontext()
+
+
+def phase(name: str) -> contextlib.AbstractContextManager:
+    """``record_function(name)`` while a profiler runs, else a shared no-op (saves ~6 us per phase)."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return _NULL
 
 
 def log_rank0(level: int, msg: str, *args: object) -> None:

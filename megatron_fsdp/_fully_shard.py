@@ -12,7 +12,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from . import _collectives as C
-from ._common import ShardingStrategy, TrainingState, is_capturing, log_rank0
+from ._common import ShardingStrategy, TrainingState, is_capturing, log_rank0, phase
 from ._unit import FSDPUnit, _Buffer, _PendingReduce, _grad_tensors, make_unit_hooks
 
 __all__ = ["fully_shard", "MegatronFSDP"]
@@ -375,7 +375,7 @@ class MegatronFSDP(nn.Module):
         for u in self.units:
             u.state = TrainingState.IDLE
         r = self.root_unit
-        with torch.profiler.record_function("FSDP::root_pre_forward"):
+        with phase("FSDP::root_pre_forward"):
             if r is not None:
                 r.unshard()
             if self.prefetch and self.units:
@@ -390,7 +390,7 @@ class MegatronFSDP(nn.Module):
             Variable._execution_engine.queue_callback(self._post_backward_final)
 
     def _post_backward_final(self) -> None:
-        with torch.profiler.record_function("FSDP::post_backward_final"):
+        with phase("FSDP::post_backward_final"):
             for u in self.units:
                 if u.state is not TrainingState.IDLE:
                     u.post_backward()

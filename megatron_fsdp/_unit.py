@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _collectives as C
-from ._common import ShardingStrategy, TrainingState, check_not_capturing
+from ._common import ShardingStrategy, TrainingState, check_not_capturing, phase
 
 if TYPE_CHECKING:
     from ._fully_shard import MegatronFSDP
@@ -270,7 +270,7 @@ class FSDPUnit:
                 "calls of one FSDP unit in a step; split the module into separate units instead)"
             )
         eng.record("pre_forward", self)
-        with torch.profiler.record_function(f"FSDP::pre_forward {self.name}"):
+        with phase(f"FSDP::pre_forward {self.name}"):
             self.unshard()
             self.wait_unshard()
             self.state = TrainingState.FORWARD
@@ -282,7 +282,7 @@ class FSDPUnit:
 
     def post_forward(self, *_: Any) -> None:
         self.engine.record("post_forward", self)
-        with torch.profiler.record_function(f"FSDP::post_forward {self.name}"):
+        with phase(f"FSDP::post_forward {self.name}"):
             self.state = TrainingState.FORWARD_DONE
             self.reshard()
 
@@ -292,7 +292,7 @@ class FSDPUnit:
             return
         eng = self.engine
         eng.record("pre_backward", self)
-        with torch.profiler.record_function(f"FSDP::pre_backward {self.name}"):
+        with phase(f"FSDP::pre_backward {self.name}"):
             self.unshard()
             self.wait_unshard()
             self.state = TrainingState.BACKWARD
@@ -306,7 +306,7 @@ class FSDPUnit:
         if self.state is TrainingState.IDLE:
             return
         self.engine.record("post_backward", self)
-        with torch.profiler.record_function(f"FSDP::post_backward {self.name}"):
+        with phase(f"FSDP::post_backward {self.name}"):
             grads = [p.grad for p in self.params]
             if any(g is not None for g in grads):
                 self._reduce_grads(grads)

@@ -64,7 +64,7 @@ def test_alignment_te_backend_1gpu(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
 def test_alignment_2gpu(tmp_path):
     res = _align(tmp_path, 2, ["te", "torch"] if HAS_TE else ["torch"])
     assert res["all_ok"] and res["world_size"] == 2
@@ -72,7 +72,7 @@ def test_alignment_2gpu(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
 def test_engine_parity_nccl_2gpu(tmp_path):
     out = tmp_path / "parity.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
