@@ -5,7 +5,7 @@ Suites (each trains the reference GPT eagerly and with graphs, same seeds, same 
   compute  4 TE layers, hidden 4096, seq 2048, micro-batch 1: the compute-bound case, with MFU against the
            measured bf16 matmul peak of the device
   overlap  eager only, prefetch on vs off: how much of the communication the engine hides
-  scaling  step and capture time against number of layers (2..32) and sequence length (256..2048)
+  scaling  step and capture time against number of layers (2, 8, 32) and sequence length (256, 512, 2048)
 
 Run on 2 GPUs (1 GPU works too)::
 
@@ -146,10 +146,10 @@ def main() -> int:
         result["suites"]["overlap"] = rows
     if "scaling" in args.suite:
         rows = []
-        for L in (2, 4, 8, 16, 32):
+        for L in (2, 8, 32):
             cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=L, num_heads=16, seq_len=512, use_te=use_te)
             rows += pair(cfg, scopes=[None, []], args=args, device=device, label="layers", mbs=2)
-        for s in (256, 1024, 2048):
+        for s in (256, 2048):
             cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=8, num_heads=16, seq_len=s, use_te=use_te)
             rows += pair(cfg, scopes=[None, []], args=args, device=device, label="seq", mbs=2)
         result["suites"]["scaling"] = rows
