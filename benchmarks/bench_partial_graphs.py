@@ -19,6 +19,7 @@ whole data-parallel group, peak memory, capture time and the memory the graphs h
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -65,6 +66,10 @@ def model_flops_per_step(cfg: GPTConfig, tokens: int) -> float:
 
 
 def measure(spec: RunSpec, device: torch.device, skip: int) -> Dict[str, Any]:
+    # The previous run's model is garbage only once its reference cycles (module <-> FSDP unit) are
+    # collected: without this, its memory counts towards this run's peak.
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     r = run_training(spec, device)
     ms = statistics.median(r.step_ms[skip:])

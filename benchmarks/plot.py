@@ -64,6 +64,8 @@ def plot_suites(d: Dict[str, Any], name: str, outdir: str) -> List[str]:
         fig, axes = plt.subplots(1, 3, figsize=(14, 4))
         for label, ax, key in (("layers", axes[0], "layers"), ("seq", axes[1], "seq")):
             sub = [r for r in rows if r["label"] == label]
+            if key == "seq":  # the 8-layer point of the layer sweep is the seq-512 point of this sweep
+                sub = sorted(sub + [r for r in rows if r["label"] == "layers" and r["layers"] == 8], key=lambda r: r["seq"])
             for graphed, style in ((False, "o-"), (True, "x--")):
                 pts = [(r[key], r["step_ms"]) for r in sub if (r["scope"] is not None) == graphed]
                 ax.plot(*zip(*pts), style, label="graphed (whole layers)" if graphed else "eager")
@@ -84,11 +86,44 @@ def plot_suites(d: Dict[str, Any], name: str, outdir: str) -> List[str]:
     return paths
 
 
+def plot_vs_peers(peers: Dict[str, Any], partial: Dict[str, Any], outdir: str) -> str:
+    """Eager peers (bench_peers) next to our eager and graphed step (bench_partial_graphs), same model config."""
+    runs = peers["runs"]
+    launch = {("eager" if r["scope"] is None else "graphed " + ("+".join(r["scope"]) or "whole layers")): r
+              for r in partial["suites"]["launch"]}
+    labels = ["FSDP2 eager", "Megatron-FSDP 0.6.1 eager", "megatron_fsdp eager", "megatron_fsdp eager (graph run)",
+              "megatron_fsdp + graphs (whole layers)"]
+    values = [runs["fsdp2"]["median_step_ms"], runs["mfsdp"]["median_step_ms"], runs["ours"]["median_step_ms"],
+              launch["eager"]["step_ms"], launch["graphed whole layers"]["step_ms"]]
+    best_peer = min(values[:2])
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    bars = ax.barh(labels, values, color=["tab:grey", "tab:grey", "tab:blue", "tab:blue", "tab:green"])
+    for b, v in zip(bars, values):
+        ax.text(b.get_width(), b.get_y() + b.get_height() / 2, f" {v:.1f} ms ({v / best_peer:.2f} of best peer)", va="center")
+    ax.axvline(0.4 * best_peer, color="tab:red", ls="--", lw=1)
+    ax.text(0.4 * best_peer, len(values) - 0.45, " goal: 0.4 x best peer", color="tab:red", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(values) * 1.5)
+    ax.set_xlabel("median step time (ms), lower is better")
+    ax.set_title(f"8 TE layers h1024 s512 mbs2 vocab {peers['config']['vocab']}, 2 x {peers['device_name']}\n"
+                 "peers and our eager: bench_peers run; graphed: bench_partial_graphs run (same lease)", fontsize=9)
+    fig.tight_layout()
+    path = os.path.join(outdir, "peers-vs-graphed-2gpu.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("files", nargs="+")
+    p.add_argument("files", nargs="*")
     p.add_argument("--outdir", default="benchmarks/results")
+    p.add_argument("--peers-vs-graphed", nargs=2, metavar=("PEERS_JSON", "PARTIAL_JSON"),
+                   help="also plot a bench_peers result beside a bench_partial_graphs launch suite")
     args = p.parse_args()
+    if args.peers_vs_graphed:
+        with open(args.peers_vs_graphed[0]) as a, open(args.peers_vs_graphed[1]) as b:
+            print("wrote", plot_vs_peers(json.load(a), json.load(b), args.outdir))
     for f in args.files:
         with open(f) as fh:
             d = json.load(fh)
