@@ -32,7 +32,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ from megatron_fsdp._unit import FSDPUnit
 
 from ._hooks import HOOK_KEYS, ExtractedHooks, _DICTS, extract_hooks, fsdp_handlers, restore_hooks
 from ._te import require_te
-from .config import CudaGraphConfig, CudaGraphImpl
+from .config import CudaGraphConfig
 
 __all__ = ["PartialCudaGraphs", "CaptureReport", "BACKENDS"]
 

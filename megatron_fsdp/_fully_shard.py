@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
