@@ -23,7 +23,7 @@ from torch import nn
 
 from ._te import require_te
 
-__all__ = ["GPTConfig", "GPT", "TransformerBlock", "SelfAttention", "MLP", "MoEBlock", "Router", "MoEPreprocess", "synthetic_batch"]
+__all__ = ["GPTConfig", "GPT", "TransformerBlock", "SelfAttention", "MLP", "MoEBlock", "Router", "MoEPreprocess", "Experts", "loss_fn", "synthetic_batch"]
 
 
 @dataclasses.dataclass

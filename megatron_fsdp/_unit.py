@@ -236,6 +236,14 @@ class FSDPUnit:
             if owner is self and self.data_valid:
                 return
             if owner is not None and owner is not self:
+                if owner.state in (TrainingState.FORWARD, TrainingState.BACKWARD):
+                    raise RuntimeError(
+                        f"[rank {self.engine.rank}] megatron_fsdp: unit {self.name} needs double-buffer slot {buf.slot}, "
+                        f"but unit {owner.name} still computes in it ({owner.state.name}); units that run inside one "
+                        "another (or out of plan order) must not share a slot: make the inner module part of the outer "
+                        "unit, or turn fsdp_double_buffer off"
+                    )
+                owner.wait_unshard()  # an all-gather of the old owner still in flight must land first
                 owner.data_valid = False
             self.engine.slot_owner[buf.slot] = self
         elif self.data_valid and buf.allocated:
@@ -277,7 +285,7 @@ class FSDPUnit:
             eng.note_forward(self)
             if eng.prefetch:
                 nxt = eng.neighbour(self, +1)
-                if nxt is not None and not nxt.shares_slot_with(self):
+                if nxt is not None and nxt.can_prefetch(backward=False):
                     nxt.unshard()
 
     def post_forward(self, *_: Any) -> None:
@@ -298,7 +306,7 @@ class FSDPUnit:
             self.state = TrainingState.BACKWARD
             if eng.prefetch:
                 prv = eng.neighbour(self, -1)
-                if prv is not None and not prv.shares_slot_with(self):
+                if prv is not None and prv.can_prefetch(backward=True):
                     prv.unshard()
 
     def post_backward(self, *_: Any) -> None:
@@ -313,9 +321,21 @@ class FSDPUnit:
             self.state = TrainingState.IDLE
             self.reshard()
 
-    def shares_slot_with(self, other: "FSDPUnit") -> bool:
-        a, b = self.param_buffer, other.param_buffer
-        return a.kind == "slot" and b.kind == "slot" and a.slot == b.slot
+    def can_prefetch(self, *, backward: bool) -> bool:
+        """Whether a prefetch of this unit may take its slot from the unit holding it.
+
+        Not while that unit still computes in it (the running unit itself, or an enclosing unit when units
+        nest), nor, in backward, while that unit's backward is still to come: the prefetch would only make
+        it gather again. In plan order with prefetch depth 1 neither happens; nested units need both.
+        """
+        buf = self.param_buffer
+        if buf.kind != "slot":
+            return True
+        owner = self.engine.slot_owner[buf.slot]
+        if owner is None or owner is self:
+            return True
+        busy = (TrainingState.FORWARD, TrainingState.BACKWARD)
+        return owner.state not in (busy + (TrainingState.FORWARD_DONE,) if backward else busy)
 
     # ------------------------------------------------------------------ gradients
     def _reduce_grads(self, grads: List[Optional[torch.Tensor]]) -> None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import megatron_fsdp._collectives as collectives
-from fsdp_cudagraph.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
+from fsdp_cudagraph.model import GPT, Experts, GPTConfig, Router, SelfAttention, TransformerBlock, loss_fn, synthetic_batch
 from megatron_fsdp import MegatronFSDP, fully_shard
 from tests.dist_utils import run_gloo
 
@@ -56,7 +56,8 @@ def build_gpt(seed: int = 0, **overrides: Any) -> Tuple[GPT, GPTConfig]:
 
 
 def shard(model: nn.Module, **kwargs: Any) -> MegatronFSDP:
-    return fully_shard(model, fsdp_unit_modules=[TransformerBlock], **kwargs)
+    kwargs.setdefault("fsdp_unit_modules", [TransformerBlock])
+    return fully_shard(model, **kwargs)
 
 
 def local_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, cfg: GPTConfig, *, rank: int = 0,
@@ -123,6 +124,11 @@ MATCH_CASES: Dict[str, Tuple[Dict[str, Any], int]] = {
     "optim_grads_params+accumulate2": (dict(sharding_strategy="optim_grads_params"), 2),
     "optim_grads+double_buffer+accumulate2": (
         dict(sharding_strategy="optim_grads", fsdp_double_buffer=True), 2),
+    # Nested units (each attention block is a unit inside its layer's unit): with double buffering the inner
+    # unit's prefetch of the next layer must not overwrite the slot the enclosing layer still computes in.
+    "optim_grads_params+double_buffer+nested_units": (
+        dict(sharding_strategy="optim_grads_params", fsdp_double_buffer=True,
+             fsdp_unit_modules=[TransformerBlock, SelfAttention]), 1),
 }
 PREFETCH_CASES: Dict[str, Tuple[Dict[str, Any], int]] = {
     f"{name}+no_prefetch": ({**MATCH_CASES[name][0], "prefetch": False}, MATCH_CASES[name][1])
@@ -600,3 +606,18 @@ def test_unknown_sharding_strategy(one_rank_group):
     with pytest.raises(ValueError, match=r"sharding_strategy='zero3' is not one of: no_shard, optim, optim_grads, "
                                          r"optim_grads_params"):
         shard(build_gpt()[0], sharding_strategy="zero3")
+
+
+def test_nested_unit_sharing_its_parents_slot_is_refused(one_rank_group):
+    # Plan order layers.0 (slot 0), layers.1 (slot 1), layers.1.moe.router (slot 0), layers.1.moe.experts
+    # (slot 1), layers.2 (slot 0): the experts unit would overwrite the slot its enclosing layer still computes
+    # in. Silent corruption becomes a clear error.
+    gpt, cfg = build_gpt()
+    model = shard(gpt, sharding_strategy="optim_grads_params", fsdp_double_buffer=True,
+                  fsdp_unit_modules=[TransformerBlock, Router, Experts])
+    assert [(u.name, u.param_buffer.slot) for u in model.units] == [
+        ("layers.0", 0), ("layers.1", 1), ("layers.1.moe.router", 0), ("layers.1.moe.experts", 1), ("layers.2", 0)]
+    tokens, _ = synthetic_batch(0, 2, cfg, CPU)
+    with pytest.raises(RuntimeError, match=r"unit layers\.1\.moe\.experts needs double-buffer slot 1, but unit "
+                                           r"layers\.1 still computes in it \(FORWARD\).*turn fsdp_double_buffer off"):
+        model(tokens)
