@@ -185,7 +185,8 @@ class PartialCudaGraphs:
     def capture(self) -> CaptureReport:
         """Capture every selected callable (after at least one eager step). Restores hooks on failure."""
         if self.captured:
-            raise RuntimeError("capture() was already called; call delete() first to capture again")
+            raise RuntimeError("capture() was already called; delete() these graphs and build a new PartialCudaGraphs "
+                               "to capture again")
         if self.backend != "protocol":
             self.config.check_runtime()
         not_run = [c.name for c in self.callables if c.sample_args is None]
@@ -203,6 +204,7 @@ class PartialCudaGraphs:
         if self.engine is not None:
             self.engine.reset_step_state()
         for c in order:
+            c.extracted = None
             c.had_forward_attr = "forward" in c.module.__dict__
             c.own_forward = c.module.__dict__.get("forward")
         mem0 = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
@@ -331,19 +333,25 @@ class PartialCudaGraphs:
                             f"{c.unit.name if c.unit else '-'}) would replay with parameter {pname} at "
                             f"{p.data_ptr():#x}, but it was captured at {ptr:#x}; replay would read stale memory. "
                             "Keep fsdp_double_buffer and fsdp_db_use_persist_buf_on_alloc_fail on, and do not "
-                            "reassign parameters after capture (or delete() and capture again)"
+                            "reassign parameters after capture (or delete() these graphs and capture with a new "
+                            "PartialCudaGraphs)"
                         )
             if c.grad_ptr is not None and c.unit.grad_buffer.tensor.data_ptr() != c.grad_ptr:
                 raise RuntimeError(
-                    f"[rank {rank}] fsdp_cudagraph: the gradient buffer of unit {c.unit.name} moved from {c.grad_ptr:#x} "
-                    f"(capture) to {c.unit.grad_buffer.tensor.data_ptr():#x}; delete() and capture again"
+                    f"[rank {rank}] fsdp_cudagraph: the gradient buffer of unit {c.unit.name} moved from "
+                    f"{c.grad_ptr:#x} (capture) to {c.unit.grad_buffer.tensor.data_ptr():#x}; delete() these graphs "
+                    "and capture with a new PartialCudaGraphs"
                 )
 
         return check
 
     # ------------------------------------------------------------------ delete
     def delete(self) -> None:
-        """Reset the graphs, give their memory back and return the modules to eager (hooks as before)."""
+        """Reset the graphs, give their memory back and return the modules to eager (hooks as before).
+
+        The modules end exactly as they were before this object existed; to capture again, build a new
+        :class:`PartialCudaGraphs` and run at least one eager step before its ``capture()``.
+        """
         for h in self._checks + self._recorders:
             h.remove()
         self._checks, self._recorders = [], []
@@ -355,8 +363,10 @@ class PartialCudaGraphs:
                 _restore_forward(c)
                 for attr in ("reset", "backward_dw"):
                     c.module.__dict__.pop(attr, None)
+        for c in self.callables:
             c.sample_args, c.sample_kwargs = None, None
         self.captured = False
+        self._order = []
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
