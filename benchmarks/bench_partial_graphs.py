@@ -88,6 +88,10 @@ def measure(spec: RunSpec, device: torch.device, skip: int) -> Dict[str, Any]:
     return out
 
 
+_runs_done = [0]
+_T0 = time.time()
+
+
 def pair(cfg: GPTConfig, *, scopes: List[Optional[List[str]]], args: argparse.Namespace, device: torch.device,
          label: str, mbs: int, prefetch: bool = True) -> List[Dict[str, Any]]:
     rows = []
@@ -98,9 +102,11 @@ def pair(cfg: GPTConfig, *, scopes: List[Optional[List[str]]], args: argparse.Na
         m.update(label=label, scope=scope, prefetch=prefetch, layers=cfg.num_layers, seq=cfg.seq_len,
                  hidden=cfg.hidden_size)
         rows.append(m)
-        if dist.get_rank() == 0:
+        _runs_done[0] += 1
+        if dist.get_rank() == 0:  # one line per training run: the progress indicator of long suites
             name = "eager" if scope is None else f"graphed {scope}"
-            print(f"  {label:10s} L={cfg.num_layers:2d} s={cfg.seq_len:4d} {name:28s} prefetch={prefetch!s:5s} "
+            print(f"[run {_runs_done[0]:2d}, {time.time() - _T0:5.0f} s] {label:10s} L={cfg.num_layers:2d} "
+                  f"s={cfg.seq_len:4d} {name:28s} prefetch={prefetch!s:5s} "
                   f"{m['step_ms']:8.2f} ms  {m['tokens_per_s']:10.0f} tok/s  peak {m['peak_memory_gib']:.2f} GiB"
                   + (f"  capture {m['capture_seconds']:.2f} s" if 'capture_seconds' in m else ""), flush=True)
     base = rows[0]["step_ms"]
@@ -128,7 +134,7 @@ def main() -> int:
     use_te = args.backend == "te"
     result: Dict[str, Any] = {"command": " ".join(sys.argv), "world_size": dist.get_world_size(),
                               "versions": versions(), "backend": args.backend, "suites": {}}
-    t0 = time.time()
+    t0 = _T0
     if "launch" in args.suite:
         cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=8, num_heads=16, seq_len=512, use_te=use_te)
         result["suites"]["launch"] = pair(cfg, scopes=[None, [], ["attn"], ["mlp"], ["attn", "mlp"]], args=args,
