@@ -100,7 +100,7 @@ def negative_controls(device: torch.device, backend: str) -> List[Dict[str, Any]
     """Runs that must fail, each with how it failed."""
     from . import _capture, _hooks
     from .config import CudaGraphConfig
-    from .train import build_model
+    from .train import build_model, graph_config
 
     out: List[Dict[str, Any]] = []
 
@@ -142,10 +142,7 @@ def negative_controls(device: torch.device, backend: str) -> List[Dict[str, Any]
         spec = RunSpec(model=model_config(backend), steps=2, backend=backend, cuda_graph_modules=["attn"], capture_step=1)
         model = build_model(spec, device)
         opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-3)
-        cfg = CudaGraphConfig(cuda_graph_impl="transformer_engine" if backend == "te" else "local",
-                              cuda_graph_modules=["attn"], cuda_graph_warmup_steps=1, use_megatron_fsdp=True,
-                              fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True)
-        graphs = _capture.PartialCudaGraphs(model, cfg, backend=backend)
+        graphs = _capture.PartialCudaGraphs(model, graph_config(spec), backend=backend)
         from .model import loss_fn, synthetic_batch
         x, y = synthetic_batch(0, 2, spec.model, device)
         loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()

@@ -21,7 +21,7 @@ from ._capture import CaptureReport, PartialCudaGraphs
 from .config import CudaGraphConfig
 from .model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
 
-__all__ = ["RunSpec", "RunResult", "build_model", "run_training"]
+__all__ = ["RunSpec", "RunResult", "build_model", "graph_config", "run_training"]
 
 
 @dataclasses.dataclass
@@ -70,8 +70,16 @@ def build_model(spec: RunSpec, device: torch.device) -> MegatronFSDP:
     )
 
 
-def _impl_for(backend: str) -> str:
-    return {"te": "transformer_engine", "torch": "local", "protocol": "local"}[backend]
+def graph_config(spec: RunSpec) -> CudaGraphConfig:
+    """The CudaGraphConfig of a graphed run: its scope and backend, capture before ``capture_step``."""
+    return CudaGraphConfig(
+        cuda_graph_impl={"te": "transformer_engine", "torch": "local", "protocol": "local"}[spec.backend],
+        cuda_graph_modules=list(spec.cuda_graph_modules or []),
+        cuda_graph_warmup_steps=spec.capture_step,
+        use_megatron_fsdp=True,
+        fsdp_double_buffer=True,
+        fsdp_db_use_persist_buf_on_alloc_fail=True,
+    )
 
 
 def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[int] = None) -> RunResult:
@@ -84,15 +92,7 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
     opt = torch.optim.Adam(model.optimizer_parameters(), lr=spec.lr)
     graphs = None
     if spec.cuda_graph_modules is not None:
-        gcfg = CudaGraphConfig(
-            cuda_graph_impl=_impl_for(spec.backend),
-            cuda_graph_modules=list(spec.cuda_graph_modules),
-            cuda_graph_warmup_steps=spec.capture_step,
-            use_megatron_fsdp=True,
-            fsdp_double_buffer=True,
-            fsdp_db_use_persist_buf_on_alloc_fail=True,
-        )
-        graphs = PartialCudaGraphs(model, gcfg, backend=spec.backend)
+        graphs = PartialCudaGraphs(model, graph_config(spec), backend=spec.backend)
     cuda = device.type == "cuda"
     stream = torch.cuda.Stream(device) if cuda and spec.side_stream else None
     if stream is not None:

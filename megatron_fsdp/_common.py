@@ -76,6 +76,9 @@ class TrainingState(enum.Enum):
     BACKWARD = enum.auto()
 
 
+#: States in which a unit computes with its unshard buffer, which nothing may overwrite meanwhile.
+COMPUTING = (TrainingState.FORWARD, TrainingState.BACKWARD)
+
 _simulated = threading.local()
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from . import _collectives as C
-from ._common import ShardingStrategy, TrainingState, is_capturing, log_rank0, phase
+from ._common import COMPUTING, ShardingStrategy, TrainingState, is_capturing, log_rank0, phase
 from ._unit import FSDPUnit, _Buffer, _PendingReduce, _grad_tensors, make_unit_hooks
 
 __all__ = ["fully_shard", "MegatronFSDP"]
@@ -360,7 +360,7 @@ class MegatronFSDP(nn.Module):
         return out
 
     def _root_pre_forward(self) -> None:
-        busy = [u.name for u in self.units if u.state in (TrainingState.FORWARD, TrainingState.BACKWARD)]
+        busy = [u.name for u in self.units if u.state in COMPUTING]
         # Compute parameters hold gradients between steps only when a backward failed before their unit
         # reduced them (e.g. the root's head, before any unit's backward ran); they must not reach this step.
         busy += [u.name for u in self.all_units() if u.name not in busy and any(p.grad is not None for p in u.params)]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _collectives as C
-from ._common import ShardingStrategy, TrainingState, check_not_capturing, phase
+from ._common import COMPUTING, ShardingStrategy, TrainingState, check_not_capturing, phase
 
 if TYPE_CHECKING:
     from ._fully_shard import MegatronFSDP
@@ -236,7 +236,7 @@ class FSDPUnit:
             if owner is self and self.data_valid:
                 return
             if owner is not None and owner is not self:
-                if owner.state in (TrainingState.FORWARD, TrainingState.BACKWARD):
+                if owner.state in COMPUTING:
                     raise RuntimeError(
                         f"[rank {self.engine.rank}] megatron_fsdp: unit {self.name} needs double-buffer slot {buf.slot}, "
                         f"but unit {owner.name} still computes in it ({owner.state.name}); units that run inside one "
@@ -271,7 +271,7 @@ class FSDPUnit:
     def pre_forward(self, *_: Any) -> None:
         """Unshard for forward and prefetch the next unit. Takes and ignores the module (TE's hook form)."""
         eng = self.engine
-        if self.state in (TrainingState.FORWARD, TrainingState.BACKWARD):
+        if self.state in COMPUTING:
             raise RuntimeError(
                 f"[rank {eng.rank}] megatron_fsdp: unit {self.name} entered forward while in state "
                 f"{self.state.name}; a unit may run forward once per backward (no re-entrant or repeated "
@@ -334,8 +334,7 @@ class FSDPUnit:
         owner = self.engine.slot_owner[buf.slot]
         if owner is None or owner is self:
             return True
-        busy = (TrainingState.FORWARD, TrainingState.BACKWARD)
-        return owner.state not in (busy + (TrainingState.FORWARD_DONE,) if backward else busy)
+        return owner.state not in (COMPUTING + (TrainingState.FORWARD_DONE,) if backward else COMPUTING)
 
     # ------------------------------------------------------------------ gradients
     def _reduce_grads(self, grads: List[Optional[torch.Tensor]]) -> None:
