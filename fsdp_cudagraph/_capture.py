@@ -64,7 +64,7 @@ class CaptureReport:
     unknown_hooks: List[str] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: membership tests must never compare fields (tensors among them)
 class _Callable:
     name: str
     module: nn.Module
