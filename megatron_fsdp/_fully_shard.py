@@ -166,6 +166,8 @@ class MegatronFSDP(nn.Module):
         self._last_forward_order: List[FSDPUnit] = []
         self._in_root_forward = False
         self._callback_queued = False
+        #: Root forward passes run so far (graph layers read it: steps before a capture matter to streams).
+        self.num_forward_calls = 0
         #: When a list, every unit phase appends (phase, unit name, capturing?) to it: a test and debug aid.
         self.trace: Optional[List[Tuple[str, str, bool]]] = None
         self._plan_units(fsdp_unit_modules)
@@ -351,6 +353,7 @@ class MegatronFSDP(nn.Module):
         finally:
             self._in_root_forward = False
         self._last_forward_order = list(self._forward_order)
+        self.num_forward_calls += 1
         if torch.is_grad_enabled():
             tensors = _grad_tensors(out)
             if len(tensors) == 1:
