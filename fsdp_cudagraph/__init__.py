@@ -6,6 +6,7 @@ graph), restores them exactly so that they fire around every replay, and checks 
 the parameters sit where they sat at capture. See :class:`PartialCudaGraphs` and :class:`CudaGraphConfig`.
 """
 
+from ._args import SignatureChangedWarning
 from ._capture import BACKENDS, CaptureReport, PartialCudaGraphs
 from ._hooks import extract_hooks, hooks_snapshot, restore_hooks
 from ._te import HAS_TE, TE_REASON, TE_VERSION
@@ -22,6 +23,7 @@ __all__ = [
     "PartialCudaGraphs",
     "CaptureReport",
     "BACKENDS",
+    "SignatureChangedWarning",
     "CudaGraphConfig",
     "CudaGraphImpl",
     "CudaGraphModule",

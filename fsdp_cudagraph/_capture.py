@@ -40,6 +40,7 @@ from torch import nn
 from megatron_fsdp import MegatronFSDP, simulated_capture
 from megatron_fsdp._unit import FSDPUnit
 
+from . import _args
 from ._hooks import HOOK_KEYS, ExtractedHooks, _DICTS, extract_hooks, fsdp_handlers, restore_hooks
 from ._te import require_te
 from .config import CudaGraphConfig
@@ -80,12 +81,9 @@ class _Callable:
     #: The module's own instance-level ``forward`` before capture (when ``had_forward_attr``): graph makers
     #: replace it, and delete() or a failed capture must put it back.
     own_forward: Any = None
-
-
-def _clone_sample(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach().clone().requires_grad_(x.requires_grad)
-    return x
+    #: The recorded call's signature (structure, constants, tensor metadata; see ``_args.py``). The graph's
+    #: inputs are its tensor leaves, ``sample_args``; ``sample_kwargs`` stays empty.
+    signature: Any = None
 
 
 class PartialCudaGraphs:
@@ -168,16 +166,11 @@ class PartialCudaGraphs:
 
     def _recorder(self, c: _Callable):
         def record(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-            bad = [type(a).__name__ for a in list(args) + list(kwargs.values()) if not isinstance(a, torch.Tensor)]
-            if bad:
-                raise TypeError(
-                    f"graphed callable {c.name} was called with non-tensor arguments ({bad}); graphs take tensors "
-                    "only: bind constants in the module, or select another scope"
-                )
+            # Never raises mid-step: arguments a graph cannot bind are refused by capture() (check_recorded).
             if c not in self._order:
                 self._order.append(c)
-            c.sample_args = tuple(_clone_sample(a) for a in args)
-            c.sample_kwargs = {k: _clone_sample(v) for k, v in kwargs.items()}
+            c.sample_args, c.signature = _args.record_call(args, kwargs)
+            c.sample_kwargs = {}
 
         return record
 
@@ -195,6 +188,7 @@ class PartialCudaGraphs:
                 f"callables {not_run[:5]} did not run in an eager step before capture, so their sample args are "
                 "unknown; run at least one eager training step (cuda_graph_warmup_steps >= 1) before capture()"
             )
+        _args.check_recorded(self.callables)
         if self.backend == "torch" and any(c.sample_kwargs for c in self.callables):
             raise NotImplementedError("torch.cuda.make_graphed_callables takes positional tensors only; use the te backend for callables called with keyword arguments")
         for h in self._recorders:
@@ -267,18 +261,23 @@ class PartialCudaGraphs:
 
     def _capture_te(self, order: List[_Callable]) -> None:
         te = require_te("cuda_graph_impl='transformer_engine'")
+        wrappers = self._wrappers(order)
         te.make_graphed_callables(
-            tuple(c.module for c in order),
+            tuple(wrappers[c] for c in order),
             tuple(c.sample_args for c in order),
             num_warmup_iters=self.config.cuda_graph_num_warmup_iters,
             allow_unused_input=True,
-            sample_kwargs=tuple(c.sample_kwargs for c in order),
-            capture_time_hooks=[c.plan for c in order],
+            sample_kwargs=tuple({} for _ in order),
+            # one entry per callable, in order; TE passes the wrapper, the hooks act on the original module
+            capture_time_hooks=[_on_module(c.plan, c.module) for c in order],
         )
+        for c in order:
+            self._install(c, wrappers[c], wrappers[c].forward)
 
     def _capture_torch(self, order: List[_Callable]) -> None:
         # torch's graph maker takes no capture-time hooks and warms up and captures in one call, so run
         # one call per FSDP unit with that unit's handlers around it: unsharded before, reduced after.
+        wrappers = self._wrappers(order)
         groups: List[List[_Callable]] = []
         for c in order:
             if groups and c.unit is not None and groups[-1][0].unit is c.unit:
@@ -290,7 +289,7 @@ class PartialCudaGraphs:
                 for c in group:
                     _run(c.plan[key], c.module)
             torch.cuda.make_graphed_callables(
-                tuple(c.module for c in group),
+                tuple(wrappers[c] for c in group),
                 tuple(c.sample_args for c in group),
                 num_warmup_iters=self.config.cuda_graph_num_warmup_iters,
                 allow_unused_input=True,
@@ -298,17 +297,20 @@ class PartialCudaGraphs:
             for key in ("forward_hooks", "backward_hooks"):
                 for c in group:
                     _run(c.plan[key], c.module)
+        for c in order:
+            self._install(c, wrappers[c], wrappers[c].forward)
 
     def _capture_protocol(self, order: List[_Callable]) -> None:
         # TE's schedule: per warmup iteration all forwards in order then all backwards in reverse, then the
         # capture pass the same way, each pass inside the (simulated) capture context and every hook outside.
+        wrappers = self._wrappers(order)
         for it in range(self.config.cuda_graph_num_warmup_iters + 1):
             capturing = it == self.config.cuda_graph_num_warmup_iters
             outs = []
             for c in order:
                 _run(c.plan["forward_pre_hooks"], c.module)
                 with simulated_capture() if capturing else contextlib.nullcontext():
-                    outs.append(c.module(*c.sample_args, **c.sample_kwargs))
+                    outs.append(wrappers[c](*c.sample_args))
                 _run(c.plan["forward_hooks"], c.module)
             for c, out in zip(reversed(order), reversed(outs)):
                 _run(c.plan["backward_pre_hooks"], c.module)
@@ -316,7 +318,20 @@ class PartialCudaGraphs:
                     _grads(c, out)
                 _run(c.plan["backward_hooks"], c.module)
         for c in order:
-            c.module.forward = _ProtocolReplay(c.module)
+            self._install(c, wrappers[c], _ProtocolReplay(wrappers[c]))
+
+    # ------------------------------------------------------------------ calls with constants (see _args.py)
+    def _wrappers(self, order: List[_Callable]) -> Dict[_Callable, _args.CallWrapper]:
+        """What each backend captures: a module taking the recorded call's tensors, constants bound."""
+        return {c: _args.CallWrapper(c.module, c.name, c.signature, c.module.forward) for c in order}
+
+    def _install(self, c: _Callable, wrapper: _args.CallWrapper, graphed: Any) -> None:
+        """After capture: the module's forward checks each call against capture's and replays or runs eagerly."""
+        for attr in ("reset", "backward_dw"):  # graph makers attach these to the module they were given
+            if attr in wrapper.__dict__:
+                c.module.__dict__[attr] = wrapper.__dict__[attr]
+        c.module.forward = _args.Dispatcher(c.module, c.name, graphed, wrapper, wrapper.eager_forward,
+                                            strict=self.config.cuda_graph_strict_signature)
 
     def _address_check(self, c: _Callable):
         rank = self.engine.rank if self.engine is not None else 0
@@ -394,6 +409,11 @@ def _restore_forward(c: _Callable) -> None:
         c.module.__dict__["forward"] = c.own_forward
     else:
         c.module.__dict__.pop("forward", None)
+
+
+def _on_module(plan: Dict[str, Dict[int, Any]], module: nn.Module) -> Dict[str, Dict[int, Any]]:
+    """A callable's capture-time hooks (same keys and ids) that run on ``module`` whatever TE passes them."""
+    return {k: {hid: (lambda _given, fn=fn: fn(module)) for hid, fn in hooks.items()} for k, hooks in plan.items()}
 
 
 def _run(hooks: Dict[int, Any], module: nn.Module) -> None:

@@ -291,6 +291,10 @@ class CudaGraphConfig:
         cuda_graph_num_warmup_iters (>= 1): warmup iterations inside ``make_graphed_callables`` before capture.
             TE filters out parameters that receive no gradient using the warmup pass, so zero is refused.
 
+    Replay:
+        cuda_graph_strict_signature: a graphed callable called with other constants, shapes or dtypes than at
+            capture runs eagerly with one warning per callable (False, the default) or raises ValueError (True).
+
     FSDP (read from the training script's own flags by :func:`config_from_args`):
         use_megatron_fsdp, fsdp_double_buffer, fsdp_db_use_persist_buf_on_alloc_fail: a per-layer impl under
         Megatron-FSDP needs both buffer options, because replay needs every unshard buffer at the address it
@@ -306,6 +310,7 @@ class CudaGraphConfig:
     inference_cuda_graph_scope: Union[InferenceCudaGraphScope, str, None] = None
     cuda_graph_warmup_steps: int = 3
     cuda_graph_num_warmup_iters: int = 3
+    cuda_graph_strict_signature: bool = False
     use_megatron_fsdp: bool = False
     fsdp_double_buffer: bool = False
     fsdp_db_use_persist_buf_on_alloc_fail: bool = False
@@ -337,7 +342,8 @@ class CudaGraphConfig:
 
     def _validate(self) -> None:
         """Check every cross-field rule; raise one ValueError listing all violations."""
-        for name in ("use_megatron_fsdp", "fsdp_double_buffer", "fsdp_db_use_persist_buf_on_alloc_fail"):
+        for name in ("use_megatron_fsdp", "fsdp_double_buffer", "fsdp_db_use_persist_buf_on_alloc_fail",
+                     "cuda_graph_strict_signature"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         problems: List[str] = []
@@ -456,6 +462,9 @@ def add_cuda_graph_args(parser_or_group: Union[argparse.ArgumentParser, Any]) ->
                        help="eager training steps before capture, >= 1 (default 3)")
     group.add_argument("--cuda-graph-num-warmup-iters", type=int, default=None,
                        help="warmup iterations inside make_graphed_callables, >= 1 (default 3)")
+    group.add_argument("--cuda-graph-strict-signature", action="store_true", default=None,
+                       help="raise when a graphed callable is called differently than at capture (default: run "
+                            "that call eagerly, warn once)")
     group.add_argument("--enable-cuda-graph", action="store_true", default=None,
                        help="DEPRECATED: use --cuda-graph-impl local")
     group.add_argument("--external-cuda-graph", action="store_true", default=None,
@@ -466,7 +475,7 @@ def add_cuda_graph_args(parser_or_group: Union[argparse.ArgumentParser, Any]) ->
 
 
 _NEW_FIELDS = ("cuda_graph_impl", "cuda_graph_modules", "cuda_graph_module_patterns", "inference_cuda_graph_scope",
-               "cuda_graph_warmup_steps", "cuda_graph_num_warmup_iters")
+               "cuda_graph_warmup_steps", "cuda_graph_num_warmup_iters", "cuda_graph_strict_signature")
 _DEPRECATED_FIELDS = ("enable_cuda_graph", "external_cuda_graph", "cuda_graph_scope")
 _FSDP_FIELDS = ("use_megatron_fsdp", "fsdp_double_buffer", "fsdp_db_use_persist_buf_on_alloc_fail")
 
