@@ -116,7 +116,7 @@ class AttentionBackendMatcher:
         self._active = True
         for name, module in watched.items():
             self._hooks.append(module.register_forward_pre_hook(self._enter(name)))
-            self._hooks.append(module.register_forward_hook(self._exit, always_called=True))
+            self._hooks.append(module.register_forward_hook(self._exit, always_call=True))
         self._invalidate_cache()
 
     @property

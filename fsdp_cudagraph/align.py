@@ -1,11 +1,20 @@
 """Bit-exact loss alignment: eager ``megatron_fsdp`` against partial CUDA graphs, across scopes and GPUs.
 
 For every row of the matrix the same model, data and seeds train twice, eagerly and with graphs captured
-before step ``--capture-step``, on a side stream; every step's loss and the final parameters must be
-equal under ``torch.equal`` (atol = rtol = 0) on every rank. Negative controls show the comparison can
-fail: a run with double buffering off is refused by validation, a hook left on a captured module is
-refused, a parameter moved after capture is caught before replay, and a one-token data perturbation is
-reported as a mismatch.
+before step ``--capture-step``, both from a plain loop on the default CUDA stream (the README's loop); every
+step's loss, the final parameters and what user hooks saw must be equal under ``torch.equal``
+(atol = rtol = 0) on every rank. The rows cover what users run: sequence lengths that are and are not
+multiples of 128 (64, 100, 128, 512), head dims 32/64/128, TE's own ``TransformerLayer`` as the unit
+(sequence-first), plain-torch layers under the TE backend, all four sharding strategies, gradient
+accumulation, user forward hooks and full backward hooks on graphed modules, and tuple outputs with tensor
+keyword arguments. The eager run uses ``match_graph_attention`` for the row's scope (TE attention picks the
+backend a graph would; see ``_attention.py``).
+
+Negative controls show the comparison can fail: double buffering off is refused by validation, a hook left
+on a captured module is refused, a parameter moved after capture is caught before replay, a one-token data
+perturbation is reported as a mismatch, an eager baseline that keeps TE's eager attention backend mismatches
+where TE picks another one under capture, ``attention_backend='error'`` refuses such a capture, and (torch <
+2.13) graphs built after eager steps on the default stream are refused at capture with the fix.
 
 Run (1 GPU, then 2 GPUs)::
 
@@ -18,7 +27,7 @@ Run (1 GPU, then 2 GPUs)::
 from __future__ import annotations
 
 import argparse
-import itertools
+import dataclasses
 import json
 import logging
 import os
@@ -41,22 +50,56 @@ from .train import RunSpec, run_training
 
 logger = logging.getLogger(__name__)
 
-SCOPES: List[List[str]] = [
-    ["attn"],
-    ["attn", "moe_router", "moe_preprocess"],
-    ["moe_router"],
-    ["mlp"],
-    ["attn", "mlp"],
-    [],
-]
-STRATEGIES = ["optim_grads_params", "optim_grads"]
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+ZERO3 = "optim_grads_params"
 
 
-def model_config(backend: str) -> GPTConfig:
+def model_config(backend: str, *, seq_len: int = 100, num_heads: int = 4, unit: str = "block",
+                 use_te: Optional[bool] = None, rich_calls: bool = False) -> GPTConfig:
+    """The matrix's model: 4 layers, hidden 256 (head dim 256 / num_heads), every second layer MoE."""
+    use_te = (backend == "te") if use_te is None else use_te
     return GPTConfig(
-        vocab_size=1024, hidden_size=256, num_layers=4, num_heads=4, seq_len=128, moe_every=2, num_experts=4,
-        moe_top_k=2, use_te=(backend == "te"),
+        vocab_size=1024, hidden_size=256, num_layers=4, num_heads=num_heads, seq_len=seq_len,
+        moe_every=0 if unit == "te_layer" else 2, num_experts=4, moe_top_k=2, use_te=use_te, unit=unit,
+        rich_calls=rich_calls,
     )
+
+
+def matrix(backend: str, *, quick: bool) -> List[Dict[str, Any]]:
+    """The rows for one backend: each a dict of run_row keyword arguments plus ``model`` kwargs."""
+    rows: List[Dict[str, Any]] = []
+
+    def row(scope: List[str], what: str, strategy: str = ZERO3, grad_accum: int = 1, user_hooks: bool = False,
+            **model: Any) -> None:
+        rows.append(dict(scope=scope, what=what, strategy=strategy, grad_accum=grad_accum, user_hooks=user_hooks,
+                         model=model))
+
+    seqs = (100,) if quick else (64, 100, 128, 512)
+    for seq in seqs:
+        for scope in ([], ["attn"]):
+            row(scope, f"seq {seq}", seq_len=seq)
+    if quick:
+        row(["attn", "mlp"], "tuple outputs, tensor kwargs", rich_calls=True)
+        row(["attn"], "user hooks", user_hooks=True)
+        return rows
+    row(["attn"], "head dim 32", num_heads=8)
+    row(["attn"], "head dim 128", num_heads=2)
+    for strategy in STRATEGIES:
+        row(["attn", "mlp"], f"strategy {strategy}", strategy=strategy)
+    for scope in (["attn", "moe_router", "moe_preprocess"], ["moe_router"], ["mlp"]):
+        row(scope, "scope")
+    row(["attn", "mlp"], "gradient accumulation 2", grad_accum=2)
+    if HAS_TE:
+        for seq in (100, 128):
+            row([], f"TE TransformerLayer units, seq {seq}", seq_len=seq, unit="te_layer", use_te=True)
+    if backend == "te":
+        row([], "plain-torch layers", use_te=False)
+        row(["attn"], "plain-torch layers", use_te=False)
+    row(["attn"], "user forward + full backward hooks", user_hooks=True)
+    row([], "user forward + full backward hooks", user_hooks=True)
+    row(["attn", "mlp"], "tuple outputs, tensor kwargs", rich_calls=True)
+    row([], "tuple outputs, tensor kwargs", rich_calls=True)
+    return rows
 
 
 def _equal_everywhere(flag: bool, device: torch.device) -> bool:
@@ -65,15 +108,32 @@ def _equal_everywhere(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
+def _hooks_equal(eager: Any, graphed: Any) -> Optional[bool]:
+    """Whether user hooks saw the same values eagerly and around replays (None: no hooks in this row)."""
+    if eager.hook_values is None:
+        return None
+    if eager.hook_values.keys() != graphed.hook_values.keys():
+        return False
+    for k, a in eager.hook_values.items():
+        b = graphed.hook_values[k]
+        if not a or len(a) != len(b) or not torch.equal(torch.stack(a), torch.stack(b)):
+            return False
+    return True
+
+
 def compare(eager: Any, graphed: Any, device: torch.device) -> Dict[str, Any]:
     loss_eq = [torch.equal(a, b) for a, b in zip(eager.losses, graphed.losses)]
     param_eq = all(torch.equal(eager.final_state[k], graphed.final_state[k]) for k in eager.final_state)
-    ok = _equal_everywhere(all(loss_eq) and param_eq, device)
+    hooks_eq = _hooks_equal(eager, graphed)
+    ok = _equal_everywhere(all(loss_eq) and param_eq and hooks_eq is not False, device)
     first_bad = next((i for i, e in enumerate(loss_eq) if not e), None)
     return {
         "equal": ok,
         "losses_equal_per_step": loss_eq,
         "params_equal": param_eq,
+        "user_hooks_equal": hooks_eq,
+        "num_hook_values": sum(len(v) for v in (graphed.hook_values or {}).values()),
+        "attention_backends": graphed.capture.attention_backends if graphed.capture else {},
         "first_mismatch_step": first_bad,
         "eager_losses": [float(x) for x in eager.losses],
         "graphed_losses": [float(x) for x in graphed.losses],
@@ -85,13 +145,18 @@ def compare(eager: Any, graphed: Any, device: torch.device) -> Dict[str, Any]:
 
 
 def run_row(*, scope: List[str], strategy: str, backend: str, grad_accum: int, steps: int, capture_step: int,
-            device: torch.device, perturb_step: Optional[int] = None) -> Dict[str, Any]:
-    spec = RunSpec(model=model_config(backend), steps=steps, sharding_strategy=strategy, backend=backend,
-                   grad_accum=grad_accum, capture_step=capture_step)
+            device: torch.device, perturb_step: Optional[int] = None, what: str = "", user_hooks: bool = False,
+            model: Optional[Dict[str, Any]] = None, eager_matches_graph_attention: bool = True) -> Dict[str, Any]:
+    model = dict(model or {})
+    spec = RunSpec(model=model_config(backend, **model), steps=steps, sharding_strategy=strategy, backend=backend,
+                   grad_accum=grad_accum, capture_step=capture_step, user_hooks=user_hooks,
+                   attention_as_graphed=scope if eager_matches_graph_attention else None)
     eager = run_training(spec, device)
-    graphed_spec = RunSpec(**{**spec.__dict__, "cuda_graph_modules": scope, "perturb_step": perturb_step})
+    graphed_spec = RunSpec(**{**spec.__dict__, "cuda_graph_modules": scope, "perturb_step": perturb_step,
+                              "attention_as_graphed": None})
     graphed = run_training(graphed_spec, device)
-    row = {"scope": scope, "strategy": strategy, "backend": backend, "grad_accum": grad_accum}
+    row = {"what": what, "scope": scope, "strategy": strategy, "backend": backend, "grad_accum": grad_accum,
+           "model": {k: v for k, v in dataclasses.asdict(spec.model).items() if k != "ffn_hidden_size"}}
     row.update(compare(eager, graphed, device))
     return row
 
@@ -162,6 +227,29 @@ def negative_controls(device: torch.device, backend: str) -> List[Dict[str, Any]
                   capture_step=3, device=device, perturb_step=5)
     out.append({"control": "one token perturbed at step 5", "caught": not row["equal"],
                 "detail": f"first mismatch at step {row['first_mismatch_step']}"})
+
+    # 5./6. Where TE attention picks another backend under capture (seq 100 is not a multiple of 128): an
+    # eager baseline that keeps TE's eager choice must mismatch, and attention_backend='error' must refuse.
+    if backend == "te":
+        row = run_row(scope=["attn"], strategy=ZERO3, backend=backend, grad_accum=1, steps=6, capture_step=3,
+                      device=device, eager_matches_graph_attention=False)
+        differs = any(s["eager"] != s["graph"] for s in row["attention_backends"].values())
+        if differs:
+            out.append({"control": "eager baseline keeps TE's eager attention", "caught": not row["equal"],
+                        "detail": f"first mismatch at step {row['first_mismatch_step']}; {row['attention_backends']}"})
+            expect("attention_backend='error' with a backend change", lambda: run_training(RunSpec(
+                model=model_config(backend), steps=5, backend=backend, cuda_graph_modules=["attn"],
+                attention_backend="error"), device), RuntimeError)
+        else:
+            out.append({"control": "attention backend change under capture", "caught": None,
+                        "detail": f"not applicable here: TE picks the same backend eagerly and under capture "
+                                  f"({row['attention_backends']}); the eager baseline matched: {row['equal']}"})
+
+    # 7. Graphs built after eager steps on the default stream: refused at capture on torch < 2.13.
+    if not hasattr(torch.autograd.graph, "set_override_stale_capture_stream"):
+        expect("graphs built after 2 default-stream steps", lambda: run_training(RunSpec(
+            model=model_config(backend), steps=5, backend=backend, cuda_graph_modules=[], build_graphs_step=2,
+            capture_step=3), device), RuntimeError)
     return out
 
 
@@ -177,6 +265,7 @@ def versions() -> Dict[str, Any]:
         "cuda": torch.version.cuda,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
         "te": str(TE_VERSION) if HAS_TE else f"absent ({TE_REASON})",
+        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         "python": platform.python_version(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "commit": commit,
@@ -188,7 +277,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--backends", nargs="+", default=["te", "torch"], choices=["te", "torch"])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--capture-step", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="two scopes, one strategy")
+    p.add_argument("--quick", action="store_true", help="a reduced matrix (seq 100, two scopes, tuple outputs, hooks)")
     p.add_argument("--no-controls", action="store_true")
     p.add_argument("--out", default=None, help="JSON result path (rank 0 writes)")
     args = p.parse_args(argv)
@@ -205,30 +294,33 @@ def main(argv: Optional[List[str]] = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     backends = [b for b in args.backends if b != "te" or HAS_TE]
     skipped = [] if len(backends) == len(args.backends) else [f"te: {TE_REASON}"]
-    scopes = SCOPES[:2] if args.quick else SCOPES
-    strategies = STRATEGIES[:1] if args.quick else STRATEGIES
     rows: List[Dict[str, Any]] = []
-    cases = list(itertools.product(backends, strategies, scopes))
-    cases += [(b, "optim_grads_params", ["attn", "mlp"], 2) for b in backends]  # gradient accumulation
+    cases = [(b, case) for b in backends for case in matrix(b, quick=args.quick)]
     t0 = time.time()
-    for i, case in enumerate(cases):
-        backend, strategy, scope = case[:3]
-        accum = case[3] if len(case) > 3 else 1
-        row = run_row(scope=scope, strategy=strategy, backend=backend, grad_accum=accum, steps=args.steps,
-                      capture_step=args.capture_step, device=device)
+    for i, (backend, case) in enumerate(cases):
+        try:
+            row = run_row(backend=backend, steps=args.steps, capture_step=args.capture_step, device=device, **case)
+        except Exception as exc:  # noqa: BLE001 - a row that raises is a failed row, reported with the rest
+            logger.exception("row %s failed", case)
+            row = {**{k: v for k, v in case.items() if k != "model"}, "backend": backend, "equal": False,
+                   "error": f"{type(exc).__name__}: {str(exc)[:500]}", "first_mismatch_step": None,
+                   "eager_step_ms_median": float("nan"), "graphed_step_ms_median": float("nan")}
         rows.append(row)
         if rank == 0:
-            print(f"[{i + 1}/{len(cases)}] {backend:5s} {strategy:18s} accum={accum} scope={scope!s:40s} "
-                  f"{'EQUAL' if row['equal'] else 'MISMATCH at step ' + str(row['first_mismatch_step'])}  "
+            verdict = "EQUAL" if row["equal"] else row.get("error") or f"MISMATCH at step {row['first_mismatch_step']}"
+            print(f"[{i + 1}/{len(cases)}] {backend:5s} {row['strategy']:18s} accum={row['grad_accum']} "
+                  f"{case['what']:34s} scope={case['scope']!s:36s} {verdict[:200]}  "
                   f"eager {row['eager_step_ms_median']:.2f} ms  graphed {row['graphed_step_ms_median']:.2f} ms",
                   flush=True)
     controls = [] if args.no_controls else [c for b in backends for c in negative_controls(device, b)]
-    ok = all(r["equal"] for r in rows) and all(c["caught"] for c in controls)
+    ok = all(r["equal"] for r in rows) and all(c["caught"] is not False for c in controls)
     if rank == 0:
         for c in controls:
-            print(f"control: {c['control']:35s} {'caught' if c['caught'] else 'NOT CAUGHT'}  {c['detail'][:120]}")
+            verdict = {True: "caught", False: "NOT CAUGHT", None: "n/a"}[c["caught"]]
+            print(f"control: {c['control']:42s} {verdict:10s}  {c['detail'][:160]}")
         print(f"{len(rows)} rows, {sum(r['equal'] for r in rows)} equal; controls caught "
-              f"{sum(c['caught'] for c in controls)}/{len(controls)}; {time.time() - t0:.0f} s; world {world}")
+              f"{sum(c['caught'] is True for c in controls)}/{sum(c['caught'] is not None for c in controls)}; "
+              f"{time.time() - t0:.0f} s; world {world}")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"command": " ".join(sys.argv), "world_size": world, "versions": versions(),

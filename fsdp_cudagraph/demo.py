@@ -43,8 +43,11 @@ def main() -> None:
     backend = ("te" if HAS_TE else "torch") if cuda else "protocol"
     cfg = GPTConfig(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, seq_len=64, moe_every=2,
                     use_te=backend == "te")
+    # The eager run's TE attention picks the backend the graphs will use (match_graph_attention), so that the
+    # two columns can be compared bit for bit; see fsdp_cudagraph/_attention.py.
     spec = RunSpec(model=cfg, steps=args.steps, sharding_strategy=args.strategy, backend=backend,
-                   compute_dtype=torch.bfloat16 if cuda else torch.float32, capture_step=3)
+                   compute_dtype=torch.bfloat16 if cuda else torch.float32, capture_step=3,
+                   attention_as_graphed=list(args.scope))
     if rank == 0:
         print(f"megatron_fsdp demo: {world} ranks on {device.type} ({dist.get_backend()}), strategy {args.strategy}, "
               f"{cfg.num_layers} layers (every 2nd MoE), graph scope {args.scope or 'whole layers'}, backend {backend}")
@@ -54,7 +57,8 @@ def main() -> None:
         elif not HAS_TE:
             print(f"TransformerEngine not available ({TE_REASON}); using torch.cuda.make_graphed_callables.")
     eager = run_training(spec, device)
-    graphed = run_training(RunSpec(**{**spec.__dict__, "cuda_graph_modules": list(args.scope)}), device)
+    graphed = run_training(RunSpec(**{**spec.__dict__, "cuda_graph_modules": list(args.scope),
+                                      "attention_as_graphed": None}), device)
     if rank == 0:
         print(f"{'step':>4}  {'eager loss':>12}  {'graphed loss':>12}  {'equal':>5}  {'eager ms':>9}  {'graphed ms':>10}")
         for i, (a, b) in enumerate(zip(eager.losses, graphed.losses)):
@@ -69,6 +73,11 @@ def main() -> None:
         same = all(torch.equal(a, b) for a, b in zip(eager.losses, graphed.losses))
         print(f"losses bit-identical: {same}; {mem}; capture took {graphed.capture.capture_seconds:.2f} s "
               f"for {len(graphed.capture.callables)} callables")
+        changed = {n: s for n, s in graphed.capture.attention_backends.items() if s["eager"] != s["graph"]}
+        if changed:
+            first = next(iter(changed.values()))
+            print(f"TE attention: {len(changed)} graphed callables run {first['graph']} (what TE picks under "
+                  f"capture) instead of {first['eager']} (its eager pick for seq {cfg.seq_len}), in both runs")
     dist.destroy_process_group()
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,12 @@ class GPTConfig:
     num_experts: int = 4
     moe_top_k: int = 2
     use_te: bool = False
+    #: ``block``: our TransformerBlock (batch-first); ``te_layer``: TE's own ``TransformerLayer`` as the unit
+    #: (sequence-first layout, needs ``use_te``).
+    unit: str = "block"
+    #: Calls the way real models make them: attention returns a tuple ``(out, normed_input)`` and the MLP
+    #: takes that second tensor as a keyword argument (``skip=``); exercises tuple outputs and tensor kwargs.
+    rich_calls: bool = False
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -48,6 +54,13 @@ class GPTConfig:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; pick num_heads that "
                 "divides hidden_size"
+            )
+        if self.unit not in ("block", "te_layer"):
+            raise ValueError(f"unit={self.unit!r} is not 'block' or 'te_layer'; pick one of those")
+        if self.unit == "te_layer" and (not self.use_te or self.moe_every or self.rich_calls):
+            raise ValueError(
+                f"unit='te_layer' (TE TransformerLayer) needs use_te=True, moe_every=0 and rich_calls=False (got "
+                f"use_te={self.use_te}, moe_every={self.moe_every}, rich_calls={self.rich_calls})"
             )
         if self.moe_every < 0 or not (1 <= self.moe_top_k <= self.num_experts):
             raise ValueError(
@@ -65,6 +78,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         h, self.num_heads = cfg.hidden_size, cfg.num_heads
         self.use_te = cfg.use_te
+        self.rich_calls = cfg.rich_calls
         if cfg.use_te:
             te = require_te("GPTConfig(use_te=True)")
             self.ln_qkv = te.LayerNormLinear(h, 3 * h, bias=True, params_dtype=torch.float32)
@@ -75,7 +89,7 @@ class SelfAttention(nn.Module):
             self.qkv = nn.Linear(h, 3 * h)
             self.proj = nn.Linear(h, h)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Any:
         b, s, h = x.shape
         d = h // self.num_heads
         if self.use_te:
@@ -84,7 +98,8 @@ class SelfAttention(nn.Module):
         else:
             q, k, v = self.qkv(self.ln(x)).view(b, s, 3, self.num_heads, d).permute(2, 0, 3, 1, 4)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
-        return x + self.proj(y)
+        out = x + self.proj(y)
+        return (out, y) if self.rich_calls else out
 
 
 class MLP(nn.Module):
@@ -103,10 +118,9 @@ class MLP(nn.Module):
             self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size)
             self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_te:
-            return x + self.ln_mlp(x)
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+    def forward(self, x: torch.Tensor, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = x + self.ln_mlp(x) if self.use_te else x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+        return out if skip is None else out + 0.5 * skip.to(out.dtype)
 
 
 class Router(nn.Module):
@@ -165,11 +179,12 @@ class MoEBlock(nn.Module):
         self.preprocess = MoEPreprocess(cfg)
         self.experts = Experts(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
         b, s, h = x.shape
         t = self.ln(x).reshape(b * s, h)
         combine = self.preprocess(self.router(t))
-        return x + self.experts(t, combine).view(b, s, h)
+        out = x + self.experts(t, combine).view(b, s, h)
+        return out if skip is None else out + 0.5 * skip.to(out.dtype)
 
 
 class TransformerBlock(nn.Module):
@@ -185,8 +200,11 @@ class TransformerBlock(nn.Module):
             self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.attn(x)
-        return self.moe(x) if hasattr(self, "moe") else self.mlp(x)
+        ffn = self.moe if hasattr(self, "moe") else self.mlp
+        if self.attn.rich_calls:
+            x, y = self.attn(x)
+            return ffn(x, skip=y)
+        return ffn(self.attn(x))
 
 
 class GPT(nn.Module):
@@ -197,16 +215,36 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(cfg, i + 1) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(_layer(cfg, i + 1) for i in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
         x = self.tok(tokens) + self.pos(torch.arange(s, device=tokens.device))[None]
+        seq_first = self.cfg.unit == "te_layer"
+        if seq_first:
+            x = x.transpose(0, 1).contiguous()  # TE TransformerLayer's default layout is [seq, batch, hidden]
         for layer in self.layers:
             x = layer(x)
+        if seq_first:
+            x = x.transpose(0, 1)
         return self.head(self.ln_f(x))
+
+    @property
+    def unit_class(self) -> type:
+        """The class whose instances are the FSDP units (the layers)."""
+        return type(self.layers[0])
+
+
+def _layer(cfg: GPTConfig, layer_number: int) -> nn.Module:
+    if cfg.unit == "block":
+        return TransformerBlock(cfg, layer_number)
+    te = require_te("GPTConfig(unit='te_layer')")
+    return te.TransformerLayer(
+        cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_heads, layer_number=layer_number, hidden_dropout=0.0,
+        attention_dropout=0.0, self_attn_mask_type="causal", params_dtype=torch.float32, seq_length=cfg.seq_len,
+    )
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 The loop is what a user's loop looks like: build the reference GPT, shard it with ``megatron_fsdp``, train
 with Adam on synthetic data, optionally capture partial graphs before step ``capture_step``. Each rank
-trains on its slice of the same global batch.
+trains on its slice of the same global batch. It runs on the default CUDA stream, as users' loops do; the
+graph layer moves the thread to its side stream itself (``side_stream=True`` instead opens a stream of the
+loop's own, the way the first GPU record ran).
 """
 
 from __future__ import annotations
@@ -10,16 +12,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_fsdp import MegatronFSDP, fully_shard
 
-from ._capture import CaptureReport, PartialCudaGraphs
+from ._capture import CaptureReport, PartialCudaGraphs, match_graph_attention, select_modules
 from .config import CudaGraphConfig
-from .model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
+from .model import GPT, GPTConfig, loss_fn, synthetic_batch
 
 __all__ = ["RunSpec", "RunResult", "build_model", "graph_config", "run_training"]
 
@@ -37,7 +39,18 @@ class RunSpec:
     cuda_graph_modules: Optional[Sequence[str]] = None
     backend: str = "te"
     capture_step: int = 3
-    side_stream: bool = True
+    side_stream: bool = False
+    #: Build PartialCudaGraphs before this step (0: before the loop, as the README does); a later step leaves
+    #: earlier eager steps on the default stream (a negative control of the stream handling).
+    build_graphs_step: int = 0
+    #: Graphed runs: PartialCudaGraphs' attention_backend policy. Eager runs: the scope whose TE attention
+    #: selects as under capture (match_graph_attention), so that the eager run is comparable with a graphed
+    #: run of that scope; None keeps TE's eager choice.
+    attention_backend: str = "match_graph"
+    attention_as_graphed: Optional[Sequence[str]] = None
+    #: Register a forward hook and a full backward hook on every module of the scope (``cuda_graph_modules``
+    #: or ``attention_as_graphed``) and return what they saw each step: user hooks must fire around replays.
+    user_hooks: bool = False
     lr: float = 1e-3
     seed: int = 1234
     prefetch: bool = True
@@ -54,6 +67,9 @@ class RunResult:
     final_state: Dict[str, torch.Tensor]
     #: torch.profiler table of the profiled steps (see run_training's profile_from), else None.
     profile: Optional[str] = None
+    #: With ``user_hooks``: per hooked module, what its forward hook (output sum) and its full backward
+    #: hook (grad_output sum) saw, in call order.
+    hook_values: Optional[Dict[str, List[torch.Tensor]]] = None
 
 
 def build_model(spec: RunSpec, device: torch.device) -> MegatronFSDP:
@@ -61,7 +77,7 @@ def build_model(spec: RunSpec, device: torch.device) -> MegatronFSDP:
     model = GPT(spec.model).to(device)
     return fully_shard(
         model,
-        fsdp_unit_modules=[TransformerBlock],
+        fsdp_unit_modules=[model.unit_class],
         sharding_strategy=spec.sharding_strategy,
         compute_dtype=spec.compute_dtype,
         fsdp_double_buffer=True,
@@ -70,11 +86,11 @@ def build_model(spec: RunSpec, device: torch.device) -> MegatronFSDP:
     )
 
 
-def graph_config(spec: RunSpec) -> CudaGraphConfig:
-    """The CudaGraphConfig of a graphed run: its scope and backend, capture before ``capture_step``."""
+def graph_config(spec: RunSpec, scope: Optional[Sequence[str]] = None) -> CudaGraphConfig:
+    """The CudaGraphConfig of a graphed run: its scope (default ``spec.cuda_graph_modules``) and backend."""
     return CudaGraphConfig(
         cuda_graph_impl={"te": "transformer_engine", "torch": "local", "protocol": "local"}[spec.backend],
-        cuda_graph_modules=list(spec.cuda_graph_modules or []),
+        cuda_graph_modules=list((spec.cuda_graph_modules if scope is None else scope) or []),
         cuda_graph_warmup_steps=spec.capture_step,
         use_megatron_fsdp=True,
         fsdp_double_buffer=True,
@@ -88,12 +104,22 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
     ``profile_from``: run torch.profiler (CPU and CUDA) from that step to the end and return its table.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = device.type == "cuda"
+    if cuda:
+        # Every run starts as a fresh user process would: on the default stream (an earlier graphed run in this
+        # process left the thread on the graph layer's side stream).
+        default = torch.cuda.default_stream(device)
+        default.wait_stream(torch.cuda.current_stream(device))
+        torch.cuda.set_stream(default)
     model = build_model(spec, device)
     opt = torch.optim.Adam(model.optimizer_parameters(), lr=spec.lr)
     graphs = None
-    if spec.cuda_graph_modules is not None:
-        graphs = PartialCudaGraphs(model, graph_config(spec), backend=spec.backend)
-    cuda = device.type == "cuda"
+    matcher = None
+    graphed = spec.cuda_graph_modules is not None
+    scope = spec.cuda_graph_modules if graphed else spec.attention_as_graphed
+    if not graphed and scope is not None:
+        matcher = match_graph_attention(model, graph_config(spec, scope))
+    hook_values, hook_handles = _user_hooks(model, graph_config(spec, scope)) if spec.user_hooks else (None, [])
     stream = torch.cuda.Stream(device) if cuda and spec.side_stream else None
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -105,6 +131,9 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
     ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
     with ctx:
         for step in range(spec.steps):
+            if graphed and step == spec.build_graphs_step:
+                graphs = PartialCudaGraphs(model, graph_config(spec), backend=spec.backend,
+                                           attention_backend=spec.attention_backend)
             if graphs is not None and step == spec.capture_step:
                 report = graphs.capture()
             if step == profile_from:
@@ -145,4 +174,28 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
     state = model.full_state_dict()
     if graphs is not None:
         graphs.delete()
-    return RunResult(losses, ms, peak, report, state, table)
+    if matcher is not None:
+        matcher.uninstall()
+    for h in hook_handles:
+        h.remove()
+    return RunResult(losses, ms, peak, report, state, table, hook_values)
+
+
+def _user_hooks(model: MegatronFSDP, config: CudaGraphConfig) -> Tuple[Dict[str, List[torch.Tensor]], List[Any]]:
+    """A user's forward hook and full backward hook on each module of the scope, recording what they see."""
+    values: Dict[str, List[torch.Tensor]] = {}
+    handles = []
+    for name, module in select_modules(model.module, model, config):
+        fwd = values.setdefault(f"{name}:forward", [])
+        bwd = values.setdefault(f"{name}:backward", [])
+
+        def on_forward(mod: Any, args: Any, out: Any, fwd: List[torch.Tensor] = fwd) -> None:
+            first = out[0] if isinstance(out, tuple) else out
+            fwd.append(first.detach().float().sum())
+
+        def on_backward(mod: Any, grad_in: Any, grad_out: Any, bwd: List[torch.Tensor] = bwd) -> None:
+            bwd.append(sum(g.detach().float().sum() for g in grad_out if g is not None))
+
+        handles.append(module.register_forward_hook(on_forward))
+        handles.append(module.register_full_backward_hook(on_backward))
+    return values, handles

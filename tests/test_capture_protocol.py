@@ -361,6 +361,7 @@ def _extract_leaving_pre_forward(module):
 
 
 _REAL_EXTRACT = capture_mod.extract_hooks
+_REAL_PRECONDITIONS = capture_mod._check_graph_maker_preconditions
 
 
 class _FailingReplay(capture_mod._ProtocolReplay):
@@ -403,9 +404,14 @@ def _failures_job(rank: int, world: int) -> Dict[str, Any]:
     model.trace = []
     capture_mod.extract_hooks = _extract_leaving_pre_forward
     try:
+        # The graph makers' own precondition (no hook on a passed module) refuses this before any work...
+        out["neg_precondition"] = _error(graphs.capture)
+        # ...so, to show the engine's refusal, stand in for a graph maker that does not check.
+        capture_mod._check_graph_maker_preconditions = lambda order: None
         out["neg_error"] = _error(graphs.capture)
     finally:
         capture_mod.extract_hooks = _REAL_EXTRACT
+        capture_mod._check_graph_maker_preconditions = _REAL_PRECONDITIONS
     out["neg_trace"] = model.trace
     model.trace = None
     out["neg_hooks"] = (before, _snap(mods, keep_alive))
@@ -551,6 +557,8 @@ def test_allocation_inside_capture_is_refused(failures):
 
 def test_negative_control_fsdp_hook_inside_capture_is_refused(failures):
     for rank, out in enumerate(failures):
+        kind, msg = out["neg_precondition"]
+        assert kind == "RuntimeError" and "still has hooks" in msg and "_forward_pre_hooks" in msg, msg
         kind, msg = out["neg_error"]
         assert kind == "RuntimeError", msg
         assert CAPTURE_REFUSAL in msg and "megatron_fsdp" in msg and "all-gather of unit layers." in msg, msg
