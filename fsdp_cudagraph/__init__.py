@@ -7,8 +7,10 @@ the parameters sit where they sat at capture. See :class:`PartialCudaGraphs` and
 """
 
 from ._args import SignatureChangedWarning
-from ._capture import BACKENDS, CaptureReport, PartialCudaGraphs
+from ._attention import ATTENTION_POLICIES, AttentionBackendMatcher
+from ._capture import BACKENDS, CaptureReport, PartialCudaGraphs, match_graph_attention
 from ._hooks import extract_hooks, hooks_snapshot, restore_hooks
+from ._streams import use_side_stream
 from ._te import HAS_TE, TE_REASON, TE_VERSION
 from .config import (
     CudaGraphConfig,
@@ -24,6 +26,10 @@ __all__ = [
     "CaptureReport",
     "BACKENDS",
     "SignatureChangedWarning",
+    "match_graph_attention",
+    "AttentionBackendMatcher",
+    "ATTENTION_POLICIES",
+    "use_side_stream",
     "CudaGraphConfig",
     "CudaGraphImpl",
     "CudaGraphModule",

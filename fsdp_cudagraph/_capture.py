@@ -40,12 +40,13 @@ from torch import nn
 from megatron_fsdp import MegatronFSDP, simulated_capture
 from megatron_fsdp._unit import FSDPUnit
 
-from . import _args
+from . import _args, _streams
+from ._attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
 from ._hooks import HOOK_KEYS, ExtractedHooks, _DICTS, extract_hooks, fsdp_handlers, restore_hooks
 from ._te import require_te
 from .config import CudaGraphConfig
 
-__all__ = ["PartialCudaGraphs", "CaptureReport", "BACKENDS"]
+__all__ = ["PartialCudaGraphs", "CaptureReport", "BACKENDS", "select_modules", "match_graph_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,9 @@ class CaptureReport:
     capture_seconds: float
     graph_memory_bytes: int
     unknown_hooks: List[str] = field(default_factory=list)
+    #: callable name -> {"eager": TE's eager attention backend, "graph": its backend under capture,
+    #: "eager_used": what the eager steps ran}; empty without TE attention in the graphed callables.
+    attention_backends: Dict[str, Dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)  # identity: membership tests must never compare fields (tensors among them)
@@ -86,6 +90,39 @@ class _Callable:
     signature: Any = None
 
 
+def select_modules(root: nn.Module, engine: Optional[MegatronFSDP], config: CudaGraphConfig) -> List[Tuple[str, nn.Module]]:
+    """The (qualified name, module) pairs that ``config`` selects as graphed callables, in module order."""
+    cfg = config
+    named = list(root.named_modules())
+    if cfg.cuda_graph_module_patterns:
+        pats = list(cfg.cuda_graph_module_patterns)
+        chosen = [(n, m) for n, m in named if n and any(fnmatch.fnmatchcase(n, p) or type(m).__name__ == p for p in pats)]
+        if not chosen:
+            raise ValueError(f"cuda_graph_module_patterns={pats} match no submodule; patterns are globs over qualified names (e.g. 'layers.*.attn') or class names")
+    elif not cfg.cuda_graph_modules:
+        if engine is None:
+            raise ValueError("cuda_graph_modules=[] (whole layers) needs a megatron_fsdp model whose units are the layers, or cuda_graph_module_patterns")
+        unit_ids = {id(u.module) for u in engine.units}
+        chosen = [(n, m) for n, m in named if id(m) in unit_ids]
+    else:
+        wanted = {getattr(v, "value", v) for v in cfg.cuda_graph_modules}
+        chosen = [(n, m) for n, m in named if getattr(type(m), "cuda_graph_module", None) in wanted]
+        found = {getattr(type(m), "cuda_graph_module", None) for _, m in chosen}
+        missing = sorted(wanted - found)
+        if missing:
+            tags = sorted({t for _, m in named if (t := getattr(type(m), "cuda_graph_module", None))})
+            raise ValueError(
+                f"cuda_graph_modules includes {missing} but no submodule of {type(root).__name__} is tagged "
+                f"so (tags present: {tags}); drop them, or set `cuda_graph_module` on the classes to graph"
+            )
+    names = [n for n, _ in chosen]
+    for a in names:
+        for b in names:
+            if a != b and b.startswith(a + "."):
+                raise ValueError(f"selected callables {a!r} and {b!r} are nested; graph one or the other")
+    return chosen
+
+
 class PartialCudaGraphs:
     """Select, capture, check and delete per-layer CUDA graphs of a (``megatron_fsdp``-wrapped) model.
 
@@ -96,10 +133,25 @@ class PartialCudaGraphs:
             ``cuda_graph_module_patterns`` picks them by qualified-name glob or class name.
         backend: ``te``, ``torch`` or ``protocol``; default from ``config.cuda_graph_impl``
             (``transformer_engine`` -> te, ``local`` -> torch).
+        attention_backend: what to do when TE attention inside a graphed callable would pick another backend
+            under capture than eagerly (see [Note: attention backends under capture] in ``_attention.py``):
+            ``match_graph`` (default) makes the eager steps use the graph's backend from now on, ``warn``
+            keeps TE's eager choice and warns at capture, ``error`` refuses the capture.
+
+    Streams: building it moves this thread off the legacy default CUDA stream (backends ``te`` and
+    ``torch``; see [Note: the default stream and graph capture] in ``_streams.py``), so build it before the
+    first training step: the eager steps before capture must run on a stream a capture can join.
     """
 
-    def __init__(self, model: nn.Module, config: CudaGraphConfig, *, backend: Optional[str] = None) -> None:
+    def __init__(self, model: nn.Module, config: CudaGraphConfig, *, backend: Optional[str] = None,
+                 attention_backend: str = "match_graph") -> None:
+        if attention_backend not in ATTENTION_POLICIES:
+            raise ValueError(
+                f"attention_backend={attention_backend!r} is not one of {ATTENTION_POLICIES}; 'match_graph' runs "
+                "the eager steps with the attention backend the graph will use"
+            )
         self.config = config
+        self.attention_backend = attention_backend
         self.engine = model if isinstance(model, MegatronFSDP) else None
         self.root = model.module if isinstance(model, MegatronFSDP) else model
         if backend is None:
@@ -120,6 +172,15 @@ class PartialCudaGraphs:
                 "addresses; pass both to fully_shard"
             )
         self.callables = self._select()
+        # Before the eager steps that precede capture: no autograd node of theirs may live on the legacy
+        # default stream ([Note: the default stream and graph capture]).
+        self._steps_before_side_stream = 0
+        if backend in ("te", "torch") and _streams.on_legacy_default_stream():
+            self._steps_before_side_stream = getattr(self.engine, "num_forward_calls", 0)
+            _streams.use_side_stream()
+        self._attention = AttentionBackendMatcher(
+            {c.name: c.module for c in self.callables}, force=attention_backend == "match_graph"
+        )
         self._order: List[_Callable] = []
         self._recorders = [
             c.module.register_forward_pre_hook(self._recorder(c), with_kwargs=True) for c in self.callables
@@ -130,36 +191,8 @@ class PartialCudaGraphs:
 
     # ------------------------------------------------------------------ selection
     def _select(self) -> List[_Callable]:
-        cfg = self.config
-        named = list(self.root.named_modules())
-        if cfg.cuda_graph_module_patterns:
-            pats = list(cfg.cuda_graph_module_patterns)
-            chosen = [(n, m) for n, m in named if n and any(fnmatch.fnmatchcase(n, p) or type(m).__name__ == p for p in pats)]
-            if not chosen:
-                raise ValueError(f"cuda_graph_module_patterns={pats} match no submodule; patterns are globs over qualified names (e.g. 'layers.*.attn') or class names")
-        elif not cfg.cuda_graph_modules:
-            if self.engine is None:
-                raise ValueError("cuda_graph_modules=[] (whole layers) needs a megatron_fsdp model whose units are the layers, or cuda_graph_module_patterns")
-            unit_ids = {id(u.module) for u in self.engine.units}
-            chosen = [(n, m) for n, m in named if id(m) in unit_ids]
-        else:
-            wanted = {getattr(v, "value", v) for v in cfg.cuda_graph_modules}
-            chosen = [(n, m) for n, m in named if getattr(type(m), "cuda_graph_module", None) in wanted]
-            found = {getattr(type(m), "cuda_graph_module", None) for _, m in chosen}
-            missing = sorted(wanted - found)
-            if missing:
-                tags = sorted({t for _, m in named if (t := getattr(type(m), "cuda_graph_module", None))})
-                raise ValueError(
-                    f"cuda_graph_modules includes {missing} but no submodule of {type(self.root).__name__} is tagged "
-                    f"so (tags present: {tags}); drop them, or set `cuda_graph_module` on the classes to graph"
-                )
-        names = [n for n, _ in chosen]
-        for a in names:
-            for b in names:
-                if a != b and b.startswith(a + "."):
-                    raise ValueError(f"selected callables {a!r} and {b!r} are nested; graph one or the other")
         out = []
-        for n, m in chosen:
+        for n, m in select_modules(self.root, self.engine, self.config):
             unit = self.engine.unit_of(m) if self.engine is not None else None
             out.append(_Callable(name=n, module=m, unit=unit))
         return out
@@ -182,6 +215,9 @@ class PartialCudaGraphs:
                                "to capture again")
         if self.backend != "protocol":
             self.config.check_runtime()
+            hazard = _streams.legacy_stream_hazard(steps_before_side_stream=self._steps_before_side_stream)
+            if hazard is not None:
+                raise RuntimeError(f"fsdp_cudagraph: cannot capture: {hazard}")
         not_run = [c.name for c in self.callables if c.sample_args is None]
         if not_run:
             raise RuntimeError(
@@ -191,9 +227,16 @@ class PartialCudaGraphs:
         _args.check_recorded(self.callables)
         if self.backend == "torch" and any(c.sample_kwargs for c in self.callables):
             raise NotImplementedError("torch.cuda.make_graphed_callables takes positional tensors only; use the te backend for callables called with keyword arguments")
+        mismatched = self._attention.mismatches()
+        if mismatched and self.attention_backend == "error":
+            raise RuntimeError("fsdp_cudagraph: cannot capture: " + mismatch_message(mismatched, "error"))
+        if mismatched:
+            logger.warning("fsdp_cudagraph: %s", mismatch_message(mismatched, self.attention_backend))
+        attention_backends = {n: dict(s) for n, s in self._attention.selections.items()}
         for h in self._recorders:
             h.remove()
         self._recorders = []
+        self._attention.remove_hooks()  # graph makers refuse modules with hooks; capture selects as captured
         order = self._order + [c for c in self.callables if c not in self._order]
         if self.engine is not None:
             self.engine.reset_step_state()
@@ -208,7 +251,8 @@ class PartialCudaGraphs:
                 c.extracted = extract_hooks(c.module)
             self._plan(order)
             runner = {"te": self._capture_te, "torch": self._capture_torch, "protocol": self._capture_protocol}[self.backend]
-            runner(order)
+            with _streams.stale_stream_override():
+                runner(order)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
         except BaseException:
@@ -223,6 +267,7 @@ class PartialCudaGraphs:
                     restore_hooks(c.extracted)
             if self.engine is not None:
                 self.engine.reset_step_state()
+            self._attention.uninstall()  # replays select nothing; eager calls go back to TE's own choice
         seconds = time.perf_counter() - t0
         unknown = [f"{c.name}.{d}[{hid}]={getattr(h, '__qualname__', repr(h))}" for c in order for d, hid, h in c.extracted.unknown]
         if unknown:
@@ -236,7 +281,7 @@ class PartialCudaGraphs:
         self._order = order
         self.captured = True
         mem = (torch.cuda.memory_allocated() - mem0) if torch.cuda.is_available() else 0
-        self.report = CaptureReport(self.backend, [c.name for c in order], seconds, mem, unknown)
+        self.report = CaptureReport(self.backend, [c.name for c in order], seconds, mem, unknown, attention_backends)
         return self.report
 
     def _plan(self, order: List[_Callable]) -> None:
@@ -288,12 +333,13 @@ class PartialCudaGraphs:
             for key in ("forward_pre_hooks", "backward_pre_hooks"):
                 for c in group:
                     _run(c.plan[key], c.module)
-            torch.cuda.make_graphed_callables(
-                tuple(wrappers[c] for c in group),
-                tuple(c.sample_args for c in group),
-                num_warmup_iters=self.config.cuda_graph_num_warmup_iters,
-                allow_unused_input=True,
-            )
+            with te_capture_flag():  # TE modules inside must stay graph-safe, as under TE's own graph maker
+                torch.cuda.make_graphed_callables(
+                    tuple(wrappers[c] for c in group),
+                    tuple(c.sample_args for c in group),
+                    num_warmup_iters=self.config.cuda_graph_num_warmup_iters,
+                    allow_unused_input=True,
+                )
             for key in ("forward_hooks", "backward_hooks"):
                 for c in group:
                     _run(c.plan[key], c.module)
@@ -303,6 +349,7 @@ class PartialCudaGraphs:
     def _capture_protocol(self, order: List[_Callable]) -> None:
         # TE's schedule: per warmup iteration all forwards in order then all backwards in reverse, then the
         # capture pass the same way, each pass inside the (simulated) capture context and every hook outside.
+        _check_graph_maker_preconditions(order)
         wrappers = self._wrappers(order)
         for it in range(self.config.cuda_graph_num_warmup_iters + 1):
             capturing = it == self.config.cuda_graph_num_warmup_iters
@@ -365,11 +412,13 @@ class PartialCudaGraphs:
         """Reset the graphs, give their memory back and return the modules to eager (hooks as before).
 
         The modules end exactly as they were before this object existed; to capture again, build a new
-        :class:`PartialCudaGraphs` and run at least one eager step before its ``capture()``.
+        :class:`PartialCudaGraphs` and run at least one eager step before its ``capture()``. The thread stays
+        on the side stream it was moved to (so that capturing again works; see ``_streams.py``).
         """
         for h in self._checks + self._recorders:
             h.remove()
         self._checks, self._recorders = [], []
+        self._attention.uninstall()
         for c in self._order:
             if self.captured:  # else the modules are untouched (never captured, or the capture undid itself)
                 reset = c.module.__dict__.get("reset")
@@ -385,6 +434,18 @@ class PartialCudaGraphs:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def match_graph_attention(model: nn.Module, config: CudaGraphConfig) -> AttentionBackendMatcher:
+    """Make an eager run's TE attention pick, inside the callables ``config`` selects, the backend a graph would.
+
+    For an eager baseline that must be bit-identical to a graphed run (``PartialCudaGraphs`` does the same to
+    its own eager steps by default; see [Note: attention backends under capture]). Call ``.uninstall()``
+    on the result when the run ends. Inert without TE.
+    """
+    engine = model if isinstance(model, MegatronFSDP) else None
+    root = model.module if engine is not None else model
+    return AttentionBackendMatcher(dict(select_modules(root, engine, config)), force=True)
 
 
 class _ProtocolReplay:
@@ -411,20 +472,41 @@ def _restore_forward(c: _Callable) -> None:
         c.module.__dict__.pop("forward", None)
 
 
-def _on_module(plan: Dict[str, Dict[int, Any]], module: nn.Module) -> Dict[str, Dict[int, Any]]:
-    """A callable's capture-time hooks (same keys and ids) that run on ``module`` whatever TE passes them."""
-    return {k: {hid: (lambda _given, fn=fn: fn(module)) for hid, fn in hooks.items()} for k, hooks in plan.items()}
-
-
 def _run(hooks: Dict[int, Any], module: nn.Module) -> None:
     for fn in hooks.values():
         if fn(module) is not None:
             raise RuntimeError("capture-time hooks must return None")
 
 
+def _on_module(plan: Dict[str, Dict[int, Any]], module: nn.Module) -> Dict[str, Dict[int, Any]]:
+    """A callable's capture-time hooks (same keys and ids) that run on ``module`` whatever TE passes them."""
+    return {k: {hid: (lambda _given, fn=fn: fn(module)) for hid, fn in hooks.items()} for k, hooks in plan.items()}
+
+
+def _check_graph_maker_preconditions(order: List[_Callable]) -> None:
+    """What TE's and PyTorch's graph makers check before any work: no hook left on a captured module."""
+    for c in order:
+        left = {d: len(getattr(c.module, d)) for d in _DICTS if getattr(c.module, d)}
+        if left:
+            raise RuntimeError(
+                f"graphed callable {c.name} still has hooks {left} when passed to the graph maker; modules must not "
+                "have hooks registered at the time they are passed (capture-time hooks run outside the capture)"
+            )
+
+
 def _grads(c: _Callable, out: Any) -> None:
+    """Backward as TE's graph maker runs it: ``torch.autograd.backward`` into ``.grad`` of the static inputs
+    and parameters (cleared before, restored after), not ``torch.autograd.grad``."""
     outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor) and o.requires_grad]
-    inputs = [a for a in list(c.sample_args) + list(c.sample_kwargs.values()) if a.requires_grad]
+    inputs = [a for a in list(c.sample_args) + list(c.sample_kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad]
     inputs += [p for p in c.module.parameters() if p.requires_grad]
-    if outs and inputs:
-        torch.autograd.grad(outs, inputs, grad_outputs=[torch.ones_like(o) for o in outs], allow_unused=True)
+    if not outs:
+        return
+    saved = [t.grad for t in inputs]
+    for t in inputs:
+        t.grad = None
+    try:
+        torch.autograd.backward(outs, grad_tensors=[torch.ones_like(o) for o in outs])
+    finally:
+        for t, g in zip(inputs, saved):
+            t.grad = g
