@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fsdp_cudagraph._te import HAS_TE, TE_REASON
+from fsdp_cudagraph.align import matrix
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_GPU = "needs a CUDA GPU: CUDA graphs and NCCL only exist there (this machine has torch.cuda.is_available() == False)"
@@ -50,8 +51,8 @@ def _keep(path, name: str) -> None:
 @pytest.mark.gpu
 def test_alignment_torch_backend_1gpu(tmp_path):
     res = _align(tmp_path, 1, ["torch"])
-    assert res["all_ok"] and all(r["equal"] for r in res["rows"]) and len(res["rows"]) == 13
-    assert all(c["caught"] for c in res["controls"])
+    assert res["all_ok"] and all(r["equal"] for r in res["rows"]) and len(res["rows"]) == len(matrix("torch", quick=False))
+    assert all(c["caught"] is not False for c in res["controls"]) and any(c["caught"] for c in res["controls"])
 
 
 @pytest.mark.gpu
@@ -59,7 +60,7 @@ def test_alignment_torch_backend_1gpu(tmp_path):
 @pytest.mark.skipif(not HAS_TE, reason=TE_REASON or "TE present")
 def test_alignment_te_backend_1gpu(tmp_path):
     res = _align(tmp_path, 1, ["te"])
-    assert res["all_ok"] and len(res["rows"]) == 13
+    assert res["all_ok"] and len(res["rows"]) == len(matrix("te", quick=False))
 
 
 @pytest.mark.gpu
@@ -68,6 +69,40 @@ def test_alignment_te_backend_1gpu(tmp_path):
 def test_alignment_2gpu(tmp_path):
     res = _align(tmp_path, 2, ["te", "torch"] if HAS_TE else ["torch"])
     assert res["all_ok"] and res["world_size"] == 2
+
+
+def _readme_loop(tmp_path, nproc: int, impl: str, extra: list) -> dict:
+    out = tmp_path / f"readme-{impl}-{nproc}.json"
+    script = os.path.join(ROOT, "examples", "readme_loop.py")
+    cmd = [sys.executable, script] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script]
+    proc = subprocess.run(cmd + ["--impl", impl, "--out", str(out), *extra], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True)
+    _keep(out, f"readme-loop-{impl}-{nproc}gpu{'-'.join([''] + extra).replace(' ', '')}.json")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [[], ["--scope"], ["--seq-len", "512"]], ids=["attn+mlp", "layers", "seq512"])
+def test_readme_loop_default_stream_torch_backend_1gpu(tmp_path, extra):
+    assert _readme_loop(tmp_path, 1, "local", extra)["ok"]
+
+
+@pytest.mark.gpu
+@pytest.mark.te
+@pytest.mark.skipif(not HAS_TE, reason=TE_REASON or "TE present")
+@pytest.mark.parametrize("extra", [[], ["--scope"], ["--seq-len", "512"]], ids=["attn+mlp", "layers", "seq512"])
+def test_readme_loop_default_stream_te_backend_1gpu(tmp_path, extra):
+    assert _readme_loop(tmp_path, 1, "transformer_engine", extra)["ok"]
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
+def test_readme_loop_default_stream_2gpu(tmp_path):
+    for impl in (["transformer_engine", "local"] if HAS_TE else ["local"]):
+        assert _readme_loop(tmp_path, 2, impl, [])["ok"]
 
 
 @pytest.mark.gpu
