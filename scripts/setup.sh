@@ -3,7 +3,7 @@
 # - python3 already has torch (a GPU machine): use it, install this package editable without deps
 #   (falls back to PYTHONPATH where pip cannot build offline).
 # - otherwise (a fresh CPU machine): make .venv, install torch==2.13.0 (the CPU build on this
-#   workplace's disk; an unpinned torch would pull a multi-GB CUDA build), then this package with [dev].
+#   workplace's disk; an unpinned torch would pull a multi-GB CUDA build), then this package with [dev,hf].
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if python3 -c "import torch" 2>/dev/null; then
   PY=python3
@@ -13,6 +13,6 @@ else
   [ -x .venv/bin/python ] || python3 -m venv .venv
   PY=.venv/bin/python
   $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==2.13.0"
-  $PY -m pip install -q -e ".[dev]"
+  $PY -m pip install -q -e ".[dev,hf]"   # hf: transformers for tests/test_hf.py (about 12 s)
 fi
 export PY
