@@ -42,4 +42,18 @@ __all__ = [
     "HAS_TE",
     "TE_REASON",
     "TE_VERSION",
+    "check_alignment",
+    "ModelSpec",
+    "AlignmentReport",
 ]
+
+_CHECK_NAMES = ("check_alignment", "ModelSpec", "AlignmentReport")
+
+
+def __getattr__(name: str):
+    # The checker loads on first use, so that `python -m fsdp_cudagraph.check` runs a module not yet imported.
+    if name in _CHECK_NAMES:
+        from . import check
+
+        return getattr(check, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
