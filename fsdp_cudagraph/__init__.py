@@ -9,6 +9,8 @@ the parameters sit where they sat at capture. See :class:`PartialCudaGraphs` and
 from ._args import SignatureChangedWarning
 from ._attention import ATTENTION_POLICIES, AttentionBackendMatcher
 from ._capture import BACKENDS, CaptureReport, PartialCudaGraphs, match_graph_attention
+from ._capture_safety import HostSyncError
+from ._full_iteration import FULL_ITERATION_BACKENDS, FullIterationCudaGraph, FullIterationReport
 from ._hooks import extract_hooks, hooks_snapshot, restore_hooks
 from ._streams import use_side_stream
 from ._te import HAS_TE, TE_REASON, TE_VERSION
@@ -23,6 +25,10 @@ from .config import (
 
 __all__ = [
     "PartialCudaGraphs",
+    "FullIterationCudaGraph",
+    "FullIterationReport",
+    "FULL_ITERATION_BACKENDS",
+    "HostSyncError",
     "CaptureReport",
     "BACKENDS",
     "SignatureChangedWarning",

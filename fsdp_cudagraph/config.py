@@ -51,7 +51,7 @@ class CudaGraphImpl(_StrEnum):
     NONE = "none"  # eager: no graphs
     LOCAL = "local"  # our capture through torch.cuda.make_graphed_callables
     TRANSFORMER_ENGINE = "transformer_engine"  # TE's make_graphed_callables (capture_time_hooks, TE >= 2.19)
-    FULL_ITERATION = "full_iteration"  # one graph per step: accepted here, refused by check_runtime
+    FULL_ITERATION = "full_iteration"  # forward+backward of a whole step in one graph (FullIterationCudaGraph)
 
 
 class CudaGraphModule(_StrEnum):
@@ -406,18 +406,13 @@ class CudaGraphConfig:
     def check_runtime(self) -> None:
         """Check that this machine can run the configured impl; the capture entry point calls it.
 
-        Raises NotImplementedError for ``full_iteration`` (this package graphs per layer: a graph of the whole
-        step would capture FSDP's hooks and collectives), RuntimeError without a CUDA GPU, and ImportError for
-        ``transformer_engine`` without TE >= 2.19. Does nothing for impl ``none``.
+        Raises RuntimeError without a CUDA GPU (every graph impl; ``full_iteration`` is captured by
+        :class:`~fsdp_cudagraph.FullIterationCudaGraph`, which runs its CPU protocol backend without one), and
+        ImportError for ``transformer_engine`` without TE >= 2.19. Does nothing for impl ``none``.
         """
         impl = self.cuda_graph_impl
         if impl == CudaGraphImpl.NONE:
             return
-        if impl == CudaGraphImpl.FULL_ITERATION:
-            raise NotImplementedError(
-                "cuda_graph_impl='full_iteration' is not supported: fsdp_cudagraph captures per-layer graphs, and "
-                "a full-iteration graph is incompatible with FSDP's hooks and collectives; use "
-                "cuda_graph_impl='transformer_engine' or 'local'")
         if not torch.cuda.is_available():
             raise RuntimeError(f"cuda_graph_impl='{impl}' needs a CUDA GPU, but torch.cuda.is_available() is "
                                "False; run on a GPU machine or set cuda_graph_impl='none'")

@@ -5,7 +5,7 @@ reduce-scatter, mixed precision with fp32 main parameters and gradients, address
 for CUDA-graph replay, and full and sharded state dicts. See :func:`fully_shard`.
 """
 
-from ._common import ShardingStrategy, TrainingState, is_capturing, simulated_capture
+from ._common import CaptureGuardMode, ShardingStrategy, TrainingState, capture_guard, is_capturing, simulated_capture
 from ._fully_shard import MegatronFSDP, fully_shard
 from ._unit import FSDPUnit
 
@@ -17,4 +17,6 @@ __all__ = [
     "TrainingState",
     "is_capturing",
     "simulated_capture",
+    "CaptureGuardMode",
+    "capture_guard",
 ]

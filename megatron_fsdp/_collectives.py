@@ -3,7 +3,9 @@
 torch 2.13 renames ``all_gather_into_tensor``/``reduce_scatter_tensor`` to ``all_gather_single``/
 ``reduce_scatter_single`` (the old names warn); torch 2.11 has only the old names. Every call is
 asynchronous and returns the ``Work`` handle; ``Work.wait()`` makes the current CUDA stream wait on NCCL
-(no host sync) and blocks the host on Gloo.
+(no host sync) and blocks the host on Gloo. Each call passes the capture guard as a collective
+(``check_not_capturing(..., collective=True)``): refused inside a capture unless a full-iteration graph
+switched the guard to ``CaptureGuardMode.ALLOW_COLLECTIVES``.
 """
 
 from __future__ import annotations
@@ -22,20 +24,20 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, what: str) -> Optional[dist.Work]:
-    check_not_capturing(f"all-gather of {what}")
+    check_not_capturing(f"all-gather of {what}", collective=True)
     return _all_gather_single(output, shard, group=group, async_op=True)
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, what: str) -> Optional[dist.Work]:
-    check_not_capturing(f"reduce-scatter of {what}")
+    check_not_capturing(f"reduce-scatter of {what}", collective=True)
     return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, what: str) -> Optional[dist.Work]:
-    check_not_capturing(f"all-reduce of {what}")
+    check_not_capturing(f"all-reduce of {what}", collective=True)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def broadcast(tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup, what: str) -> None:
-    check_not_capturing(f"broadcast of {what}")
+    check_not_capturing(f"broadcast of {what}", collective=True)
     dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank), group=group)

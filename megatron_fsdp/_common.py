@@ -6,7 +6,7 @@ import contextlib
 import enum
 import logging
 import threading
-from typing import Iterator, Union
+from typing import Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,9 @@ __all__ = [
     "is_capturing",
     "simulated_capture",
     "check_not_capturing",
+    "CaptureGuardMode",
+    "capture_guard",
+    "capture_guard_mode",
     "log_rank0",
 ]
 
@@ -104,24 +107,79 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def check_not_capturing(what: str) -> None:
+# ---------------------------------------------------------------------------------------------- capture guard
+class CaptureGuardMode(enum.Enum):
+    """What the engine lets a CUDA graph capture contain (see [Note: no FSDP work inside a graph])."""
+
+    #: The default (partial graphs): inside a capture, refuse collectives and on-demand allocations; the
+    #: graph layer runs the engine's hooks outside the capture.
+    REFUSE = "refuse"
+    #: Full-iteration graphs: collectives are captured into the graph (every rank captures the same
+    #: launches and replays them together); on-demand allocations stay refused, because a buffer that is
+    #: freed and reallocated between steps would not be at the address the graph replays.
+    ALLOW_COLLECTIVES = "allow_collectives"
+
+
+# Process-wide, not thread-local: in backward, autograd runs the engine's hooks on its own device threads,
+# which must see the mode that the capturing thread set (CUDA allows one capture at a time per process).
+_guard: dict = {"mode": CaptureGuardMode.REFUSE, "log": None}
+
+
+def capture_guard_mode() -> CaptureGuardMode:
+    """The current :class:`CaptureGuardMode` (``REFUSE`` unless inside :func:`capture_guard`)."""
+    return _guard["mode"]
+
+
+@contextlib.contextmanager
+def capture_guard(mode: CaptureGuardMode, *, collective_log: Optional[List[str]] = None) -> Iterator[None]:
+    """Switch the capture guard to ``mode`` for the block; the previous mode is restored in ``finally``.
+
+    ``collective_log``: when a list, every collective the engine issues in the block appends its description
+    (``"all-gather of unit layers.0"``), captured or not: what a graph layer compares across ranks and
+    between capture and replay. Hazard: process-wide state; do not run two captures concurrently.
+    """
+    if not isinstance(mode, CaptureGuardMode):
+        raise TypeError(f"capture_guard mode must be a CaptureGuardMode, got {type(mode).__name__} {mode!r}")
+    previous = dict(_guard)
+    _guard["mode"], _guard["log"] = mode, collective_log
+    try:
+        yield
+    finally:
+        _guard.update(previous)
+
+
+def check_not_capturing(what: str, *, collective: bool = False) -> None:
     """Raise RuntimeError if a collective or an allocation is requested inside a graph capture.
 
     [Note: no FSDP work inside a graph]
-    A collective captured into a CUDA graph replays with the buffers and the communicator state of the
-    capture, not those of the step; an unshard buffer allocated during capture comes from the graph's
-    private pool and moves on the next allocation. Both corrupt training silently, so the engine refuses
-    them loudly. The graph layer runs FSDP hooks outside capture (TE's ``capture_time_hooks``).
+    A collective captured into a per-layer CUDA graph replays with the buffers and the communicator state of
+    the capture, outside the engine's schedule; an unshard buffer allocated during capture comes from the
+    graph's private pool and moves on the next allocation. Both corrupt training silently, so by default
+    (``CaptureGuardMode.REFUSE``) the engine refuses them loudly, and the partial-graph layer runs FSDP hooks
+    outside capture (TE's ``capture_time_hooks``). A full-iteration graph captures the whole step, so the
+    engine's collectives belong inside it (``ALLOW_COLLECTIVES``, ``collective=True``); allocations of
+    on-demand buffers stay refused in every mode.
     """
-    if is_capturing():
+    log = _guard["log"]
+    if collective and log is not None:
+        log.append(what)
+    if is_capturing() and not (collective and _guard["mode"] is CaptureGuardMode.ALLOW_COLLECTIVES):
+        fix = (
+            "capture through fsdp_cudagraph (partial graphs run FSDP hooks outside the capture; "
+            "FullIterationCudaGraph captures the step with collectives allowed)"
+            if collective
+            else "full-iteration graphs need address-stable buffers: pass fsdp_double_buffer=True and "
+            "fsdp_db_use_persist_buf_on_alloc_fail=True to fully_shard"
+        )
         raise RuntimeError(
-            f"[rank {_rank()}] megatron_fsdp: {what} was requested while a CUDA graph is being captured. "
-            "FSDP collectives and unshard allocations must run outside graphs; capture through "
-            "fsdp_cudagraph (which runs FSDP hooks outside the capture), or remove the FSDP hook from the "
+            f"[rank {_rank()}] megatron_fsdp: {what} was requested while a CUDA graph is being captured "
+            f"(capture guard mode {_guard['mode'].value}). FSDP collectives and unshard allocations must run "
+            f"outside graphs unless the whole step is captured; {fix}, or remove the FSDP hook from the "
             "captured callable."
         )
 
 
+# ---------------------------------------------------------------------------------------------- end capture guard
 _NULL = contextlib.nullcontext()
 
 

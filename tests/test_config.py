@@ -348,8 +348,11 @@ def test_check_runtime_te_present(monkeypatch):
     CudaGraphConfig(cuda_graph_impl="transformer_engine").check_runtime()
 
 
-@pytest.mark.parametrize("cuda", [False, True])
-def test_check_runtime_full_iteration_not_implemented(cuda, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    with pytest.raises(NotImplementedError, match="full_iteration.*per-layer.*FSDP"):
+def test_check_runtime_full_iteration(monkeypatch):
+    # implemented by FullIterationCudaGraph: needs a GPU like the other impls, and no TE
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="cuda_graph_impl='full_iteration' needs a CUDA GPU"):
         CudaGraphConfig(cuda_graph_impl="full_iteration").check_runtime()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(te_probe, "HAS_TE", False)
+    CudaGraphConfig(cuda_graph_impl="full_iteration").check_runtime()

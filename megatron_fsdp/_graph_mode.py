@@ -1,0 +1,157 @@
+"""Static-schedule steps: what the engine promises a layer that captures whole training steps in a graph.
+
+A CUDA graph of a whole step (forward and backward over all micro-batches, collectives inside) replays
+kernels; no Python runs. Every decision the engine takes from host state while the step is captured is
+therefore frozen into the graph, and replays must start from the state that capture started from. This
+module is the engine's side of that contract: a fixed starting state (:func:`begin_static_step`), the host
+state after a replay (:func:`end_static_step`), and the preconditions (:func:`require_static_buffers`).
+The graph layer (``fsdp_cudagraph``) calls these functions and never touches unit internals itself.
+
+[Note: the static schedule]
+The decisions an eager step takes from host state, and how a static step fixes each:
+
+- ``_install_if_stale`` casts (and for ``optim``/``optim_grads`` all-gathers) the main shard into the compute
+  parameters only when the shard's version counter moved. A captured step must always do it, because the
+  optimizer runs between replays; and a graphed optimizer step changes the shards without moving the
+  counters at all. :func:`begin_static_step` marks every unit stale, so capture records the install;
+  :func:`end_static_step` marks them stale again, so that an eager step after a replay re-installs too.
+- ``unshard`` skips the all-gather when the unit's slot still holds its data (``data_valid``, slot owner).
+  A static step starts with no slot owned and no ZeRO-3 unit valid: capture records every gather the step
+  needs, and the skips it records (the last unit of forward reusing its slot in backward) refer to data
+  gathered earlier in the same graph.
+- ``_reduce_grads`` writes the first micro-batch's reduction into ``main_grad`` and adds the later ones,
+  choosing by ``main_shard.grad is None``. A static step starts with every ``main_shard.grad`` unbound, so
+  the graph overwrites the main gradients with this step's: a static step replaces gradients, like an eager
+  step after ``optimizer.zero_grad()``.
+- ``retire`` binds ``main_shard.grad = main_grad``; a replay runs no Python, so :func:`end_static_step`
+  binds the units that capture bound (:func:`grads_bound`) and unbinds the others, exactly as an eager step
+  would leave them, whatever ``zero_grad(set_to_none=True)`` did in between.
+- Slot owners, unit states, pending collectives: after a replay they are reset to "nothing valid, nothing
+  in flight", which is always safe for the next eager step (at worst it gathers a unit once more).
+
+Buffers must not move between capture and replay: on-demand buffers (ZeRO-3 or ``optim_grads`` without
+``fsdp_double_buffer`` and ``fsdp_db_use_persist_buf_on_alloc_fail``) are refused. Tensors that the step
+allocates through PyTorch's allocator while it is captured come from the graph's private pool and keep
+their addresses.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, FrozenSet, Iterable, List
+
+from ._common import COMPUTING, TrainingState
+
+if TYPE_CHECKING:
+    from ._fully_shard import MegatronFSDP
+
+__all__ = [
+    "static_buffer_problems",
+    "require_static_buffers",
+    "quiesce",
+    "begin_static_step",
+    "end_static_step",
+    "grads_bound",
+    "mark_params_stale",
+]
+
+
+def static_buffer_problems(engine: "MegatronFSDP") -> List[str]:
+    """The buffers that a step allocates on demand (and frees), e.g. ``"unshard buffer of unit layers.0"``."""
+    out = []
+    for u in engine.all_units():
+        for role, buf in (("unshard", u.param_buffer), ("gradient", u.grad_buffer)):
+            if buf is not None and buf.kind == "dynamic":
+                out.append(f"{role} buffer of unit {u.name}")
+    return out
+
+
+def require_static_buffers(engine: "MegatronFSDP", *, what: str) -> None:
+    """Raise ValueError naming the units whose buffers are allocated on demand (a graph needs fixed addresses)."""
+    problems = static_buffer_problems(engine)
+    if problems:
+        shown = ", ".join(problems[:4]) + (f" and {len(problems) - 4} more" if len(problems) > 4 else "")
+        raise ValueError(
+            f"{what} needs every engine buffer at a fixed address, but with sharding_strategy="
+            f"'{engine.strategy.value}', fsdp_double_buffer={engine.fsdp_double_buffer} and "
+            f"fsdp_db_use_persist_buf_on_alloc_fail={engine.fsdp_db_use_persist_buf_on_alloc_fail} the {shown} "
+            "are allocated on demand; pass fsdp_double_buffer=True and fsdp_db_use_persist_buf_on_alloc_fail=True "
+            "to fully_shard (or use sharding_strategy 'no_shard' or 'optim', whose buffers are persistent)"
+        )
+
+
+def quiesce(engine: "MegatronFSDP") -> None:
+    """Wait for the engine's collectives in flight and bring every unit to IDLE, if anything is mid-step.
+
+    Before a replay: an eager all-gather or reduce-scatter still in flight would race with the graph on the
+    same buffers. Cheap when nothing is pending (a scan of the units).
+    """
+    busy = bool(engine._pending) or any(
+        u.pending_ag is not None or u.state in COMPUTING or u.state is TrainingState.FORWARD_DONE
+        for u in engine.all_units()
+    )
+    if busy:
+        engine.reset_step_state()
+
+
+def begin_static_step(engine: "MegatronFSDP", *, replace_grads: bool = True) -> None:
+    """Put the host state at the fixed start of a static step (see [Note: the static schedule]).
+
+    Call before capturing a step, and before every eager step that stands in for a replay (warmup, a
+    fallback), so that both follow the schedule the graph froze. Waits for anything in flight first.
+    ``replace_grads=False`` for a forward-only (evaluation) step: gradient bindings stay as they are.
+    """
+    engine.reset_step_state()
+    shards_params = engine.strategy.shards_params
+    for u in engine.all_units():
+        _mark_stale(u)
+        if shards_params:
+            u.data_valid = False
+        if replace_grads:
+            u.main_shard.grad = None
+    engine.slot_owner[:] = [None] * len(engine.slot_owner)
+
+
+def grads_bound(engine: "MegatronFSDP") -> FrozenSet[str]:
+    """Names of the units whose ``main_shard.grad`` is bound to their main gradient (those a step reduced)."""
+    return frozenset(u.name for u in engine.all_units() if u.main_shard.grad is u.main_grad)
+
+
+def end_static_step(engine: "MegatronFSDP", *, bound: Iterable[str]) -> None:
+    """Make the host state consistent with a replayed static step (the replay ran no Python).
+
+    ``bound``: the units whose main gradients the step wrote (:func:`grads_bound` right after capture);
+    their ``main_shard.grad`` is bound, every other unit's is unbound. Units end IDLE with nothing valid in
+    the slots and parameters marked stale, so an eager step afterwards gathers and installs what it needs.
+    For an evaluation graph (no gradients) pass the bindings as they were before the replay.
+    """
+    names = frozenset(bound)
+    shards_params = engine.strategy.shards_params
+    for u in engine.all_units():
+        u.state = TrainingState.IDLE
+        u.pending_ag = None
+        _mark_stale(u)
+        if shards_params:
+            u.data_valid = False
+        for p in u.params:
+            p.grad = None
+        u.main_shard.grad = u.main_grad if u.name in names else None
+    engine.slot_owner[:] = [None] * len(engine.slot_owner)
+    engine._pending.clear()
+    engine._callback_queued = False
+
+
+def mark_params_stale(engine: "MegatronFSDP") -> None:
+    """Make every unit re-install its compute parameters before its next eager use.
+
+    After a graphed optimizer step: the replay changed the main shards without moving their version
+    counters, so the eager version check would not see the update.
+    """
+    for u in engine.all_units():
+        _mark_stale(u)
+
+
+def _mark_stale(unit: Any) -> None:
+    """The next unshard re-installs every region of the unit from its fp32 store."""
+    unit.installed_version = -1
+    if hasattr(unit, "installed_frozen_version"):  # units with frozen parameters keep a second region
+        unit.installed_frozen_version = -1
