@@ -1,0 +1,66 @@
+"""GPU: HuggingFace Llama and Qwen2 under megatron_fsdp with TE/torch partial graphs, bit-exact, and the checker.
+
+Runs ``benchmarks/hf_models.py`` (the script of the GPU record) with fewer steps and a smaller model, on one
+GPU and, where there are two, under torchrun, and checks its verdicts: every graphed row equal to eager
+(losses per step and final parameters, ``torch.equal``), two eager runs equal (determinism control), and the
+checker EQUAL on passing models and naming the callable on the perturbed and Python-state models.
+Skipped without CUDA or transformers (the TE rows skip inside the script without TE).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fsdp_cudagraph.hf_models import HAS_TRANSFORMERS, TRANSFORMERS_REASON
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_GPU = "needs a CUDA GPU: CUDA graphs and NCCL only exist there (this machine has torch.cuda.is_available() == False)"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU),
+    pytest.mark.skipif(not HAS_TRANSFORMERS, reason=TRANSFORMERS_REASON or "ok"),
+]
+QUICK = ["--steps", "8", "--skip", "4", "--hidden", "128", "--ffn", "344", "--layers", "2", "--heads", "4",
+         "--kv-heads", "2"]
+
+
+def _run(tmp_path, nproc: int) -> dict:
+    out = tmp_path / f"hf-{nproc}gpu.json"
+    script = os.path.join(ROOT, "benchmarks", "hf_models.py")
+    if nproc == 1:
+        cmd = [sys.executable, script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script]
+    env = dict(os.environ, PYTHONPATH=ROOT, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1")
+    proc = subprocess.run(cmd + QUICK + ["--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
+    dest = os.environ.get("FSDP_CUDAGRAPH_RESULTS")
+    if dest and out.exists():
+        os.makedirs(dest, exist_ok=True)
+        with open(os.path.join(dest, out.name), "w") as f:
+            f.write(out.read_text())
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def _check(res: dict) -> None:
+    assert res["all_ok"]
+    assert all(res["eager_repeat_equal"].values())
+    backends = {r["backend"] for r in res["rows"]}
+    assert "torch" in backends
+    assert len(res["rows"]) == 2 * 3 * len(backends) and all(r["equal"] for r in res["rows"])
+    assert all(c["as_expected"] for c in res["checker"]) and len(res["checker"]) == 5 * len(backends)
+
+
+def test_hf_models_1gpu(tmp_path):
+    _check(_run(tmp_path, 1))
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_hf_models_2gpu(tmp_path):
+    _check(_run(tmp_path, 2))
