@@ -1,16 +1,19 @@
-"""``fully_shard``: the public API, the root wrapper, buffer planning and state dicts."""
+"""``fully_shard``: the public API, the root wrapper and buffer planning; state dicts, DCP and clipping
+delegate to ``_state_dict.py``, ``_dcp.py`` and ``_clip.py``."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from . import _clip, _dcp, _guards, _state_dict
 from . import _collectives as C
 from ._common import COMPUTING, ShardingStrategy, TrainingState, is_capturing, log_rank0, phase
 from ._unit import FSDPUnit, _Buffer, _PendingReduce, _grad_tensors, make_unit_hooks
@@ -56,13 +59,21 @@ def fully_shard(
         prefetch: all-gather the next unit (forward) or the previous unit (backward) while the current
             unit computes.
 
-    Lifecycle: build the optimizer over ``model.optimizer_parameters()`` (fp32 main shards); call
-    ``model(...)``, ``loss.backward()`` (repeat for gradient accumulation), ``optimizer.step()``,
-    ``optimizer.zero_grad()``. Compute parameters are refreshed from the main shards lazily, before each
-    unit's next unshard (an optimizer step bumps the shards' version counters).
+    Lifecycle: build the optimizer over ``model.optimizer_parameters()`` (fp32 main shards; an optimizer
+    over ``model.parameters()`` is refused at its first step); call ``model(...)``, ``loss.backward()``
+    (repeat for gradient accumulation), optionally ``model.clip_grad_norm_(max_norm)``,
+    ``optimizer.step()``, ``optimizer.zero_grad()``. Compute parameters are refreshed from the main shards
+    lazily, before each unit's next unshard (an optimizer step bumps the shards' version counters).
+    Parameters with ``requires_grad=False`` at this call are frozen: sharded and gathered for compute,
+    never given a gradient buffer or an optimizer shard. Checkpoints: ``state_dict()`` /
+    ``load_state_dict()`` (full fp32, the unwrapped model's keys; a collective), ``sharded_state_dict()``
+    and ``optimizer_state_dict(optimizer)`` for ``torch.distributed.checkpoint`` (any world size).
 
-    Hazards: a unit must run forward at most once per backward; parameters may not be shared between
-    units; activation checkpointing that re-runs a unit's forward in backward is not supported.
+    Hazards: a unit runs forward once per backward (activation checkpointing's recompute excepted);
+    parameters may not be shared between units; outside forward the module's parameters are not
+    authoritative (NaN placeholders for on-demand ZeRO-3 buffers, possibly another unit's values in a
+    double-buffer slot): read them through ``state_dict()`` or ``summon_full_params()``; call the
+    wrapper, not ``model.module``.
     """
     return MegatronFSDP(
         module,
@@ -166,6 +177,12 @@ class MegatronFSDP(nn.Module):
         self._last_forward_order: List[FSDPUnit] = []
         self._in_root_forward = False
         self._callback_queued = False
+        #: Between the first gradient reaching the root's output and the end of backward: a unit forward
+        #: then is activation checkpointing's recompute ([Note: recompute] in _unit.py).
+        self.in_backward = False
+        #: Inside summon_full_params(): module parameters are full fp32 copies.
+        self._summoned = False
+        self._group_ranks: Optional[List[int]] = None
         #: Root forward passes run so far (graph layers read it: steps before a capture matter to streams).
         self.num_forward_calls = 0
         #: When a list, every unit phase appends (phase, unit name, capturing?) to it: a test and debug aid.
@@ -173,6 +190,9 @@ class MegatronFSDP(nn.Module):
         self._plan_units(fsdp_unit_modules)
         self._build_storage(fsdp_double_buffer_numel)
         self._register_hooks()
+        _guards.mark_compute_params(self)
+        _guards.install_optimizer_guard()
+        self._guard_handles = [_guards.guard_direct_calls(self)] + _state_dict.guard_module_state_dicts(self)
         log_rank0(
             logging.INFO,
             "megatron_fsdp: %d units + root, strategy %s, world %d, compute %s, double buffer %s",
@@ -250,11 +270,6 @@ class MegatronFSDP(nn.Module):
                     f"parameter {n} of unit {unit} has dtype {p.dtype}; a unit's flat buffer holds floating-point "
                     "parameters cast to one compute dtype; register it as a buffer instead"
                 )
-            if not p.requires_grad:
-                raise NotImplementedError(
-                    f"parameter {n} of unit {unit} has requires_grad=False; frozen parameters inside FSDP units are "
-                    "not supported yet: register it as a buffer, or keep it outside the sharded model"
-                )
 
     def _build_storage(self, slot_numel: Optional[int]) -> None:
         dev, cdt, gdt = self.device, self.compute_dtype, self.main_grad_dtype
@@ -280,7 +295,7 @@ class MegatronFSDP(nn.Module):
         with torch.no_grad():
             for u in all_units:
                 flat = torch.zeros(u.numel, dtype=torch.float32, device=dev)
-                for p, v in zip(u.params, u.layout.views(flat)):
+                for p, v in zip(u.all_params, u.views(flat)):
                     v.copy_(p.detach())
                 C.broadcast(flat, 0, self.group, f"initial values of unit {u.name}")
                 s = slot_of.get(id(u))
@@ -295,7 +310,7 @@ class MegatronFSDP(nn.Module):
                     gbuf = _Buffer("slot", slots_g[s], s)
                 else:
                     gkeep = self.fsdp_double_buffer or self.strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM)
-                    gbuf = _Buffer("persistent" if gkeep else "dynamic", torch.zeros(u.numel, dtype=gdt, device=dev))
+                    gbuf = _Buffer("persistent" if gkeep else "dynamic", torch.zeros(u.grad_numel, dtype=gdt, device=dev))
                 u.init_storage(flat, pbuf, gbuf)
 
     def _register_hooks(self) -> None:
@@ -375,6 +390,7 @@ class MegatronFSDP(nn.Module):
             self.reset_step_state()
         self._forward_order = []
         self._callback_queued = False
+        self.in_backward = False
         for u in self.units:
             u.state = TrainingState.IDLE
         r = self.root_unit
@@ -388,6 +404,7 @@ class MegatronFSDP(nn.Module):
                 r.state = TrainingState.FORWARD_DONE
 
     def _root_pre_backward(self, *_: Any) -> None:
+        self.in_backward = True
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._post_backward_final)
@@ -403,6 +420,7 @@ class MegatronFSDP(nn.Module):
                 r.post_backward()
             self.retire_reduces()
             self._callback_queued = False
+            self.in_backward = False
 
     def reset_step_state(self) -> None:
         """Bring every unit back to IDLE: after a step raised part-way, or after a graph capture.
@@ -418,22 +436,23 @@ class MegatronFSDP(nn.Module):
         self._pending.clear()
         for u in self.units + ([self.root_unit] if self.root_unit else []):
             u.wait_unshard()
-            for p in u.params:
+            for p in u.all_params:
                 p.grad = None
             u.state = TrainingState.IDLE
             u.reshard()
         self._callback_queued = False
+        self.in_backward = False
 
     # ------------------------------------------------------------------ public helpers
     def all_units(self) -> List[FSDPUnit]:
         return self.units + ([self.root_unit] if self.root_unit is not None else [])
 
     def optimizer_parameters(self) -> List[nn.Parameter]:
-        """The fp32 main shards, one flat parameter per unit: what the optimizer must step."""
-        return [u.main_shard for u in self.all_units()]
+        """The fp32 main shards, one flat parameter per unit with trainable parameters: what to step."""
+        return [u.main_shard for u in self.all_units() if u.grad_numel]
 
     def named_optimizer_parameters(self) -> List[Tuple[str, nn.Parameter]]:
-        return [(u.name, u.main_shard) for u in self.all_units()]
+        return [(u.name, u.main_shard) for u in self.all_units() if u.grad_numel]
 
     def buffer_addresses(self) -> Dict[str, Dict[str, Optional[int]]]:
         """Per unit: data pointers of its unshard and gradient buffers (for graph-replay checks)."""
@@ -458,70 +477,99 @@ class MegatronFSDP(nn.Module):
             out.append(self.module.get_submodule(name) if name else self.module)
         return out
 
-    # ------------------------------------------------------------------ state dicts
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """Gathered fp32 parameters (keys as in the unwrapped module) plus buffers, on every rank."""
-        out: Dict[str, torch.Tensor] = {}
-        for u in self.all_units():
-            full = self._gather_main(u)
-            for n, v in zip(u.layout.names, u.layout.views(full)):
-                out[n] = v.clone()
-        for n, b in self.module.named_buffers():
-            out[n] = b.detach().clone()
+    def unit_uses_recompute(self, unit: FSDPUnit) -> bool:
+        """Whether ``unit`` runs under activation checkpointing: seen recomputing, or inside a checkpoint wrapper.
+
+        A graph layer calls it to refuse graphing such units: a recomputed forward would replay the graph
+        inside backward. The dynamic half only knows after an eager step that ran backward.
+        """
+        if unit.recomputed:
+            return True
+        return any(type(m).__name__ == "CheckpointWrapper" or hasattr(m, "_checkpoint_wrapped_module")
+                   for m in self._ancestors(unit.module))
+
+    def _global_ranks(self) -> List[int]:
+        if self._group_ranks is None:
+            self._group_ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+        return self._group_ranks
+
+    # ------------------------------------------------------------------ state dicts (see _state_dict.py)
+    def state_dict(self, *args: Any, destination: Optional[Dict[str, Any]] = None, prefix: str = "",
+                   keep_vars: bool = False) -> Dict[str, Any]:
+        """Full fp32 parameters and persistent buffers under the unwrapped model's keys, on every rank.
+
+        The nn.Module API ([Note: state dict keys and values] in _state_dict.py): a collective (all-gather
+        per unit), so call it on every rank. Values are copies; ``keep_vars`` is accepted and ignored.
+        """
+        if args:
+            raise TypeError("MegatronFSDP.state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        out = destination if destination is not None else collections.OrderedDict()
+        for k, v in _state_dict.full_state_dict(self).items():
+            out[prefix + k] = v
         return out
 
-    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
-        expected = {n for u in self.all_units() for n in u.layout.names} | {n for n, _ in self.module.named_buffers()}
-        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
-        if missing or unexpected:
-            raise ValueError(f"load_full_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}")
-        with torch.no_grad():
-            for u in self.all_units():
-                full = torch.zeros(u.numel, dtype=torch.float32, device=self.device)
-                for n, v in zip(u.layout.names, u.layout.views(full)):
-                    src = state_dict[n]
-                    if tuple(src.shape) != tuple(v.shape):
-                        raise ValueError(f"load_full_state_dict: {n} has shape {tuple(src.shape)}, the model expects {tuple(v.shape)}")
-                    v.copy_(src)
-                start = self.rank * u.layout.shard_numel if self.strategy.shards_optimizer else 0
-                u.main_shard.copy_(full[start : start + u.main_shard.numel()])
-            for n, b in self.module.named_buffers():
-                b.copy_(state_dict[n])
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load full values (keys as the unwrapped model's, e.g. from ``state_dict()``) into the main shards.
+
+        No communication: each rank copies its own slices. Returns ``(missing_keys, unexpected_keys)`` as
+        nn.Module does; ``strict`` raises on a mismatch before writing anything.
+        """
+        if assign:
+            raise NotImplementedError("load_state_dict(assign=True) would replace the sharded parameters; load by copy "
+                                      "(assign=False)")
+        missing, unexpected = _state_dict.load_full_state_dict(self, state_dict, strict=strict)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Same as ``state_dict()``: gathered fp32 parameters plus persistent buffers, on every rank."""
+        return _state_dict.full_state_dict(self)
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Strict ``load_state_dict``."""
+        _state_dict.load_full_state_dict(self, state_dict, strict=True)
 
     def sharded_state_dict(self) -> Dict[str, Any]:
-        """This rank's fp32 main shards plus the metadata that a load checks (same world and layout)."""
-        return {
-            "megatron_fsdp_meta": {
-                "world_size": self.world_size,
-                "strategy": self.strategy.value,
-                "layouts": {u.name: u.layout.fingerprint() for u in self.all_units()},
-            },
-            "shards": {u.name: u.main_shard.detach().clone() for u in self.all_units()},
-            "buffers": {n: b.detach().clone() for n, b in self.module.named_buffers()},
-        }
+        """Parameters for ``torch.distributed.checkpoint``: ShardedTensors with true global offsets.
+
+        Keys are the unwrapped model's; values are views of the fp32 main shards ([Note: DCP sharding
+        metadata] in _dcp.py), so ``dcp.load`` into this dict writes the model directly. No communication.
+        Save: ``dcp.save({"model": model.sharded_state_dict(), ...})``. Load (any world size or strategy):
+        ``sd = model.sharded_state_dict(); dcp.load({"model": sd}); model.load_sharded_state_dict(sd)``.
+        """
+        return _dcp.sharded_state_dict(self)
 
     def load_sharded_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        meta = state_dict["megatron_fsdp_meta"]
-        mine = self.sharded_state_dict()["megatron_fsdp_meta"]
-        for key in ("world_size", "strategy"):
-            if meta[key] != mine[key]:
-                raise ValueError(
-                    f"sharded checkpoint has {key}={meta[key]!r} but this model has {mine[key]!r}; load it with the "
-                    "same world size and strategy, or save and load a full state dict instead"
-                )
-        if meta["layouts"] != mine["layouts"]:
-            raise ValueError("sharded checkpoint was saved from a different model or unit plan; use a full state dict")
-        with torch.no_grad():
-            for u in self.all_units():
-                u.main_shard.copy_(state_dict["shards"][u.name])
-            for n, b in self.module.named_buffers():
-                b.copy_(state_dict["buffers"][n])
+        """Take the values of a dict shaped like ``sharded_state_dict()`` (copies only what DCP did not write)."""
+        _dcp.load_sharded_state_dict(self, state_dict)
 
-    def _gather_main(self, u: FSDPUnit) -> torch.Tensor:
-        if not self.strategy.shards_optimizer:
-            return u.main_shard.detach()
-        full = torch.empty(u.numel, dtype=u.main_shard.dtype, device=self.device)
-        work = C.all_gather(full, u.main_shard.detach(), self.group, f"main shard of unit {u.name}")
-        if work is not None:
-            work.wait()
-        return full
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        """The optimizer's state, keyed by parameter name and sharded like the parameters, for DCP.
+
+        ``{"state": {name: {"exp_avg": ShardedTensor, "step": tensor, ...}}, "param_groups": [...]}``.
+        An optimizer that never stepped gets its state from one step at learning rate 0 first.
+        """
+        return _dcp.optimizer_state_dict(self, optimizer)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> None:
+        """Take optimizer state from a dict shaped like ``optimizer_state_dict()`` (after ``dcp.load`` filled it)."""
+        _dcp.load_optimizer_state_dict(self, optimizer, state_dict)
+
+    def summon_full_params(self, *, writeback: bool = False) -> contextlib.AbstractContextManager:
+        """Context manager: module parameters are full fp32 copies inside (a collective; see _state_dict.py)."""
+        return _state_dict.summon_full_params(self, writeback=writeback)
+
+    # ------------------------------------------------------------------ clipping (see _clip.py)
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: Optional[bool] = None) -> torch.Tensor:
+        """Clip the main gradients by their global norm (all ranks); return that norm (before clipping).
+
+        The FSDP2 / Megatron-FSDP spelling of ``torch.nn.utils.clip_grad_norm_``, which over
+        ``optimizer_parameters()`` would see one rank's shard only and is refused ([Note: local norms]).
+        A collective: call it on every rank after backward, before ``optimizer.step()``. ``foreach`` is
+        accepted for signature compatibility.
+        """
+        return _clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+
+    def total_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global norm of the main gradients without clipping (a collective)."""
+        return _clip.total_grad_norm(self, norm_type)

@@ -9,7 +9,9 @@ Lifecycle of a unit in one training step (ZeRO-3, ``optim_grads_params``)::
                    asynchronously into the fp32 main-gradient shard, reshard
 
 The other strategies keep the compute parameters unsharded, so their unshard only re-installs parameters
-after an optimizer step, and ``no_shard`` all-reduces instead of reduce-scattering.
+after an optimizer step, and ``no_shard`` all-reduces instead of reduce-scattering. Activation checkpointing
+adds a fifth phase, ``pre_recompute``: a forward that runs again inside the unit's backward
+([Note: recompute]).
 """
 
 from __future__ import annotations
@@ -22,69 +24,13 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _collectives as C
-from ._common import COMPUTING, ShardingStrategy, TrainingState, check_not_capturing, phase
+from ._common import COMPUTING, ShardingStrategy, TrainingState, phase
+from ._flat import ALIGN_NUMEL, FlatLayout, _Buffer, _Works  # noqa: F401  (re-exported: engine and tests import them here)
 
 if TYPE_CHECKING:
     from ._fully_shard import MegatronFSDP
 
 logger = logging.getLogger(__name__)
-
-#: Each parameter starts at a multiple of this many elements in the flat buffers, so that every
-#: parameter view is 128-byte aligned in bf16 (vectorised kernels and cuBLAS want aligned pointers).
-ALIGN_NUMEL = 64
-
-
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
-
-
-class FlatLayout:
-    """Where each parameter of a unit sits in the unit's flat buffers, and how the flat is sharded."""
-
-    def __init__(self, names: Sequence[str], params: Sequence[nn.Parameter], world_size: int) -> None:
-        self.names = list(names)
-        self.shapes = [p.shape for p in params]
-        self.numels = [p.numel() for p in params]
-        self.offsets: List[int] = []
-        cursor = 0
-        for n in self.numels:
-            self.offsets.append(cursor)
-            cursor = _round_up(cursor + n, ALIGN_NUMEL)
-        self.total_numel = _round_up(max(cursor, 1), ALIGN_NUMEL * world_size)
-        self.shard_numel = self.total_numel // world_size
-
-    def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        return [flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
-
-    def fingerprint(self) -> Tuple[Any, ...]:
-        return (tuple(self.names), tuple(tuple(s) for s in self.shapes), self.total_numel)
-
-
-class _Buffer:
-    """A flat tensor that is either persistent, a double-buffer slot, or allocated on demand.
-
-    An on-demand buffer keeps one tensor object (so parameter views built on it stay valid) and grows and
-    shrinks its storage; a slot or persistent buffer never moves.
-    """
-
-    def __init__(self, kind: str, tensor: torch.Tensor, slot: Optional[int] = None) -> None:
-        assert kind in ("persistent", "slot", "dynamic")
-        self.kind, self.tensor, self.slot = kind, tensor, slot
-        self._nbytes = tensor.numel() * tensor.element_size()
-        # A dynamic buffer starts allocated so that views can be built on it; the unit frees it after.
-
-    @property
-    def allocated(self) -> bool:
-        return self.kind != "dynamic" or self.tensor.untyped_storage().size() > 0
-
-    def allocate(self, what: str) -> None:
-        if self.kind == "dynamic" and not self.allocated:
-            check_not_capturing(f"allocation of {what}")
-            self.tensor.untyped_storage().resize_(self._nbytes)
-
-    def free(self) -> None:
-        if self.kind == "dynamic" and self.allocated:
-            self.tensor.untyped_storage().resize_(0)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -116,7 +62,27 @@ def _grad_tensors(obj: Any) -> List[torch.Tensor]:
 
 
 class FSDPUnit:
-    """The sharded state of one FSDP unit (or of the root: everything no unit claims)."""
+    """The sharded state of one FSDP unit (or of the root: everything no unit claims).
+
+    [Note: two regions]
+    A unit's flat buffers hold its trainable parameters first (the *trainable region*: what the optimizer
+    steps and what the gradient buffer covers), then its frozen parameters (``requires_grad=False`` when
+    ``fully_shard`` ran: the *frozen region*). Each region is padded and sharded evenly on its own, so the
+    trainable region's reduce-scatter and optimizer shard are exactly those of a unit without frozen
+    parameters. Frozen values live in an fp32 store of their own (``frozen_shard``) that no optimizer sees;
+    they are gathered with the unit (a second all-gather) and never get a gradient buffer.
+
+    [Note: parameters outside forward]
+    Module parameters are views into the unit's unshard buffer. Outside the unit's forward and backward
+    they are not authoritative: the fp32 main shards are. With an on-demand (``dynamic``) buffer, ZeRO-3
+    without double buffering, the buffer's storage is freed after each use; the parameters then point at a
+    NaN placeholder of their own shape (a 0-stride expand of one element), so a read outside forward gives
+    NaN and an in-place write raises, where a view on freed storage would crash the process. Slot and
+    persistent buffers keep their addresses for CUDA-graph replay, so their parameters stay views: between
+    steps they hold the last gathered values (possibly another unit's, in a shared slot). Read values with
+    ``model.state_dict()`` or inside ``model.summon_full_params()``; the module-level ``state_dict`` and
+    ``load_state_dict`` of the wrapped model refuse outside those (see ``_state_dict.py``).
+    """
 
     def __init__(
         self,
@@ -132,59 +98,107 @@ class FSDPUnit:
         self.engine = engine
         self.name = name or "<root>"
         self.module = module
-        self.params = list(params)
         self.index = index
         self.is_root = is_root
-        self.layout = FlatLayout(names, params, engine.world_size)
+        trainable = [(n, p) for n, p in zip(names, params) if p.requires_grad]
+        frozen = [(n, p) for n, p in zip(names, params) if not p.requires_grad]
+        #: Trainable compute parameters, in the order of ``layout`` and of ``grad_views``.
+        self.params: List[nn.Parameter] = [p for _, p in trainable]
+        #: Frozen compute parameters, in the order of ``frozen_layout``.
+        self.frozen_params: List[nn.Parameter] = [p for _, p in frozen]
+        self.all_params: List[nn.Parameter] = self.params + self.frozen_params
+        self.layout = FlatLayout([n for n, _ in trainable], self.params, engine.world_size)
+        self.frozen_layout = FlatLayout([n for n, _ in frozen], self.frozen_params, engine.world_size)
         self.state = TrainingState.IDLE
         self.param_buffer: Optional[_Buffer] = None
         self.grad_buffer: Optional[_Buffer] = None
         self.param_views: List[torch.Tensor] = []
         self.grad_views: List[torch.Tensor] = []
-        self.pending_ag: Optional[dist.Work] = None
+        self.pending_ag: Optional[Any] = None  # a Work, or _Works for two regions
         #: The unshard buffer holds this unit's current parameters (a slot may hold another unit's).
         self.data_valid = False
         self.installed_version = -1
+        self.installed_frozen_version = -1
+        #: A forward of this unit ran again during backward (activation checkpointing recomputes it).
+        self.recomputed = False
         self.hook_handles: List[torch.utils.hooks.RemovableHandle] = []
-        self.main_shard: nn.Parameter  # set by init_storage, with the two below
+        self.main_shard: nn.Parameter  # set by init_storage, with the tensors below
+        #: The fp32 main gradient as the optimizer sees it (``main_shard.grad``): for sharded strategies on
+        #: several ranks an alias of ``_main_grad_data`` whose norms raise ([Note: local norms], _clip.py).
         self.main_grad: torch.Tensor
+        #: The same storage as a plain tensor, for the engine's own arithmetic (no dispatch overhead).
+        self._main_grad_data: torch.Tensor
         self.compute_shard: torch.Tensor
+        self.frozen_shard: torch.Tensor
+        self.frozen_compute_shard: torch.Tensor
         self._separate_compute_shard = False
+        #: NaN placeholders of the parameters' shapes (dynamic unshard buffers only), and whether the
+        #: parameters currently point at their buffer views (True) or at the placeholders (False).
+        self._placeholders: List[torch.Tensor] = []
+        self._views_installed = True
 
     # ------------------------------------------------------------------ set-up
     @property
     def numel(self) -> int:
+        """Elements of the unshard buffer: the trainable region, then the frozen region."""
+        return self.layout.total_numel + self.frozen_layout.total_numel
+
+    @property
+    def grad_numel(self) -> int:
+        """Elements of the unsharded gradient buffer: the trainable region only."""
         return self.layout.total_numel
+
+    @property
+    def names(self) -> List[str]:
+        """Every parameter's name (as in the unwrapped module), in the order of ``all_params``."""
+        return self.layout.names + self.frozen_layout.names
+
+    def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        """Views of ``flat`` (laid out like the unshard buffer) for every parameter, as ``all_params``."""
+        t = self.layout.total_numel
+        return self.layout.views(flat[:t]) + self.frozen_layout.views(flat[t : self.numel])
+
+    def _local(self, region: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
+        eng = self.engine
+        if eng.strategy.shards_optimizer:
+            s = layout.shard_numel
+            region = region[eng.rank * s : (eng.rank + 1) * s]
+        return region.detach().clone().to(eng.main_param_dtype)
 
     def init_storage(self, full_flat_fp32: torch.Tensor, param_buffer: _Buffer, grad_buffer: _Buffer) -> None:
         """Take the unit's initial values (already identical on all ranks) and build its buffers."""
+        from ._clip import guard_local_norms  # a leaf module; imported here to keep _unit's imports short
+
         eng = self.engine
-        shard = self.layout.shard_numel
-        start = eng.rank * shard if eng.strategy.shards_optimizer else 0
-        length = shard if eng.strategy.shards_optimizer else self.layout.total_numel
-        main = full_flat_fp32[start : start + length].detach().clone().to(eng.main_param_dtype)
-        self.main_shard = nn.Parameter(main, requires_grad=True)
-        self.main_grad = torch.zeros_like(main, dtype=eng.main_grad_dtype)
+        t = self.layout.total_numel
+        self.main_shard = nn.Parameter(self._local(full_flat_fp32[:t], self.layout), requires_grad=True)
+        self.main_shard._megatron_fsdp_unit = self  # type: ignore[attr-defined]  # read by the optimizer guard
+        self._main_grad_data = torch.zeros_like(self.main_shard, dtype=eng.main_grad_dtype)
+        sharded_grad = eng.strategy.shards_optimizer and eng.world_size > 1
+        self.main_grad = guard_local_norms(self._main_grad_data, self) if sharded_grad else self._main_grad_data
+        self.frozen_shard = self._local(full_flat_fp32[t : self.numel], self.frozen_layout)
         # ZeRO-3 all-gathers from a compute-dtype copy of the shard, or from the main shard itself when the
         # dtypes agree.
         self._separate_compute_shard = eng.strategy.shards_params and eng.compute_dtype != eng.main_param_dtype
         if self._separate_compute_shard:
-            self.compute_shard = torch.empty(shard, dtype=eng.compute_dtype, device=eng.device)
+            self.compute_shard = torch.empty(self.layout.shard_numel, dtype=eng.compute_dtype, device=eng.device)
+            self.frozen_compute_shard = torch.empty(
+                self.frozen_layout.shard_numel, dtype=eng.compute_dtype, device=eng.device
+            )
         else:
             self.compute_shard = self.main_shard.detach()
+            self.frozen_compute_shard = self.frozen_shard
         self.param_buffer, self.grad_buffer = param_buffer, grad_buffer
         pb = param_buffer.tensor[: self.numel]
         if not eng.strategy.shards_params:
             pb.copy_(full_flat_fp32)  # unsharded strategies start installed
             self.data_valid = True
             self.installed_version = self.main_shard._version
-        self.param_views = self.layout.views(pb)
-        self.grad_views = self.layout.views(grad_buffer.tensor[: self.numel])
-        grad_buffer.free()
-        if eng.strategy.shards_params:
-            param_buffer.free()
+            self.installed_frozen_version = self.frozen_shard._version
+        self.param_views = self.views(pb)
+        self.grad_views = self.layout.views(grad_buffer.tensor[: self.grad_numel])
         with torch.no_grad():
-            for p, v in zip(self.params, self.param_views):
+            for p, v in zip(self.all_params, self.param_views):
                 # [Note: parameter views] Each module parameter becomes a fixed view into the unit's
                 # unshard buffer, so replacing the buffer's bytes (all-gather) is all an unshard does, and
                 # the parameter keeps the same address as long as the buffer does. `.data` assignment
@@ -192,6 +206,26 @@ class FSDPUnit:
                 # not invalidate tensors that autograd saved in forward.
                 p.data = v
                 p.grad = None
+        grad_buffer.free()
+        if param_buffer.kind == "dynamic":
+            nan = torch.full((), float("nan"), dtype=eng.compute_dtype, device=eng.device)
+            self._placeholders = [nan.expand(v.shape) for v in self.param_views]
+        if eng.strategy.shards_params:
+            param_buffer.free()
+            self._install_placeholders()
+
+    def _install_placeholders(self) -> None:
+        """Point the parameters at their NaN placeholders (on-demand buffers, once freed)."""
+        if self._placeholders and self._views_installed:
+            for p, ph in zip(self.all_params, self._placeholders):
+                p.data = ph
+            self._views_installed = False
+
+    def _install_views(self) -> None:
+        if not self._views_installed:
+            for p, v in zip(self.all_params, self.param_views):
+                p.data = v
+            self._views_installed = True
 
     def buffer_addresses(self) -> Dict[str, Optional[int]]:
         """Data pointers of the unshard and unsharded-gradient buffers (None while not allocated)."""
@@ -203,27 +237,39 @@ class FSDPUnit:
         }
 
     def param_addresses(self) -> Tuple[int, ...]:
-        return tuple(p.data_ptr() for p in self.params)
+        return tuple(p.data_ptr() for p in self.all_params)
 
     # ------------------------------------------------------------------ unshard / reshard
     def _install_if_stale(self) -> None:
-        """Bring compute parameters up to date with the fp32 main shard after an optimizer step or load."""
-        if self.main_shard._version == self.installed_version:
+        """Bring compute parameters up to date with the fp32 main (and frozen) shards after a step or load."""
+        main_new = self.main_shard._version != self.installed_version
+        frozen_new = self.frozen_shard._version != self.installed_frozen_version
+        if not (main_new or frozen_new):
             return
         eng = self.engine
+        t, pb = self.grad_numel, self.param_buffer.tensor
+        works: List[Optional[dist.Work]] = []
+        regions = (
+            (main_new, self.main_shard, self.compute_shard, 0, t, f"unit {self.name}"),
+            (frozen_new, self.frozen_shard, self.frozen_compute_shard, t, self.numel, f"frozen parameters of unit {self.name}"),
+        )
         with torch.no_grad():
-            if self._separate_compute_shard:
-                self.compute_shard.copy_(self.main_shard)
-            if eng.strategy.shards_params:
-                self.data_valid = False  # the next unshard all-gathers the new values
-            elif eng.strategy is ShardingStrategy.NO_SHARD:
-                self.param_buffer.tensor[: self.numel].copy_(self.main_shard)
-            else:
-                cast = self.main_shard.detach().to(eng.compute_dtype)
-                self.pending_ag = C.all_gather(
-                    self.param_buffer.tensor[: self.numel], cast, eng.group, f"unit {self.name}"
-                )
+            for new, main, compute, lo, hi, what in regions:
+                if not new or lo == hi:
+                    continue
+                if eng.strategy.shards_params:
+                    if self._separate_compute_shard:
+                        compute.copy_(main)
+                elif eng.strategy is ShardingStrategy.NO_SHARD:
+                    pb[lo:hi].copy_(main)
+                else:
+                    works.append(C.all_gather(pb[lo:hi], main.detach().to(eng.compute_dtype), eng.group, what))
+        if eng.strategy.shards_params:
+            self.data_valid = False  # the next unshard all-gathers the new values
+        if works:
+            self.pending_ag = works[0] if len(works) == 1 else _Works(works)
         self.installed_version = self.main_shard._version
+        self.installed_frozen_version = self.frozen_shard._version
 
     def unshard(self) -> None:
         """Start making this unit's compute parameters available (asynchronous; see wait_unshard)."""
@@ -249,7 +295,15 @@ class FSDPUnit:
         elif self.data_valid and buf.allocated:
             return
         buf.allocate(f"the unshard buffer of unit {self.name}")
-        self.pending_ag = C.all_gather(buf.tensor[: self.numel], self.compute_shard, self.engine.group, f"unit {self.name}")
+        self._install_views()
+        t, group = self.grad_numel, self.engine.group
+        works: List[Optional[dist.Work]] = []
+        if t:
+            works.append(C.all_gather(buf.tensor[:t], self.compute_shard, group, f"unit {self.name}"))
+        if self.numel > t:
+            works.append(C.all_gather(buf.tensor[t : self.numel], self.frozen_compute_shard, group,
+                                      f"frozen parameters of unit {self.name}"))
+        self.pending_ag = works[0] if len(works) == 1 else _Works(works)
         self.data_valid = True
 
     def wait_unshard(self) -> None:
@@ -264,6 +318,7 @@ class FSDPUnit:
             self.wait_unshard()
             self.param_buffer.free()
             self.data_valid = False
+            self._install_placeholders()  # [Note: parameters outside forward]
         # A slot or persistent buffer keeps its bytes: if nothing overwrites it before this unit's
         # backward, the pre-backward unshard is free (the last unit of forward relies on this).
 
@@ -271,11 +326,15 @@ class FSDPUnit:
     def pre_forward(self, *_: Any) -> None:
         """Unshard for forward and prefetch the next unit. Takes and ignores the module (TE's hook form)."""
         eng = self.engine
+        if self.state is TrainingState.BACKWARD or (eng.in_backward and self.state is TrainingState.FORWARD_DONE):
+            self._pre_recompute()
+            return
         if self.state in COMPUTING:
             raise RuntimeError(
                 f"[rank {eng.rank}] megatron_fsdp: unit {self.name} entered forward while in state "
                 f"{self.state.name}; a unit may run forward once per backward (no re-entrant or repeated "
-                "calls of one FSDP unit in a step; split the module into separate units instead)"
+                "calls of one FSDP unit in a step; split the module into separate units instead). Activation "
+                "checkpointing, which re-runs the forward during backward, is supported"
             )
         eng.record("pre_forward", self)
         with phase(f"FSDP::pre_forward {self.name}"):
@@ -288,7 +347,30 @@ class FSDPUnit:
                 if nxt is not None and nxt.can_prefetch(backward=False):
                     nxt.unshard()
 
+    def _pre_recompute(self) -> None:
+        """A forward during backward: activation checkpointing recomputes this unit for its backward.
+
+        [Note: recompute] Non-reentrant checkpointing (``use_reentrant=False``) recomputes once the unit's
+        backward has begun (state BACKWARD: pre-backward ran on the output gradient); reentrant
+        checkpointing ran the first forward without grad, registered no backward hooks, and recomputes
+        inside its own backward (state FORWARD_DONE while the engine is in backward). Either way the unit
+        is unsharded (again, for a dynamic buffer; its slot is re-claimed under double buffering), enters
+        BACKWARD, and stays unsharded after the recomputed forward, because its backward follows at once.
+        """
+        eng = self.engine
+        eng.record("pre_recompute", self)
+        with phase(f"FSDP::pre_recompute {self.name}"):
+            self.recomputed = True
+            first = self.state is not TrainingState.BACKWARD
+            self.unshard()
+            self.wait_unshard()
+            self.state = TrainingState.BACKWARD
+            if first:
+                self._prefetch_backward()
+
     def post_forward(self, *_: Any) -> None:
+        if self.state is TrainingState.BACKWARD:
+            return  # a recomputed forward ([Note: recompute]): the unit's backward follows at once
         self.engine.record("post_forward", self)
         with phase(f"FSDP::post_forward {self.name}"):
             self.state = TrainingState.FORWARD_DONE
@@ -304,10 +386,14 @@ class FSDPUnit:
             self.unshard()
             self.wait_unshard()
             self.state = TrainingState.BACKWARD
-            if eng.prefetch:
-                prv = eng.neighbour(self, -1)
-                if prv is not None and prv.can_prefetch(backward=True):
-                    prv.unshard()
+            self._prefetch_backward()
+
+    def _prefetch_backward(self) -> None:
+        eng = self.engine
+        if eng.prefetch:
+            prv = eng.neighbour(self, -1)
+            if prv is not None and prv.can_prefetch(backward=True):
+                prv.unshard()
 
     def post_backward(self, *_: Any) -> None:
         """Reduce this unit's parameter gradients (if any) and reshard. Safe to call once per backward."""
@@ -315,11 +401,24 @@ class FSDPUnit:
             return
         self.engine.record("post_backward", self)
         with phase(f"FSDP::post_backward {self.name}"):
+            if self.frozen_params:
+                self._check_frozen_grads()
             grads = [p.grad for p in self.params]
             if any(g is not None for g in grads):
                 self._reduce_grads(grads)
             self.state = TrainingState.IDLE
             self.reshard()
+
+    def _check_frozen_grads(self) -> None:
+        late = [n for n, p in zip(self.frozen_layout.names, self.frozen_params) if p.grad is not None]
+        if late:
+            for p in self.frozen_params:
+                p.grad = None
+            raise RuntimeError(
+                f"[rank {self.engine.rank}] megatron_fsdp: parameters {late[:5]} of unit {self.name} were frozen "
+                "(requires_grad=False) when fully_shard ran and now have gradients; fully_shard fixes which "
+                "parameters train. Set requires_grad before fully_shard (shard the model again to change it)"
+            )
 
     def can_prefetch(self, *, backward: bool) -> bool:
         """Whether a prefetch of this unit may take its slot from the unit holding it.
@@ -343,7 +442,7 @@ class FSDPUnit:
         if gbuf.kind == "slot":
             eng.retire_reduces(slot=gbuf.slot)  # the previous user of this slot must have finished reducing
         gbuf.allocate(f"the gradient buffer of unit {self.name}")
-        flat = gbuf.tensor[: self.numel]
+        flat = gbuf.tensor[: self.grad_numel]
         present_views = [v for v, g in zip(self.grad_views, grads) if g is not None]
         present = [g for g in grads if g is not None]
         with torch.no_grad():
@@ -357,7 +456,7 @@ class FSDPUnit:
             work = C.all_reduce(flat, eng.group, f"gradients of unit {self.name}")
             out = flat
         else:
-            out = torch.empty_like(self.main_grad) if accumulate else self.main_grad
+            out = torch.empty_like(self._main_grad_data) if accumulate else self._main_grad_data
             work = C.reduce_scatter(out, flat, eng.group, f"gradients of unit {self.name}")
         eng.add_pending_reduce(_PendingReduce(self, work, out, accumulate))
 
@@ -375,9 +474,9 @@ class _PendingReduce:
         unit = self.unit
         with torch.no_grad():
             if self.accumulate:
-                unit.main_grad.add_(self.out)
-            elif self.out is not unit.main_grad:
-                unit.main_grad.copy_(self.out)
+                unit._main_grad_data.add_(self.out)
+            elif self.out is not unit._main_grad_data:
+                unit._main_grad_data.copy_(self.out)
         unit.main_shard.grad = unit.main_grad
         unit.grad_buffer.free()
 
@@ -416,8 +515,8 @@ def make_unit_hooks(unit: FSDPUnit) -> Tuple[Callable, Callable, Callable, Calla
         unit.post_forward()
 
     def fsdp_register_pre_backward(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return None
+        if not torch.is_grad_enabled() or unit.state is TrainingState.BACKWARD:
+            return None  # no backward, or a recomputed forward inside the unit's backward ([Note: recompute])
         tensors = _grad_tensors(output)
         if len(tensors) == 1:
             tensors[0].register_hook(_pre_backward_tensor_hook(unit))

@@ -580,13 +580,6 @@ def test_non_float_parameter(one_rank_group, owner, name, unit):
         shard(gpt)
 
 
-def test_frozen_parameter_not_supported(one_rank_group):
-    gpt, _ = build_gpt()
-    gpt.layers[0].attn.proj.bias.requires_grad_(False)
-    with pytest.raises(NotImplementedError, match=r"layers\.0\.attn\.proj\.bias of unit layers\.0"):
-        shard(gpt)
-
-
 def test_persist_flag_needs_double_buffer(one_rank_group):
     with pytest.raises(ValueError, match=r"fsdp_db_use_persist_buf_on_alloc_fail=True needs fsdp_double_buffer=True"):
         shard(build_gpt()[0], fsdp_db_use_persist_buf_on_alloc_fail=True)

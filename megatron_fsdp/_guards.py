@@ -1,0 +1,107 @@
+"""Guards that turn silent misuse of a sharded model into clear errors.
+
+- **The wrong optimizer parameters.** Module parameters of a sharded model are compute views that the
+  engine refills from the fp32 main shards; the engine folds their gradients into its own buffers and
+  clears them. An optimizer over ``model.parameters()`` therefore sees no gradient and trains nothing,
+  silently. A process-wide optimizer step pre-hook (installed by the first ``fully_shard``) refuses any
+  optimizer step whose parameter groups hold such a compute view, naming the fix. The check is cached per
+  optimizer and redone when its groups change size; it also refuses a step after a parameter's
+  ``requires_grad`` changed since ``fully_shard`` (the unit plan fixed which parameters train).
+- **Calls that bypass the wrapper.** ``model.module(x)`` would skip the root's unshard and refresh; a
+  forward-pre hook on the wrapped module refuses it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+if TYPE_CHECKING:
+    from ._fully_shard import MegatronFSDP
+
+__all__ = ["install_optimizer_guard", "mark_compute_params", "guard_direct_calls"]
+
+_state: Dict[str, Any] = {"handle": None}
+#: optimizer -> (group sizes when checked, engines whose main shards it steps)
+_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[Tuple[int, ...], List[Any]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def mark_compute_params(engine: "MegatronFSDP") -> None:
+    """Tag every module parameter of ``engine`` as a compute view (read by the optimizer guard)."""
+    ref = weakref.ref(engine)
+    for u in engine.all_units():
+        for name, p in zip(u.names, u.all_params):
+            p._megatron_fsdp_compute = (ref, name, u.name)  # type: ignore[attr-defined]
+
+
+def install_optimizer_guard() -> None:
+    """Register the process-wide optimizer step pre-hook once (idempotent)."""
+    if _state["handle"] is None:
+        _state["handle"] = register_optimizer_step_pre_hook(_check_optimizer)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    sizes = tuple(len(g["params"]) for g in optimizer.param_groups)
+    cached = _checked.get(optimizer)
+    if cached is None or cached[0] != sizes:
+        engines: Dict[int, Any] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                tag = getattr(p, "_megatron_fsdp_compute", None)
+                if tag is not None and tag[0]() is not None:
+                    _refuse_compute_param(optimizer, tag)
+                unit = getattr(p, "_megatron_fsdp_unit", None)
+                if unit is not None:
+                    engines[id(unit.engine)] = unit.engine
+        cached = (sizes, [weakref.ref(e) for e in engines.values()])
+        _checked[optimizer] = cached
+    for ref in cached[1]:
+        engine = ref()
+        if engine is not None:
+            _check_requires_grad(engine)
+
+
+def _refuse_compute_param(optimizer: torch.optim.Optimizer, tag: Tuple[Any, str, str]) -> None:
+    engine = tag[0]()
+    raise ValueError(
+        f"[rank {engine.rank}] megatron_fsdp: {type(optimizer).__name__} steps parameter {tag[1]}, a compute view of "
+        f"FSDP unit {tag[2]} that the engine refills from its fp32 main shard and whose gradient it consumes: this "
+        "optimizer would train nothing. Build the optimizer over model.optimizer_parameters() (the fp32 main "
+        "shards), not model.parameters() or model.module.parameters()"
+    )
+
+
+def _check_requires_grad(engine: "MegatronFSDP") -> None:
+    for u in engine.all_units():
+        for name, p in zip(u.layout.names, u.params):
+            if not p.requires_grad:
+                raise RuntimeError(
+                    f"[rank {engine.rank}] megatron_fsdp: parameter {name} of unit {u.name} was trainable when "
+                    "fully_shard ran and has requires_grad=False now; the optimizer would still step its main shard "
+                    "(momentum, weight decay). Freeze parameters before fully_shard (shard the model again to "
+                    "change which parameters train)"
+                )
+
+
+def guard_direct_calls(engine: "MegatronFSDP") -> torch.utils.hooks.RemovableHandle:
+    """Refuse ``engine.module(...)`` called other than through the wrapper's forward."""
+    ref = weakref.ref(engine)
+
+    def fsdp_root_call_guard(module: nn.Module, args: Tuple[Any, ...]) -> Optional[Any]:
+        eng = ref()
+        if eng is not None and not eng._in_root_forward:
+            raise RuntimeError(
+                f"[rank {eng.rank}] megatron_fsdp: the sharded {type(module).__name__} was called directly "
+                "(model.module(...)); call the MegatronFSDP wrapper instead (model(...)): it gathers the root's "
+                "parameters and refreshes them after optimizer steps"
+            )
+        return None
+
+    fsdp_root_call_guard._megatron_fsdp_role = "root_call_guard"  # type: ignore[attr-defined]
+    return engine.module.register_forward_pre_hook(fsdp_root_call_guard)
