@@ -43,8 +43,8 @@ and how it keeps that honest:
   replay ``main_shard.grad`` is bound to the main gradient for the units the captured step reduced, and
   unbound for the others, whatever ``zero_grad(set_to_none=True)`` did in between.
 - Host reads: a host sync, a CPU tensor or a host<->device copy in the step would be frozen at its capture
-  value or break the capture; the warmup steps run under a check that refuses them by name, and the capture
-  under ``torch.cuda.set_sync_debug_mode("error")`` ([Note: host syncs in a captured step]). Python values
+  value or break the capture; the last warmup step runs under a check that refuses them by name, and the
+  capture under ``torch.cuda.set_sync_debug_mode("error")`` ([Note: host syncs in a captured step]). Python values
   the step branches on (counters, flags) cannot be seen: they are frozen too.
 - Python side effects of ``forward_step`` (appending to a list, counting calls) happen at capture only.
 - RNG: PyTorch registers the default CUDA generator with every graph (each replay advances its offset as
@@ -362,7 +362,9 @@ class FullIterationCudaGraph:
                 slot.warmup_left = max(0, slot.warmup_left - 1)
                 slot.last_signature = sig
                 slot.eager_steps += 1
-                return self._eager(slot, micro_batches, check=True)
+                # the step right before capture runs under the host-sync check: caches are warm by then, so
+                # what it refuses would happen at capture too
+                return self._eager(slot, micro_batches, check=slot.warmup_left == 0)
             self._capture(slot, leaves, sig)
         elif sig != slot.signature:
             return self._fallback(slot, micro_batches, sig)

@@ -310,7 +310,7 @@ def _errors_job(rank: int) -> Dict[str, Any]:
     go.delete()
     out["after_delete"] = _error(lambda: go.step(_micro_batches(cfg, 7, rank)))
 
-    # .item() in the step is refused by name, at the first (warmup) step
+    # .item() in the step is refused by name, at the last warmup step (the one right before capture)
     cfg, model, opt = _build()
 
     def item_step(model, x, y):
@@ -320,7 +320,11 @@ def _errors_job(rank: int) -> Dict[str, Any]:
         return loss
 
     gi = FullIterationCudaGraph(model, item_step, _config())
-    out["item"] = _error(lambda: gi.step(_micro_batches(cfg, 0, rank)))
+    for step in range(WARMUP - 1):
+        gi.step(_micro_batches(cfg, step, rank))  # the earlier warmup steps run unchecked, as eager steps
+        opt.step()
+        opt.zero_grad()
+    out["item"] = _error(lambda: gi.step(_micro_batches(cfg, WARMUP - 1, rank)))
 
     # a host read that only happens while capturing: refused at capture; the graph is then unusable and the
     # model keeps training eagerly, correctly

@@ -1,0 +1,379 @@
+"""Bit-exact alignment of full-iteration CUDA graphs against eager ``megatron_fsdp`` training.
+
+Every row trains the same model on the same data twice, on the default CUDA stream: with the plain engine
+loop (eager) and through :class:`~fsdp_cudagraph.FullIterationCudaGraph` (eager warmup steps, capture
+before ``--capture-step``, replays after). Each step's micro-batch losses and the final parameters must be
+``torch.equal`` on every rank. Rows: every strategy, the plain-torch GPT and (with TE) the TE GPT, one
+micro-batch with the eager optimizer and two micro-batches with the optimizer graph (capturable Adam with a
+device-tensor learning rate in both runs of the row); then a shape change mid-run (an eager fallback), an
+evaluation graph between steps, and ``delete()`` mid-run. Negative controls must be caught: a perturbed
+token, ``.item()`` in the step, a host sync that only happens under capture (torch's sync debug mode), a CPU
+tensor in the step, ZeRO-3 without double buffering, a strict shape change.
+
+Run (1 GPU, then 2 GPUs; each well under 4 minutes on an H100)::
+
+    python -m fsdp_cudagraph.full_iteration_align --out fi-align-1gpu.json
+    torchrun --nproc-per-node 2 -m fsdp_cudagraph.full_iteration_align --out fi-align-2gpu.json
+
+``--quick`` runs two strategies of the torch model; ``--models torch`` skips TE. Exit status 1 if a row
+mismatches or a control is not caught. :func:`run_full` is also the training loop of the benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # deterministic TE kernels in both runs
+
+import torch
+import torch.distributed as dist
+
+from ._attention import AttentionBackendMatcher
+from ._capture import PartialCudaGraphs
+from ._capture_safety import HostSyncError
+from ._full_iteration import FullIterationCudaGraph, FullIterationReport
+from ._te import HAS_TE, TE_REASON
+from .align import versions
+from .config import CudaGraphConfig
+from .model import GPTConfig, loss_fn, synthetic_batch
+from .train import RunSpec, build_model
+
+__all__ = ["FullRunSpec", "FullRunResult", "run_full", "main"]
+
+MODES = ("eager", "partial", "full_iteration")
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+
+@dataclasses.dataclass
+class FullRunSpec:
+    """One training run of the reference GPT: ``mode`` eager, partial (whole-layer graphs) or full_iteration."""
+
+    model: GPTConfig
+    mode: str = "eager"
+    steps: int = 20
+    micro_batch_size: int = 2
+    grad_accum: int = 1
+    sharding_strategy: str = "optim_grads_params"
+    compute_dtype: torch.dtype = torch.bfloat16
+    capture_step: int = 3
+    #: Adam(capturable=True, lr=device tensor): what an optimizer graph needs; use it in both runs of a row
+    capturable_optimizer: bool = False
+    graph_optimizer: bool = False
+    partial_backend: str = "te"
+    lr: float = 1e-3
+    seed: int = 1234
+    prefetch: bool = True
+    #: graphed runs: flip one token of this step (a negative control of the comparison)
+    perturb_step: Optional[int] = None
+    #: these steps use half the sequence length (graphed runs fall back to eager for them)
+    short_steps: Sequence[int] = ()
+    #: evaluate a fixed batch (forward only) before these steps
+    eval_steps: Sequence[int] = ()
+    #: full_iteration runs: delete() the graphs before this step and continue eagerly
+    delete_step: Optional[int] = None
+    strict: bool = False
+    #: forward_step(model, x, y) -> loss; default the reference loss divided by grad_accum
+    forward_step: Optional[Callable[..., torch.Tensor]] = None
+    double_buffer: bool = True
+
+
+@dataclasses.dataclass
+class FullRunResult:
+    losses: List[torch.Tensor]  # per step, [grad_accum] micro-batch losses
+    evals: List[Tuple[torch.Tensor, ...]]
+    step_ms: List[float]
+    peak_memory_bytes: int
+    final_state: Dict[str, torch.Tensor]
+    reports: Dict[str, FullIterationReport]
+    counters: Dict[str, int]
+
+
+def _batches(spec: FullRunSpec, device: torch.device, rank: int, world: int) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
+    """Every step's micro-batches, on the device before the loop (no host work inside timed steps)."""
+    per = spec.micro_batch_size
+    out = []
+    for step in range(spec.steps):
+        mbs = []
+        for mb in range(spec.grad_accum):
+            x, y = synthetic_batch(step * spec.grad_accum + mb, per * world, spec.model, device, seed=spec.seed)
+            x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+            if step in spec.short_steps:
+                x, y = x[:, : spec.model.seq_len // 2], y[:, : spec.model.seq_len // 2]
+            if spec.perturb_step == step and spec.mode != "eager":
+                x = x.clone()
+                x[0, 0] = (x[0, 0] + 1) % spec.model.vocab_size
+            mbs.append((x.contiguous(), y.contiguous()))
+        out.append(mbs)
+    return out
+
+
+def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
+    """Train per ``spec`` on the default CUDA stream (as a user's loop does) and return losses, times, state."""
+    if spec.mode not in MODES:
+        raise ValueError(f"mode={spec.mode!r} is not one of {MODES}")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = device.type == "cuda"
+    if cuda:  # start as a fresh process would: an earlier graphed run left the thread on a side stream
+        default = torch.cuda.default_stream(device)
+        default.wait_stream(torch.cuda.current_stream(device))
+        torch.cuda.set_stream(default)
+    if spec.double_buffer:
+        model = build_model(RunSpec(model=spec.model, sharding_strategy=spec.sharding_strategy,
+                                    compute_dtype=spec.compute_dtype, seed=spec.seed, prefetch=spec.prefetch), device)
+    else:
+        from megatron_fsdp import fully_shard
+        from .model import GPT
+
+        torch.manual_seed(spec.seed)
+        gpt = GPT(spec.model).to(device)
+        model = fully_shard(gpt, fsdp_unit_modules=[gpt.unit_class], sharding_strategy=spec.sharding_strategy,
+                            compute_dtype=spec.compute_dtype)
+    lr: Any = torch.tensor(spec.lr, device=device) if spec.capturable_optimizer else spec.lr
+    opt = torch.optim.Adam(model.optimizer_parameters(), lr=lr, capturable=spec.capturable_optimizer)
+    grad_accum = spec.grad_accum
+
+    def default_step(m: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return loss_fn(m(x), y) / grad_accum
+
+    forward_step = spec.forward_step or default_step
+    batches = _batches(spec, device, rank, world)
+    eval_batch = _batches(dataclasses.replace(spec, steps=1, seed=spec.seed + 1, short_steps=(), perturb_step=None),
+                          device, rank, world)[0]
+    graph: Optional[FullIterationCudaGraph] = None
+    partial: Optional[PartialCudaGraphs] = None
+    matcher: Optional[AttentionBackendMatcher] = None
+    if spec.mode == "full_iteration":
+        config = CudaGraphConfig(cuda_graph_impl="full_iteration", cuda_graph_warmup_steps=spec.capture_step,
+                                 cuda_graph_strict_signature=spec.strict)
+        graph = FullIterationCudaGraph(model, forward_step, config, graph_optimizer=spec.graph_optimizer)
+    elif spec.mode == "partial":
+        config = CudaGraphConfig(cuda_graph_impl="transformer_engine" if spec.partial_backend == "te" else "local",
+                                 cuda_graph_modules=[], cuda_graph_warmup_steps=spec.capture_step,
+                                 use_megatron_fsdp=True, fsdp_double_buffer=True,
+                                 fsdp_db_use_persist_buf_on_alloc_fail=True)
+        partial = PartialCudaGraphs(model, config, backend=spec.partial_backend)
+    elif cuda:  # eager: TE attention selects the backend a graph would (no-op without TE)
+        matcher = AttentionBackendMatcher({"model": model.module}, force=True)
+    losses: List[torch.Tensor] = []
+    evals: List[Tuple[torch.Tensor, ...]] = []
+    events: List[Any] = []
+    host_ms: List[float] = []
+    for step in range(spec.steps):
+        if partial is not None and step == spec.capture_step:
+            partial.capture()
+        if graph is not None and step == spec.delete_step:
+            graph.delete()
+        live = graph is not None and not graph.deleted
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        if step in spec.eval_steps:
+            if live:
+                evals.append(graph.evaluate(eval_batch))
+            else:
+                with torch.no_grad():
+                    evals.append(tuple(forward_step(model, x, y) for x, y in eval_batch))
+        if live:
+            losses.append(graph.step(batches[step]))
+            graph.optimizer_step(opt)
+        else:
+            per = []
+            for x, y in batches[step]:
+                loss = forward_step(model, x, y)
+                loss.backward()
+                per.append(loss.detach().reshape(()))
+            losses.append(torch.stack(per))
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            end.record()
+            events.append((start, end))
+        host_ms.append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.synchronize(device)
+    ms = [s.elapsed_time(e) for s, e in events] if cuda else host_ms
+    peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    state = model.full_state_dict()
+    reports = dict(graph.reports) if graph is not None else {}
+    counters = dict(graph.counters) if graph is not None else {}
+    if graph is not None:
+        graph.delete()
+    if partial is not None:
+        partial.delete()
+    if matcher is not None:
+        matcher.uninstall()
+    return FullRunResult(losses, evals, ms, peak, state, reports, counters)
+
+
+# ---------------------------------------------------------------------------------------------- alignment
+def _everywhere(flag: bool, device: torch.device) -> bool:
+    t = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def compare(eager: FullRunResult, graphed: FullRunResult, device: torch.device) -> Dict[str, Any]:
+    loss_eq = [torch.equal(a, b) for a, b in zip(eager.losses, graphed.losses)] + [len(eager.losses) == len(graphed.losses)]
+    param_eq = eager.final_state.keys() == graphed.final_state.keys() and all(
+        torch.equal(eager.final_state[k], graphed.final_state[k]) for k in eager.final_state)
+    eval_eq = len(eager.evals) == len(graphed.evals) and all(
+        all(torch.equal(a, b) for a, b in zip(ea, ga)) for ea, ga in zip(eager.evals, graphed.evals))
+    ok = _everywhere(all(loss_eq) and param_eq and eval_eq, device)
+    med = lambda ms: sorted(ms[5:])[len(ms[5:]) // 2] if len(ms) > 5 else None  # noqa: E731
+    train = graphed.reports.get("train")
+    return {
+        "equal": ok, "losses_equal_per_step": loss_eq[:-1], "params_equal": param_eq, "evals_equal": eval_eq,
+        "first_mismatch_step": next((i for i, e in enumerate(loss_eq[:-1]) if not e), None),
+        "eager_losses": [x.float().tolist() for x in eager.losses],
+        "graphed_losses": [x.float().tolist() for x in graphed.losses],
+        "eager_step_ms_median": med(eager.step_ms), "graphed_step_ms_median": med(graphed.step_ms),
+        "capture_seconds": train.capture_seconds if train else None,
+        "graph_memory_bytes": train.graph_memory_bytes if train else None,
+        "captured_collectives": len(train.collectives) if train else None,
+        "counters": graphed.counters,
+    }
+
+
+def run_row(spec: FullRunSpec, device: torch.device, **graphed_overrides: Any) -> Dict[str, Any]:
+    eager = run_full(dataclasses.replace(spec, mode="eager", graph_optimizer=False), device)
+    graphed = run_full(dataclasses.replace(spec, mode="full_iteration", **graphed_overrides), device)
+    row = {"model": "te" if spec.model.use_te else "torch", "strategy": spec.sharding_strategy,
+           "grad_accum": spec.grad_accum, "graph_optimizer": spec.graph_optimizer,
+           "short_steps": list(spec.short_steps), "eval_steps": list(spec.eval_steps), "delete_step": spec.delete_step,
+           **{k: v for k, v in graphed_overrides.items() if k != "forward_step"}}
+    row.update(compare(eager, graphed, device))
+    return row
+
+
+def model_config(use_te: bool) -> GPTConfig:
+    # seq 128 (a multiple of 128: TE's fused attention stays available under capture), one MoE layer
+    return GPTConfig(vocab_size=1024, hidden_size=256, num_layers=4, num_heads=4, seq_len=128, moe_every=2,
+                     num_experts=4, moe_top_k=2, use_te=use_te)
+
+
+def negative_controls(device: torch.device, steps: int) -> List[Dict[str, Any]]:
+    """Runs that must fail, each with how it failed."""
+    out: List[Dict[str, Any]] = []
+    base = FullRunSpec(model=model_config(False), steps=6, capture_step=2)
+
+    def expect(name: str, fn: Callable[[], Any], exc: Any, must: Sequence[str] = ()) -> None:
+        try:
+            fn()
+            out.append({"control": name, "caught": False, "detail": "no error"})
+        except exc as e:  # noqa: PERF203
+            text = f"{type(e).__name__}: {e}"
+            out.append({"control": name, "caught": all(m in text for m in must), "detail": text[:400]})
+
+    def item_step(m: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(m(x), y)
+        if loss.item() > 1e9:  # a data-dependent Python branch
+            loss = loss * 0
+        return loss
+
+    def capture_only_sync(m: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(m(x), y)
+        if torch.cuda.is_current_stream_capturing():
+            loss = loss * float(loss.detach().sum())  # a host read only the capture sees
+        return loss
+
+    cpu_scale = torch.tensor(1.0)  # a CPU scalar tensor: read on the host at capture, frozen
+
+    def cpu_tensor_step(m: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return loss_fn(m(x), y) * cpu_scale
+
+    expect(".item() in the step", lambda: run_full(dataclasses.replace(base, mode="full_iteration", forward_step=item_step), device),
+           HostSyncError, ["aten._local_scalar_dense", "loss.item()"])
+    # torch's sync debug mode raises a HostSyncError; if CUDA refuses first (a pinned-memory allocation of the
+    # read-back under capture), the translated RuntimeError names the same line
+    expect("host sync only under capture", lambda: run_full(
+        dataclasses.replace(base, mode="full_iteration", forward_step=capture_only_sync), device),
+        (HostSyncError, RuntimeError), ["capture_only_sync", "captur"])
+    expect("CPU tensor in the step", lambda: run_full(
+        dataclasses.replace(base, mode="full_iteration", forward_step=cpu_tensor_step), device),
+        HostSyncError, ["CPU tensor"])
+    expect("ZeRO-3 without double buffer", lambda: run_full(
+        dataclasses.replace(base, mode="full_iteration", double_buffer=False), device), ValueError, ["fixed address"])
+    expect("strict shape change", lambda: run_full(
+        dataclasses.replace(base, mode="full_iteration", strict=True, short_steps=(4,)), device), ValueError,
+        ["captured for other inputs"])
+    row = run_row(dataclasses.replace(base, steps=min(steps, 8)), device, perturb_step=4)
+    out.append({"control": "one token perturbed at step 4", "caught": not row["equal"],
+                "detail": f"first mismatch at step {row['first_mismatch_step']}"})
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["torch", "te"], choices=["torch", "te"])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--capture-step", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="torch model, strategies no_shard and optim_grads_params")
+    p.add_argument("--no-controls", action="store_true")
+    p.add_argument("--out", default=None, help="JSON result path (rank 0 writes)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fsdp_cudagraph.full_iteration_align needs a CUDA GPU; the CPU schedule is tested by "
+              "tests/test_full_iteration.py. Nothing to run here.")
+        return 0
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=os.environ.get("MASTER_PORT", "29514"))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    device = torch.device("cuda", local)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    models = ["torch"] if args.quick else [m for m in args.models if m != "te" or HAS_TE]
+    skipped = [f"te: {TE_REASON}"] if "te" in args.models and not HAS_TE and not args.quick else []
+    strategies = ["no_shard", "optim_grads_params"] if args.quick else STRATEGIES
+    specs: List[FullRunSpec] = []
+    for m in models:
+        for s in strategies:
+            common = dict(model=model_config(m == "te"), steps=args.steps, capture_step=args.capture_step, sharding_strategy=s)
+            specs.append(FullRunSpec(**common))
+            specs.append(FullRunSpec(**common, grad_accum=2, capturable_optimizer=True, graph_optimizer=True))
+    extra = dict(model=model_config(False), steps=args.steps, capture_step=args.capture_step)
+    c = args.capture_step  # evaluations before the training capture too: they install parameters eagerly
+    specs.append(FullRunSpec(**extra, grad_accum=2, short_steps=(c + 4,),
+                             eval_steps=tuple(sorted({1, c - 1, c, c + 2, c + 3, c + 5, c + 6} - {0}))))
+    specs.append(FullRunSpec(**extra, capturable_optimizer=True, graph_optimizer=True, delete_step=args.capture_step + 3))
+    rows = []
+    t0 = time.time()
+    for i, spec in enumerate(specs):
+        row = run_row(spec, device)
+        rows.append(row)
+        if rank == 0:
+            print(f"[{i + 1}/{len(specs)}, {time.time() - t0:4.0f} s] {row['model']:5s} {row['strategy']:18s} "
+                  f"accum={row['grad_accum']} opt_graph={row['graph_optimizer']!s:5s} short={row['short_steps']} "
+                  f"eval={bool(row['eval_steps'])} delete={row['delete_step']}  "
+                  f"{'EQUAL' if row['equal'] else 'MISMATCH at step ' + str(row['first_mismatch_step'])}  "
+                  f"eager {row['eager_step_ms_median']:.2f} ms  graphed {row['graphed_step_ms_median']:.2f} ms  "
+                  f"capture {row['capture_seconds']:.2f} s, {row['captured_collectives']} collectives  {row['counters']}",
+                  flush=True)
+    controls = [] if args.no_controls else negative_controls(device, args.steps)
+    ok = all(r["equal"] for r in rows) and all(c["caught"] for c in controls)
+    if rank == 0:
+        for c in controls:
+            print(f"control: {c['control']:32s} {'caught' if c['caught'] else 'NOT CAUGHT'}  {c['detail'][:160]}")
+        print(f"{len(rows)} rows, {sum(r['equal'] for r in rows)} equal; controls caught "
+              f"{sum(c['caught'] for c in controls)}/{len(controls)}; {time.time() - t0:.0f} s; world {world}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"command": " ".join(sys.argv), "world_size": world, "versions": versions(),
+                           "steps": args.steps, "capture_step": args.capture_step, "skipped": skipped,
+                           "rows": rows, "controls": controls, "all_ok": ok}, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
