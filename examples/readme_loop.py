@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 2 examples/readme_loop.py ...
 
 The README's block is pasted below unchanged except for where its names come from (``my_gpt``,
-``MyTransformerLayer``, ``loader``, ``loss_fn``); nothing here touches CUDA streams. The eager run is the same
+``MyTransformerLayer``, ``loader``, ``loss_fn``); nothing here touches CUDA streams. Both runs use
+deterministic kernels (``use_deterministic_kernels``): bit equality needs them, graphs or not. The eager run is the same
 loop with ``graphs`` replaced by ``match_graph_attention`` (TE attention picks the backend a graph would, so
 that the two can be compared bit for bit). It prints both loss columns and exits 1 unless every step's
 loss and every final parameter are ``torch.equal``. Needs a CUDA GPU (``--impl transformer_engine`` needs TE).
@@ -18,11 +19,13 @@ import os
 import sys
 
 os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # deterministic kernels in both runs
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
 import torch.distributed as dist
 
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, match_graph_attention
+from fsdp_cudagraph.train import use_deterministic_kernels
 from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch
 from megatron_fsdp import fully_shard
 
@@ -78,6 +81,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("examples/readme_loop.py needs a CUDA GPU (CUDA graphs); nothing to run here.")
         return 0
+    use_deterministic_kernels()  # torch's flash SDPA backward is not deterministic past one key block otherwise
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     if "RANK" not in os.environ:

@@ -37,16 +37,21 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-# Deterministic kernels: TE's fused attention may pick non-deterministic backward algorithms otherwise,
-# and eager-vs-graph bit equality needs both runs to compute the same thing. Set before TE is imported.
+# Deterministic kernels: eager-vs-graph bit equality needs both runs to compute the same thing. TE's fused
+# attention may otherwise pick non-deterministic backward algorithms (set before TE is imported), and
+# PyTorch's flash SDPA backward accumulates dQ with atomics past one key block (seq 512 differed between two
+# eager runs on an H100 before this); deterministic mode makes it use its deterministic path. cuBLAS needs a
+# fixed workspace in that mode (set before CUDA starts).
 os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
 import torch.distributed as dist
 
+
 from ._te import HAS_TE, TE_REASON, TE_VERSION
 from .model import GPTConfig
-from .train import RunSpec, run_training
+from .train import RunSpec, run_training, use_deterministic_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +258,17 @@ def negative_controls(device: torch.device, backend: str) -> List[Dict[str, Any]
     return out
 
 
+def _cudnn_version() -> Any:
+    # With TE installed the process may load TE's cuDNN instead of torch's; torch then refuses to report
+    # (it raises on the mismatch), and the loaded version is what matters for TE's attention.
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return torch.backends.cudnn.version()
+    except RuntimeError as exc:
+        return f"error: {exc}"[:300]
+
+
 def versions() -> Dict[str, Any]:
     commit = os.environ.get("GIT_COMMIT")  # a copy of the tree without .git (e.g. a GPU machine) passes it in
     if not commit:
@@ -265,7 +281,7 @@ def versions() -> Dict[str, Any]:
         "cuda": torch.version.cuda,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
         "te": str(TE_VERSION) if HAS_TE else f"absent ({TE_REASON})",
-        "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+        "cudnn": _cudnn_version(),
         "python": platform.python_version(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "commit": commit,
@@ -284,6 +300,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not torch.cuda.is_available():
         print("fsdp_cudagraph.align needs a CUDA GPU (graphs are captured on CUDA); nothing to run here.")
         return 0
+    use_deterministic_kernels()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     if not dist.is_initialized():

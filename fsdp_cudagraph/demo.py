@@ -15,12 +15,15 @@ import logging
 import os
 import resource
 
+os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # both columns must run deterministic kernels
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 import torch
 import torch.distributed as dist
 
 from ._te import HAS_TE, TE_REASON
 from .model import GPTConfig
-from .train import RunSpec, run_training
+from .train import RunSpec, run_training, use_deterministic_kernels
 
 
 def main() -> None:
@@ -31,6 +34,7 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     cuda = torch.cuda.is_available()
+    use_deterministic_kernels()
     if cuda:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)

@@ -23,7 +23,19 @@ from ._capture import CaptureReport, PartialCudaGraphs, match_graph_attention, s
 from .config import CudaGraphConfig
 from .model import GPT, GPTConfig, loss_fn, synthetic_batch
 
-__all__ = ["RunSpec", "RunResult", "build_model", "graph_config", "run_training"]
+__all__ = ["RunSpec", "RunResult", "build_model", "graph_config", "run_training", "use_deterministic_kernels"]
+
+
+def use_deterministic_kernels() -> None:
+    """Deterministic algorithms for runs that are compared bit for bit (graphs or not, both must use them).
+
+    PyTorch's flash SDPA backward accumulates dQ with atomics past one key block unless deterministic mode is
+    on (two eager runs at seq 512 differed on an H100); TE's equivalent is NVTE_ALLOW_NONDETERMINISTIC_ALGO=0,
+    and cuBLAS wants CUBLAS_WORKSPACE_CONFIG, both set before CUDA/TE start. New allocations are not filled
+    with NaN (a cost, not a need here).
+    """
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 @dataclasses.dataclass
