@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import enum
 import inspect
-import logging
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -50,12 +49,10 @@ __all__ = [
     "SignatureChangedWarning",
 ]
 
-logger = logging.getLogger(__name__)
-
 # Node tags of a signature (small ints: tuple comparison stays in C).
 _TENSOR, _CONST, _SEQ, _MAP, _OPAQUE = range(5)
 
-#: Constants bound at capture. bool is listed before int only for readability: type() is matched exactly.
+#: Constants bound at capture, matched by exact type (so a bool is never taken for an int).
 _ATOMS = frozenset(
     [type(None), bool, int, str, bytes, torch.dtype, torch.device, torch.layout, torch.memory_format, type(Ellipsis)]
 )

@@ -287,7 +287,9 @@ def check_alignment(
     common = dict(device=device, backend=backend, config=config, steps=steps, seed=seed,
                   sharding_strategy=sharding_strategy, compute_dtype=compute_dtype)
     with _deterministic_te_attention():
+        logger.info("check_alignment: eager run, %d steps", steps)
         eager = _train(factory, graphed=False, perturb=None, **common)
+        logger.info("check_alignment: graphed run (%s backend), capture before step %d", backend, capture_step)
         graphed = _train(factory, graphed=True, perturb=perturb, **common)
 
     rank, world = dist.get_rank(), dist.get_world_size()

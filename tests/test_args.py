@@ -11,10 +11,9 @@ at capture with the argument's name.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import enum
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
