@@ -137,6 +137,11 @@ class PartialCudaGraphs:
             under capture than eagerly (see [Note: attention backends under capture] in ``_attention.py``):
             ``match_graph`` (default) makes the eager steps use the graph's backend from now on, ``warn``
             keeps TE's eager choice and warns at capture, ``error`` refuses the capture.
+        clone_param_grads: TE backend: return clones of the graph's parameter gradients (TE's default) rather
+            than its static buffers. ``False`` saves a copy per parameter per replay and is safe when nothing
+            keeps a returned gradient past the next replay of its callable: autograd's AccumulateGrad copies a
+            gradient it cannot own into ``.grad``, and megatron_fsdp folds ``.grad`` into its buffer at the
+            unit's post-backward (the torch backend never clones).
 
     Streams: building it moves this thread off the legacy default CUDA stream (backends ``te`` and
     ``torch``; see [Note: the default stream and graph capture] in ``_streams.py``), so build it before the
@@ -144,7 +149,7 @@ class PartialCudaGraphs:
     """
 
     def __init__(self, model: nn.Module, config: CudaGraphConfig, *, backend: Optional[str] = None,
-                 attention_backend: str = "match_graph") -> None:
+                 attention_backend: str = "match_graph", clone_param_grads: bool = True) -> None:
         if attention_backend not in ATTENTION_POLICIES:
             raise ValueError(
                 f"attention_backend={attention_backend!r} is not one of {ATTENTION_POLICIES}; 'match_graph' runs "
@@ -152,6 +157,7 @@ class PartialCudaGraphs:
             )
         self.config = config
         self.attention_backend = attention_backend
+        self.clone_param_grads = clone_param_grads
         self.engine = model if isinstance(model, MegatronFSDP) else None
         self.root = model.module if isinstance(model, MegatronFSDP) else model
         if backend is None:
@@ -313,6 +319,7 @@ class PartialCudaGraphs:
             num_warmup_iters=self.config.cuda_graph_num_warmup_iters,
             allow_unused_input=True,
             sample_kwargs=tuple({} for _ in order),
+            clone_param_grads_on_return=self.clone_param_grads,
             # one entry per callable, in order; TE passes the wrapper, the hooks act on the original module
             capture_time_hooks=[_on_module(c.plan, c.module) for c in order],
         )

@@ -151,11 +151,12 @@ def compare(eager: Any, graphed: Any, device: torch.device) -> Dict[str, Any]:
 
 def run_row(*, scope: List[str], strategy: str, backend: str, grad_accum: int, steps: int, capture_step: int,
             device: torch.device, perturb_step: Optional[int] = None, what: str = "", user_hooks: bool = False,
-            model: Optional[Dict[str, Any]] = None, eager_matches_graph_attention: bool = True) -> Dict[str, Any]:
+            model: Optional[Dict[str, Any]] = None, eager_matches_graph_attention: bool = True,
+            spec_overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     model = dict(model or {})
     spec = RunSpec(model=model_config(backend, **model), steps=steps, sharding_strategy=strategy, backend=backend,
                    grad_accum=grad_accum, capture_step=capture_step, user_hooks=user_hooks,
-                   attention_as_graphed=scope if eager_matches_graph_attention else None)
+                   attention_as_graphed=scope if eager_matches_graph_attention else None, **(spec_overrides or {}))
     eager = run_training(spec, device)
     graphed_spec = RunSpec(**{**spec.__dict__, "cuda_graph_modules": scope, "perturb_step": perturb_step,
                               "attention_as_graphed": None})
@@ -295,6 +296,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--capture-step", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="a reduced matrix (seq 100, two scopes, tuple outputs, hooks)")
     p.add_argument("--no-controls", action="store_true")
+    p.add_argument("--no-clone-param-grads", action="store_true",
+                   help="TE backend: clone_param_grads_on_return=False (less work per replay)")
+    p.add_argument("--optimizer", default="adam", choices=["adam", "adam_fused"])
     p.add_argument("--out", default=None, help="JSON result path (rank 0 writes)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -316,7 +320,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.time()
     for i, (backend, case) in enumerate(cases):
         try:
-            row = run_row(backend=backend, steps=args.steps, capture_step=args.capture_step, device=device, **case)
+            row = run_row(backend=backend, steps=args.steps, capture_step=args.capture_step, device=device,
+                          spec_overrides={"clone_param_grads": not args.no_clone_param_grads,
+                                          "optimizer": args.optimizer}, **case)
         except Exception as exc:  # noqa: BLE001 - a row that raises is a failed row, reported with the rest
             logger.exception("row %s failed", case)
             row = {**{k: v for k, v in case.items() if k != "model"}, "backend": backend, "equal": False,
@@ -342,6 +348,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             with open(args.out, "w") as f:
                 json.dump({"command": " ".join(sys.argv), "world_size": world, "versions": versions(),
                            "steps": args.steps, "capture_step": args.capture_step, "skipped": skipped,
+                           "clone_param_grads": not args.no_clone_param_grads, "optimizer": args.optimizer,
                            "rows": rows, "controls": controls, "all_ok": ok}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()

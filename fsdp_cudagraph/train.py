@@ -60,6 +60,10 @@ class RunSpec:
     #: run of that scope; None keeps TE's eager choice.
     attention_backend: str = "match_graph"
     attention_as_graphed: Optional[Sequence[str]] = None
+    #: TE backend: TE clones the graph's parameter gradients on return (True, TE's default) or not.
+    clone_param_grads: bool = True
+    #: ``adam`` (torch's default implementation: foreach on CUDA), ``adam_fused`` (one fused kernel on CUDA).
+    optimizer: str = "adam"
     #: Register a forward hook and a full backward hook on every module of the scope (``cuda_graph_modules``
     #: or ``attention_as_graphed``) and return what they saw each step: user hooks must fire around replays.
     user_hooks: bool = False
@@ -124,7 +128,9 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
         default.wait_stream(torch.cuda.current_stream(device))
         torch.cuda.set_stream(default)
     model = build_model(spec, device)
-    opt = torch.optim.Adam(model.optimizer_parameters(), lr=spec.lr)
+    if spec.optimizer not in ("adam", "adam_fused"):
+        raise ValueError(f"optimizer={spec.optimizer!r} is not 'adam' or 'adam_fused'")
+    opt = torch.optim.Adam(model.optimizer_parameters(), lr=spec.lr, fused=spec.optimizer == "adam_fused" or None)
     graphs = None
     matcher = None
     graphed = spec.cuda_graph_modules is not None
@@ -145,7 +151,8 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
         for step in range(spec.steps):
             if graphed and step == spec.build_graphs_step:
                 graphs = PartialCudaGraphs(model, graph_config(spec), backend=spec.backend,
-                                           attention_backend=spec.attention_backend)
+                                           attention_backend=spec.attention_backend,
+                                           clone_param_grads=spec.clone_param_grads)
             if graphs is not None and step == spec.capture_step:
                 report = graphs.capture()
             if step == profile_from:

@@ -47,7 +47,8 @@ class StubTE:
                                sample_kwargs=None, capture_time_hooks=None, **_: Any):
         modules = tuple(modules)
         sample_kwargs = sample_kwargs or tuple({} for _ in modules)
-        self.calls.append({"num_callables": len(modules), "num_hook_entries": len(capture_time_hooks or [])})
+        self.calls.append({"num_callables": len(modules), "num_hook_entries": len(capture_time_hooks or []),
+                           "clone_param_grads_on_return": _.get("clone_param_grads_on_return")})
         for m in modules:
             if m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks:
                 raise RuntimeError("Modules must not have hooks registered at the time they are passed.")
@@ -164,6 +165,7 @@ def test_te_gets_one_hook_entry_per_callable_and_trains_like_eager(results, scop
         run = rank[scope]
         assert run["graphed"]["error"] is None
         assert run["graphed"]["calls"] and all(c["num_callables"] == c["num_hook_entries"] > 1 for c in run["graphed"]["calls"])
+        assert all(c["clone_param_grads_on_return"] is True for c in run["graphed"]["calls"])  # TE's safe default
         assert len(run["graphed"]["losses"]) == 5
         assert all(torch.equal(a, b) for a, b in zip(run["eager"]["losses"], run["graphed"]["losses"]))
 
