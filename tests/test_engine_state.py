@@ -248,6 +248,7 @@ def test_dcp_loads_at_another_world_size(dcp_checkpoint, world, kwargs):
 
 
 @pytest.mark.gloo
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # a plain load, in this process
 def test_dcp_loads_into_the_plain_model(dcp_checkpoint):
     """The checkpoint's metadata alone (no megatron_fsdp code on the load side) rebuilds full tensors."""
     directory, saved_ranks = dcp_checkpoint
