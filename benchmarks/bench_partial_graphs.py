@@ -6,6 +6,9 @@ Suites (each trains the reference GPT eagerly and with graphs, same seeds, same 
            measured bf16 matmul peak of the device
   overlap  eager only, prefetch on vs off: how much of the communication the engine hides
   scaling  step and capture time against number of layers (2, 8, 32) and sequence length (256, 512, 2048)
+  full     the launch and compute configs in four columns: eager, partial graphs (whole layers),
+           full-iteration graphs, and PyTorch FSDP2 captured with torch.cuda.graph the torchtitan way (see
+           bench_full_iteration.py, whose loop these runs share: batches on the device before the loop)
 
 Run on 2 GPUs (1 GPU works too)::
 
@@ -29,6 +32,7 @@ from typing import Any, Dict, List, Optional
 
 os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_full_iteration, for --suite full
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -117,7 +121,7 @@ def pair(cfg: GPTConfig, *, scopes: List[Optional[List[str]]], args: argparse.Na
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", nargs="+", default=["launch"], choices=["launch", "compute", "overlap", "scaling"])
+    p.add_argument("--suite", nargs="+", default=["launch"], choices=["launch", "compute", "overlap", "scaling", "full"])
     p.add_argument("--backend", default="te" if HAS_TE else "torch", choices=["te", "torch"])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--skip", type=int, default=10, help="steps left out of the median (capture is at step 3)")
@@ -164,6 +168,13 @@ def main() -> int:
             cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=8, num_heads=16, seq_len=s, use_te=use_te)
             rows += pair(cfg, scopes=[None, []], args=args, device=device, label="seq", mbs=2)
         result["suites"]["scaling"] = rows
+    if "full" in args.suite:
+        import bench_full_iteration as bfi
+
+        fargs = argparse.Namespace(te=use_te, steps=args.steps, skip=args.skip, capture_step=3, columns=bfi.COLUMNS)
+        result["suites"]["full"] = bfi.run_all(["launch", "compute"], fargs, device)
+        if dist.get_rank() == 0:
+            print(bfi.table(result["suites"]["full"]), flush=True)
     if args.profile:
         cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=8, num_heads=16, seq_len=512, use_te=use_te)
         result["profiles"] = {}

@@ -1,8 +1,13 @@
-"""Eager FSDP engines side by side: our megatron_fsdp, PyTorch FSDP2, NVIDIA Megatron-FSDP 0.6.1 (PyPI).
+"""FSDP engines side by side: our megatron_fsdp, PyTorch FSDP2, NVIDIA Megatron-FSDP 0.6.1 (PyPI), eager; and
+our full-iteration graph against FSDP2 captured the torchtitan way.
 
 Same reference GPT (fsdp_cudagraph/model.py, loaded by file path so that no process imports the
 fsdp_cudagraph package), same seed, same synthetic data, bf16 compute with fp32 main weights and fp32
-gradient reduction, torch.optim.Adam(lr=1e-4), ZeRO-3, FSDP unit = TransformerBlock, no CUDA graphs.
+gradient reduction, torch.optim.Adam(lr=1e-4), ZeRO-3, FSDP unit = TransformerBlock. Engines ``ours``,
+``fsdp2``, ``mfsdp`` run eagerly; ``ours_full`` is ours with the step's forward+backward in one CUDA graph
+(``FullIterationCudaGraph``, double buffer on, optimizer eager) and ``fsdp2_graph`` is FSDP2 with
+forward+backward captured by ``torch.cuda.graph`` as torchtitan does (``_fsdp2_graph.py``; if torch cannot
+capture FSDP2, its JSON records the error instead of times). Both capture after 3 of the warmup steps.
 
 The PyPI package is also called ``megatron_fsdp``, so every engine runs in its own torchrun process; the
 Megatron-FSDP one from a temporary cwd with PYTHONPATH = an extracted copy of the wheels (megatron_fsdp,
@@ -16,6 +21,8 @@ One engine at a time (NVLink multicast must stay off on the lent machines)::
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     torchrun --nproc-per-node 2 benchmarks/bench_peers.py --engine ours --out /tmp/ours.json
     torchrun --nproc-per-node 2 benchmarks/bench_peers.py --engine fsdp2 --out /tmp/fsdp2.json
+    torchrun --nproc-per-node 2 benchmarks/bench_peers.py --engine ours_full --out /tmp/ours_full.json
+    torchrun --nproc-per-node 2 benchmarks/bench_peers.py --engine fsdp2_graph --out /tmp/fsdp2_graph.json
     for w in .whl/megatron_fsdp-0.6.1-*.whl .whl/einops-*.whl; do python -m zipfile -e "$w" /tmp/mfsdp_site; done
     (R=$PWD; cd /tmp && PYTHONPATH=/tmp/mfsdp_site torchrun --nproc-per-node 2 $R/benchmarks/bench_peers.py \
         --engine mfsdp --mfsdp-path /tmp/mfsdp_site --out /tmp/mfsdp.json)
@@ -51,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENGINES = ("ours", "fsdp2", "mfsdp")
+ENGINES = ("ours", "fsdp2", "mfsdp", "ours_full", "fsdp2_graph")
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 MFSDP_VERSION = "0.6.1"
 
@@ -122,8 +129,8 @@ def wrap_ours(model, TransformerBlock, dtype, args):
         raise RuntimeError(f"--engine ours imported megatron_fsdp from {megatron_fsdp.__file__}, not from {REPO}")
     wrapped = megatron_fsdp.fully_shard(
         model, fsdp_unit_modules=[TransformerBlock], sharding_strategy="optim_grads_params", compute_dtype=dtype,
-        fsdp_double_buffer=args.double_buffer, fsdp_db_use_persist_buf_on_alloc_fail=args.double_buffer,
-        prefetch=True)
+        fsdp_double_buffer=args.double_buffer or args.engine == "ours_full",
+        fsdp_db_use_persist_buf_on_alloc_fail=args.double_buffer or args.engine == "ours_full", prefetch=True)
     return wrapped, torch.optim.Adam(wrapped.optimizer_parameters(), lr=args.lr), {"source": "repo"}
 
 
@@ -167,6 +174,62 @@ def wrap_mfsdp(model, TransformerBlock, dtype, args):
     return wrapped, opt, {"source": where, "version": mf.__version__}
 
 
+GRAPH_ENGINES = ("ours_full", "fsdp2_graph")
+GRAPH_CAPTURE_STEP = 3
+
+
+def make_graph_step(args: argparse.Namespace, model: Any, opt: Any, code: Any, device: torch.device) -> Any:
+    """``step(x, y) -> loss`` of a graph engine: forward, backward, optimizer step and zero_grad."""
+    if args.device != "cuda" and args.engine == "fsdp2_graph":
+        sys.exit("bench_peers: --engine fsdp2_graph captures CUDA graphs; it needs --device cuda")
+    if args.engine == "ours_full":  # on CPU: the protocol backend (the same schedule, no graphs): a smoke test
+        from fsdp_cudagraph import CudaGraphConfig, FullIterationCudaGraph
+
+        graph = FullIterationCudaGraph(model, lambda m, x, y: code.model.loss_fn(m(x), y),
+                                       CudaGraphConfig(cuda_graph_impl="full_iteration",
+                                                       cuda_graph_warmup_steps=GRAPH_CAPTURE_STEP))
+
+        def ours_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = graph.step([(x, y)])[0]
+            graph.optimizer_step(opt)
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        return ours_step
+    from _fsdp2_graph import Fsdp2GraphStep
+
+    def fwd_bwd(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = code.model.loss_fn(model(x), y)
+        loss.backward()
+        return loss
+
+    fsdp2 = Fsdp2GraphStep(fwd_bwd, warmup=GRAPH_CAPTURE_STEP, device=device)
+
+    def fsdp2_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = fsdp2(x, y)
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # FSDP2 accumulates into the gradients that existed at capture
+        return loss
+
+    return fsdp2_step
+
+
+def write_failure(args: argparse.Namespace, exc: BaseException, step: int) -> int:
+    """Rank 0 writes why a graph engine failed (e.g. torch cannot capture FSDP2) instead of times."""
+    import traceback
+
+    if dist.get_rank() == 0:
+        traceback.print_exc()
+        result = {"engine": args.engine, "error": f"{type(exc).__name__}: {exc}"[:3000], "failed_at_step": step,
+                  "torch": torch.__version__, "command": " ".join([sys.executable] + sys.argv),
+                  "git_commit": git_commit()}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"[{args.engine}] failed at step {step}: {result['error'][:300]}")
+    return 0
+
+
 # ------------------------------------------------------------------ one engine, under torchrun
 def worker(args: argparse.Namespace) -> int:
     if args.engine == "mfsdp" and args.device != "cuda":
@@ -193,8 +256,10 @@ def worker(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model = code.model.GPT(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    wrap = {"ours": wrap_ours, "fsdp2": wrap_fsdp2, "mfsdp": wrap_mfsdp}[args.engine]
+    wrap = {"ours": wrap_ours, "fsdp2": wrap_fsdp2, "mfsdp": wrap_mfsdp, "ours_full": wrap_ours,
+            "fsdp2_graph": wrap_fsdp2}[args.engine]
     model, opt, engine_info = wrap(model, code.model.TransformerBlock, dtype, args)
+    graph_step = make_graph_step(args, model, opt, code, device) if args.engine in GRAPH_ENGINES else None
 
     mbs, total = args.micro_batch, args.warmup + args.steps
     losses, events, host_ms = [], [], []
@@ -211,10 +276,16 @@ def worker(args: argparse.Namespace) -> int:
             events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
             events[-1][0].record()
         t0 = time.perf_counter()
-        loss = code.model.loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if graph_step is not None:
+            try:
+                loss = graph_step(x, y)
+            except Exception as exc:  # noqa: BLE001 - a capture that fails is a result: record why
+                return write_failure(args, exc, step)
+        else:
+            loss = code.model.loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         if timed and cuda:
             events[-1][1].record()
         elif timed:
@@ -335,7 +406,10 @@ def launch_all(args: argparse.Namespace, argv: List[str]) -> int:
                           "tokens_per_s_vs_best": r["tokens_per_s"] / best, "peak_memory_gib": r["peak_memory_gib"],
                           "peak_memory_vs_lowest": r["peak_memory_gib"] / low if low else None, "first_loss": r["losses"][0],
                           "last_loss": r["losses"][-1]}
-        peers = [e for e in ok if e != "ours"]
+        peers = [e for e in ok if e not in ("ours",) + GRAPH_ENGINES]  # eager against eager
+        if "ours_full" in ok and "fsdp2_graph" in ok:
+            summary["graphs"] = {"ours_full_vs_fsdp2_graph_step_ratio":
+                                 ok["ours_full"]["median_step_ms"] / ok["fsdp2_graph"]["median_step_ms"]}
         if "ours" in ok and peers:
             bp = max(peers, key=lambda e: ok[e]["tokens_per_s"])
             lp = min(peers, key=lambda e: ok[e]["peak_memory_gib"])

@@ -29,7 +29,10 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # deterministic TE kernels in both runs
+# Deterministic kernels in both runs of a row (see train.use_deterministic_kernels): TE's attention reads this
+# when it selects a backend; cuBLAS reads its workspace setting when CUDA starts.
+os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
 import torch.distributed as dist
@@ -42,7 +45,7 @@ from ._te import HAS_TE, TE_REASON
 from .align import versions
 from .config import CudaGraphConfig
 from .model import GPTConfig, loss_fn, synthetic_batch
-from .train import RunSpec, build_model
+from .train import RunSpec, build_model, use_deterministic_kernels
 
 __all__ = ["FullRunSpec", "FullRunResult", "run_full", "main"]
 
@@ -322,6 +325,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("fsdp_cudagraph.full_iteration_align needs a CUDA GPU; the CPU schedule is tested by "
               "tests/test_full_iteration.py. Nothing to run here.")
         return 0
+    use_deterministic_kernels()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     if not dist.is_initialized():

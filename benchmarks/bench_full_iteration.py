@@ -1,0 +1,262 @@
+"""Step time of one training step, four ways, side by side in one process: the full-iteration table.
+
+Columns (same reference GPT, seed, data, bf16 compute with fp32 main weights and gradients, ZeRO-3, unit =
+transformer layer, Adam; every loop on the default stream with its batches already on the device):
+
+  eager            megatron_fsdp, no graphs
+  partial          megatron_fsdp + PartialCudaGraphs, whole layers (TE's graph maker with TE, else torch's)
+  full_iteration   megatron_fsdp + FullIterationCudaGraph: forward+backward of the step in one graph, the
+                   engine's collectives inside; optimizer eager ("full_iteration"), and also in its own graph
+                   with a capturable Adam ("full_iteration+opt")
+  fsdp2_graph      PyTorch FSDP2 with forward+backward captured by torch.cuda.graph the way torchtitan does it
+                   (warmup steps on a side stream, capture_error_mode="thread_local", zero_grad(set_to_none=False),
+                   replay on the loop's stream); if torch cannot capture FSDP2, the row records why.
+                   "fsdp2" (FSDP2 eager) is measured as its baseline.
+
+Configs: ``launch`` (8 layers, hidden 1024, seq 512, micro-batch 2: launch-bound) and ``compute`` (4 layers,
+hidden 4096, seq 2048, micro-batch 1: compute-bound, with MFU against the measured bf16 matmul peak). TE
+layers when TE is importable (``--no-te`` for the plain-torch GPT).
+
+    python benchmarks/bench_full_iteration.py --out benchmarks/results/full_iteration-1gpu.json
+    torchrun --nproc-per-node 2 benchmarks/bench_full_iteration.py --out benchmarks/results/full_iteration-2gpu.json
+
+Median step time (CUDA events) over the steps after ``--skip``; capture at step ``--capture-step``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from fsdp_cudagraph._te import HAS_TE  # noqa: E402
+from fsdp_cudagraph.align import versions  # noqa: E402
+from fsdp_cudagraph.full_iteration_align import FullRunSpec, run_full  # noqa: E402
+from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
+
+COLUMNS = ["eager", "partial", "full_iteration", "full_iteration+opt", "fsdp2", "fsdp2_graph"]
+CONFIGS = {
+    "launch": (dict(vocab_size=1024, hidden_size=1024, num_layers=8, num_heads=16, seq_len=512), 2),
+    "compute": (dict(vocab_size=1024, hidden_size=4096, num_layers=4, num_heads=32, seq_len=2048), 1),
+}
+
+
+def _fresh() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def _summary(step_ms: List[float], skip: int, tokens: int) -> Dict[str, Any]:
+    ms = statistics.median(step_ms[skip:])
+    return {"step_ms": ms, "step_ms_all": step_ms, "tokens_per_step": tokens, "tokens_per_s": tokens / (ms * 1e-3)}
+
+
+def run_ours(column: str, cfg: GPTConfig, mbs: int, args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+    mode = {"eager": "eager", "partial": "partial"}.get(column, "full_iteration")
+    spec = FullRunSpec(model=cfg, mode=mode, steps=args.steps, micro_batch_size=mbs, capture_step=args.capture_step,
+                       lr=1e-4, partial_backend="te" if cfg.use_te else "torch",
+                       capturable_optimizer=column == "full_iteration+opt", graph_optimizer=column == "full_iteration+opt")
+    r = run_full(spec, device)
+    out = _summary(r.step_ms, args.skip, mbs * cfg.seq_len * dist.get_world_size())
+    out.update(peak_memory_gib=r.peak_memory_bytes / 2**30, losses=[float(x.sum()) for x in r.losses],
+               counters=r.counters)
+    train = r.reports.get("train")
+    if train is not None:
+        out.update(capture_seconds=train.capture_seconds, graph_memory_gib=train.graph_memory_bytes / 2**30,
+                   captured_collectives=len(train.collectives))
+    return out
+
+
+def run_fsdp2(cfg: GPTConfig, mbs: int, args: argparse.Namespace, device: torch.device, *, graphed: bool) -> Dict[str, Any]:
+    """FSDP2 (torch.distributed.fsdp.fully_shard), eager or with forward+backward in one torch.cuda.graph."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from _fsdp2_graph import Fsdp2GraphStep
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    default = torch.cuda.default_stream(device)
+    default.wait_stream(torch.cuda.current_stream(device))
+    torch.cuda.set_stream(default)  # a user's loop: the default stream (an earlier run may have moved it)
+    torch.manual_seed(1234)
+    model = GPT(cfg).to(device)
+    mesh = init_device_mesh("cuda", (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for m in model.modules():
+        if isinstance(m, model.unit_class):
+            fully_shard(m, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    batches = []
+    for step in range(args.steps):
+        x, y = synthetic_batch(step, mbs * world, cfg, device, seed=1234)
+        batches.append((x[rank * mbs:(rank + 1) * mbs].contiguous(), y[rank * mbs:(rank + 1) * mbs].contiguous()))
+
+    def fwd_bwd(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return loss
+
+    step_fn = Fsdp2GraphStep(fwd_bwd, warmup=args.capture_step, device=device) if graphed else None
+    events, losses = [], []
+    try:
+        for x, y in batches:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss = step_fn(x, y) if step_fn is not None else fwd_bwd(x, y).detach()
+            opt.step()
+            opt.zero_grad(set_to_none=not graphed)  # graphed: FSDP2 accumulates into the grads of capture time
+            end.record()
+            events.append((start, end))
+            losses.append(loss)
+    except Exception as exc:  # noqa: BLE001 - the benchmark records why FSDP2 could not be captured
+        if step_fn is None or step_fn.error is None:
+            raise
+        if rank == 0:
+            traceback.print_exc()
+        return {"error": step_fn.error, "failed_at": "capture", "torch": torch.__version__,
+                "exception": type(exc).__name__}
+    torch.cuda.synchronize(device)
+    out = _summary([s.elapsed_time(e) for s, e in events], args.skip, mbs * cfg.seq_len * world)
+    out.update(peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30, losses=[float(v) for v in losses])
+    if step_fn is not None:
+        out.update(capture_seconds=step_fn.capture_seconds, graph_memory_gib=step_fn.graph_memory_bytes / 2**30)
+    return out
+
+
+def _slowest_rank(row: Dict[str, Any], device: torch.device) -> None:
+    """Step time of the slowest rank (the step is as slow as its slowest rank)."""
+    if "step_ms" not in row:
+        return
+    t = torch.tensor([row["step_ms"], row["peak_memory_gib"]], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    row["step_ms"], row["peak_memory_gib"] = t.tolist()
+    row["tokens_per_s"] = row["tokens_per_step"] / (row["step_ms"] * 1e-3)
+
+
+def run_columns(name: str, columns: List[str], rows: Dict[str, Any], args: argparse.Namespace,
+                device: torch.device) -> None:
+    fields, mbs = CONFIGS[name]
+    cfg = GPTConfig(**fields, use_te=args.te)
+    t0 = time.time()
+    for column in columns:
+        _fresh()
+        try:
+            if column.startswith("fsdp2"):
+                row = run_fsdp2(cfg, mbs, args, device, graphed=column == "fsdp2_graph")
+            else:
+                row = run_ours(column, cfg, mbs, args, device)
+        except Exception as exc:  # noqa: BLE001 - one failing column is recorded, the table goes on
+            row = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            if dist.get_rank() == 0:
+                traceback.print_exc()
+        _slowest_rank(row, device)
+        rows[column] = row
+        if dist.get_rank() == 0:
+            shown = f"{row['step_ms']:8.2f} ms  peak {row['peak_memory_gib']:.2f} GiB" if "step_ms" in row else \
+                f"FAILED {row['error'][:300]}"
+            cap = f"  capture {row['capture_seconds']:.2f} s" if "capture_seconds" in row else ""
+            print(f"[{name} {time.time() - t0:5.0f} s] {column:20s} {shown}{cap}", flush=True)
+
+
+def summarize(name: str, rows: Dict[str, Any], args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+    fields, mbs = CONFIGS[name]
+    cfg = GPTConfig(**fields, use_te=args.te)
+    ok = {c: r["step_ms"] for c, r in rows.items() if "step_ms" in r}
+    ratios = {}
+    fulls = [v for c, v in ok.items() if c.startswith("full_iteration")]
+    if fulls:
+        best_full = min(fulls)
+        for base in ("eager", "partial", "fsdp2", "fsdp2_graph"):
+            if base in ok:
+                ratios[f"full_iteration_best/{base}"] = best_full / ok[base]
+    out = {"config": {**fields, "micro_batch_size": mbs, "use_te": args.te}, "columns": rows, "ratios": ratios}
+    if name == "compute" and ok:
+        from bench_partial_graphs import matmul_peak_tflops, model_flops_per_step
+
+        peak = matmul_peak_tflops(device)
+        flops = model_flops_per_step(cfg, mbs * cfg.seq_len)
+        out["matmul_peak_tflops"] = peak
+        out["mfu"] = {c: flops / (v * 1e-3) / (peak * 1e12) for c, v in ok.items()}
+    return out
+
+
+def run_all(configs: List[str], args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+    """Every column of every config; ``args`` needs te, steps, skip, capture_step, columns. Rank 0 prints."""
+    rows: Dict[str, Dict[str, Any]] = {name: {} for name in configs}
+    # the FSDP2 captures last: a capture that fails may leave CUDA in a state later runs cannot use
+    first = [c for c in COLUMNS if c in args.columns and c != "fsdp2_graph"]
+    for name in configs:
+        run_columns(name, first, rows[name], args, device)
+    if "fsdp2_graph" in args.columns:
+        for name in configs:
+            run_columns(name, ["fsdp2_graph"], rows[name], args, device)
+    return {name: summarize(name, rows[name], args, device) for name in configs}
+
+
+def table(results: Dict[str, Any]) -> str:
+    lines = ["| config | eager | partial graphs | full_iteration | full_iteration+opt | FSDP2 | FSDP2 + torch.cuda.graph |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, res in results.items():
+        cells = []
+        for c in COLUMNS:
+            r = res["columns"].get(c)
+            cells.append("-" if r is None else (f"{r['step_ms']:.2f} ms" if "step_ms" in r else "failed (see JSON)"))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=["launch", "compute"], choices=list(CONFIGS))
+    p.add_argument("--columns", nargs="+", default=COLUMNS, choices=COLUMNS)
+    p.add_argument("--te", action=argparse.BooleanOptionalAction, default=HAS_TE,
+                   help="TE layers (default: when TE is importable)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--skip", type=int, default=10, help="steps left out of the median (capture is at --capture-step)")
+    p.add_argument("--capture-step", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/results/full_iteration.json")
+    args = p.parse_args()
+    if args.te and not HAS_TE:
+        sys.exit("bench_full_iteration: --te needs TransformerEngine; run with --no-te")
+    for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+        os.environ.setdefault(k, v)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29515")
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    t0 = time.time()
+    results = run_all(args.configs, args, device)
+    if dist.get_rank() == 0:
+        print(table(results))
+        for name, res in results.items():
+            print(name, {k: round(v, 3) for k, v in res["ratios"].items()})
+        record = {"benchmark": "bench_full_iteration", "command": " ".join([sys.executable] + sys.argv),
+                  "world_size": dist.get_world_size(), "versions": versions(), "steps": args.steps,
+                  "skip": args.skip, "capture_step": args.capture_step, "results": results,
+                  "seconds": time.time() - t0}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"wrote {args.out} ({record['seconds']:.0f} s)")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
