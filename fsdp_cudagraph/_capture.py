@@ -231,6 +231,15 @@ class PartialCudaGraphs:
                 "unknown; run at least one eager training step (cuda_graph_warmup_steps >= 1) before capture()"
             )
         _args.check_recorded(self.callables)
+        # (helper A, issue 11) A unit under activation checkpointing re-runs its forward inside backward, where a
+        # graphed callable would replay out of the captured schedule: refused, the engine tells which units.
+        recomputed = sorted({c.unit.name for c in self.callables if c.unit is not None and self.engine is not None
+                             and self.engine.unit_uses_recompute(c.unit)})
+        if recomputed:
+            raise NotImplementedError(
+                f"FSDP units {recomputed[:5]} run under activation checkpointing (their forward is recomputed in "
+                "backward); partial graphs of such units are not supported: graph other layers, or do not "
+                "checkpoint the graphed layers")
         if self.backend == "torch" and any(c.sample_kwargs for c in self.callables):
             raise NotImplementedError("torch.cuda.make_graphed_callables takes positional tensors only; use the te backend for callables called with keyword arguments")
         mismatched = self._attention.mismatches()

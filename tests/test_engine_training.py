@@ -331,6 +331,16 @@ def _ckpt_job(rank: int, world: int) -> Dict[Any, Any]:
             losses=losses, params=model.state_dict(), recomputes=recomputes,
             uses_recompute=[model.unit_uses_recompute(u) for u in model.units],
         )
+    # Partial graphs of checkpointed units are refused at capture (after an eager step showed the recompute,
+    # or at once for a checkpoint_wrapper), naming the units.
+    for variant in ("nonreentrant", "wrapper_before"):
+        model, cfg = _checkpointed(variant, sharding_strategy="optim_grads_params", fsdp_double_buffer=True,
+                                   fsdp_db_use_persist_buf_on_alloc_fail=True)
+        graphs = PartialCudaGraphs(model, _graph_config(["attn"]), backend="protocol")
+        opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-3)
+        train_step(model, opt, 0, cfg, rank=rank, world=world)
+        out[("graphs", variant)] = _error(graphs.capture)
+        graphs.delete()
     return out
 
 
@@ -351,6 +361,15 @@ def test_checkpointed_units_match_plain_units(strategy, double_buffer, variant):
         assert run["losses"] == base["losses"]  # bit for bit: the recompute is the same computation
         assert set(run["params"]) == plain_keys  # checkpoint_wrapper's segment is not in the keys
         assert all(torch.equal(run["params"][k], base["params"][k]) for k in plain_keys)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("variant", ["nonreentrant", "wrapper_before"])
+def test_partial_graphs_of_checkpointed_units_are_refused(variant):
+    for rank_result in ckpt_runs():
+        kind, msg = rank_result[("graphs", variant)]
+        assert kind == "NotImplementedError", msg
+        assert "activation checkpointing" in msg and "layers.0" in msg, msg
 
 
 # --- bf16 mixed precision ---------------------------------------------------------------------------------------
