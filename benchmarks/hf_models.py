@@ -32,7 +32,9 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional
 
+# Deterministic kernels in every run (see fsdp_cudagraph.train.use_deterministic_kernels), set before CUDA/TE.
 os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
@@ -41,6 +43,7 @@ import torch.distributed as dist  # noqa: E402
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, check_alignment  # noqa: E402
 from fsdp_cudagraph import hf_models  # noqa: E402
 from fsdp_cudagraph._te import HAS_TE, TE_REASON, TE_VERSION  # noqa: E402
+from fsdp_cudagraph.train import use_deterministic_kernels  # noqa: E402
 from megatron_fsdp import fully_shard  # noqa: E402
 
 SCOPES = {"layers": [], "self_attn": ["model.layers.*.self_attn"], "mlp": ["model.layers.*.mlp"]}
@@ -191,6 +194,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not hf_models.HAS_TRANSFORMERS:
         print(f"benchmarks/hf_models.py: {hf_models.TRANSFORMERS_REASON}")
         return 1
+    use_deterministic_kernels()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)

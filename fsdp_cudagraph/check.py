@@ -144,18 +144,27 @@ class AlignmentReport:
 
 
 @contextlib.contextmanager
-def _deterministic_te_attention() -> Iterator[None]:
-    """TE's attention reads NVTE_ALLOW_NONDETERMINISTIC_ALGO at each backend selection: both runs must pick
-    deterministic algorithms, or they differ for reasons of their own. A value the user set is kept."""
+def _deterministic_kernels() -> Iterator[None]:
+    """Both runs must use deterministic kernels, or they differ for reasons of their own: PyTorch's
+    deterministic mode (e.g. flash SDPA's backward accumulates with atomics otherwise) and, for TE's attention,
+    which reads it at each backend selection, NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (a value the user set is
+    kept). Both are restored afterwards. cuBLAS also wants CUBLAS_WORKSPACE_CONFIG, which only works when set
+    before CUDA starts: the command line sets it."""
     key = "NVTE_ALLOW_NONDETERMINISTIC_ALGO"
-    if key in os.environ:
-        yield
-        return
-    os.environ[key] = "0"
+    set_env = key not in os.environ
+    if set_env:
+        os.environ[key] = "0"
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # a cost, not a need here
     try:
         yield
     finally:
-        os.environ.pop(key, None)
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        if set_env:
+            os.environ.pop(key, None)
 
 
 def _default_backend(device: torch.device) -> str:
@@ -261,7 +270,9 @@ def check_alignment(
     whole FSDP units. ``backend`` defaults to ``te`` (TE installed) or ``torch`` on CUDA and ``protocol`` on
     CPU. ``perturb`` names a callable whose graphed output is scaled by 1.01 after capture (negative control).
 
-    Determinism: TE attention is run with ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` unless the environment sets it.
+    Determinism: both runs use PyTorch's deterministic algorithms (warn-only) and, for TE attention,
+    ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` unless the environment sets it; both are restored afterwards.
+    Set ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` before CUDA starts (the command line does).
 
     Hazards: both runs build the model from the same seed, one after the other (memory for one model at a
     time); the factory and ``batch`` must be deterministic, and the model free of dropout and other
@@ -286,7 +297,7 @@ def check_alignment(
     )
     common = dict(device=device, backend=backend, config=config, steps=steps, seed=seed,
                   sharding_strategy=sharding_strategy, compute_dtype=compute_dtype)
-    with _deterministic_te_attention():
+    with _deterministic_kernels():
         logger.info("check_alignment: eager run, %d steps", steps)
         eager = _train(factory, graphed=False, perturb=None, **common)
         logger.info("check_alignment: graphed run (%s backend), capture before step %d", backend, capture_step)
@@ -385,6 +396,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--perturb", default=None, help="negative control: perturb this callable's graphed output")
     p.add_argument("--json", default=None, help="write the report as JSON (rank 0)")
     args = p.parse_args(argv)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS; before CUDA starts
     logging.basicConfig(level=logging.WARNING)
     kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device = _init_process_group(kind)
