@@ -240,8 +240,6 @@ class PartialCudaGraphs:
                 f"FSDP units {recomputed[:5]} run under activation checkpointing (their forward is recomputed in "
                 "backward); partial graphs of such units are not supported: graph other layers, or do not "
                 "checkpoint the graphed layers")
-        if self.backend == "torch" and any(c.sample_kwargs for c in self.callables):
-            raise NotImplementedError("torch.cuda.make_graphed_callables takes positional tensors only; use the te backend for callables called with keyword arguments")
         mismatched = self._attention.mismatches()
         if mismatched and self.attention_backend == "error":
             raise RuntimeError("fsdp_cudagraph: cannot capture: " + mismatch_message(mismatched, "error"))

@@ -361,6 +361,18 @@ def _extract_leaving_pre_forward(module):
 
 
 _REAL_EXTRACT = capture_mod.extract_hooks
+_REAL_WRAPPER = capture_mod._args.CallWrapper
+
+
+class _CallingWrapper(_REAL_WRAPPER):
+    """The capture wrapper without its hook check, calling the module through ``__call__`` (hooks and all)."""
+
+    def __init__(self, module, name, sig, fwd) -> None:
+        torch.nn.Module.__init__(self)
+        self.inner, self.callable_name, self.sig, self.out_sig = module, name, sig, None
+        self.eager_forward, self._names, self.training = module.__call__, [], module.training
+
+
 _REAL_PRECONDITIONS = capture_mod._check_graph_maker_preconditions
 
 
@@ -407,11 +419,14 @@ def _failures_job(rank: int, world: int) -> Dict[str, Any]:
         # The graph makers' own precondition (no hook on a passed module) refuses this before any work...
         out["neg_precondition"] = _error(graphs.capture)
         # ...so, to show the engine's refusal, stand in for a graph maker that does not check.
+        # (and for a wrapper that calls the module through __call__, so that its hooks run in the region)
         capture_mod._check_graph_maker_preconditions = lambda order: None
+        capture_mod._args.CallWrapper = _CallingWrapper
         out["neg_error"] = _error(graphs.capture)
     finally:
         capture_mod.extract_hooks = _REAL_EXTRACT
         capture_mod._check_graph_maker_preconditions = _REAL_PRECONDITIONS
+        capture_mod._args.CallWrapper = _REAL_WRAPPER
     out["neg_trace"] = model.trace
     model.trace = None
     out["neg_hooks"] = (before, _snap(mods, keep_alive))
