@@ -50,8 +50,10 @@ and how it keeps that honest:
 - RNG: PyTorch registers the default CUDA generator with every graph (each replay advances its offset as
   an eager step would); other generators (a tensor-parallel RNG tracker's) must be passed as
   ``generators``. The reference model has no dropout, so its bit-exact checks do not exercise this.
-- Optimizer graph: hyperparameters are bound at capture; before each replay a changed Python value (a
-  float ``lr`` a scheduler changed) raises, a device-tensor ``lr`` updated in place is read by the graph.
+- Optimizer graph (with optional sync-free clipping, ``optimizer_step(opt, max_norm=...)``, whose
+  all-reduce of the ranks' norms is captured too): hyperparameters and ``max_norm`` are bound at capture;
+  before each replay a changed Python value (a float ``lr`` a scheduler changed) raises, a device-tensor
+  ``lr`` updated in place is read by the graph.
   Each parameter's ``.grad`` must be the tensor it was at capture (the main gradient): an optimizer replay
   without a preceding step, or after ``zero_grad(set_to_none=True)``, raises instead of stepping stale
   gradients. After a replay the engine is told that the main shards changed (their version counters do
@@ -80,6 +82,7 @@ from megatron_fsdp import _graph_mode as static_step
 from . import _args, _streams
 from ._attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
 from ._capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
+from ._optimizer_graph import OptimizerGraph
 from .config import CudaGraphConfig, CudaGraphImpl
 
 __all__ = ["FullIterationCudaGraph", "FullIterationReport", "FULL_ITERATION_BACKENDS"]
@@ -128,19 +131,6 @@ class _Slot:
     eager_steps: int = 0
     fallbacks: int = 0
     warned: bool = False
-    report: Optional[FullIterationReport] = None
-
-
-@dataclasses.dataclass(eq=False)
-class _OptimizerSlot:
-    warmup_left: int
-    optimizer: Any = None
-    graph: Any = None
-    captured: bool = False
-    hyper: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
-    params: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    grads: List[Optional[torch.Tensor]] = dataclasses.field(default_factory=list)
-    replays: int = 0
     report: Optional[FullIterationReport] = None
 
 
@@ -230,7 +220,8 @@ class FullIterationCudaGraph:
         warmup = config.cuda_graph_warmup_steps
         self._train = _Slot("train", warmup)
         self._eval = _Slot("eval", warmup)
-        self._opt = _OptimizerSlot(warmup)
+        self._opt = OptimizerGraph(model, backend=backend, warmup=warmup, enabled=graph_optimizer,
+                                   agree=self._agree_across_ranks)
         self.deleted = False
         self._steps_before_side_stream = 0
         self._attention: Optional[AttentionBackendMatcher] = None
@@ -284,24 +275,17 @@ class FullIterationCudaGraph:
         self._check_usable("evaluate")
         return self._call(self._eval, micro_batches)
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.step()``; with ``graph_optimizer=True`` captured after the warmup steps and replayed."""
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, *, max_norm: Optional[float] = None
+                       ) -> Optional[torch.Tensor]:
+        """``optimizer.step()``; with ``graph_optimizer=True`` captured after the warmup steps and replayed.
+
+        ``max_norm``: clip the main gradients by their global norm first (``model.clip_grad_norm_``, sync-free:
+        an all-reduce and device-side scaling, inside the optimizer graph when there is one) and return that
+        norm (before clipping) as a fresh tensor. The value is bound at capture: a replay with another raises.
+        See ``_optimizer_graph.py`` for what a replay checks.
+        """
         self._check_usable("optimizer_step")
-        slot = self._opt
-        if slot.optimizer is not None and slot.optimizer is not optimizer:
-            raise ValueError("optimizer_step() got another optimizer than before; one FullIterationCudaGraph graphs one "
-                             "optimizer (build the optimizer once, before training)")
-        slot.optimizer = optimizer
-        if not self.graph_optimizer:
-            optimizer.step()
-            return
-        if not slot.captured:
-            if slot.warmup_left > 0:
-                slot.warmup_left -= 1
-                optimizer.step()  # also creates the optimizer state the graph will update in place
-                return
-            self._capture_optimizer(optimizer)
-        self._replay_optimizer(optimizer)
+        return self._opt.step(optimizer, max_norm)
 
     def delete(self) -> None:
         """Reset every graph, give its memory back, and leave the model eager and correct. Idempotent.
@@ -313,7 +297,8 @@ class FullIterationCudaGraph:
             return
         if self.backend == "cuda":
             torch.cuda.synchronize(self.device)
-        for slot in (self._train, self._eval, self._opt):
+        self._opt.reset()
+        for slot in (self._train, self._eval):
             graph, slot.graph = slot.graph, None
             reset = getattr(graph, "reset", None)
             if callable(reset):
@@ -554,73 +539,3 @@ class FullIterationCudaGraph:
             else:
                 for o, n in zip(slot.output, out):
                     o.copy_(n)
-
-    # ------------------------------------------------------------------ optimizer graph
-    def _capture_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        for i, group in enumerate(optimizer.param_groups):
-            if self.backend == "cuda" and group.get("capturable") is False:
-                raise ValueError(
-                    f"optimizer param group {i} has capturable=False; a graphed optimizer step needs "
-                    f"torch.optim.{type(optimizer).__name__}(..., capturable=True) (with lr as a device tensor to "
-                    "change it after capture), or FullIterationCudaGraph(..., graph_optimizer=False)")
-        slot = self._opt
-        slot.hyper = [_hyperparameters(g) for g in optimizer.param_groups]
-        slot.params = [p for g in optimizer.param_groups for p in g["params"]]
-        slot.grads = [p.grad for p in slot.params]
-        t0 = time.perf_counter()
-        if self.backend == "cuda":
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, stream=torch.cuda.current_stream(self.device), capture_error_mode="thread_local"):
-                    with sync_debug_errors():
-                        optimizer.step()
-            except BaseException as exc:
-                translated = translate_capture_error(exc, phase=_KINDS["optimizer"])
-                if translated is not None and translated is not exc:
-                    raise translated from exc
-                raise
-            slot.graph = graph
-        slot.captured = True
-        n = sum(g is not None for g in slot.grads)
-        slot.report = FullIterationReport("optimizer", self.backend, time.perf_counter() - t0, 0, 0, [],
-                                          [f"{n} of {len(slot.params)} parameters with gradients"])
-
-    def _replay_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        slot = self._opt
-        for i, (group, hyper) in enumerate(zip(optimizer.param_groups, slot.hyper)):
-            now = _hyperparameters(group)
-            changed = [k for k in set(hyper) | set(now) if not _same_value(hyper.get(k), now.get(k))]
-            if changed:
-                k = sorted(changed)[0]
-                raise RuntimeError(
-                    f"optimizer param group {i}: {k} changed from {hyper.get(k)!r} to {now.get(k)!r} after the optimizer "
-                    "step was captured; the graph replays the captured value. Pass it as a device tensor and update "
-                    "it in place (e.g. lr=torch.tensor(1e-4, device='cuda'); schedulers then fill_() it), or set "
-                    "graph_optimizer=False")
-        for p, g in zip(slot.params, slot.grads):
-            if p.grad is not g:
-                raise RuntimeError(
-                    "optimizer_step(): a parameter's .grad is not the tensor the optimizer graph reads (it was "
-                    f"{'unbound' if p.grad is None else 'replaced'} since capture); the graph would step with stale "
-                    "gradients. Call step() before optimizer_step(), and optimizer.zero_grad() only after it")
-        if self.backend == "cuda":
-            slot.graph.replay()
-        else:
-            optimizer.step()
-        slot.replays += 1
-        static_step.mark_params_stale(self.engine)  # a replay changes the main shards behind their version counters
-
-
-def _hyperparameters(group: Dict[str, Any]) -> Dict[str, Any]:
-    """A param group's settings without its parameters: Python values by value, tensors by identity."""
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return a is b
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - an odd setting that does not compare: treat as changed only if not identical
-        return a is b

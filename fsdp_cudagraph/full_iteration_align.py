@@ -6,7 +6,8 @@ before ``--capture-step``, replays after). Each step's micro-batch losses and th
 ``torch.equal`` on every rank. Rows: every strategy, the plain-torch GPT and (with TE) the TE GPT, one
 micro-batch with the eager optimizer and two micro-batches with the optimizer graph (capturable Adam with a
 device-tensor learning rate in both runs of the row); then a shape change mid-run (an eager fallback), an
-evaluation graph between steps, and ``delete()`` mid-run. Negative controls must be caught: a perturbed
+evaluation graph between steps, ``delete()`` mid-run, and clipping (``model.clip_grad_norm_``) inside the
+optimizer graph, whose returned norms must be equal too. Negative controls must be caught: a perturbed
 token, ``.item()`` in the step, a host sync that only happens under capture (torch's sync debug mode), a CPU
 tensor in the step, ZeRO-3 without double buffering, a strict shape change.
 
@@ -81,6 +82,8 @@ class FullRunSpec:
     #: full_iteration runs: delete() the graphs before this step and continue eagerly
     delete_step: Optional[int] = None
     strict: bool = False
+    #: clip the main gradients to this global norm before each optimizer step (model.clip_grad_norm_)
+    max_norm: Optional[float] = None
     #: forward_step(model, x, y) -> loss; default the reference loss divided by grad_accum
     forward_step: Optional[Callable[..., torch.Tensor]] = None
     double_buffer: bool = True
@@ -90,6 +93,7 @@ class FullRunSpec:
 class FullRunResult:
     losses: List[torch.Tensor]  # per step, [grad_accum] micro-batch losses
     evals: List[Tuple[torch.Tensor, ...]]
+    norms: List[torch.Tensor]  # the total gradient norm of each step, with max_norm
     step_ms: List[float]
     peak_memory_bytes: int
     final_state: Dict[str, torch.Tensor]
@@ -165,6 +169,7 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
         matcher = AttentionBackendMatcher({"model": model.module}, force=True)
     losses: List[torch.Tensor] = []
     evals: List[Tuple[torch.Tensor, ...]] = []
+    norms: List[torch.Tensor] = []
     events: List[Any] = []
     host_ms: List[float] = []
     for step in range(spec.steps):
@@ -185,7 +190,9 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
                     evals.append(tuple(forward_step(model, x, y) for x, y in eval_batch))
         if live:
             losses.append(graph.step(batches[step]))
-            graph.optimizer_step(opt)
+            norm = graph.optimizer_step(opt, max_norm=spec.max_norm)
+            if norm is not None:
+                norms.append(norm)
         else:
             per = []
             for x, y in batches[step]:
@@ -193,6 +200,8 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
                 loss.backward()
                 per.append(loss.detach().reshape(()))
             losses.append(torch.stack(per))
+            if spec.max_norm is not None:
+                norms.append(model.clip_grad_norm_(spec.max_norm))
             opt.step()
         opt.zero_grad(set_to_none=True)
         if cuda:
@@ -212,7 +221,7 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
         partial.delete()
     if matcher is not None:
         matcher.uninstall()
-    return FullRunResult(losses, evals, ms, peak, state, reports, counters)
+    return FullRunResult(losses, evals, norms, ms, peak, state, reports, counters)
 
 
 # ---------------------------------------------------------------------------------------------- alignment
@@ -228,11 +237,13 @@ def compare(eager: FullRunResult, graphed: FullRunResult, device: torch.device) 
         torch.equal(eager.final_state[k], graphed.final_state[k]) for k in eager.final_state)
     eval_eq = len(eager.evals) == len(graphed.evals) and all(
         all(torch.equal(a, b) for a, b in zip(ea, ga)) for ea, ga in zip(eager.evals, graphed.evals))
-    ok = _everywhere(all(loss_eq) and param_eq and eval_eq, device)
+    norm_eq = len(eager.norms) == len(graphed.norms) and all(torch.equal(a, b) for a, b in zip(eager.norms, graphed.norms))
+    ok = _everywhere(all(loss_eq) and param_eq and eval_eq and norm_eq, device)
     med = lambda ms: sorted(ms[5:])[len(ms[5:]) // 2] if len(ms) > 5 else None  # noqa: E731
     train = graphed.reports.get("train")
     return {
         "equal": ok, "losses_equal_per_step": loss_eq[:-1], "params_equal": param_eq, "evals_equal": eval_eq,
+        "norms_equal": norm_eq, "norms": [float(n) for n in eager.norms],
         "first_mismatch_step": next((i for i, e in enumerate(loss_eq[:-1]) if not e), None),
         "eager_losses": [x.float().tolist() for x in eager.losses],
         "graphed_losses": [x.float().tolist() for x in graphed.losses],
@@ -248,7 +259,7 @@ def run_row(spec: FullRunSpec, device: torch.device, **graphed_overrides: Any) -
     eager = run_full(dataclasses.replace(spec, mode="eager", graph_optimizer=False), device)
     graphed = run_full(dataclasses.replace(spec, mode="full_iteration", **graphed_overrides), device)
     row = {"model": "te" if spec.model.use_te else "torch", "strategy": spec.sharding_strategy,
-           "grad_accum": spec.grad_accum, "graph_optimizer": spec.graph_optimizer,
+           "grad_accum": spec.grad_accum, "graph_optimizer": spec.graph_optimizer, "max_norm": spec.max_norm,
            "short_steps": list(spec.short_steps), "eval_steps": list(spec.eval_steps), "delete_step": spec.delete_step,
            **{k: v for k, v in graphed_overrides.items() if k != "forward_step"}}
     row.update(compare(eager, graphed, device))
@@ -349,6 +360,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     specs.append(FullRunSpec(**extra, grad_accum=2, short_steps=(c + 4,),
                              eval_steps=tuple(sorted({1, c - 1, c, c + 2, c + 3, c + 5, c + 6} - {0}))))
     specs.append(FullRunSpec(**extra, capturable_optimizer=True, graph_optimizer=True, delete_step=args.capture_step + 3))
+    # sync-free clipping (its all-reduce included) inside the optimizer graph
+    specs.append(FullRunSpec(**extra, grad_accum=2, capturable_optimizer=True, graph_optimizer=True, max_norm=0.5))
     rows = []
     t0 = time.time()
     for i, spec in enumerate(specs):
@@ -356,7 +369,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows.append(row)
         if rank == 0:
             print(f"[{i + 1}/{len(specs)}, {time.time() - t0:4.0f} s] {row['model']:5s} {row['strategy']:18s} "
-                  f"accum={row['grad_accum']} opt_graph={row['graph_optimizer']!s:5s} short={row['short_steps']} "
+                  f"accum={row['grad_accum']} opt_graph={row['graph_optimizer']!s:5s} clip={row['max_norm']} "
+                  f"short={row['short_steps']} "
                   f"eval={bool(row['eval_steps'])} delete={row['delete_step']}  "
                   f"{'EQUAL' if row['equal'] else 'MISMATCH at step ' + str(row['first_mismatch_step'])}  "
                   f"eager {row['eager_step_ms_median']:.2f} ms  graphed {row['graphed_step_ms_median']:.2f} ms  "

@@ -209,10 +209,11 @@ def _config(**kw) -> CudaGraphConfig:
     return CudaGraphConfig(cuda_graph_impl="full_iteration", cuda_graph_warmup_steps=WARMUP, **kw)
 
 
-def _eager_run(strategy: str, rank: int, *, seq_at: Dict[int, int] = {}, eval_at=(), steps: int = STEPS):
+def _eager_run(strategy: str, rank: int, *, seq_at: Dict[int, int] = {}, eval_at=(), steps: int = STEPS,
+               max_norm=None):
     """The plain engine loop: the reference every graphed run must equal bit for bit."""
     cfg, model, opt = _build(strategy)
-    losses, evals = [], []
+    losses, evals, norms = [], [], []
     for step in range(steps):
         if step in eval_at:
             with torch.no_grad():
@@ -222,17 +223,19 @@ def _eager_run(strategy: str, rank: int, *, seq_at: Dict[int, int] = {}, eval_at
             loss = _forward_step(model, x, y)
             loss.backward()
             per.append(loss.detach())
+        if max_norm is not None:
+            norms.append(model.clip_grad_norm_(max_norm))
         opt.step()
         opt.zero_grad()
         losses.append(torch.stack(per))
-    return losses, evals, model.full_state_dict()
+    return losses, evals, model.full_state_dict(), norms
 
 
 def _graphed_run(strategy: str, rank: int, *, graph_optimizer: bool, seq_at: Dict[int, int] = {}, eval_at=(),
-                 delete_at: int = -1, steps: int = STEPS) -> Dict[str, Any]:
+                 delete_at: int = -1, steps: int = STEPS, max_norm=None) -> Dict[str, Any]:
     cfg, model, opt = _build(strategy)
     g = FullIterationCudaGraph(model, _forward_step, _config(), graph_optimizer=graph_optimizer)
-    losses, evals, warned, fallback_logs = [], [], [], []
+    losses, evals, warned, fallback_logs, norms = [], [], [], [], []
     for step in range(steps):
         if step == delete_at:
             g.delete()
@@ -256,12 +259,14 @@ def _graphed_run(strategy: str, rank: int, *, graph_optimizer: bool, seq_at: Dic
             warned += [str(x.message) for x in w]
             if step in seq_at:
                 fallback_logs.append(log)
-            g.optimizer_step(opt)
+            norm = g.optimizer_step(opt, max_norm=max_norm)
+            if norm is not None:
+                norms.append(norm)
         opt.zero_grad()
     report = g.reports.get("train")
     return {"losses": losses, "evals": evals, "state": model.full_state_dict(), "counters": g.counters,
             "collectives": report.collectives if report else None, "warned": warned, "fallback_logs": fallback_logs,
-            "units_with_grads": report.units_with_grads if report else None}
+            "units_with_grads": report.units_with_grads if report else None, "norms": norms}
 
 
 def _error(fn) -> Tuple[str, str]:
@@ -307,6 +312,8 @@ def _errors_job(rank: int) -> Dict[str, Any]:
     opt2.param_groups[0]["lr"] = 5e-4
     out["opt_lr_changed"] = _error(lambda: go.optimizer_step(opt2))
     out["opt_other_optimizer"] = _error(lambda: go.optimizer_step(opt))
+    opt2.param_groups[0]["lr"] = 1e-3
+    out["opt_max_norm_changed"] = _error(lambda: go.optimizer_step(opt2, max_norm=1.0))
     go.delete()
     out["after_delete"] = _error(lambda: go.step(_micro_batches(cfg, 7, rank)))
 
@@ -360,6 +367,9 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
     evals = (1, 2, 3, 5, 6)
     res["eager"]["eval"] = _eager_run("optim_grads", rank, eval_at=evals)
     res["graphed"]["eval"] = _graphed_run("optim_grads", rank, graph_optimizer=False, eval_at=evals)
+    # sync-free clipping (model.clip_grad_norm_) inside the optimizer graph, its norm returned every step
+    res["eager"]["clip"] = _eager_run("optim_grads_params", rank, max_norm=0.05)
+    res["graphed"]["clip"] = _graphed_run("optim_grads_params", rank, graph_optimizer=True, max_norm=0.05)
     # delete() after two replays: the model continues eagerly
     res["graphed"]["delete"] = _graphed_run("optim_grads_params", rank, graph_optimizer=True, delete_at=5)
     res["errors"] = _errors_job(rank)
@@ -372,7 +382,7 @@ def ranks() -> List[Dict[str, Any]]:
 
 
 def _assert_same_training(eager, graphed, what: str) -> None:
-    losses, _, state = eager
+    losses, _, state, _ = eager
     assert len(graphed["losses"]) == len(losses)
     bad = [i for i, (a, b) in enumerate(zip(losses, graphed["losses"])) if not torch.equal(a, b)]
     assert not bad, f"{what}: losses differ at steps {bad}"
@@ -427,6 +437,18 @@ def test_evaluation_graph_matches_eager_evaluation(ranks):
 
 
 @pytest.mark.gloo
+def test_clipping_inside_the_optimizer_graph(ranks):
+    for rank, r in enumerate(ranks):
+        g = r["graphed"]["clip"]
+        _assert_same_training(r["eager"]["clip"], g, f"rank {rank}, clipping")
+        eager_norms = r["eager"]["clip"][3]
+        assert len(g["norms"]) == len(eager_norms) == STEPS
+        assert all(torch.equal(a, b) for a, b in zip(eager_norms, g["norms"])), f"rank {rank}: norms differ"
+        assert all(float(n) > 0.05 for n in eager_norms), "max_norm must actually clip, or the test shows nothing"
+        assert g["counters"]["optimizer_replays"] == STEPS - WARMUP
+
+
+@pytest.mark.gloo
 def test_delete_leaves_the_model_eager_and_correct(ranks):
     for rank, r in enumerate(ranks):
         g = r["graphed"]["delete"]
@@ -452,6 +474,7 @@ def test_refusals_and_errors(ranks):
         assert e["opt_after_zero_grad"][0] == "RuntimeError" and "unbound" in e["opt_after_zero_grad"][1]
         assert e["opt_lr_changed"][0] == "RuntimeError" and "lr changed from 0.001 to 0.0005" in e["opt_lr_changed"][1]
         assert e["opt_other_optimizer"][0] == "ValueError"
+        assert e["opt_max_norm_changed"][0] == "RuntimeError" and "max_norm=None" in e["opt_max_norm_changed"][1]
         assert e["after_delete"][0] == "RuntimeError" and "after delete()" in e["after_delete"][1]
         kind, msg = e["item"]
         assert kind == "HostSyncError" and "aten._local_scalar_dense" in msg
