@@ -329,6 +329,7 @@ class PartialCudaGraphs:
             clone_param_grads_on_return=self.clone_param_grads,
             # one entry per callable, in order; TE passes the wrapper, the hooks act on the original module
             capture_time_hooks=[_on_module(c.plan, c.module) for c in order],
+            **self._pool_kwargs(order),
         )
         for c in order:
             self._install(c, wrappers[c], wrappers[c].forward)
@@ -353,6 +354,7 @@ class PartialCudaGraphs:
                     tuple(c.sample_args for c in group),
                     num_warmup_iters=self.config.cuda_graph_num_warmup_iters,
                     allow_unused_input=True,
+                    **self._pool_kwargs(group),
                 )
             for key in ("forward_hooks", "backward_hooks"):
                 for c in group:
@@ -380,6 +382,10 @@ class PartialCudaGraphs:
                 _run(c.plan["backward_hooks"], c.module)
         for c in order:
             self._install(c, wrappers[c], _ProtocolReplay(wrappers[c]))
+
+    def _pool_kwargs(self, callables: List[_Callable]) -> Dict[str, Any]:
+        """Extra graph-maker arguments for one capture call: none here; length buckets pass a shared ``pool``."""
+        return {}
 
     # ------------------------------------------------------------------ calls with constants (see _args.py)
     def _wrappers(self, order: List[_Callable]) -> Dict[_Callable, _args.CallWrapper]:
