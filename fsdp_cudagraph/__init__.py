@@ -12,6 +12,7 @@ from ._capture import BACKENDS, CaptureReport, PartialCudaGraphs, match_graph_at
 from ._capture_safety import HostSyncError
 from ._full_iteration import FULL_ITERATION_BACKENDS, FullIterationCudaGraph, FullIterationReport
 from ._hooks import extract_hooks, hooks_snapshot, restore_hooks
+from ._inference import INFERENCE_BACKENDS, GraphLimitWarning, InferenceCapture, InferenceCudaGraphs
 from ._streams import use_side_stream
 from ._te import HAS_TE, TE_REASON, TE_VERSION
 from .config import (
@@ -28,6 +29,10 @@ __all__ = [
     "FullIterationCudaGraph",
     "FullIterationReport",
     "FULL_ITERATION_BACKENDS",
+    "InferenceCudaGraphs",
+    "InferenceCapture",
+    "INFERENCE_BACKENDS",
+    "GraphLimitWarning",
     "HostSyncError",
     "CaptureReport",
     "BACKENDS",

@@ -1,0 +1,569 @@
+"""Forward-only CUDA graphs for evaluation and generation: ``inference_cuda_graph_scope`` ``layer`` / ``block``.
+
+Lifecycle::
+
+    graphs = InferenceCudaGraphs(model, CudaGraphConfig(cuda_graph_impl="local"),
+                                 batch_buckets=Buckets.powers_of_two(8))
+    model.eval()
+    with torch.no_grad():
+        for tokens, targets in eval_batches:
+            loss = loss_fn(graphs(tokens), targets)   # padded to a bucket, graphed, cut back to the real rows
+    model.train()                                     # training (with or without PartialCudaGraphs) goes on
+    graphs.delete()                                   # graphs reset, memory given back
+
+``model`` is a :class:`megatron_fsdp.MegatronFSDP` or a plain module. ``graphs(*args, **kwargs)`` is
+``model(*args, **kwargs)`` with graphs: the first call of a new padded shape runs
+``cuda_graph_num_warmup_iters`` eager warmups and captures, later calls replay.
+
+Scopes:
+- ``layer``: one forward-only graph per layer (the FSDP units, or ``layer_modules``) per padded shape. The
+  code between layers (embeddings, head) runs eagerly, and so do the engine's hooks: each layer's
+  pre-forward (all-gather) and post-forward (reshard) fire around its replay exactly as in an eager
+  forward ([Note: layer graphs inside the layer's call]).
+- ``block``: the whole forward in one graph per padded shape. Under ``megatron_fsdp`` the graph holds the
+  engine's work too, collectives included (ZeRO-3 all-gathers; [Note: block graphs under megatron_fsdp]).
+- ``none``: ``graphs(...)`` is ``model(...)``.
+
+[Note: inference buckets and padding]
+A graph replays one shape. Calls are padded at the END of the batch dimension (dim 0 of every tensor
+argument that has one) up to the smallest of ``batch_buckets`` that holds them, and every output tensor is
+cut back to the real rows (outputs must therefore carry the batch in dim 0; others are refused). Rows of a
+transformer are independent, so padding rows never changes the real rows in exact arithmetic, and with a
+given kernel the values of the other rows never reach a real row. Calls whose batch exceeds the largest
+bucket run eagerly, unpadded (one ``BucketOverflowWarning`` per size; ``cuda_graph_strict_signature``
+raises instead). All other dimensions are keyed exactly: each distinct shape gets its own graphs, at most
+``max_graph_sets`` of them (then eager, with one warning). ``seq_buckets`` also pads dim 1 at the end, for
+causal models only (later positions never reach earlier ones); it is opt-in because attention then reduces
+over a longer, masked key range, which may change the real positions' last bits (measured in docs/design.md).
+
+[Note: one memory pool]
+All graphs of one instance share one CUDA memory pool. A graph captured later may take memory that an
+earlier one used for temporaries, so a graph's outputs are valid until a graph captured before it replays.
+That never happens within one call: graphs replay in the order they were captured (a layer called twice in
+one forward runs its second call eagerly), and the call's outputs are cloned before they are returned.
+
+[Note: inference graphs beside training]
+Nothing here changes training state: layer graphs leave every hook in place (they are captured inside the
+layer's call), parameters keep their addresses (checked before every replay), and the engine's host state
+after a block replay is what an eager evaluation leaves, or safer (units idle, nothing gathered, compute
+parameters re-installed from the unchanged main shards before the next training step). Gradients, main
+gradients, optimizer state and the training graphs (their own memory pools) are not touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import hashlib
+import logging
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard, simulated_capture
+from megatron_fsdp import _graph_mode as static_step
+
+from . import _args, _streams
+from ._attention import te_capture_flag
+from ._buckets import Buckets, pad_to, unpad
+from ._capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
+from .config import CudaGraphConfig, InferenceCudaGraphScope
+
+__all__ = ["InferenceCudaGraphs", "InferenceCapture", "INFERENCE_BACKENDS", "GraphLimitWarning"]
+
+logger = logging.getLogger(__name__)
+
+#: cuda: torch.cuda.graph; protocol: the same schedule without graphs (CPU): "capture" and every "replay" run
+#: the captured function under the engine's (simulated) capture guard, and a replay must issue what the capture did.
+INFERENCE_BACKENDS = ("cuda", "protocol")
+
+
+class GraphLimitWarning(UserWarning):
+    """A call had a new shape after ``max_graph_sets`` shapes had graphs: it ran eagerly."""
+
+
+@dataclasses.dataclass
+class InferenceCapture:
+    """One capture: which callable, for which padded call, how long it took and the graph memory it took."""
+
+    name: str
+    shape: str
+    seconds: float
+    graph_memory_bytes: int
+    collectives: List[str]
+
+
+@dataclasses.dataclass(eq=False)
+class _Graph:
+    """One captured callable for one call signature: static inputs, static outputs and the graph."""
+
+    name: str
+    body: Callable[[], Tuple[List[torch.Tensor], Any]]
+    static_in: List[torch.Tensor]
+    static: bool  # block graph of an engine: a static step (engine work and collectives inside)
+    graph: Any = None
+    static_out: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    out_sig: Any = None
+    params: Tuple[torch.Tensor, ...] = ()
+    param_ptrs: Tuple[int, ...] = ()
+    collectives: List[str] = dataclasses.field(default_factory=list)
+    replays: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class _Layer:
+    name: str
+    module: nn.Module
+    graphs: Dict[Any, _Graph] = dataclasses.field(default_factory=dict)
+    calls: int = 0
+    warned: bool = False
+
+
+_MISSING = object()
+_data_ptr = torch.Tensor.data_ptr
+
+
+class InferenceCudaGraphs:
+    """Forward-only CUDA graphs of a model for evaluation and generation, keyed by padded shape buckets.
+
+    Args:
+        model: a :class:`megatron_fsdp.MegatronFSDP` or a plain module, on its device.
+        config: the :class:`CudaGraphConfig`; ``inference_cuda_graph_scope`` picks the scope (``layer`` is the
+            default with ``cuda_graph_impl='local'``), ``cuda_graph_num_warmup_iters`` the eager warmups before
+            each capture, ``cuda_graph_strict_signature`` raises instead of running oversized calls eagerly.
+        batch_buckets: padded batch sizes (dim 0), e.g. ``Buckets.powers_of_two(8)``.
+        seq_buckets: optional padded sequence lengths (dim 1, padded at the end); needs a causal model: the
+            reference GPT (checked against its positional embedding) or ``causal=True``.
+        causal: declare that position ``i``'s outputs never depend on positions after ``i``.
+        layer_modules: classes (or class names) of the layers for ``layer`` scope; default the FSDP units, or
+            the model's ``unit_class`` (the reference GPT's blocks).
+        backend: ``cuda`` (default for a CUDA model) or ``protocol`` (default on CPU; no graphs).
+        pad_value: the value padded rows are filled with (a valid token id for token inputs).
+        max_graph_sets: distinct padded call shapes that get graphs; further shapes run eagerly.
+
+    Calls need ``torch.no_grad()`` (or inference mode) and ``model.eval()``. Hazards: ``model``'s
+    parameters must stay where they are while the graphs exist (checked before every replay; with
+    ``megatron_fsdp``, ZeRO-3 needs ``fsdp_double_buffer`` and ``fsdp_db_use_persist_buf_on_alloc_fail``);
+    Python side effects inside a graphed forward (a hook on a submodule of a layer, a counter) happen at
+    capture only; a ``block`` graph of a sharded model on several ranks holds collectives, so every rank must
+    call it together (the padded batch is agreed across ranks per call, other shapes must match).
+    Streams: on CUDA, building it moves this thread off the legacy default stream (``_streams.py``).
+    """
+
+    def __init__(self, model: nn.Module, config: CudaGraphConfig, *, batch_buckets: Buckets,
+                 seq_buckets: Optional[Buckets] = None, causal: Optional[bool] = None,
+                 layer_modules: Optional[Sequence[Union[Type[nn.Module], str]]] = None,
+                 backend: Optional[str] = None, pad_value: Union[int, float] = 0, max_graph_sets: int = 16) -> None:
+        if not isinstance(config, CudaGraphConfig):
+            raise TypeError(f"config must be a CudaGraphConfig, got {type(config).__name__}")
+        if not isinstance(batch_buckets, Buckets) or (seq_buckets is not None and not isinstance(seq_buckets, Buckets)):
+            raise TypeError("batch_buckets (and seq_buckets) must be fsdp_cudagraph._buckets.Buckets, e.g. "
+                            "Buckets.powers_of_two(8)")
+        if isinstance(max_graph_sets, bool) or not isinstance(max_graph_sets, int) or max_graph_sets < 1:
+            raise ValueError(f"max_graph_sets={max_graph_sets!r} must be an int >= 1")
+        self.engine = model if isinstance(model, MegatronFSDP) else None
+        self.model = model
+        self.root = model.module if self.engine is not None else model
+        self.config = config
+        self.scope = InferenceCudaGraphScope(config.inference_cuda_graph_scope)
+        self.batch_buckets, self.seq_buckets = batch_buckets, seq_buckets
+        self.pad_value = pad_value
+        self.max_graph_sets = max_graph_sets
+        self.rank = self.engine.rank if self.engine is not None else 0
+        params = list(model.parameters())
+        self.device = params[0].device if params else torch.device("cpu")
+        if backend is None:
+            backend = "cuda" if self.device.type == "cuda" else "protocol"
+        if backend not in INFERENCE_BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {INFERENCE_BACKENDS}")
+        if backend == "cuda" and self.device.type != "cuda":
+            raise ValueError(f"backend='cuda' needs a model on a CUDA device, this one is on {self.device}; use "
+                             "backend='protocol' on CPU")
+        self.backend = backend
+        if seq_buckets is not None:
+            self._check_causal(causal)
+        if self.engine is not None and self.scope is not InferenceCudaGraphScope.NONE:
+            moving = [p for p in static_step.static_buffer_problems(self.engine) if p.startswith("unshard")]
+            if moving:
+                raise ValueError(
+                    f"inference_cuda_graph_scope='{self.scope}' needs the parameters at fixed addresses, but the "
+                    f"{moving[0]} (and {len(moving) - 1} more) is allocated on demand (sharding_strategy="
+                    f"'{self.engine.strategy.value}', fsdp_double_buffer={self.engine.fsdp_double_buffer}); pass "
+                    "fsdp_double_buffer=True and fsdp_db_use_persist_buf_on_alloc_fail=True to fully_shard, or use "
+                    "inference_cuda_graph_scope='none'")
+        self._layers: List[_Layer] = self._select_layers(layer_modules) if self.scope is InferenceCudaGraphScope.LAYER else []
+        #: block graphs of an engine hold its work, collectives included, as a static step (_graph_mode.py)
+        self._static = self.scope is InferenceCudaGraphScope.BLOCK and self.engine is not None
+        self._agree = self._static and self.engine.world_size > 1
+        self._blocks: Dict[Any, _Graph] = {}
+        self._keys: set = set()
+        self._limit_warned = False
+        self._pool = None
+        self.captures: List[InferenceCapture] = []
+        self.counters = {"graphed_calls": 0, "eager_calls": 0, "captures": 0, "replays": 0}
+        self.deleted = False
+        if backend == "cuda" and self.scope is not InferenceCudaGraphScope.NONE:
+            config.check_runtime()
+            self._pool = torch.cuda.graph_pool_handle()
+            _streams.use_side_stream(self.device)
+
+    # ------------------------------------------------------------------ set-up
+    def _check_causal(self, causal: Optional[bool]) -> None:
+        from .model import GPT  # the reference model: its positional embedding bounds the padded length
+
+        if isinstance(self.root, GPT):
+            n = self.root.pos.num_embeddings
+            if self.seq_buckets.max_size > n:
+                raise ValueError(
+                    f"seq_buckets={list(self.seq_buckets.sizes)} pads sequences up to {self.seq_buckets.max_size}, but "
+                    f"the GPT's positional embedding has {n} positions (GPTConfig.seq_len={n}); drop the larger "
+                    f"buckets (largest <= {n}) or build the model with a longer seq_len")
+            if causal is False:
+                raise ValueError("causal=False with seq_buckets: the reference GPT is causal; drop causal=False")
+            return
+        if causal is not True:
+            raise ValueError(
+                f"seq_buckets={list(self.seq_buckets.sizes)} with causal={causal}: padding positions at the end of a "
+                f"sequence leaves the real positions unchanged only in a causal model ({type(self.root).__name__} is "
+                "not known to be one); pass causal=True if position i never attends to later positions, or drop "
+                "seq_buckets (every sequence length then gets graphs of its own)")
+
+    def _select_layers(self, layer_modules: Optional[Sequence[Union[Type[nn.Module], str]]]) -> List[_Layer]:
+        if layer_modules is None:
+            if self.engine is not None:
+                wanted = {id(u.module) for u in self.engine.units}
+                chosen = [(n, m) for n, m in self.root.named_modules() if id(m) in wanted]
+            elif isinstance(getattr(type(self.root), "unit_class", None), property):
+                cls = self.root.unit_class
+                chosen = [(n, m) for n, m in self.root.named_modules() if type(m) is cls]
+            else:
+                raise ValueError(
+                    f"inference_cuda_graph_scope='layer' on an unwrapped {type(self.root).__name__}: name the layer "
+                    "classes with layer_modules=[MyLayer] (a megatron_fsdp model uses its units)")
+        else:
+            specs = list(layer_modules)
+            chosen = [(n, m) for n, m in self.root.named_modules() if n and any(
+                (type(m).__name__ == s) if isinstance(s, str) else isinstance(m, s) for s in specs)]
+        if not chosen:
+            raise ValueError(f"layer_modules={layer_modules} match no submodule of {type(self.root).__name__}")
+        names = [n for n, _ in chosen]
+        nested = [(a, b) for a in names for b in names if b.startswith(a + ".")]
+        if nested:
+            raise ValueError(f"layers {nested[0][0]!r} and {nested[0][1]!r} are nested; graph one or the other")
+        return [_Layer(n, m) for n, m in chosen]
+
+    # ------------------------------------------------------------------ public API
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``model(*args, **kwargs)``, padded to a bucket and graphed; outputs cut back to the real rows."""
+        if self.deleted:
+            raise RuntimeError("InferenceCudaGraphs called after delete(); build a new one, or call the model directly")
+        if torch.is_grad_enabled():
+            raise RuntimeError("InferenceCudaGraphs runs forward only: call it under torch.no_grad() (or "
+                               "torch.inference_mode()); train with the model itself")
+        if self.model.training:
+            raise RuntimeError("InferenceCudaGraphs needs the model in eval mode: call model.eval() before evaluating "
+                               "(and model.train() after)")
+        if self.scope is InferenceCudaGraphScope.NONE:
+            self.counters["eager_calls"] += 1
+            return self.model(*args, **kwargs)
+        ctx = _normal_tensors() if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+        with ctx:
+            return self._call(args, kwargs)
+
+    def delete(self) -> None:
+        """Reset every graph and give its memory back; the model stays as it was. Idempotent.
+
+        Call it before changing the model (parameters, modules) or when done evaluating; to graph again, build
+        a new instance. The thread stays on its side stream.
+        """
+        if self.deleted:
+            return
+        if self.backend == "cuda":
+            torch.cuda.synchronize(self.device)
+        for g in self._all_graphs():
+            reset = getattr(g.graph, "reset", None)
+            if callable(reset):
+                reset()
+            g.graph, g.static_in, g.static_out, g.body = None, [], [], None  # type: ignore[assignment]
+        self._blocks.clear()
+        for layer in self._layers:
+            layer.graphs.clear()
+        self._keys.clear()
+        self._pool = None
+        self.deleted = True
+        gc.collect()
+        if self.backend == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs captured so far (layer scope: layers x shapes; block scope: shapes)."""
+        return sum(1 for _ in self._all_graphs())
+
+    # ------------------------------------------------------------------ one call
+    def _call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        leaves, sig = _args.flatten((args, kwargs))
+        batch, seq = self._sizes(leaves)
+        strict = self.config.cuda_graph_strict_signature
+        padded_batch = self.batch_buckets.select_or_fallback(batch, what="InferenceCudaGraphs batch", strict=strict)
+        padded_seq = None
+        if self.seq_buckets is not None and padded_batch is not None:
+            padded_seq = self.seq_buckets.select_or_fallback(seq, what="InferenceCudaGraphs sequence length",
+                                                             strict=strict)
+            if padded_seq is None:
+                padded_batch = None
+        if self._agree:
+            padded_batch, padded_seq = self._agree_across_ranks(leaves, padded_batch, padded_seq)
+        if padded_batch is None:
+            self.counters["eager_calls"] += 1
+            return self.model(*args, **kwargs)
+        pleaves = [self._pad(t, padded_batch, padded_seq) for t in leaves]
+        pargs, pkwargs = _args.rebuild(sig, pleaves)
+        key = _args.flatten((pargs, pkwargs))[1]
+        if key not in self._keys:
+            if len(self._keys) >= self.max_graph_sets:
+                if not self._limit_warned:
+                    self._limit_warned = True
+                    warnings.warn(GraphLimitWarning(
+                        f"InferenceCudaGraphs: {self.max_graph_sets} padded call shapes already have graphs "
+                        f"(max_graph_sets); this and further new shapes run eagerly (warned once). Use buckets "
+                        "(seq_buckets for sequence lengths) or raise max_graph_sets"), stacklevel=3)
+                self.counters["eager_calls"] += 1
+                return self.model(*args, **kwargs)
+            self._keys.add(key)
+        self.counters["graphed_calls"] += 1
+        if self.scope is InferenceCudaGraphScope.BLOCK:
+            out_leaves, out_sig = self._block(key, pleaves)
+        else:
+            out_leaves, out_sig = _args.flatten(self._layered(pargs, pkwargs))
+        cut = []
+        for i, t in enumerate(out_leaves):
+            if t.dim() == 0 or t.shape[0] != padded_batch or (
+                    self.seq_buckets is not None and (t.dim() < 2 or t.shape[1] != padded_seq)):
+                raise NotImplementedError(
+                    f"InferenceCudaGraphs: output tensor {i} of {type(self.root).__name__} has shape {tuple(t.shape)}, "
+                    f"without the padded batch {padded_batch} in dim 0"
+                    + (f" and the padded length {padded_seq} in dim 1" if self.seq_buckets is not None else "")
+                    + "; padded rows could not be cut out of it. Return per-row outputs (e.g. logits) and reduce "
+                    "them (e.g. the loss) outside the graphed call")
+            t = unpad(t, batch, 0)
+            if self.seq_buckets is not None:
+                t = unpad(t, seq, 1)
+            cut.append(t.clone())
+        return _args.rebuild(out_sig, cut)
+
+    def _sizes(self, leaves: List[torch.Tensor]) -> Tuple[int, Optional[int]]:
+        batched = [t for t in leaves if t.dim() >= 1]
+        if not batched:
+            raise ValueError("InferenceCudaGraphs: no tensor argument has a batch dimension (dim 0) to pad")
+        batch = int(batched[0].shape[0])
+        if any(int(t.shape[0]) != batch for t in batched):
+            raise ValueError(f"InferenceCudaGraphs: tensor arguments disagree on the batch size (dim 0): "
+                             f"{[tuple(t.shape) for t in batched]}; every tensor argument with dimensions must carry "
+                             "the batch in dim 0 (0-dim tensors are passed as they are)")
+        if self.seq_buckets is None:
+            return batch, None
+        seqd = [t for t in batched if t.dim() >= 2]
+        if not seqd or any(int(t.shape[1]) != int(seqd[0].shape[1]) for t in seqd):
+            raise ValueError(f"InferenceCudaGraphs with seq_buckets: tensor arguments must share the sequence length "
+                             f"in dim 1, got {[tuple(t.shape) for t in batched]}")
+        return batch, int(seqd[0].shape[1])
+
+    def _pad(self, t: torch.Tensor, batch: int, seq: Optional[int]) -> torch.Tensor:
+        if t.dim() == 0:
+            return t
+        t = pad_to(t, batch, 0, self.pad_value)
+        if self.seq_buckets is not None and t.dim() >= 2:
+            t = pad_to(t, seq, 1, self.pad_value)
+        return t
+
+    def _agree_across_ranks(self, leaves: List[torch.Tensor], batch: Optional[int],
+                            seq: Optional[int]) -> Tuple[Optional[int], Optional[int]]:
+        """Block graphs hold collectives: every rank must replay (or run eagerly) the same graph at the same call."""
+        skip = 1 if self.seq_buckets is None else 2  # the dimensions that are padded, and so may differ
+        rest = repr([(tuple(t.shape[skip:]) if t.dim() else (), str(t.dtype)) for t in leaves])
+        digest = int.from_bytes(hashlib.sha1(rest.encode()).digest()[:7], "big")
+        none = 1 << 40  # "no bucket" wins the maximum: if one rank runs eagerly, all do
+        vals = torch.tensor([none if batch is None else batch, seq or 0, digest, -digest], dtype=torch.int64,
+                            device=self.device)
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=self.engine.group)
+        b, s, hi, neg_lo = vals.tolist()
+        if hi != -neg_lo:
+            raise ValueError(
+                f"[rank {self.rank}] InferenceCudaGraphs: the ranks called a block graph of a sharded model with "
+                "different shapes outside the padded dimensions; its collectives must run on every rank together. "
+                "Pass the same shapes on every rank (only the padded dimensions may differ), or use "
+                "inference_cuda_graph_scope='layer'")
+        if b == none:
+            return None, None
+        return b, (s if self.seq_buckets is not None else None)
+
+    # ------------------------------------------------------------------ block scope
+    def _block(self, key: Any, leaves: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Any]:
+        g = self._blocks.get(key)
+        if g is None:
+            model = self.model
+            g = self._capture("model", lambda *a, **kw: model(*a, **kw), key, leaves,
+                              tuple(self.model.parameters()), static=self._static)
+            self._blocks[key] = g
+        return list(self._replay(g, leaves)), g.out_sig
+
+    # ------------------------------------------------------------------ layer scope
+    def _layered(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        saved = []
+        try:
+            for layer in self._layers:
+                own = layer.module.__dict__.get("forward", _MISSING)
+                saved.append((layer.module, own))
+                layer.calls = 0
+                layer.module.forward = self._route(layer, _eager_forward(layer.module))
+            return self.model(*args, **kwargs)
+        finally:
+            for module, own in saved:
+                if own is _MISSING:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.__dict__["forward"] = own
+
+    def _route(self, layer: _Layer, eager: Callable[..., Any]) -> Callable[..., Any]:
+        """The layer's forward during one call: [Note: layer graphs inside the layer's call]."""
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            layer.calls += 1
+            if layer.calls > 1:  # a second call in one forward would overwrite the first call's static outputs
+                if not layer.warned:
+                    layer.warned = True
+                    logger.warning("fsdp_cudagraph: layer %s ran more than once in one forward; its later calls run "
+                                   "eagerly", layer.name)
+                return eager(*args, **kwargs)
+            leaves, sig = _args.flatten((args, kwargs))
+            g = layer.graphs.get(sig)
+            if g is None:
+                g = self._capture(layer.name, eager, sig, leaves, tuple(layer.module.parameters()), static=False)
+                layer.graphs[sig] = g
+            return _args.rebuild(g.out_sig, self._replay(g, leaves))
+
+        return forward
+
+    # [Note: layer graphs inside the layer's call]
+    # A layer's graph is captured, and replayed, from inside the layer's own __call__: the replacement
+    # forward above runs after the layer's forward-pre hooks (the engine's unshard and prefetch) and before its
+    # forward hooks (the reshard), and what it captures is the layer's eager forward, never __call__. So every
+    # hook of the layer fires around warmup, capture and every replay, outside the graph, exactly as in an
+    # eager forward, and no hook dict is ever touched (training graphs keep theirs). Hooks of the layer's
+    # submodules run inside the capture: at capture only. On the protocol backend the capture guard is on
+    # while the layer's forward runs, so a collective that leaked into it (a nested unit) raises.
+
+    # ------------------------------------------------------------------ capture and replay
+    def _capture(self, name: str, fn: Callable[..., Any], sig: Any, leaves: List[torch.Tensor],
+                 params: Tuple[torch.Tensor, ...], *, static: bool) -> _Graph:
+        what = f"the inference graph of {name}"
+        static_in = [t.detach().clone() for t in leaves]
+
+        def body() -> Tuple[List[torch.Tensor], Any]:
+            a, kw = _args.rebuild(sig, static_in)
+            return _args.flatten(fn(*a, **kw))
+
+        g = _Graph(name, body, static_in, static)
+        engine = self.engine
+        bound = static_step.grads_bound(engine) if static else frozenset()
+        t0 = time.perf_counter()
+        mem0 = torch.cuda.memory_allocated(self.device) if self.backend == "cuda" else 0
+        mode = CaptureGuardMode.ALLOW_COLLECTIVES if static else CaptureGuardMode.REFUSE
+        try:
+            for i in range(self.config.cuda_graph_num_warmup_iters):
+                if static:
+                    static_step.begin_static_step(engine, replace_grads=False)
+                last = i == self.config.cuda_graph_num_warmup_iters - 1
+                with CaptureSafetyCheck(self.device, what) if last else contextlib.nullcontext():
+                    body()
+            if static:
+                static_step.begin_static_step(engine, replace_grads=False)
+            if self.backend == "cuda":
+                g.graph = torch.cuda.CUDAGraph()
+                with capture_guard(mode, collective_log=g.collectives), te_capture_flag():
+                    with torch.cuda.graph(g.graph, pool=self._pool, capture_error_mode="thread_local"):
+                        with sync_debug_errors():
+                            g.static_out, g.out_sig = body()
+            else:
+                with simulated_capture(), capture_guard(mode, collective_log=g.collectives):
+                    g.static_out, g.out_sig = body()
+        except BaseException as exc:
+            translated = translate_capture_error(exc, phase=what)
+            if translated is not None and translated is not exc:
+                raise translated from exc
+            raise
+        finally:
+            if static:  # as after a replay; a failed capture ran nothing that counts
+                static_step.end_static_step(engine, bound=bound)
+        g.params, g.param_ptrs = params, tuple(map(_data_ptr, params))
+        mem = torch.cuda.memory_allocated(self.device) - mem0 if self.backend == "cuda" else 0
+        shape = ", ".join(str(tuple(t.shape)) for t in leaves)
+        self.captures.append(InferenceCapture(name, shape, time.perf_counter() - t0, mem, list(g.collectives)))
+        self.counters["captures"] += 1
+        logger.debug("fsdp_cudagraph: captured %s for (%s) in %.3f s", what, shape, self.captures[-1].seconds)
+        return g
+
+    def _replay(self, g: _Graph, leaves: List[torch.Tensor]) -> List[torch.Tensor]:
+        if tuple(map(_data_ptr, g.params)) != g.param_ptrs:
+            moved = next(i for i, (p, ptr) in enumerate(zip(g.params, g.param_ptrs)) if p.data_ptr() != ptr)
+            raise RuntimeError(
+                f"[rank {self.rank}] fsdp_cudagraph: the inference graph of {g.name} would replay with parameter "
+                f"{moved} at {g.params[moved].data_ptr():#x}, but it was captured at {g.param_ptrs[moved]:#x}; replay "
+                "would read stale memory. Do not reassign parameters while inference graphs exist: delete() them and "
+                "build a new InferenceCudaGraphs")
+        engine = self.engine
+        if g.static:
+            static_step.quiesce(engine)  # an eager collective still in flight would race with the graph
+            bound = static_step.grads_bound(engine)
+        for s, t in zip(g.static_in, leaves):
+            if t is not s:
+                s.copy_(t)
+        try:
+            if self.backend == "cuda":
+                g.graph.replay()
+            else:
+                self._protocol_replay(g)
+        finally:
+            if g.static:
+                static_step.end_static_step(engine, bound=bound)
+        g.replays += 1
+        self.counters["replays"] += 1
+        return g.static_out
+
+    def _protocol_replay(self, g: _Graph) -> None:
+        """Run the captured function again from the capture's starting state; it must issue what the capture did."""
+        if g.static:
+            static_step.begin_static_step(self.engine, replace_grads=False)
+        log: List[str] = []
+        mode = CaptureGuardMode.ALLOW_COLLECTIVES if g.static else CaptureGuardMode.REFUSE
+        with simulated_capture(), capture_guard(mode, collective_log=log):
+            out, out_sig = g.body()
+        if log != g.collectives or _args._strip(out_sig) != _args._strip(g.out_sig):
+            raise RuntimeError(
+                f"[rank {self.rank}] fsdp_cudagraph: protocol replay of the inference graph of {g.name} issued other "
+                f"collectives or outputs than its capture ({len(log)} vs {len(g.collectives)} collectives); a CUDA "
+                "graph would replay the capture's decisions and compute something else than an eager forward")
+        for o, n in zip(g.static_out, out):
+            o.copy_(n)
+
+    def _all_graphs(self) -> List[_Graph]:
+        return list(self._blocks.values()) + [g for layer in self._layers for g in layer.graphs.values()]
+
+
+def _eager_forward(module: nn.Module) -> Callable[..., Any]:
+    """The module's forward as an eager call runs it: a training graph's dispatcher stands aside."""
+    fwd = module.forward
+    return fwd.eager if isinstance(fwd, _args.Dispatcher) else fwd
+
+
+@contextlib.contextmanager
+def _normal_tensors() -> Any:
+    """Under torch.inference_mode, work with normal tensors (static buffers are written in place on every call)."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
