@@ -206,6 +206,15 @@ def translate_capture_error(exc: BaseException, *, phase: str) -> Optional[BaseE
         where = user_location(traceback.extract_tb(e.__traceback__)) if e.__traceback__ is not None else "?"
         if SYNC_DEBUG_MARK in msg:
             return HostSyncError("a synchronising CUDA call", "makes the host wait for the GPU", where, phase)
+        if "CUDAGeneratorImpl" in msg and "captur" in msg:
+            return RuntimeError(
+                f"[rank {_rank()}] fsdp_cudagraph: {phase} read the CUDA random-number generator's state on the host "
+                f"while being captured ({msg.splitlines()[0]}), at {where}. A graph cannot replay that read. The usual "
+                "cause is activation checkpointing with torch.utils.checkpoint's default preserve_rng_state=True: pass "
+                "preserve_rng_state=False when the checkpointed code draws no random numbers (no dropout), and keep "
+                "torch.cuda.get_rng_state/manual_seed out of the step; extra generators the step uses go to "
+                "FullIterationCudaGraph(generators=...)."
+            )
         if _LEGACY_MARK in msg and "captur" in msg:
             return RuntimeError(
                 f"[rank {_rank()}] fsdp_cudagraph: {phase} could not be captured: autograd state from a step that "

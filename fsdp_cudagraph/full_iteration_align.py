@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 import time
@@ -37,6 +38,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from megatron_fsdp import fully_shard
 
 from ._attention import AttentionBackendMatcher
 from ._capture import PartialCudaGraphs
@@ -45,10 +49,12 @@ from ._full_iteration import FullIterationCudaGraph, FullIterationReport
 from ._te import HAS_TE, TE_REASON
 from .align import versions
 from .config import CudaGraphConfig
-from .model import GPTConfig, loss_fn, synthetic_batch
-from .train import RunSpec, build_model, use_deterministic_kernels
+from .model import GPT, GPTConfig, loss_fn, synthetic_batch
+from .train import use_deterministic_kernels
 
 __all__ = ["FullRunSpec", "FullRunResult", "run_full", "main"]
+
+logger = logging.getLogger(__name__)
 
 MODES = ("eager", "partial", "full_iteration")
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -87,6 +93,8 @@ class FullRunSpec:
     #: forward_step(model, x, y) -> loss; default the reference loss divided by grad_accum
     forward_step: Optional[Callable[..., torch.Tensor]] = None
     double_buffer: bool = True
+    #: wrap every layer in checkpoint_wrapper(preserve_rng_state=False): forwards recomputed inside backward
+    activation_checkpointing: bool = False
 
 
 @dataclasses.dataclass
@@ -130,17 +138,16 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
         default = torch.cuda.default_stream(device)
         default.wait_stream(torch.cuda.current_stream(device))
         torch.cuda.set_stream(default)
-    if spec.double_buffer:
-        model = build_model(RunSpec(model=spec.model, sharding_strategy=spec.sharding_strategy,
-                                    compute_dtype=spec.compute_dtype, seed=spec.seed, prefetch=spec.prefetch), device)
-    else:
-        from megatron_fsdp import fully_shard
-        from .model import GPT
-
-        torch.manual_seed(spec.seed)
-        gpt = GPT(spec.model).to(device)
-        model = fully_shard(gpt, fsdp_unit_modules=[gpt.unit_class], sharding_strategy=spec.sharding_strategy,
-                            compute_dtype=spec.compute_dtype)
+    # as train.build_model, plus the options a row varies (double buffer, activation checkpointing)
+    torch.manual_seed(spec.seed)
+    gpt = GPT(spec.model).to(device)
+    unit_class = gpt.unit_class
+    if spec.activation_checkpointing:
+        for i in range(len(gpt.layers)):
+            gpt.layers[i] = checkpoint_wrapper(gpt.layers[i], preserve_rng_state=False)
+    model = fully_shard(gpt, fsdp_unit_modules=[unit_class], sharding_strategy=spec.sharding_strategy,
+                        compute_dtype=spec.compute_dtype, fsdp_double_buffer=spec.double_buffer,
+                        fsdp_db_use_persist_buf_on_alloc_fail=spec.double_buffer, prefetch=spec.prefetch)
     lr: Any = torch.tensor(spec.lr, device=device) if spec.capturable_optimizer else spec.lr
     opt = torch.optim.Adam(model.optimizer_parameters(), lr=lr, capturable=spec.capturable_optimizer)
     grad_accum = spec.grad_accum
@@ -260,6 +267,7 @@ def run_row(spec: FullRunSpec, device: torch.device, **graphed_overrides: Any) -
     graphed = run_full(dataclasses.replace(spec, mode="full_iteration", **graphed_overrides), device)
     row = {"model": "te" if spec.model.use_te else "torch", "strategy": spec.sharding_strategy,
            "grad_accum": spec.grad_accum, "graph_optimizer": spec.graph_optimizer, "max_norm": spec.max_norm,
+           "activation_checkpointing": spec.activation_checkpointing,
            "short_steps": list(spec.short_steps), "eval_steps": list(spec.eval_steps), "delete_step": spec.delete_step,
            **{k: v for k, v in graphed_overrides.items() if k != "forward_step"}}
     row.update(compare(eager, graphed, device))
@@ -281,9 +289,10 @@ def negative_controls(device: torch.device, steps: int) -> List[Dict[str, Any]]:
         try:
             fn()
             out.append({"control": name, "caught": False, "detail": "no error"})
-        except exc as e:  # noqa: PERF203
+        except Exception as e:  # noqa: BLE001 - the wrong kind of error is a control not caught, recorded
             text = f"{type(e).__name__}: {e}"
-            out.append({"control": name, "caught": all(m in text for m in must), "detail": text[:400]})
+            caught = isinstance(e, exc) and all(m in text for m in must)
+            out.append({"control": name, "caught": caught, "detail": text[:600]})
 
     def item_step(m: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = loss_fn(m(x), y)
@@ -362,14 +371,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     specs.append(FullRunSpec(**extra, capturable_optimizer=True, graph_optimizer=True, delete_step=args.capture_step + 3))
     # sync-free clipping (its all-reduce included) inside the optimizer graph
     specs.append(FullRunSpec(**extra, grad_accum=2, capturable_optimizer=True, graph_optimizer=True, max_norm=0.5))
+    # activation checkpointing: each layer's forward (and its gather) runs again inside the captured backward
+    specs.append(FullRunSpec(**extra, grad_accum=2, activation_checkpointing=True))
     rows = []
     t0 = time.time()
     for i, spec in enumerate(specs):
-        row = run_row(spec, device)
+        try:
+            row = run_row(spec, device)
+        except Exception as exc:  # noqa: BLE001 - one failing row is recorded; the matrix goes on
+            logger.exception("row %d failed", i)
+            row = {"model": "te" if spec.model.use_te else "torch", "strategy": spec.sharding_strategy,
+                   "grad_accum": spec.grad_accum, "graph_optimizer": spec.graph_optimizer, "max_norm": spec.max_norm,
+                   "activation_checkpointing": spec.activation_checkpointing, "short_steps": list(spec.short_steps),
+                   "eval_steps": list(spec.eval_steps), "delete_step": spec.delete_step, "equal": False,
+                   "first_mismatch_step": None, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                   "eager_step_ms_median": float("nan"), "graphed_step_ms_median": float("nan"),
+                   "capture_seconds": float("nan"), "captured_collectives": None, "counters": {}}
         rows.append(row)
         if rank == 0:
             print(f"[{i + 1}/{len(specs)}, {time.time() - t0:4.0f} s] {row['model']:5s} {row['strategy']:18s} "
                   f"accum={row['grad_accum']} opt_graph={row['graph_optimizer']!s:5s} clip={row['max_norm']} "
+                  f"ckpt={row['activation_checkpointing']!s:5s} "
                   f"short={row['short_steps']} "
                   f"eval={bool(row['eval_steps'])} delete={row['delete_step']}  "
                   f"{'EQUAL' if row['equal'] else 'MISMATCH at step ' + str(row['first_mismatch_step'])}  "

@@ -27,6 +27,8 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
 from fsdp_cudagraph import CudaGraphConfig, FullIterationCudaGraph, HostSyncError
 from fsdp_cudagraph._capture_safety import SYNC_DEBUG_MARK, CaptureSafetyCheck, translate_capture_error
 from fsdp_cudagraph.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
@@ -178,16 +180,25 @@ def test_translate_capture_errors():
         out = translate_capture_error(exc, phase="the training step")
     assert isinstance(out, RuntimeError) and "CUDA refused an operation" in str(out)
     assert "operation not permitted when stream is capturing" in str(out)
+    rng = RuntimeError("Cannot call CUDAGeneratorImpl::current_seed during CUDA graph capture. If you need this call "
+                       "to be captured, please file an issue.")
+    out = translate_capture_error(rng, phase="the training step")
+    assert isinstance(out, RuntimeError) and "preserve_rng_state=False" in str(out)
     assert translate_capture_error(ValueError("unrelated"), phase="x") is None
 
 
 # ---------------------------------------------------------------------------------------------- Gloo job
 
 
-def _build(strategy: str = "optim_grads_params", *, double_buffer: bool = True, lr: float = 1e-3):
+def _build(strategy: str = "optim_grads_params", *, double_buffer: bool = True, lr: float = 1e-3,
+           checkpointing: bool = False):
     torch.manual_seed(0)
     cfg = GPTConfig(**MODEL)
-    model = fully_shard(GPT(cfg), fsdp_unit_modules=[TransformerBlock], sharding_strategy=strategy,
+    gpt = GPT(cfg)
+    if checkpointing:  # activation checkpointing: each unit's forward runs again inside its backward
+        for i in range(len(gpt.layers)):
+            gpt.layers[i] = checkpoint_wrapper(gpt.layers[i], preserve_rng_state=False)
+    model = fully_shard(gpt, fsdp_unit_modules=[TransformerBlock], sharding_strategy=strategy,
                         fsdp_double_buffer=double_buffer, fsdp_db_use_persist_buf_on_alloc_fail=double_buffer)
     return cfg, model, torch.optim.Adam(model.optimizer_parameters(), lr=lr)
 
@@ -210,9 +221,9 @@ def _config(**kw) -> CudaGraphConfig:
 
 
 def _eager_run(strategy: str, rank: int, *, seq_at: Dict[int, int] = {}, eval_at=(), steps: int = STEPS,
-               max_norm=None):
+               max_norm=None, checkpointing: bool = False):
     """The plain engine loop: the reference every graphed run must equal bit for bit."""
-    cfg, model, opt = _build(strategy)
+    cfg, model, opt = _build(strategy, checkpointing=checkpointing)
     losses, evals, norms = [], [], []
     for step in range(steps):
         if step in eval_at:
@@ -232,8 +243,8 @@ def _eager_run(strategy: str, rank: int, *, seq_at: Dict[int, int] = {}, eval_at
 
 
 def _graphed_run(strategy: str, rank: int, *, graph_optimizer: bool, seq_at: Dict[int, int] = {}, eval_at=(),
-                 delete_at: int = -1, steps: int = STEPS, max_norm=None) -> Dict[str, Any]:
-    cfg, model, opt = _build(strategy)
+                 delete_at: int = -1, steps: int = STEPS, max_norm=None, checkpointing: bool = False) -> Dict[str, Any]:
+    cfg, model, opt = _build(strategy, checkpointing=checkpointing)
     g = FullIterationCudaGraph(model, _forward_step, _config(), graph_optimizer=graph_optimizer)
     losses, evals, warned, fallback_logs, norms = [], [], [], [], []
     for step in range(steps):
@@ -266,7 +277,8 @@ def _graphed_run(strategy: str, rank: int, *, graph_optimizer: bool, seq_at: Dic
     report = g.reports.get("train")
     return {"losses": losses, "evals": evals, "state": model.full_state_dict(), "counters": g.counters,
             "collectives": report.collectives if report else None, "warned": warned, "fallback_logs": fallback_logs,
-            "units_with_grads": report.units_with_grads if report else None, "norms": norms}
+            "units_with_grads": report.units_with_grads if report else None, "norms": norms,
+            "recomputed": sorted(u.name for u in model.units if u.recomputed)}
 
 
 def _error(fn) -> Tuple[str, str]:
@@ -370,6 +382,9 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
     # sync-free clipping (model.clip_grad_norm_) inside the optimizer graph, its norm returned every step
     res["eager"]["clip"] = _eager_run("optim_grads_params", rank, max_norm=0.05)
     res["graphed"]["clip"] = _graphed_run("optim_grads_params", rank, graph_optimizer=True, max_norm=0.05)
+    # activation checkpointing: the recomputed forwards (and their gathers) inside the captured backward
+    res["eager"]["ckpt"] = _eager_run("optim_grads_params", rank, checkpointing=True)
+    res["graphed"]["ckpt"] = _graphed_run("optim_grads_params", rank, graph_optimizer=False, checkpointing=True)
     # delete() after two replays: the model continues eagerly
     res["graphed"]["delete"] = _graphed_run("optim_grads_params", rank, graph_optimizer=True, delete_at=5)
     res["errors"] = _errors_job(rank)
@@ -446,6 +461,17 @@ def test_clipping_inside_the_optimizer_graph(ranks):
         assert all(torch.equal(a, b) for a, b in zip(eager_norms, g["norms"])), f"rank {rank}: norms differ"
         assert all(float(n) > 0.05 for n in eager_norms), "max_norm must actually clip, or the test shows nothing"
         assert g["counters"]["optimizer_replays"] == STEPS - WARMUP
+
+
+@pytest.mark.gloo
+def test_activation_checkpointing_inside_the_graph(ranks):
+    for rank, r in enumerate(ranks):
+        g = r["graphed"]["ckpt"]
+        _assert_same_training(r["eager"]["ckpt"], g, f"rank {rank}, activation checkpointing")
+        assert g["counters"]["train_replays"] == STEPS - WARMUP
+        # the units really recomputed their forward inside backward (the engine's flag from the last step)
+        assert g["recomputed"] == [f"layers.{i}._checkpoint_wrapped_module" for i in range(3)], g["recomputed"]
+        assert not r["graphed"]["optim_grads_params"]["recomputed"]
 
 
 @pytest.mark.gloo

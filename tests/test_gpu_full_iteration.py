@@ -47,10 +47,12 @@ def _check(res: dict, world: int) -> None:
     assert res["world_size"] == world and res["all_ok"]
     rows = res["rows"]
     models = 2 if HAS_TE else 1
-    assert len(rows) == models * STRATEGIES * 2 + 3  # + shape change with evaluation, delete(), clipping
+    # + shape change with evaluation, delete(), clipping, activation checkpointing
+    assert len(rows) == models * STRATEGIES * 2 + 4
     bad = [(r["model"], r["strategy"], r["grad_accum"], r["first_mismatch_step"]) for r in rows if not r["equal"]]
     assert not bad, bad
     # the graphed runs really replayed: capture at step 3 of 20, 17 replays (minus fallbacks and deletes)
+    assert all("error" not in r for r in rows), [r["error"] for r in rows if "error" in r]
     plain = [r for r in rows if not r["short_steps"] and r["delete_step"] is None]
     clipped = [r for r in rows if r["max_norm"] is not None]
     assert len(clipped) == 1 and clipped[0]["norms_equal"] and any(n > clipped[0]["max_norm"] for n in clipped[0]["norms"])
