@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,9 +39,6 @@ class FlatLayout:
 
     def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
         return [flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
-
-    def fingerprint(self) -> Tuple[Any, ...]:
-        return (tuple(self.names), tuple(tuple(s) for s in self.shapes), self.total_numel)
 
 
 class _Buffer:

@@ -378,6 +378,11 @@ class MegatronFSDP(nn.Module):
         return out
 
     def _root_pre_forward(self) -> None:
+        if self._summoned:
+            raise RuntimeError(
+                f"[rank {self.rank}] megatron_fsdp: forward inside summon_full_params(); the parameters are full fp32 "
+                "copies there, not the compute buffers the engine gathers into: leave the block first"
+            )
         busy = [u.name for u in self.units if u.state in COMPUTING]
         # Compute parameters hold gradients between steps only when a backward failed before their unit
         # reduced them (e.g. the root's head, before any unit's backward ran); they must not reach this step.

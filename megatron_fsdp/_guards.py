@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ __all__ = ["install_optimizer_guard", "mark_compute_params", "guard_direct_calls
 
 _state: Dict[str, Any] = {"handle": None}
 #: optimizer -> (group sizes when checked, engines whose main shards it steps)
-_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[Tuple[int, ...], List[Any]]]" = (
+_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[Tuple[int, ...], list]]" = (
     weakref.WeakKeyDictionary()
 )
 

@@ -8,6 +8,7 @@ Gloo ranks: a crash there fails the test through ``run_gloo`` instead of killing
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Any, Dict, List
 
@@ -82,6 +83,17 @@ def _state_job(rank: int, world: int, directory: str) -> Dict[Any, Any]:
         rec["round_trip"] = fresh.state_dict()
         # The loaded model computes what the original computes (fresh optimizers on both: no momentum carried).
         rec["next_losses"] = [fsdp_step(m, sgd(m.optimizer_parameters()), 2, cfg, rank, world) for m in (model, fresh)]
+        # summon_full_params: module parameters are the full fp32 values inside, writable with writeback.
+        now = model.state_dict()
+        with model.summon_full_params():
+            inner = gpt.state_dict()  # the module-level state dict is allowed inside
+            rec["summon_forward"] = _error(lambda: model(torch.zeros(2, cfg.seq_len, dtype=torch.long)))
+        rec["summon_equal"] = inner.keys() == now.keys() and all(torch.equal(inner[k], now[k]) for k in now)
+        with model.summon_full_params(writeback=True), torch.no_grad():
+            gpt.head.weight.fill_(0.5)
+        rec["writeback"] = torch.equal(model.state_dict()["head.weight"], torch.full_like(now["head.weight"], 0.5))
+        rec["reads_after_summon"] = _reads_outside_forward(gpt)
+        rec["loss_after_summon"] = fsdp_step(model, sgd(model.optimizer_parameters()), 3, cfg, rank, world)
         out[(strategy, double_buffer)] = rec
     return out
 
@@ -116,6 +128,21 @@ def test_state_dict_round_trip(state_results, strategy, double_buffer):
         assert loss_model == loss_fresh  # bit for bit
         kind, msg = rec["strict_missing"]
         assert kind == "RuntimeError" and "head.weight" in msg, msg
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("strategy, double_buffer", STATE_CASES)
+def test_summon_full_params(state_results, strategy, double_buffer):
+    dynamic = strategy == "optim_grads_params" and not double_buffer
+    for rank_result in state_results:
+        rec = rank_result[(strategy, double_buffer)]
+        assert rec["summon_equal"]
+        kind, msg = rec["summon_forward"]
+        assert kind == "RuntimeError" and "summon_full_params" in msg, msg
+        assert rec["writeback"]  # gathered from both ranks' shards: each rank wrote its own slice
+        # Afterwards the parameters are the compute buffers again, and training goes on.
+        assert set(rec["reads_after_summon"].values()) == ({"nan"} if dynamic else {"finite"})
+        assert math.isfinite(rec["loss_after_summon"])
 
 
 @pytest.mark.gloo
