@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Runs a named part of the GPU record on a GPU machine and leaves logs + JSON in $OUT/<part>/ (tarred into
-# $OUT/<part>.tgz, since the lending tool returns at most 8 files). Every command is echoed into the log.
+# Runs a named part of the GPU record on a GPU machine; its logs + JSON are written under /tmp/record/<part>/
+# and tarred into $OUT/<part>[-<tag>].tgz (the lending tool returns at most 8 files). Every command is echoed
+# into the log. TAG=<tag> keeps two runs of one part apart.
 #   bash benchmarks/gpu_record.sh versions|readme|demo|align|pytest-gpu|<script args...>
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 part=$1; shift || true
-dir=$OUT/$part; mkdir -p "$dir"
+name=$(basename "$part" .py)${TAG:+-$TAG}
+dir=/tmp/record/$name; mkdir -p "$dir" "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 \
        TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 GIT_COMMIT=${GIT_COMMIT:-unknown}
+export RECORD_DIR=$dir
 run() { echo "+ $*" | tee -a "$dir/log.txt"; "$@" 2>&1 | tee -a "$dir/log.txt"; return "${PIPESTATUS[0]}"; }
 versions() {
   python3 - <<'EOF' | tee "$dir/versions.json"
@@ -41,7 +44,7 @@ case $part in
     run python3 -m fsdp_cudagraph.align "$@" --out "$dir/align-1gpu.json" || rc=1 ;;
   pytest-gpu)
     run env FSDP_CUDAGRAPH_RESULTS="$dir" python3 -m pytest -q -m gpu -ra "$@" || rc=1 ;;
-  *) run python3 "$part" "$@" || rc=1 ;;
+  *) run python3 "$part" "$@" || rc=1 ;;  # a script; its --out should point into $dir (RECORD_DIR)
 esac
-tar -C "$OUT" -czf "$OUT/$(basename "$part" .py).tgz" "$part" 2>/dev/null || tar -C "$OUT" -czf "$OUT/run.tgz" .
+tar -C /tmp/record -czf "$OUT/$name.tgz" "$name"
 exit $rc
