@@ -40,7 +40,7 @@ from torch import nn
 from megatron_fsdp import MegatronFSDP, simulated_capture
 from megatron_fsdp._unit import FSDPUnit
 
-from . import _args, _streams
+from . import _args, _offload, _streams
 from ._attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
 from ._hooks import HOOK_KEYS, ExtractedHooks, _DICTS, extract_hooks, fsdp_handlers, restore_hooks
 from ._te import require_te
@@ -178,6 +178,8 @@ class PartialCudaGraphs:
                 "addresses; pass both to fully_shard"
             )
         self.callables = self._select()
+        # config.activation_offload_*: built now (the next eager step is recorded), boundaries checked here.
+        self.offload = _offload.offloader_for(model, config, [(c.name, c.module) for c in self.callables])
         # Before the eager steps that precede capture: no autograd node of theirs may live on the legacy
         # default stream ([Note: the default stream and graph capture]).
         self._steps_before_side_stream = 0
@@ -264,7 +266,7 @@ class PartialCudaGraphs:
                 c.extracted = extract_hooks(c.module)
             self._plan(order)
             runner = {"te": self._capture_te, "torch": self._capture_torch, "protocol": self._capture_protocol}[self.backend]
-            with _streams.stale_stream_override():
+            with _streams.stale_stream_override(), _offload.graph_maker(self.offload):
                 runner(order)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -329,6 +331,7 @@ class PartialCudaGraphs:
             clone_param_grads_on_return=self.clone_param_grads,
             # one entry per callable, in order; TE passes the wrapper, the hooks act on the original module
             capture_time_hooks=[_on_module(c.plan, c.module) for c in order],
+            **_offload.te_warmup_hooks(self.offload),  # offloading off during warmup, on for capture
             **self._pool_kwargs(order),
         )
         for c in order:
@@ -451,6 +454,9 @@ class PartialCudaGraphs:
             c.sample_args, c.sample_kwargs = None, None
         self.captured = False
         self._order = []
+        if self.offload is not None:  # after the forwards above are back: it restores the modules' own
+            self.offload.delete()
+            self.offload = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -157,6 +157,57 @@ def _parse_module_patterns(values: Any) -> List[str]:
     return _dedupe(p.strip() for p in patterns)
 
 
+def _parse_offload_patterns(values: Any) -> List[str]:
+    patterns = _as_list(values, "activation_offload_module_patterns")
+    for p in patterns:
+        if not isinstance(p, str) or not p.strip():
+            raise TypeError(f"activation_offload_module_patterns entries must be non-empty strings, got {p!r}; give "
+                            "qualified-name globs such as 'layers.*.mlp' or class names such as 'MLP'")
+    return _dedupe(p.strip() for p in patterns)
+
+
+def _offload_problems(cfg: "CudaGraphConfig") -> List[str]:
+    """The activation-offloading rules (impl, warmup, graph boundary by tag, fraction), as problem lines."""
+    fraction, min_bytes = cfg.activation_offload_fraction, cfg.activation_offload_min_bytes
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        raise TypeError(f"activation_offload_fraction must be a number, got {type(fraction).__name__} {fraction!r}")
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int):
+        raise TypeError(f"activation_offload_min_bytes must be an int, got {type(min_bytes).__name__} {min_bytes!r}")
+    tags, pats, impl = cfg.activation_offload_modules, cfg.activation_offload_module_patterns, cfg.cuda_graph_impl
+    shown = [str(t) for t in tags]
+    given = (f"activation_offload_modules={shown}" if tags else f"activation_offload_module_patterns={pats}")
+    problems: List[str] = []
+    if tags and pats:
+        problems.append(f"activation_offload_modules={shown} and activation_offload_module_patterns={pats} are "
+                        "exclusive; use the tags for tagged models and patterns only for untagged ones")
+    if not 0.0 < fraction <= 1.0:
+        problems.append(f"activation_offload_fraction={fraction} must be in (0, 1]; 1.0 offloads every group, "
+                        "smaller values keep the last groups of forward on the device")
+    if min_bytes < 0:
+        problems.append(f"activation_offload_min_bytes={min_bytes} must be >= 0")
+    if not (tags or pats):
+        if fraction != 1.0:
+            problems.append(f"activation_offload_fraction={fraction} without activation_offload_modules (or "
+                            "activation_offload_module_patterns) would be ignored; name the modules to offload")
+        return problems
+    if impl == CudaGraphImpl.FULL_ITERATION:
+        problems.append(f"{given} with cuda_graph_impl='full_iteration' is not supported: activation offloading "
+                        "works eagerly (impl 'none') and with per-layer graphs (impl 'local' or 'transformer_engine')")
+    if impl in _PER_LAYER_IMPLS and cfg.cuda_graph_warmup_steps < 1:
+        problems.append(f"{given} with cuda_graph_impl='{impl}' needs cuda_graph_warmup_steps >= 1 (got "
+                        f"{cfg.cuda_graph_warmup_steps}): an eager step records the offload groups' sizes so that "
+                        "capture pins no memory")
+    M = CudaGraphModule
+    graphed = set(cfg.cuda_graph_modules) if impl in _PER_LAYER_IMPLS else set()
+    for part in (M.MOE_ROUTER, M.MOE_PREPROCESS):
+        if M.MOE in tags and part in graphed:
+            problems.append(f"activation_offload_modules={shown} with cuda_graph_modules="
+                            f"{[str(m) for m in cfg.cuda_graph_modules]}: the offloaded 'moe' block contains the "
+                            f"graphed '{part}', so its group would cross a graph boundary; offload '{part}' or other "
+                            "parts instead, or graph 'moe' whole")
+    return problems
+
+
 class MigratedOptions(NamedTuple):
     """The typed options after the deprecated inputs have been folded in. ``None`` means "not given"."""
 
@@ -300,6 +351,17 @@ class CudaGraphConfig:
         Megatron-FSDP needs both buffer options, because replay needs every unshard buffer at the address it
         had at capture; ``fsdp_db_use_persist_buf_on_alloc_fail`` changes the double buffer and needs it.
 
+    Activation offloading (``fsdp_cudagraph._offload``; eager, or with impl ``local`` / ``transformer_engine``):
+        activation_offload_modules: submodule kinds (``cuda_graph_module`` tags) whose saved activations go to
+            host memory during forward and come back for backward; empty: offloading off.
+        activation_offload_module_patterns: the same by qualified-name glob or class name; exclusive with the tags.
+        activation_offload_fraction (0, 1]: the last ``floor(n * (1 - fraction))`` groups of forward stay on
+            the device. activation_offload_min_bytes (>= 0): smaller copies stay on the device.
+        Rules: not with impl ``full_iteration``; with a per-layer impl it needs ``cuda_graph_warmup_steps >= 1``
+        (the eager step records the groups' sizes), and no offloaded module may contain a graphed callable
+        (``moe`` offloaded while ``moe_router``/``moe_preprocess`` are graphed); patterns are checked when the
+        modules are selected.
+
     Deprecated (migrated by :func:`migrate_deprecated_options`, then reset to ``None``):
         enable_cuda_graph, external_cuda_graph, cuda_graph_scope.
     """
@@ -311,6 +373,10 @@ class CudaGraphConfig:
     cuda_graph_warmup_steps: int = 3
     cuda_graph_num_warmup_iters: int = 3
     cuda_graph_strict_signature: bool = False
+    activation_offload_modules: List[Union[CudaGraphModule, str]] = dataclasses.field(default_factory=list)
+    activation_offload_module_patterns: List[str] = dataclasses.field(default_factory=list)
+    activation_offload_fraction: float = 1.0
+    activation_offload_min_bytes: int = 1 << 20
     use_megatron_fsdp: bool = False
     fsdp_double_buffer: bool = False
     fsdp_db_use_persist_buf_on_alloc_fail: bool = False
@@ -337,6 +403,10 @@ class CudaGraphConfig:
             inference = (InferenceCudaGraphScope.LAYER if self.cuda_graph_impl == CudaGraphImpl.LOCAL
                          else InferenceCudaGraphScope.NONE)
         self.inference_cuda_graph_scope = inference
+        self.activation_offload_modules = _dedupe(_parse_enum(CudaGraphModule, v, "activation_offload_modules entry")
+                                                  for v in _as_list(self.activation_offload_modules,
+                                                                    "activation_offload_modules"))
+        self.activation_offload_module_patterns = _parse_offload_patterns(self.activation_offload_module_patterns)
         self._validate()
         logger.debug("CUDA graph config: %s", self)
 
@@ -390,6 +460,7 @@ class CudaGraphConfig:
                 problems.append(f"use_megatron_fsdp=True with cuda_graph_impl='{impl}' requires address-stable "
                                 f"unshard buffers, but {' and '.join(n + '=False' for n in missing)}; set "
                                 f"{' and '.join(n + '=True' for n in missing)} ({flags}) or use cuda_graph_impl='none'")
+        problems += _offload_problems(self)
         if problems:
             raise ValueError("invalid CUDA graph config:\n  - " + "\n  - ".join(problems))
 
@@ -460,6 +531,14 @@ def add_cuda_graph_args(parser_or_group: Union[argparse.ArgumentParser, Any]) ->
     group.add_argument("--cuda-graph-strict-signature", action="store_true", default=None,
                        help="raise when a graphed callable is called differently than at capture (default: run "
                             "that call eagerly, warn once)")
+    group.add_argument("--activation-offload-modules", nargs="*", type=_argtype(parse_cuda_graph_module), default=None,
+                       help="submodule kinds whose saved activations are offloaded to host memory (default none)")
+    group.add_argument("--activation-offload-module-patterns", nargs="*", default=None,
+                       help="the same by qualified-name glob or class name")
+    group.add_argument("--activation-offload-fraction", type=float, default=None,
+                       help="fraction of offload groups (the first ones of forward) that offload, in (0, 1] (default 1)")
+    group.add_argument("--activation-offload-min-bytes", type=int, default=None,
+                       help="smaller copies stay on the device (default 1 MiB)")
     group.add_argument("--enable-cuda-graph", action="store_true", default=None,
                        help="DEPRECATED: use --cuda-graph-impl local")
     group.add_argument("--external-cuda-graph", action="store_true", default=None,
@@ -470,7 +549,9 @@ def add_cuda_graph_args(parser_or_group: Union[argparse.ArgumentParser, Any]) ->
 
 
 _NEW_FIELDS = ("cuda_graph_impl", "cuda_graph_modules", "cuda_graph_module_patterns", "inference_cuda_graph_scope",
-               "cuda_graph_warmup_steps", "cuda_graph_num_warmup_iters", "cuda_graph_strict_signature")
+               "cuda_graph_warmup_steps", "cuda_graph_num_warmup_iters", "cuda_graph_strict_signature",
+               "activation_offload_modules", "activation_offload_module_patterns", "activation_offload_fraction",
+               "activation_offload_min_bytes")
 _DEPRECATED_FIELDS = ("enable_cuda_graph", "external_cuda_graph", "cuda_graph_scope")
 _FSDP_FIELDS = ("use_megatron_fsdp", "fsdp_double_buffer", "fsdp_db_use_persist_buf_on_alloc_fail")
 
