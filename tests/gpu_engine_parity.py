@@ -19,6 +19,9 @@ Does it train: a run that leaves the parameters where they started (lr=0, or upd
 moved, recorded per case); both tolerances are far below that, and ``trains`` (not_training > 2x the
 max-abs tolerance) is part of ``ok``.
 
+Last, a ``dcp_round_trip`` entry: ZeRO-3 bf16 training with ``clip_grad_norm_``, a torch.distributed.checkpoint
+save, and a load into a fresh model must give equal parameters and Adam state (exactly).
+
 Tolerances, from this script on 2 Gloo ranks on CPU (torch 2.13; ``--device cpu``): fp32 max parameter
 difference 2.4e-7, relative 5.8e-7, losses 2.2e-7 relative; bf16 7.5e-3, relative 4.4e-2, losses 4.0e-3
 absolute; the reference moved 8.1e-2 (fp32) and 8.3e-2 (bf16). FP32_ATOL = 2e-6, FP32_REL_L2 = 1e-5,
@@ -104,6 +107,46 @@ def engine_run(cfg: GPTConfig, dtype: torch.dtype, kwargs: Dict[str, Any], devic
     return dict(losses=losses, final=model.state_dict())
 
 
+def dcp_round_trip(cfg: GPTConfig, device: torch.device, directory: str) -> Dict[str, Any]:
+    """ZeRO-3, bf16, double buffer: train with global-norm clipping, save with DCP, load into a fresh model.
+
+    The loaded parameters (fp32 main shards) and Adam state must equal the saved ones exactly: this checks the
+    ShardedTensor metadata on the device (placements ``rank:N/cuda:I``) and the NCCL paths of clipping.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kwargs = dict(CASES[3][1], compute_dtype=torch.bfloat16)
+    model = fully_shard(build(cfg, device), fsdp_unit_modules=[TransformerBlock], **kwargs)
+    opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-3)
+    norms = []
+    for step in range(3):
+        x, y = synthetic_batch(step, PER_RANK_BATCH * world, cfg, device, seed=1234)
+        lo = rank * PER_RANK_BATCH
+        loss_fn(model(x[lo : lo + PER_RANK_BATCH]), y[lo : lo + PER_RANK_BATCH]).backward()
+        norms.append(model.clip_grad_norm_(0.5).item())
+        opt.step()
+        opt.zero_grad()
+    dcp.save({"model": model.sharded_state_dict(), "optim": model.optimizer_state_dict(opt)}, checkpoint_id=directory)
+    fresh = fully_shard(build(cfg, device), fsdp_unit_modules=[TransformerBlock], **kwargs)
+    fresh_opt = torch.optim.Adam(fresh.optimizer_parameters(), lr=1e-3)
+    msd, osd = fresh.sharded_state_dict(), fresh.optimizer_state_dict(fresh_opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=directory)
+    fresh.load_sharded_state_dict(msd)
+    fresh.load_optimizer_state_dict(fresh_opt, osd)
+    saved, loaded = model.state_dict(), fresh.state_dict()
+    params_equal = saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    optim_equal = all(
+        torch.equal(opt.state[a][k], fresh_opt.state[b][k])
+        for a, b in zip(model.optimizer_parameters(), fresh.optimizer_parameters()) for k in opt.state[a]
+    )
+    flags = torch.tensor([float(params_equal), float(optim_equal)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    ok = bool(flags.min().item() == 1.0) and all(n > 0.5 for n in norms)  # every step clipped
+    return {"ok": ok, "params_equal": bool(flags[0].item()), "optim_equal": bool(flags[1].item()),
+            "grad_norms": norms, "max_rel_loss_diff": 0.0}
+
+
 def max_abs_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
 
@@ -156,6 +199,8 @@ def main() -> int:
                 "not_training": not_training, "trains": trains,
                 "ok": param_diff <= tol and rel_l2 <= rel_tol and loss_ok and trains, "losses": run["losses"],
             }
+    directory = os.path.join(os.path.dirname(os.path.abspath(args.out)), os.path.basename(args.out) + ".dcp")
+    out["dcp_round_trip/optim_grads_params/bfloat16"] = dcp_round_trip(cfg, device, directory)
     failed = [k for k, v in out.items() if not v["ok"]]
     if dist.get_rank() == 0:
         out["reference"] = dict(refs, world_size=world, device=str(device), torch=torch.__version__,
@@ -163,7 +208,10 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
         for k, v in out.items():
-            if k != "reference":
+            if k.startswith("dcp_round_trip"):
+                print(f"{k:36s} params equal {v['params_equal']}, Adam state equal {v['optim_equal']}, grad norms "
+                      f"{', '.join(f'{n:.3f}' for n in v['grad_norms'])} (clipped to 0.5)  {'OK' if v['ok'] else 'FAIL'}")
+            elif k != "reference":
                 print(f"{k:36s} params {v['max_param_diff']:.2e} (tol {v['param_tol']:.1e}), rel "
                       f"{v['rel_l2_param_diff']:.2e} (tol {v['rel_l2_tol']:.2g})  loss "
                       f"{v['max_rel_loss_diff']:.2e} rel / {v['max_abs_loss_diff']:.2e} abs  moved "
