@@ -56,7 +56,8 @@ checkpointing of the same modules.
   the graph maker runs, the groups inside graphed callables get host buffers reserved from their recorded
   sizes; capture takes them by size and they become graph-owned: the captured copies write and read them
   at every replay, and they never go back to the pool while the graphs live. Python that runs such a group
-  after capture (the protocol backend's replay, an eager fallback) uses the same buffers in the same order.
+  after capture (the protocol backend's replay, an eager fallback) copies what the capture copied, into
+  the same buffers in the same order, and keeps anything else on the device.
 - A capture not driven by the graph layer (a user's, a full-iteration graph) raises RuntimeError.
 """
 
@@ -282,16 +283,18 @@ class _Group:
         version = t._version
         copy = self.by_range.get((ptr, version, 0, total)) or self.by_range.get((ptr, version, start, end))
         if copy is None:
-            if end - start < off.min_offload_bytes:
+            host = self._host_buffer(end - start) if end - start >= off.min_offload_bytes else None
+            if host is None:
                 return _Saved(self, t)
             src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, start, (end - start,), (1,))
-            copy = self._copy_out(src, start)
+            copy = self._copy_out(src, start, *host)
             self.by_range[(ptr, version, start, end)] = copy
         saved = _Saved(self, t, copy, (lo - copy.start) // el)
         self.pending.append(saved)
         return saved
 
-    def _host_buffer(self, nbytes: int) -> Tuple[torch.Tensor, bool]:
+    def _host_buffer(self, nbytes: int) -> Optional[Tuple[torch.Tensor, bool]]:
+        """(buffer, graph-owned) for the next copy; None: keep the tensor on the device."""
         rec = self.record
         if self.capture:
             bufs = (rec.reserved or {}).get(nbytes)
@@ -305,16 +308,17 @@ class _Group:
             buf = bufs.popleft()
             rec.captured.setdefault(nbytes, []).append(buf)
             return buf, True
-        owned = (rec.captured or {}).get(nbytes, ())
-        i = self.cursor.get(nbytes, 0)
-        if i < len(owned):  # Python running a captured group again: the graph's buffers, in capture order
+        if rec.captured is not None:  # Python running a captured group again: what the graph copies, where it does
+            owned = rec.captured.get(nbytes, ())
+            i = self.cursor.get(nbytes, 0)
+            if i >= len(owned):
+                return None
             self.cursor[nbytes] = i + 1
             return owned[i], True
         return self.off.pool.acquire((nbytes,), torch.uint8), False
 
-    def _copy_out(self, src: torch.Tensor, start: int) -> _Copy:
+    def _copy_out(self, src: torch.Tensor, start: int, host: torch.Tensor, owned: bool) -> _Copy:
         nbytes = src.numel()
-        host, owned = self._host_buffer(nbytes)
         streams = self.off.streams
         if streams is not None:
             d2h = streams[0]
