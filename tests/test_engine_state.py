@@ -287,3 +287,57 @@ def test_dcp_loads_into_the_plain_model(dcp_checkpoint):
     _assert_same(model_sd, saved["params"])
     _assert_same(plain.state_dict(), saved["params"])  # loaded in place into the module
     _assert_same(optim_sd["state"], saved["optim"])
+
+
+class _ScaledLayer(torch.nn.Module):
+    """A layer with a 0-dim parameter (a learnable temperature): it lives on one rank, whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.temp = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.temp
+
+
+class _ScaledModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_ScaledLayer() for _ in range(2))
+        self.scale = torch.nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x * self.scale
+
+
+def _scalar_dcp_job(rank: int, world: int, directory: str) -> Dict[str, Any]:
+    torch.manual_seed(0)
+    model = shard(_ScaledModel(), fsdp_unit_modules=[_ScaledLayer])
+    opt = adam(model.optimizer_parameters())
+    for step in range(2):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    dcp.save({"model": model.sharded_state_dict(), "optim": model.optimizer_state_dict(opt)}, checkpoint_id=directory)
+    torch.manual_seed(1)
+    fresh = shard(_ScaledModel(), fsdp_unit_modules=[_ScaledLayer])
+    fresh_opt = adam(fresh.optimizer_parameters())
+    _restore(fresh, fresh_opt, directory)
+    return dict(saved=model.state_dict(), loaded=fresh.state_dict(), saved_optim=full_optimizer_state(model, opt),
+                loaded_optim=full_optimizer_state(fresh, fresh_opt))
+
+
+@pytest.mark.gloo
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_dcp_zero_dim_parameters(tmp_path):
+    for run in run_gloo(_scalar_dcp_job, 2, str(tmp_path)):
+        assert {k for k, v in run["saved"].items() if v.dim() == 0} == {"layers.0.temp", "layers.1.temp", "scale"}
+        _assert_same(run["loaded"], run["saved"])
+        _assert_same(run["loaded_optim"], run["saved_optim"])
+    plain = _ScaledModel()
+    target = plain.state_dict()
+    dcp.load({"model": target}, checkpoint_id=str(tmp_path))
+    _assert_same(target, run["saved"])
