@@ -537,7 +537,8 @@ class MegatronFSDP(nn.Module):
         """Parameters for ``torch.distributed.checkpoint``: ShardedTensors with true global offsets.
 
         Keys are the unwrapped model's; values are views of the fp32 main shards ([Note: DCP sharding
-        metadata] in _dcp.py), so ``dcp.load`` into this dict writes the model directly. No communication.
+        metadata] in _dcp.py), so ``dcp.load`` into this dict writes the model directly. No communication,
+        except one broadcast per 0-dim parameter (call it on every rank).
         Save: ``dcp.save({"model": model.sharded_state_dict(), ...})``. Load (any world size or strategy):
         ``sd = model.sharded_state_dict(); dcp.load({"model": sd}); model.load_sharded_state_dict(sd)``.
         """
