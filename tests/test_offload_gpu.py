@@ -1,0 +1,68 @@
+"""GPU: activation offloading, eager and inside partial graphs (TE and torch backends), bit-exact, memory drops.
+
+Runs ``benchmarks/bench_offload.py --quick`` (seq 1024, 2 layers) on one GPU and, where there are two, under
+torchrun, and checks its verdicts: every offload row equal to the same mode without offloading (losses per
+step and final parameters, ``torch.equal``, all ranks), and the peak activation memory lower by a good part
+of what was offloaded. The CPU smoke run of the same script (protocol backend, Gloo) runs everywhere.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "bench_offload.py")
+NO_GPU = "needs a CUDA GPU: CUDA graphs, pinned-memory copies and NCCL only exist there (torch.cuda.is_available() == False)"
+
+
+def _run(tmp_path, nproc: int, *flags: str) -> dict:
+    out = tmp_path / f"offload-{nproc}{'-'.join(f.strip('-') for f in flags)}.json"
+    cmd = [sys.executable, SCRIPT] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", SCRIPT]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run(cmd + list(flags) + ["--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
+    dest = os.environ.get("FSDP_CUDAGRAPH_RESULTS")
+    if dest and out.exists():
+        os.makedirs(dest, exist_ok=True)
+        with open(os.path.join(dest, out.name), "w") as f:
+            f.write(out.read_text())
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def _check(res: dict) -> None:
+    assert res["all_bit_exact"]
+    for model, r in res["results"].items():
+        v = r["verdicts"]
+        assert v["bit_exact_eager"] and v["bit_exact_graphed"], (model, v)
+        assert r["rows"]["eager/offload"]["planned_offload_gib"] > 0
+        # Expected near 1 by accounting (every offloaded storage is dead once its group ends); 0.5 is a design
+        # margin, not yet a measured one: replace it with the first GPU record's ratio and its spread.
+        assert v["eager_saved_over_planned"] >= 0.5, (model, v)
+        assert v["graphed_saved_gib"] > 0, (model, v)  # the graphs' private pools hold less
+        assert r["rows"]["graphed/offload"]["captured_offload_gib"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
+def test_offload_1gpu(tmp_path):
+    _check(_run(tmp_path, 1, "--quick"))
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_offload_2gpu(tmp_path):
+    _check(_run(tmp_path, 2, "--quick"))
+
+
+@pytest.mark.gloo
+def test_bench_offload_cpu_smoke(tmp_path):
+    res = _run(tmp_path, 1, "--cpu-smoke")
+    assert res["all_bit_exact"] and res["world_size"] == 1
+    rows = res["results"]["torch"]["rows"]
+    assert rows["eager/offload"]["planned_offload_gib"] > 0 and rows["graphed/offload"]["captured_offload_gib"] > 0
