@@ -309,7 +309,8 @@ class InferenceCudaGraphs:
     def _call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         leaves, sig = _args.flatten((args, kwargs))
         batch, seq = self._sizes(leaves)
-        strict = self.config.cuda_graph_strict_signature
+        # with collectives in the graph, every rank decides together: a refusal comes after the agreement
+        strict = self.config.cuda_graph_strict_signature and not self._agree
         padded_batch = self.batch_buckets.select_or_fallback(batch, what="InferenceCudaGraphs batch", strict=strict)
         padded_seq = None
         if self.seq_buckets is not None and padded_batch is not None:
@@ -319,6 +320,9 @@ class InferenceCudaGraphs:
                 padded_batch = None
         if self._agree:
             padded_batch, padded_seq = self._agree_across_ranks(leaves, padded_batch, padded_seq)
+            if padded_batch is None and self.config.cuda_graph_strict_signature:
+                raise ValueError(f"[rank {self.rank}] InferenceCudaGraphs: a rank's call exceeds the largest bucket "
+                                 f"(batch buckets {list(self.batch_buckets.sizes)}); refused in strict mode on every rank")
         if padded_batch is None:
             self.counters["eager_calls"] += 1
             return self.model(*args, **kwargs)
