@@ -233,7 +233,9 @@ class _Saved:
     __slots__ = ("group", "copy", "dtype", "size", "stride", "offset", "tensor", "version")
 
     def __init__(self, group: "_Group", tensor: torch.Tensor, copy: Optional[_Copy] = None, offset: int = 0) -> None:
-        self.group, self.copy, self.tensor, self.version = group, copy, tensor, tensor._version
+        # A detached alias (same storage and version counter): holding a saved *output* itself would tie it to
+        # its own grad_fn in a cycle through C++ that no garbage collector breaks (autograd avoids the same).
+        self.group, self.copy, self.tensor, self.version = group, copy, tensor.detach(), tensor._version
         self.dtype, self.size, self.stride, self.offset = tensor.dtype, tensor.size(), tensor.stride(), offset
 
 

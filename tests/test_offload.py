@@ -255,6 +255,10 @@ def test_a_saved_output_stays_on_the_device_and_its_copy_is_dropped():
     assert rec.dropped_bytes == out.numel() * 4 and off.pool.num_in_use == len(rec.nbytes) - 1
     out.sum().backward()
     assert all(torch.equal(a, p.grad) for a, p in zip(grads, net.parameters()))
+    out = net(x)  # a forward whose graph is dropped without backward frees its saved output (no hidden cycle)
+    dead = weakref.ref(out)
+    del out
+    assert dead() is None
 
 
 def test_small_copies_parameters_and_other_devices_stay():
