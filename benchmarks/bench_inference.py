@@ -89,6 +89,8 @@ def eval_section(args: argparse.Namespace, cfg: GPTConfig, device: torch.device)
     data = {k: synthetic_batch(7 + rank, b, cfg, device) for k, b in sizes.items()}
     rows, logits, losses, captures = [], {}, {}, {}
     for scope in SCOPES:
+        torch.cuda.synchronize()
+        mem0 = torch.cuda.memory_allocated()
         graphs = InferenceCudaGraphs(model, _cfg(scope), batch_buckets=buckets)
         for kind, (x, y) in data.items():
             with torch.no_grad():
@@ -101,6 +103,10 @@ def eval_section(args: argparse.Namespace, cfg: GPTConfig, device: torch.device)
         captures[scope] = {"num_graphs": graphs.num_graphs, "capture_s": sum(c.seconds for c in graphs.captures),
                            "graph_memory_bytes": sum(c.graph_memory_bytes for c in graphs.captures)}
         graphs.delete()
+        del out
+        # what delete() did not give back, besides the logits and losses kept for the checks
+        kept = sum(t.numel() * t.element_size() for k, t in list(logits.items()) + list(losses.items()) if k[0] == scope)
+        captures[scope]["allocated_after_delete_bytes"] = torch.cuda.memory_allocated() - mem0 - kept
     with torch.no_grad():
         x = data["padded"][0]
         padded_ref = model(pad_to(x, buckets.select(x.shape[0]), 0))[: x.shape[0]]
