@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsdp_cudagraph._capture as capture_mod
-import fsdp_cudagraph._offload as offload_mod
+import fsdp_cudagraph._offload_copy as copy_mod
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
 from fsdp_cudagraph._offload import ActivationOffloader, HostBufferPool, OffloadState, select_offload_modules
 from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch
@@ -347,12 +347,12 @@ def test_protocol_capture_reserves_buffers_replays_them_and_trains_like_without_
     per_step: Dict[int, List[int]] = {}
     real = off.pool.acquire
 
-    class _LoggedCopy(offload_mod._Copy):
+    class _LoggedCopy(copy_mod._Copy):
         def __init__(self, host: torch.Tensor, *args: Any) -> None:
             super().__init__(host, *args)
             used.append(host.data_ptr())
 
-    monkeypatch.setattr(offload_mod, "_Copy", _LoggedCopy)
+    monkeypatch.setattr(copy_mod, "_Copy", _LoggedCopy)
 
     def spy(shape: Any, dtype: torch.dtype) -> torch.Tensor:
         if off.state is OffloadState.CAPTURE:  # reservations come before; captured groups take those
