@@ -13,6 +13,7 @@ from ._capture_safety import HostSyncError
 from ._full_iteration import FULL_ITERATION_BACKENDS, FullIterationCudaGraph, FullIterationReport
 from ._hooks import extract_hooks, hooks_snapshot, restore_hooks
 from ._inference import INFERENCE_BACKENDS, GraphLimitWarning, InferenceCapture, InferenceCudaGraphs
+from ._offload import ActivationOffloader
 from ._length_buckets import BucketReplayConflictWarning, LengthArg, LengthBucketGraphs, LengthBucketsReport
 from ._streams import use_side_stream
 from ._te import HAS_TE, TE_REASON, TE_VERSION
@@ -34,6 +35,7 @@ __all__ = [
     "InferenceCapture",
     "INFERENCE_BACKENDS",
     "GraphLimitWarning",
+    "ActivationOffloader",
     "LengthBucketGraphs",
     "LengthArg",
     "LengthBucketsReport",
