@@ -17,6 +17,7 @@ Sections (each compares ``inference_cuda_graph_scope`` none / layer / block on t
 Run (1 GPU; 2 GPUs when lent; ``--quick`` is the reduced run of tests/test_inference_gpu.py)::
 
     python benchmarks/bench_inference.py --out benchmarks/results/raw/inference-1gpu.json
+    python benchmarks/bench_inference.py --cpu-smoke      # the logic on CPU (Gloo, protocol backends), no graphs
     torchrun --standalone --nproc-per-node=2 benchmarks/bench_inference.py --out benchmarks/results/raw/inference-2gpu.json
 
 Times come from CUDA events after ``--warmup`` calls, medians over ``--iters`` calls. Rank 0 writes the JSON
@@ -30,6 +31,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from typing import Any, Callable, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,9 +54,16 @@ def _cfg(scope: str, **kw: Any) -> CudaGraphConfig:
                            fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True, **kw)
 
 
-def _time(fn: Callable[[], Any], warmup: int, iters: int) -> List[float]:
+def _time(fn: Callable[[], Any], warmup: int, iters: int, cuda: bool) -> List[float]:
     for _ in range(warmup):
         fn()
+    if not cuda:  # --cpu-smoke: host time (the protocol backend has no graphs to time)
+        out = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
     events = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -88,13 +97,15 @@ def eval_section(args: argparse.Namespace, cfg: GPTConfig, device: torch.device)
         raise ValueError(f"--eval-batch {args.eval_batch} - 3 must fall between two buckets of {args.buckets}")
     data = {k: synthetic_batch(7 + rank, b, cfg, device) for k, b in sizes.items()}
     rows, logits, losses, captures = [], {}, {}, {}
+    cuda = device.type == "cuda"
     for scope in SCOPES:
-        torch.cuda.synchronize()
-        mem0 = torch.cuda.memory_allocated()
+        if cuda:
+            torch.cuda.synchronize()
+        mem0 = torch.cuda.memory_allocated() if cuda else 0
         graphs = InferenceCudaGraphs(model, _cfg(scope), batch_buckets=buckets)
         for kind, (x, y) in data.items():
             with torch.no_grad():
-                ms = _time(lambda: graphs(x), args.warmup, args.iters)
+                ms = _time(lambda: graphs(x), args.warmup, args.iters, cuda)
                 out = graphs(x)
                 losses[(scope, kind)] = loss_fn(out, y)
             logits[(scope, kind)] = out
@@ -106,7 +117,7 @@ def eval_section(args: argparse.Namespace, cfg: GPTConfig, device: torch.device)
         del out
         # what delete() did not give back, besides the logits and losses kept for the checks
         kept = sum(t.numel() * t.element_size() for k, t in list(logits.items()) + list(losses.items()) if k[0] == scope)
-        captures[scope]["allocated_after_delete_bytes"] = torch.cuda.memory_allocated() - mem0 - kept
+        captures[scope]["allocated_after_delete_bytes"] = (torch.cuda.memory_allocated() - mem0 - kept) if cuda else 0
     with torch.no_grad():
         x = data["padded"][0]
         padded_ref = model(pad_to(x, buckets.select(x.shape[0]), 0))[: x.shape[0]]
@@ -129,8 +140,9 @@ def eval_section(args: argparse.Namespace, cfg: GPTConfig, device: torch.device)
 
 
 def decode_section(args: argparse.Namespace, cfg: GPTConfig, device: torch.device) -> Dict[str, Any]:
+    cuda = device.type == "cuda"
     torch.manual_seed(0)
-    gpt = GPT(cfg).to(device=device, dtype=torch.bfloat16).eval()
+    gpt = GPT(cfg).to(device=device, dtype=torch.bfloat16 if cuda else torch.float32).eval()
     max_len = args.prompt + args.new_tokens
     buckets = Buckets(args.buckets)
     prompts = {"exact": _tokens(cfg, args.decode_batch, args.prompt, 5, device),
@@ -140,8 +152,8 @@ def decode_section(args: argparse.Namespace, cfg: GPTConfig, device: torch.devic
         gen = GreedyGenerator(gpt, _cfg(scope), max_batch=max(args.buckets), max_len=max_len, batch_buckets=buckets)
         for kind, p in prompts.items():
             out[(scope, kind)] = gen.generate(p, args.new_tokens, return_logits=True)  # also captures
-            full = _time(lambda: gen.generate(p, args.new_tokens), 1, args.iters)
-            prefill = _time(lambda: gen.generate(p, 1), 1, args.iters)
+            full = _time(lambda: gen.generate(p, args.new_tokens), 1, args.iters, cuda)
+            prefill = _time(lambda: gen.generate(p, 1), 1, args.iters, cuda)
             per_token = (statistics.median(full) - statistics.median(prefill)) / (args.new_tokens - 1)
             rows.append({"scope": scope, "batch": kind, "rows": p.shape[0], "ms_per_token": per_token,
                          "prefill_ms": statistics.median(prefill), "generate_ms": statistics.median(full)})
@@ -184,14 +196,16 @@ def training_section(args: argparse.Namespace, device: torch.device) -> Dict[str
     spec = RunSpec(model=GPTConfig(vocab_size=256, hidden_size=128, num_layers=4, num_heads=4, seq_len=64),
                    micro_batch_size=2, sharding_strategy=args.strategy, compute_dtype=torch.bfloat16,
                    backend="torch", capture_step=3)
+    cuda = device.type == "cuda"
     runs = {}
     for scope in (None, "none", "layer", "block"):
-        default = torch.cuda.default_stream(device)  # each run starts on the default stream, as a user process would
-        default.wait_stream(torch.cuda.current_stream(device))
-        torch.cuda.set_stream(default)
+        if cuda:  # each run starts on the default stream, as a user process would
+            default = torch.cuda.default_stream(device)
+            default.wait_stream(torch.cuda.current_stream(device))
+            torch.cuda.set_stream(default)
         model = build_model(spec, device)
         opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-3)
-        graphs = PartialCudaGraphs(model, graph_config(spec), backend="torch")
+        graphs = PartialCudaGraphs(model, graph_config(spec), backend="torch" if cuda else "protocol")
         inference = None if scope is None else InferenceCudaGraphs(model, _cfg(scope), batch_buckets=Buckets([2, 4]))
         losses, evals = [], []
         for step in range(args.train_steps):
@@ -254,20 +268,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--train-steps", type=int, default=10)
     p.add_argument("--sections", nargs="+", default=["eval", "decode", "training"], choices=["eval", "decode", "training"])
     p.add_argument("--quick", action="store_true", help="a small model and few iterations (the GPU test)")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="a tiny run on CPU (Gloo, protocol backends, host timers): the script's logic, no graphs")
     p.add_argument("--out", default=None, help="JSON result path (rank 0 writes)")
     args = p.parse_args(argv)
-    if args.quick:
+    if args.quick or args.cpu_smoke:
         args.hidden, args.layers, args.heads, args.seq, args.vocab = 256, 2, 4, 128, 512
         args.prompt, args.new_tokens, args.warmup, args.iters, args.train_steps = 16, 8, 2, 5, 8
-    if not torch.cuda.is_available():
-        print("bench_inference needs a CUDA GPU (it times CUDA graphs); nothing to run here.")
+    if args.cpu_smoke:
+        args.hidden, args.seq, args.vocab, args.iters = 32, 32, 64, 2
+    if not torch.cuda.is_available() and not args.cpu_smoke:
+        print("bench_inference needs a CUDA GPU (it times CUDA graphs; --cpu-smoke runs its logic on CPU); "
+              "nothing to run here.")
         return 0
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29514"))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    device = torch.device("cuda", local)
+    if args.cpu_smoke:
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        device = torch.device("cuda", local)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                     seq_len=args.seq)

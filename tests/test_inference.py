@@ -11,11 +11,17 @@ What it shows on the reference GPT (unwrapped; the engine runs in tests/test_inf
 - the config rules: ``layer`` is the default with ``cuda_graph_impl='local'``; refusals name their inputs;
 - greedy generation with the static KV cache: tokens equal to a decode without cache, for every scope, with
   padding and with the eager fallback;
-- refusals: gradients on, training mode, outputs without the batch, a moved parameter, after ``delete()``.
+- refusals: gradients on, training mode, outputs without the batch, a moved parameter, after ``delete()``;
+- the benchmark's logic, run on CPU (``bench_inference.py --cpu-smoke``).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -341,3 +347,19 @@ def test_generation_refusals():
     with pytest.raises(RuntimeError, match="after delete"):
         gen.generate(_tokens(2, 5), 2)
 
+
+def test_benchmark_cpu_smoke(tmp_path):
+    """The benchmark's logic (sections, checks, JSON) on CPU: Gloo, protocol backends, a tiny model."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "inference-smoke.json"
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_inference.py"), "--cpu-smoke", "--out",
+                           str(out)], cwd=root, env=dict(os.environ, PYTHONPATH=root, MASTER_PORT=str(port)),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    checks = [c for s in ("eval", "decode", "training") for c in res[s]["checks"]]
+    assert res["all_ok"] and sum(c["ok"] is True for c in checks) == 13 and not any(c["ok"] is False for c in checks)
+    assert res["config"]["cpu_smoke"] and res["world_size"] == 1
