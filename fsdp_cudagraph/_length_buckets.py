@@ -399,6 +399,7 @@ class LengthBucketGraphs:
                 for h in cap._checks:  # one address check per callable suffices (installed below)
                     h.remove()
                 self._check_outputs(cap, bucket)
+                self._check_addresses(self._captures[0], cap)
                 reserved = (torch.cuda.memory_reserved() - reserved0) if torch.cuda.is_available() else 0
                 reports.append(BucketCaptureReport(bucket, rep.capture_seconds, rep.graph_memory_bytes, reserved, rep))
                 logger.info("fsdp_cudagraph: bucket %d captured in %.3f s (graph memory %d B, pool growth %d B)",
@@ -408,15 +409,13 @@ class LengthBucketGraphs:
             raise
         first = self._captures[0]
         for c in first._order:
-            for other in self._captures[1:]:
-                oc = next(x for x in other._order if x.name == c.name)
-                assert oc.param_ptrs == c.param_ptrs and oc.grad_ptr == c.grad_ptr, "parameters moved between buckets"
             self._checks.append(c.module.register_forward_pre_hook(first._address_check(c)))
             d = _LengthDispatcher(self, c.name, c.module, specs[c.name], order.index(c.name), pool_key[c.name],
                                   {cap.bucket: cap.dispatchers[c.name] for cap in self._captures},
                                   first.wrappers[c.name].eager_forward)
             self._dispatchers[c.name] = d
             c.module.forward = d
+        self._calls = {}  # each bucket's sample args live on in its graphs (torch's static inputs); drop the templates
         self.captured = True
         self.report = LengthBucketsReport(self.backend, order, reports, len(pools), time.perf_counter() - t0)
         return self.report
@@ -437,6 +436,14 @@ class LengthBucketGraphs:
                         f"length-bucketed callable {name} returned `{path}` of shape {tuple(node[1])} for bucket "
                         f"{bucket}; every output must vary in length along output_dim={self.output_dim} (it is cut "
                         "back to the call's length). Graph a callable whose outputs are per token, or set output_dim")
+
+    def _check_addresses(self, first: _BucketCapture, cap: _BucketCapture) -> None:
+        """One address check serves every bucket: the parameters must sit where they sat for the first bucket."""
+        for c, oc in zip(first._order, cap._order):
+            if oc.param_ptrs != c.param_ptrs or oc.grad_ptr != c.grad_ptr:
+                raise RuntimeError(f"fsdp_cudagraph: the parameters (or gradient buffer) of {c.name} moved between the "
+                                   f"captures of buckets {first.bucket} and {cap.bucket}; length buckets need "
+                                   "address-stable parameters (fsdp_double_buffer and fsdp_db_use_persist_buf_on_alloc_fail)")
 
     def _pool_keys(self, order: List[str]) -> Dict[str, str]:
         """Callable -> its pool: one for all with TE; with torch one per capture call (consecutive callables of
@@ -507,7 +514,7 @@ class LengthBucketGraphs:
             h.remove()
         self._checks, self._recorders = [], []
         self._undo()
-        self._dispatchers, self._pending = {}, {}
+        self._dispatchers, self._pending, self._calls = {}, {}, {}
         self.captured = False
 
     def _undo(self) -> None:
