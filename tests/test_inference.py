@@ -3,8 +3,9 @@
 What it shows on the reference GPT (unwrapped; the engine runs in tests/test_inference_dist.py):
 
 - bucket choice: the smallest bucket that holds the batch, one graph set per bucket, padded static inputs;
-- padding and unpadding: outputs come back with the real rows, bit-equal to eager; what the padded rows hold
-  never reaches the real rows; sequence buckets for a causal model (checked against the positional
+- padding and unpadding: outputs come back with the real rows, bit-equal to eager on the padded call (and within
+  a measured tolerance of the unpadded one: kernels picked for other row counts may round differently); what
+  the padded rows hold never reaches the real rows; sequence buckets for a causal model (checked against the positional
   embedding) and the precision note they carry;
 - the fallback: beyond the largest bucket (one warning per size, or a ValueError in strict mode) and beyond
   ``max_graph_sets``;
