@@ -471,3 +471,20 @@ def test_delete_restores_the_forward_and_refuses_while_graphs_hold_it():
     assert mlp.forward is not own
     off.delete()
     assert mlp.__dict__["forward"] is own
+
+
+def test_command_line_flags_reach_the_config():
+    import argparse
+
+    from fsdp_cudagraph import add_cuda_graph_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_cuda_graph_args(parser)
+    args = parser.parse_args(["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "mlp",
+                              "--activation-offload-modules", "mlp", "--activation-offload-fraction", "0.75",
+                              "--activation-offload-min-bytes", "4096"])
+    cfg = config_from_args(args)
+    assert cfg.activation_offload_modules == ["mlp"] and cfg.activation_offload_fraction == 0.75
+    assert cfg.activation_offload_min_bytes == 4096 and cfg.activation_offload_module_patterns == []
+    default = config_from_args(parser.parse_args([]))
+    assert default.activation_offload_modules == [] and default.activation_offload_fraction == 1.0
