@@ -246,6 +246,75 @@ def test_delete_restores_eager_modules():
     assert torch.equal(enc(patches, cu), ref(patches, cu))  # eager, unpadded again
 
 
+# ---------------------------------------------------------------------------------------------- memory pools
+
+
+def _stub_graph_makers(monkeypatch):
+    """torch's and TE's graph makers at their signatures, without graphs: record each call's callables, sample
+    shapes and pool, run the callables eagerly (what the wrappers need to learn their outputs)."""
+    import fsdp_cudagraph._capture as capture_mod
+
+    calls = []
+    handles = iter(range(1000))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", next(handles)))
+    monkeypatch.setattr(CudaGraphConfig, "check_runtime", lambda self: None)
+
+    def torch_maker(callables, sample_args, num_warmup_iters=3, allow_unused_input=False, pool=None):
+        calls.append(([c.callable_name for c in callables], [a[0].shape[0] for a in sample_args], pool))
+        for c, a in zip(callables, sample_args):
+            c(*a)
+        return callables
+
+    class StubTE:
+        @staticmethod
+        def make_graphed_callables(modules, sample_args, *, num_warmup_iters=3, allow_unused_input=False,
+                                   sample_kwargs=None, clone_param_grads_on_return=True, capture_time_hooks=None,
+                                   pool=None):
+            return torch_maker(modules, sample_args, pool=pool)
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", torch_maker)
+    monkeypatch.setattr(capture_mod, "require_te", lambda what: StubTE)
+    return calls
+
+
+@pytest.mark.parametrize("backend", ["torch", "te"])
+def test_buckets_share_pools_largest_first(monkeypatch, backend):
+    calls = _stub_graph_makers(monkeypatch)
+    enc, _ = _encoders()
+    graphs = LengthBucketGraphs(enc, _config(), buckets=(8, 16, 32), length_args=LENGTH_ARGS, backend=backend)
+    patches, cu, _ = synthetic_images(20, 0, 0, CFG, CPU)
+    enc(patches, cu).sum().backward()
+    report = graphs.capture()
+    assert [r.bucket for r in report.buckets] == [32, 16, 8]
+    if backend == "torch":  # one call per callable (no FSDP units here), each callable's pool shared by its buckets
+        assert [(c[0], c[1]) for c in calls] == [([f"blocks.{i}"], [b]) for b in (32, 16, 8) for i in (0, 1)]
+        pools = {name[0]: {c[2] for c in calls if c[0] == name} for name, _, _ in calls}
+        assert pools == {"blocks.0": {("pool", 0)}, "blocks.1": {("pool", 1)}} and report.num_pools == 2
+    else:  # TE captures every callable of a bucket in one call, one pool for all
+        assert [(c[0], c[1]) for c in calls] == [(["blocks.0", "blocks.1"], [b, b]) for b in (32, 16, 8)]
+        assert {c[2] for c in calls} == {("pool", 0)} and report.num_pools == 1
+    graphs.delete()
+
+
+def test_torch_pools_follow_the_capture_calls_of_fsdp_units():
+    # torch captures consecutive callables of one FSDP unit in one make_graphed_callables call: they share a
+    # pool; the next unit gets its own (a pool across calls would be unsafe, see [Note: length buckets]).
+    enc, _ = _encoders()
+    graphs = LengthBucketGraphs(enc, _config(), buckets=(8,), length_args={"x": 0}, backend="protocol")
+    units = {"blocks.0.ln1": "u0", "blocks.0.qkv": "u0", "blocks.1.ln1": "u1", "head": None, "ln_f": None}
+
+    class Engine:
+        def unit_of(self, module):
+            return units[next(n for n, m in enc.named_modules() if m is module)]
+
+    graphs.engine, graphs._modules = Engine(), {n: enc.get_submodule(n) for n in units}
+    assert graphs._pool_keys(list(units)) == {"blocks.0.ln1": "blocks.0.ln1", "blocks.0.qkv": "blocks.0.ln1",
+                                              "blocks.1.ln1": "blocks.1.ln1", "head": "head", "ln_f": "ln_f"}
+    graphs.backend = "te"
+    assert set(graphs._pool_keys(list(units)).values()) == {"all"}
+    graphs.delete()
+
+
 # ---------------------------------------------------------------------------------------------- attention
 
 
