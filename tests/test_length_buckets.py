@@ -246,6 +246,51 @@ def test_delete_restores_eager_modules():
     assert torch.equal(enc(patches, cu), ref(patches, cu))  # eager, unpadded again
 
 
+class _FakeCuda:
+    """Enough of torch.cuda for ``_streams``: a legacy default stream, side streams, the current one."""
+
+    class Stream:
+        def __init__(self, index: int = 0) -> None:
+            self.waited = []
+
+        def wait_stream(self, other) -> None:
+            self.waited.append(other)
+
+    def __init__(self) -> None:
+        self.legacy = self.current = self.Stream()
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return 0
+
+    def current_stream(self, index: int = 0):
+        return self.current
+
+    def default_stream(self, index: int = 0):
+        return self.legacy
+
+    def set_stream(self, stream) -> None:
+        self.current = stream
+
+
+@pytest.mark.parametrize("backend", ["torch", "protocol"])
+def test_building_moves_the_thread_off_the_legacy_default_stream(monkeypatch, backend):
+    import fsdp_cudagraph._streams as streams_mod
+
+    fake = _FakeCuda()
+    monkeypatch.setattr(streams_mod, "_cuda", fake)
+    monkeypatch.setattr(streams_mod, "_side_streams", {})
+    enc, _ = _encoders()
+    graphs = LengthBucketGraphs(enc, _config(), buckets=(8,), length_args={"x": 0}, backend=backend)
+    if backend == "torch":  # before the eager steps that precede capture, as PartialCudaGraphs does
+        assert fake.current is not fake.legacy and fake.current.waited == [fake.legacy]
+    else:  # the protocol backend captures nothing
+        assert fake.current is fake.legacy
+    graphs.delete()
+
+
 # ---------------------------------------------------------------------------------------------- memory pools
 
 
