@@ -40,6 +40,7 @@ import fnmatch
 import functools
 import logging
 import math
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -171,6 +172,8 @@ class ActivationOffloader:
         self._by_key: Dict[Tuple[str, int], GroupRecord] = {}
         self.planned = False
         self._counts: Dict[str, int] = {}
+        #: The previous eager group of this forward (backward prefetches it; see _Group.prev).
+        self._last_eager: Optional[weakref.ref] = None
         self._warned: set = set()
         self._handles = [model.register_forward_pre_hook(self._begin_iteration)]
         self._installed: List[Tuple[nn.Module, bool, Any, Any]] = []
@@ -204,6 +207,7 @@ class ActivationOffloader:
         if not self.planned and self.records:
             self._make_plan()
         self._counts.clear()
+        self._last_eager = None
         self.pool.reset()
 
     def _make_plan(self) -> None:
@@ -262,6 +266,8 @@ class ActivationOffloader:
         group = self._enter(name, module)
         if group is None:
             return forward(*args, **kwargs)
+        if not group.capture:
+            group.prev, self._last_eager = self._last_eager, weakref.ref(group)
         try:
             with torch.autograd.graph.saved_tensors_hooks(group.pack, _unpack):
                 out = forward(*args, **kwargs)

@@ -21,7 +21,11 @@ have moved this thread to a side stream), then copies; the source stays referenc
 where the current stream waits for the copy stream and the references go. There is no ``record_stream``,
 and it is the same code in a capture: the wait forks the copy stream into the capture and the group end
 joins it back. Unpack: the group's first unpack brings all its copies back: destinations are allocated on
-the current stream, the host-to-device stream waits for it, copies, and the current stream waits for it.
+the current stream, the host-to-device stream waits for it, copies and records an event, and the current
+stream waits for the event. Outside captures it also starts the reload of the eager group that ran before it
+in forward (the one backward needs next, if it ran on the same stream): one group of prefetch, so the copy
+overlaps this group's backward, for one more group's memory. Inside a capture nothing is prefetched (a fork
+must be joined within the same capture).
 
 Host pool (:class:`HostBufferPool`). Buffers keyed by (shape, dtype) -- here ``((nbytes,), uint8)`` --
 pinned when the device is CUDA, reset every iteration so that the same buffers come back in the same
@@ -218,6 +222,15 @@ class _Group:
         self.cursor: Dict[int, int] = {}
         self.forked = False
         self.reloaded = False
+        #: The eager group that ran before this one in forward (a weak reference): its reload starts when
+        #: this group's does, so that it overlaps this group's backward. None inside captures.
+        self.prev: Optional[Any] = None
+        #: Set while a started reload may still be in flight (CUDA): the first unpack waits for it.
+        self.ready: Optional[Any] = None
+        self.unpacked = False
+        #: The stream forward ran on (CUDA): a prefetch allocates on the current stream, so only a group of
+        #: the same stream is prefetched (its buffers are then freed on the stream that uses them).
+        self.stream = torch.cuda.current_stream(off.device) if off.streams is not None else None
 
     # -------------------------------------------------------------- forward
     def pack(self, t: torch.Tensor) -> _Saved:
@@ -326,13 +339,21 @@ class _Group:
                     f"{s.tensor._version}; expected version {s.version} instead"
                 )
             return s.tensor
-        if not self.reloaded:
-            self._reload()
+        if not self.unpacked:
+            self.unpacked = True
+            if not self.reloaded:
+                self._start_reload()
+            prev = self.prev() if self.prev is not None else None
+            if prev is not None and not prev.reloaded and prev.stream == self.stream:
+                prev._start_reload()  # prefetch: the group backward needs next overlaps this one's backward
+        if self.ready is not None:
+            torch.cuda.current_stream(self.off.device).wait_event(self.ready)
+            self.ready = None
         buf = s.copy.device_buf
         return torch.empty(0, dtype=s.dtype, device=buf.device).set_(buf.untyped_storage(), s.offset, s.size, s.stride)
 
-    def _reload(self) -> None:
-        """The group's first unpack brings all its copies back (on the copy stream, joined before use)."""
+    def _start_reload(self) -> None:
+        """Bring all the group's copies back on the copy stream; its first unpack waits for them (``ready``)."""
         self.reloaded = True
         dev = self.off.device
         bufs = [torch.empty(c.nbytes, dtype=torch.uint8, device=dev) for c in self.copies]
@@ -343,7 +364,8 @@ class _Group:
             with torch.cuda.stream(h2d):
                 for b, c in zip(bufs, self.copies):
                     b.copy_(c.host, non_blocking=True)
-            current.wait_stream(h2d)
+                self.ready = torch.cuda.Event()
+                self.ready.record(h2d)
         else:
             for b, c in zip(bufs, self.copies):
                 b.copy_(c.host)

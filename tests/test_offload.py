@@ -488,3 +488,30 @@ def test_command_line_flags_reach_the_config():
     assert cfg.activation_offload_min_bytes == 4096 and cfg.activation_offload_module_patterns == []
     default = config_from_args(parser.parse_args([]))
     assert default.activation_offload_modules == [] and default.activation_offload_fraction == 1.0
+
+
+def test_backward_prefetches_the_group_it_needs_next(monkeypatch):
+    model = _gpt()
+    off = ActivationOffloader(model, modules=["attn", "mlp"], min_offload_bytes=0)
+    _train(model, 1)  # the recorded iteration
+    log: List[tuple] = []
+    real_reload, real_unpack = copy_mod._Group._start_reload, copy_mod._Group.unpack
+
+    def reload(self: Any) -> None:
+        log.append(("reload", self.record.name))
+        real_reload(self)
+
+    def unpack(self: Any, s: Any) -> torch.Tensor:
+        if not self.unpacked:
+            log.append(("unpack", self.record.name))
+        return real_unpack(self, s)
+
+    monkeypatch.setattr(copy_mod._Group, "_start_reload", reload)
+    monkeypatch.setattr(copy_mod._Group, "unpack", unpack)
+    x, y = synthetic_batch(1, 4, model.cfg, CPU)
+    loss_fn(model(x), y).backward()
+    backward_order = [f"layers.{i}.{k}" for i in reversed(range(4)) for k in ("mlp", "attn")]
+    assert [n for e, n in log if e == "reload"] == backward_order  # each group reloaded once, in backward order
+    for name in backward_order[1:]:  # ... and, but for the first, before its own first unpack
+        assert log.index(("reload", name)) < log.index(("unpack", name))
+    assert off.pool.num_in_use == 0
