@@ -18,6 +18,7 @@ eager packed (a measured tolerance), per-image attention against separate images
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_fsdp import MegatronFSDP, fully_shard
 
@@ -55,12 +57,19 @@ class VisionConfig:
     ffn_hidden_size: Optional[int] = None
     max_patches_per_image: int = 256
     num_classes: int = 10
+    #: ``None``: torch picks the SDPA kernel (memory-efficient attention with a mask on GPUs). ``"math"``: the
+    #: math kernel, whose backward is deterministic; the memory-efficient backward splits keys and adds with
+    #: atomics unless ``torch.use_deterministic_algorithms(True)`` without ``warn_only`` (which would make
+    #: other ops raise), so bitwise comparisons on a GPU use ``"math"``.
+    sdpa_backend: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")
+        if self.sdpa_backend not in (None, "math"):
+            raise ValueError(f"sdpa_backend={self.sdpa_backend!r} is not None (torch's choice) or 'math'")
 
 
 class VisionBlock(nn.Module):
@@ -70,6 +79,7 @@ class VisionBlock(nn.Module):
         super().__init__()
         h = cfg.hidden_size
         self.num_heads = cfg.num_heads
+        self.math_attention = cfg.sdpa_backend == "math"
         self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
         self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
         self.fc1, self.fc2 = nn.Linear(h, cfg.ffn_hidden_size), nn.Linear(cfg.ffn_hidden_size, h)
@@ -78,7 +88,8 @@ class VisionBlock(nn.Module):
         t, h = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(t, 3, self.num_heads, h // self.num_heads).permute(1, 2, 0, 3).unsqueeze(1)
         mask = block_diagonal_mask(segment_ids)  # built inside the graph from a 1-D input
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])  # [1, heads, T, d]
+        with sdpa_kernel(SDPBackend.MATH) if self.math_attention else contextlib.nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])  # [1, heads, T, d]
         x = x + self.proj(y[0].transpose(0, 1).reshape(t, h))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
@@ -431,8 +442,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             dist.init_process_group("gloo")
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:  # the GPU shape: ViT-like patches (14 x 14 x 3), 4 layers, head dim 64, buckets 256 .. 2048
-        cfg = VisionConfig(patch_dim=588, hidden_size=256, num_layers=4, num_heads=4, max_patches_per_image=1024)
+    if cuda:  # the GPU shape: ViT-like patches (14 x 14 x 3), 4 layers, head dim 64, buckets 256 .. 2048;
+        # the math SDPA kernel: its backward is deterministic (see VisionConfig.sdpa_backend)
+        cfg = VisionConfig(patch_dim=588, hidden_size=256, num_layers=4, num_heads=4, max_patches_per_image=1024,
+                           sdpa_backend="math")
         buckets, lengths, dtype = (256, 512, 1024, 2048), (300, 1000, 700, 2048, 1500, 450, 2500, 200), torch.bfloat16
     else:
         cfg, buckets, lengths, dtype = VisionConfig(), (32, 64, 128), (40, 100, 20, 64, 128, 90, 150, 33), None
