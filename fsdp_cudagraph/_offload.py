@@ -175,6 +175,10 @@ class ActivationOffloader:
         #: The previous eager group of this forward (backward prefetches it; see _Group.prev).
         self._last_eager: Optional[weakref.ref] = None
         self._warned: set = set()
+        taken = [n for n, m in self.selected if hasattr(m.__dict__.get("forward"), "_activation_offloader")]
+        if taken:
+            raise ValueError(f"modules {taken} are already offloaded by another ActivationOffloader (e.g. one that "
+                             "PartialCudaGraphs built from the config); delete() it first, or use only one")
         self._handles = [model.register_forward_pre_hook(self._begin_iteration)]
         self._installed: List[Tuple[nn.Module, bool, Any, Any]] = []
         for name, module in self.selected:
@@ -198,6 +202,7 @@ class ActivationOffloader:
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self._run(name, module, original, args, kwargs)
 
+        forward._activation_offloader = self  # type: ignore[attr-defined]
         module.forward = forward
         self._installed.append((module, had, previous, forward))
 

@@ -36,7 +36,8 @@ saved tensor modified in place inside its group raises at the group's end (its c
 write), one kept on the device is checked at unpack. A tensor modified in place after its group ended was
 copied before the write, so backward gets the value autograd saved. Keep only detached losses across
 iterations: a live autograd graph keeps its host buffers and the pool grows. Not combined with activation
-checkpointing of the same modules.
+checkpointing of the same modules. ``copy.deepcopy`` of a model with an offloader attached copies the
+instance ``forward``, which still runs the original module: ``delete()`` the offloader first.
 """
 
 from __future__ import annotations

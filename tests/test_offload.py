@@ -515,3 +515,13 @@ def test_backward_prefetches_the_group_it_needs_next(monkeypatch):
     for name in backward_order[1:]:  # ... and, but for the first, before its own first unpack
         assert log.index(("reload", name)) < log.index(("unpack", name))
     assert off.pool.num_in_use == 0
+
+
+def test_a_second_offloader_on_the_same_modules_is_refused():
+    model = _gpt()
+    first = ActivationOffloader(model, modules=["mlp"])
+    with pytest.raises(ValueError, match="already offloaded"):
+        PartialCudaGraphs(model, CudaGraphConfig(cuda_graph_impl="local", cuda_graph_modules=["mlp"],
+                                                 activation_offload_modules=["mlp"]), backend="protocol")
+    first.delete()
+    ActivationOffloader(model, module_patterns=["layers.*.mlp"]).delete()
