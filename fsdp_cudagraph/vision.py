@@ -5,14 +5,21 @@ each rank's sample is several images of different sizes whose patches are concat
 (``patches`` [T, patch_dim], batch 1) with ``cu_seqlens`` [N + 1] marking the images. Every image attends
 to itself only: the encoder turns ``cu_seqlens`` into per-token segment ids, and each :class:`VisionBlock`
 masks its attention by them (``block_diagonal_mask``). The blocks are the FSDP units and the graphed
-callables of :class:`~fsdp_cudagraph.LengthBucketGraphs`; ``pad_to`` makes the encoder pad the hidden states
-once to a bucket length before its blocks and cut them back after (as Megatron-Bridge PR 2334 does), so
-every block replays its bucket's graph without a copy; without it each block's call is padded by the graph
-layer.
+callables of :class:`~fsdp_cudagraph.LengthBucketGraphs`; ``pad_to_length`` makes the encoder pad the hidden
+states once to a bucket length before its blocks and cut them back after (as Megatron-Bridge PR 2334 does),
+so every block replays its bucket's graph without a copy; without it each block's call is padded by the
+graph layer.
 
 :func:`run_vision` is the training loop (eager packed, eager padded to the bucket, or graphed) and
-``python -m fsdp_cudagraph.vision`` the GPU record: graphed against eager padded (``torch.equal``), against
-eager packed (a measured tolerance), per-image attention against separate images, and zero gradients on padding.
+``python -m fsdp_cudagraph.vision`` the record: graphed against eager padded (``torch.equal``), against
+eager packed (a measured tolerance), per-image attention against separate images, and zero gradients on
+padding. Run (1 GPU, 2 GPUs, or on CPU with Gloo and the protocol backend)::
+
+    python -m fsdp_cudagraph.vision --out length-buckets-1gpu.json
+    torchrun --nproc-per-node 2 -m fsdp_cudagraph.vision --out length-buckets-2gpu.json
+    python -m fsdp_cudagraph.vision --device cpu
+
+Exit status 1 when a check fails.
 """
 
 from __future__ import annotations
