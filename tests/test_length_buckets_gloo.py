@@ -90,3 +90,20 @@ def test_ranks_replayed_several_buckets_and_overflowed(records):
         assert 0 < r["padding_overhead"] < 1
     # each rank ran its own lengths: in step 2 rank 0 had 20 patches (bucket 32), rank 1 had 64 (bucket 64)
     assert records[0]["stats"] != records[1]["stats"]
+
+
+def test_the_record_command_runs_on_cpu(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "record.json"
+    env = dict(os.environ, PYTHONPATH=root, MASTER_PORT=str(29600 + os.getpid() % 300))
+    proc = subprocess.run([sys.executable, "-m", "fsdp_cudagraph.vision", "--device", "cpu", "--out", str(out)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["all_ok"] and res["backend"] == "protocol" and res["world_size"] == 1
+    assert "ALL OK" in proc.stdout and res["command"].endswith(f"--out {out}")
