@@ -223,13 +223,13 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--skip", type=int, default=6, help="steps left out of the median (capture is at --capture-step)")
     p.add_argument("--capture-step", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="seq 1024, 2 layers, 8 steps: the GPU test")
+    p.add_argument("--quick", action="store_true", help="seq 1024, 4 layers, 8 steps: the GPU test")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny model on CPU/Gloo with the protocol backend: checks the script and bit-exactness, no timings")
     p.add_argument("--out", default="benchmarks/results/offload.json")
     args = p.parse_args()
     if args.quick:
-        args.seq, args.layers, args.steps, args.skip = 1024, 2, 8, 5
+        args.seq, args.layers, args.steps, args.skip = 1024, 4, 8, 5
     if args.cpu_smoke:
         args.models, args.hidden, args.heads, args.layers, args.seq, args.vocab = ["torch"], 64, 4, 2, 32, 128
         args.steps, args.skip, args.capture_step = 5, 3, 2

@@ -1,6 +1,6 @@
 """GPU: activation offloading, eager and inside partial graphs (TE and torch backends), bit-exact, memory drops.
 
-Runs ``benchmarks/bench_offload.py --quick`` (seq 1024, 2 layers) on one GPU and, where there are two, under
+Runs ``benchmarks/bench_offload.py --quick`` (seq 1024, 4 layers) on one GPU and, where there are two, under
 torchrun, and checks its verdicts: every offload row equal to the same mode without offloading (losses per
 step and final parameters, ``torch.equal``, all ranks), and the peak activation memory lower by a good part
 of what was offloaded. The CPU smoke run of the same script (protocol backend, Gloo) runs everywhere.
@@ -40,8 +40,9 @@ def _check(res: dict) -> None:
         v = r["verdicts"]
         assert v["bit_exact_eager"] and v["bit_exact_graphed"], (model, v)
         assert r["rows"]["eager/offload"]["planned_offload_gib"] > 0
-        # Expected near 1 by accounting (every offloaded storage is dead once its group ends); 0.5 is a design
-        # margin, not yet a measured one: replace it with the first GPU record's ratio and its spread.
+        # By accounting about 1 - 2/8: of the 8 groups (4 layers x attn, mlp) one reloaded and one prefetched
+        # group are resident at the backward peak, beside gradients. 0.5 is that estimate's margin, not a
+        # measured one yet: replace it with the first GPU record's ratio and its spread.
         assert v["eager_saved_over_offloaded"] >= 0.5, (model, v)
         assert v["graphed_saved_gib"] > 0, (model, v)  # the graphs' private pools hold less
         assert r["rows"]["graphed/offload"]["captured_offload_gib"] > 0
