@@ -27,6 +27,7 @@ the steps after ``--skip``, and the offload/plain ratio. Exit status 1 when a bi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -42,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, match_graph_attention  # noqa: E402
 from fsdp_cudagraph._offload import ActivationOffloader  # noqa: E402
@@ -223,6 +225,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--skip", type=int, default=6, help="steps left out of the median (capture is at --capture-step)")
     p.add_argument("--capture-step", type=int, default=3)
+    p.add_argument("--sdpa", choices=["flash", "math", "any"], default="flash",
+                   help="torch SDPA kernel of the torch model: flash (deterministic backward under deterministic "
+                        "mode; the default), math (deterministic, s^2 memory), any (torch's choice)")
     p.add_argument("--quick", action="store_true", help="seq 1024, 4 layers, 8 steps: the GPU test")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny model on CPU/Gloo with the protocol backend: checks the script and bit-exactness, no timings")
@@ -232,7 +237,7 @@ def main() -> int:
         args.seq, args.layers, args.steps, args.skip = 1024, 4, 8, 5
     if args.cpu_smoke:
         args.models, args.hidden, args.heads, args.layers, args.seq, args.vocab = ["torch"], 64, 4, 2, 32, 128
-        args.steps, args.skip, args.capture_step = 5, 3, 2
+        args.steps, args.skip, args.capture_step, args.sdpa = 5, 3, 2, "any"
         return _main(args, torch.device("cpu"), min_bytes=0)
     if "te" in args.models and not HAS_TE:
         sys.exit("bench_offload: --models te needs TransformerEngine; drop 'te'")
@@ -251,7 +256,9 @@ def _main(args: argparse.Namespace, device: torch.device, min_bytes: Optional[in
     args.min_bytes = min_bytes
     use_deterministic_kernels()
     t0 = time.time()
-    results = {m: run_model(args, m == "te", device) for m in args.models}
+    kernels = {"flash": [SDPBackend.FLASH_ATTENTION], "math": [SDPBackend.MATH]}.get(args.sdpa)
+    with sdpa_kernel(kernels) if kernels else contextlib.nullcontext():  # held through eager steps and captures
+        results = {m: run_model(args, m == "te", device) for m in args.models}
     ok = all(r["verdicts"]["bit_exact_eager"] and r["verdicts"]["bit_exact_graphed"] for r in results.values())
     if dist.get_rank() == 0:
         print(table(results))
