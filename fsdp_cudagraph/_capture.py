@@ -208,6 +208,10 @@ class PartialCudaGraphs:
     def _recorder(self, c: _Callable):
         def record(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
             # Never raises mid-step: arguments a graph cannot bind are refused by capture() (check_recorded).
+            # Calls without gradients (evaluation under no_grad) are not training calls: a graph captured from
+            # one would never replay in training.
+            if not torch.is_grad_enabled():
+                return
             if c not in self._order:
                 self._order.append(c)
             c.sample_args, c.signature = _args.record_call(args, kwargs)

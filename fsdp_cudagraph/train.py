@@ -26,16 +26,23 @@ from .model import GPT, GPTConfig, loss_fn, synthetic_batch
 __all__ = ["RunSpec", "RunResult", "build_model", "graph_config", "run_training", "use_deterministic_kernels"]
 
 
-def use_deterministic_kernels() -> None:
+def use_deterministic_kernels(*, sdpa_math: bool = True) -> None:
     """Deterministic algorithms for runs that are compared bit for bit (graphs or not, both must use them).
 
-    PyTorch's flash SDPA backward accumulates dQ with atomics past one key block unless deterministic mode is
-    on (two eager runs at seq 512 differed on an H100); TE's equivalent is NVTE_ALLOW_NONDETERMINISTIC_ALGO=0,
-    and cuBLAS wants CUBLAS_WORKSPACE_CONFIG, both set before CUDA/TE start. New allocations are not filled
-    with NaN (a cost, not a need here).
+    TE's attention needs NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and cuBLAS wants CUBLAS_WORKSPACE_CONFIG, both set
+    before TE modules are built / CUDA starts. PyTorch's fused SDPA kernels (flash, memory-efficient) accumulate
+    their backward with atomics past one key block: two eager runs at seq 512 differed on an H100, also with
+    ``use_deterministic_algorithms(True, warn_only=True)`` (their deterministic path needs ``warn_only=False``,
+    which turns every other op without a deterministic kernel into an error). So with ``sdpa_math`` SDPA runs
+    its math kernel. New allocations are not filled with NaN (a cost, not a need here).
     """
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
+    if sdpa_math and torch.cuda.is_available():
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_math_sdp(True)
 
 
 @dataclasses.dataclass

@@ -279,12 +279,9 @@ def test_evaluation_during_training_leaves_training_untouched(ranks, scope):
             assert all(torch.equal(a, b) for a, b in zip(run["evals"], r["training"]["none"]["evals"]))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "PartialCudaGraphs records sample args from every call of a callable, evaluation calls under no_grad included "
-    "(eager or graphed alike): evaluating between the warmup steps and capture() makes it capture the evaluation's "
-    "call (inputs without requires_grad), so training steps never replay (eager fallback, still bit-exact). Fix in "
-    "fsdp_cudagraph/_capture.py: the recorder should skip calls with gradients disabled"))
 def test_evaluation_before_training_capture_leaves_training_graphs_replaying(ranks):
+    # PartialCudaGraphs records sample args only from calls with gradients enabled, so an evaluation between
+    # the warmup steps and capture() does not become the captured call.
     for r in ranks:
         base, run = r["training"][None], r["before_capture"]
         assert all(torch.equal(a, b) for a, b in zip(base["losses"], run["losses"]))  # bit-exact either way
