@@ -51,14 +51,16 @@ def _check(res: dict) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
 def test_offload_1gpu(tmp_path):
-    _check(_run(tmp_path, 1, "--quick"))
+    # SDPA's math kernel: flash attention's backward is not deterministic, so with it even two runs without
+    # offloading differ (seen on an H100: the torch rows failed bit-exactness with --sdpa flash, passed with math).
+    _check(_run(tmp_path, 1, "--quick", "--sdpa", "math"))
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_offload_2gpu(tmp_path):
-    _check(_run(tmp_path, 2, "--quick"))
+    _check(_run(tmp_path, 2, "--quick", "--sdpa", "math"))
 
 
 @pytest.mark.gloo
