@@ -6,18 +6,14 @@ parameters, evaluation outputs) and every control caught. Skipped without CUDA; 
 inside the script without TE (the JSON lists them under ``skipped``).
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.gpu_utils import NO_GPU, launcher, run_json
+
 from fsdp_cudagraph._te import HAS_TE
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NO_GPU = "needs a CUDA GPU: CUDA graphs and NCCL only exist there (this machine has torch.cuda.is_available() == False)"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)]
 STRATEGIES = 4
 CONTROLS = {".item() in the step", "host sync only under capture", "CPU tensor in the step",
@@ -25,22 +21,7 @@ CONTROLS = {".item() in the step", "host sync only under capture", "CPU tensor i
 
 
 def _run(tmp_path, nproc: int) -> dict:
-    out = tmp_path / f"fi-align-{nproc}gpu.json"
-    env = dict(os.environ, PYTHONPATH=ROOT, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1")
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "fsdp_cudagraph.full_iteration_align"]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
-               "fsdp_cudagraph.full_iteration_align"]
-    proc = subprocess.run(cmd + ["--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
-    dest = os.environ.get("FSDP_CUDAGRAPH_RESULTS")  # keep the JSON for the GPU record
-    if dest and out.exists():
-        os.makedirs(dest, exist_ok=True)
-        with open(os.path.join(dest, out.name), "w") as f:
-            f.write(out.read_text())
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return run_json(launcher(nproc, ["-m", "fsdp_cudagraph.full_iteration_align"]), tmp_path / f"fi-align-{nproc}gpu.json")
 
 
 def _check(res: dict, world: int) -> None:

@@ -7,18 +7,15 @@ checker EQUAL on passing models and naming the callable on the perturbed and Pyt
 Skipped without CUDA or transformers (the TE rows skip inside the script without TE).
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.gpu_utils import NO_GPU, ROOT, launcher, run_json
+
 from fsdp_cudagraph.hf_models import HAS_TRANSFORMERS, TRANSFORMERS_REASON
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NO_GPU = "needs a CUDA GPU: CUDA graphs and NCCL only exist there (this machine has torch.cuda.is_available() == False)"
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU),
@@ -29,22 +26,8 @@ QUICK = ["--steps", "8", "--skip", "4", "--hidden", "128", "--ffn", "344", "--la
 
 
 def _run(tmp_path, nproc: int) -> dict:
-    out = tmp_path / f"hf-{nproc}gpu.json"
     script = os.path.join(ROOT, "benchmarks", "hf_models.py")
-    if nproc == 1:
-        cmd = [sys.executable, script]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script]
-    env = dict(os.environ, PYTHONPATH=ROOT, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1")
-    proc = subprocess.run(cmd + QUICK + ["--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
-    dest = os.environ.get("FSDP_CUDAGRAPH_RESULTS")
-    if dest and out.exists():
-        os.makedirs(dest, exist_ok=True)
-        with open(os.path.join(dest, out.name), "w") as f:
-            f.write(out.read_text())
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return run_json(launcher(nproc, [script]) + QUICK, tmp_path / f"hf-{nproc}gpu.json")
 
 
 def _check(res: dict) -> None:

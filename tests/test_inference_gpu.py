@@ -6,34 +6,19 @@ against eager on the padded batch; greedy decode tokens and logits against eager
 PartialCudaGraphs and interleaved graphed evaluation against training without evaluation. Skipped without CUDA.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NO_GPU = "needs a CUDA GPU: CUDA graphs and NCCL only exist there (this machine has torch.cuda.is_available() == False)"
+from tests.gpu_utils import NO_GPU, ROOT, launcher, run_json
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)]
 
 
 def _bench(tmp_path, nproc: int) -> dict:
-    out = tmp_path / f"inference-{nproc}gpu.json"
     script = os.path.join(ROOT, "benchmarks", "bench_inference.py")
-    cmd = [sys.executable, script] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script]
-    env = dict(os.environ, PYTHONPATH=ROOT, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1")
-    proc = subprocess.run(cmd + ["--quick", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
-    dest = os.environ.get("FSDP_CUDAGRAPH_RESULTS")
-    if dest and out.exists():
-        os.makedirs(dest, exist_ok=True)
-        with open(os.path.join(dest, out.name), "w") as f:
-            f.write(out.read_text())
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_json(launcher(nproc, [script]) + ["--quick"], tmp_path / f"inference-{nproc}gpu.json", tail=4000)
 
 
 def _assert_verdicts(res: dict) -> None:

@@ -6,32 +6,20 @@ step and final parameters, ``torch.equal``, all ranks), and the peak activation 
 of what was offloaded. The CPU smoke run of the same script (protocol backend, Gloo) runs everywhere.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.gpu_utils import ROOT, launcher, run_json
+
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_offload.py")
 NO_GPU = "needs a CUDA GPU: CUDA graphs, pinned-memory copies and NCCL only exist there (torch.cuda.is_available() == False)"
 
 
 def _run(tmp_path, nproc: int, *flags: str) -> dict:
     out = tmp_path / f"offload-{nproc}{'-'.join(f.strip('-') for f in flags)}.json"
-    cmd = [sys.executable, SCRIPT] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", SCRIPT]
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run(cmd + list(flags) + ["--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
-    dest = os.environ.get("FSDP_CUDAGRAPH_RESULTS")
-    if dest and out.exists():
-        os.makedirs(dest, exist_ok=True)
-        with open(os.path.join(dest, out.name), "w") as f:
-            f.write(out.read_text())
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return run_json(launcher(nproc, [SCRIPT]) + list(flags), out)
 
 
 def _check(res: dict) -> None:
