@@ -7,45 +7,20 @@ and check their verdicts. Skipped without CUDA (and the TE rows of the matrix wi
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from fsdp_cudagraph._te import HAS_TE, TE_REASON
 from fsdp_cudagraph.align import matrix
+from tests.gpu_utils import NO_GPU, ROOT, gpu_env, keep, launcher, run_json
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NO_GPU = "needs a CUDA GPU: CUDA graphs and NCCL only exist there (this machine has torch.cuda.is_available() == False)"
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
 
 
-def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=ROOT, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1")
-    return env
-
-
 def _align(tmp_path, nproc: int, backends: list) -> dict:
-    out = tmp_path / f"align-{nproc}.json"
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "fsdp_cudagraph.align"]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "fsdp_cudagraph.align"]
-    cmd += ["--backends", *backends, "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
-    _keep(out, f"align-{nproc}gpu-{'-'.join(backends)}.json")
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
-
-
-def _keep(path, name: str) -> None:
-    """Copy a result file to $FSDP_CUDAGRAPH_RESULTS (when set) so a GPU run can be recorded."""
-    dest = os.environ.get("FSDP_CUDAGRAPH_RESULTS")
-    if dest and os.path.exists(path):
-        os.makedirs(dest, exist_ok=True)
-        with open(path) as src, open(os.path.join(dest, name), "w") as dst:
-            dst.write(src.read())
+    return run_json(launcher(nproc, ["-m", "fsdp_cudagraph.align"]) + ["--backends", *backends],
+                    tmp_path / f"align-{nproc}.json", name=f"align-{nproc}gpu-{'-'.join(backends)}.json", tail=4000)
 
 
 @pytest.mark.gpu
@@ -72,15 +47,9 @@ def test_alignment_2gpu(tmp_path):
 
 
 def _readme_loop(tmp_path, nproc: int, impl: str, extra: list) -> dict:
-    out = tmp_path / f"readme-{impl}-{nproc}.json"
     script = os.path.join(ROOT, "examples", "readme_loop.py")
-    cmd = [sys.executable, script] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script]
-    proc = subprocess.run(cmd + ["--impl", impl, "--out", str(out), *extra], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True)
-    _keep(out, f"readme-loop-{impl}-{nproc}gpu{'-'.join([''] + extra).replace(' ', '')}.json")
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_json(launcher(nproc, [script]) + ["--impl", impl, *extra], tmp_path / f"readme-{impl}-{nproc}.json",
+                    name=f"readme-loop-{impl}-{nproc}gpu{'-'.join([''] + extra)}.json", tail=4000)
 
 
 @pytest.mark.gpu
@@ -110,10 +79,9 @@ def test_readme_loop_default_stream_2gpu(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
 def test_engine_parity_nccl_2gpu(tmp_path):
     out = tmp_path / "parity.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(ROOT, "tests", "gpu_engine_parity.py"), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
-    _keep(out, "engine-parity-2gpu.json")
+    cmd = launcher(2, [os.path.join(ROOT, "tests", "gpu_engine_parity.py"), str(out)])
+    proc = subprocess.run(cmd, cwd=ROOT, env=gpu_env(), capture_output=True, text=True)
+    keep(str(out), "engine-parity-2gpu.json")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
     bad = {k: v["max_rel_loss_diff"] for k, v in res.items() if k != "reference" and not v["ok"]}
