@@ -34,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 from fsdp_cudagraph._te import HAS_TE, TE_REASON, require_te  # noqa: E402
 from fsdp_cudagraph.align import versions  # noqa: E402
 from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
-from fsdp_cudagraph.train import RunSpec, run_training, use_deterministic_kernels  # noqa: E402
+from fsdp_cudagraph.train import RunSpec, init_distributed, run_training, use_deterministic_kernels  # noqa: E402
 
 SUITES = {
     "launch": dict(cfg=dict(vocab_size=1024, hidden_size=1024, num_layers=8, num_heads=16, seq_len=512), mbs=2),
@@ -88,12 +88,7 @@ def main() -> int:
         print(f"bench_replay_work needs a CUDA GPU and TE ({TE_REASON or 'no GPU'}); nothing to run here.")
         return 0
     use_deterministic_kernels()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29519")
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    device = torch.device("cuda", local)
+    device = init_distributed(default_port=29519)
     out: Dict[str, Any] = {"command": " ".join(sys.argv), "versions": versions(), "world_size": dist.get_world_size(),
                            "steps": args.steps, "skip": args.skip, "suites": {}}
     for suite in args.suite:

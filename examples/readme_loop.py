@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, match_graph_attention
-from fsdp_cudagraph.train import use_deterministic_kernels
+from fsdp_cudagraph.train import init_distributed, use_deterministic_kernels
 from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch
 from megatron_fsdp import fully_shard
 
@@ -82,11 +82,7 @@ def main() -> int:
         print("examples/readme_loop.py needs a CUDA GPU (CUDA graphs); nothing to run here.")
         return 0
     use_deterministic_kernels()  # torch's flash SDPA backward is not deterministic past one key block otherwise
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    init_distributed(default_port=29517)
     start_stream = torch.cuda.current_stream() == torch.cuda.default_stream()
     eager = run(args, graphed=False)
     # A fresh user process would start the graphed run on the default stream too.

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ._te import HAS_TE, TE_REASON, TE_VERSION
 from .model import GPTConfig
-from .train import RunSpec, run_training, use_deterministic_kernels
+from .train import RunSpec, init_distributed, run_training, use_deterministic_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -305,13 +305,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("fsdp_cudagraph.align needs a CUDA GPU (graphs are captured on CUDA); nothing to run here.")
         return 0
     use_deterministic_kernels()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    device = torch.device("cuda", local)
+    device = init_distributed(default_port=29512)
     rank, world = dist.get_rank(), dist.get_world_size()
     backends = [b for b in args.backends if b != "te" or HAS_TE]
     skipped = [] if len(backends) == len(args.backends) else [f"te: {TE_REASON}"]

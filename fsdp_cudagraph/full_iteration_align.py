@@ -50,7 +50,7 @@ from ._te import HAS_TE, TE_REASON
 from .align import versions
 from .config import CudaGraphConfig
 from .model import GPT, GPTConfig, loss_fn, synthetic_batch
-from .train import use_deterministic_kernels
+from .train import init_distributed, use_deterministic_kernels
 
 __all__ = ["FullRunSpec", "FullRunResult", "run_full", "main"]
 
@@ -346,14 +346,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               "tests/test_full_iteration.py. Nothing to run here.")
         return 0
     use_deterministic_kernels()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=os.environ.get("MASTER_PORT", "29514"))
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    device = torch.device("cuda", local)
+    device = init_distributed(default_port=29514)
     rank, world = dist.get_rank(), dist.get_world_size()
     models = ["torch"] if args.quick else [m for m in args.models if m != "te" or HAS_TE]
     skipped = [f"te: {TE_REASON}"] if "te" in args.models and not HAS_TE and not args.quick else []

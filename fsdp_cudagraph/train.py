@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -23,7 +24,30 @@ from ._capture import CaptureReport, PartialCudaGraphs, match_graph_attention, s
 from .config import CudaGraphConfig
 from .model import GPT, GPTConfig, loss_fn, synthetic_batch
 
-__all__ = ["RunSpec", "RunResult", "build_model", "graph_config", "run_training", "use_deterministic_kernels"]
+__all__ = ["RunSpec", "RunResult", "build_model", "graph_config", "run_training", "use_deterministic_kernels",
+           "init_distributed"]
+
+
+def init_distributed(*, default_port: int = 29512) -> torch.device:
+    """Join the default process group (NCCL on this rank's GPU, Gloo without one) and return the device.
+
+    Under torchrun the environment says who is who; a plain ``python`` run becomes a one-rank group on
+    ``MASTER_PORT`` (default ``default_port``). An already initialised group is kept.
+    """
+    cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=os.environ.get("MASTER_PORT", str(default_port)))
+        if cuda:
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    return device
 
 
 def use_deterministic_kernels(*, sdpa_math: bool = True) -> None:
