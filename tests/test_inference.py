@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import warnings
 
@@ -33,6 +32,7 @@ from fsdp_cudagraph import CudaGraphConfig, GraphLimitWarning, InferenceCudaGrap
 from fsdp_cudagraph._buckets import BucketOverflowWarning, Buckets
 from fsdp_cudagraph.generate import GreedyGenerator, greedy_reference
 from fsdp_cudagraph.model import GPT, GPTConfig
+from tests.gpu_utils import run_entry
 
 VOCAB, SEQ = 64, 16
 BUCKETS = [2, 4]
@@ -356,9 +356,8 @@ def test_benchmark_cpu_smoke(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "inference-smoke.json"
-    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_inference.py"), "--cpu-smoke", "--out",
-                           str(out)], cwd=root, env=dict(os.environ, PYTHONPATH=root, MASTER_PORT=str(port)),
-                          capture_output=True, text=True, timeout=600)
+    proc = run_entry([sys.executable, os.path.join(root, "benchmarks", "bench_inference.py"), "--cpu-smoke", "--out",
+                      str(out)], env=dict(os.environ, PYTHONPATH=root, MASTER_PORT=str(port)), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     checks = [c for s in ("eval", "decode", "training") for c in res[s]["checks"]]

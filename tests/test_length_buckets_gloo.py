@@ -23,6 +23,7 @@ import torch
 
 from fsdp_cudagraph import vision
 from tests.dist_utils import run_gloo
+from tests.gpu_utils import run_entry
 
 pytestmark = pytest.mark.gloo
 
@@ -95,14 +96,13 @@ def test_ranks_replayed_several_buckets_and_overflowed(records):
 def test_the_record_command_runs_on_cpu(tmp_path):
     import json
     import os
-    import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "record.json"
     env = dict(os.environ, PYTHONPATH=root, MASTER_PORT=str(29600 + os.getpid() % 300))
-    proc = subprocess.run([sys.executable, "-m", "fsdp_cudagraph.vision", "--device", "cpu", "--out", str(out)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_entry([sys.executable, "-m", "fsdp_cudagraph.vision", "--device", "cpu", "--out", str(out)],
+                     env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["all_ok"] and res["backend"] == "protocol" and res["world_size"] == 1
