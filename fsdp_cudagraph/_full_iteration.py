@@ -162,6 +162,8 @@ class FullIterationCudaGraph:
         generators: extra CUDA generators the step draws from (the default generator is always handled).
         attention_backend: TE attention policy, as for :class:`PartialCudaGraphs` (``match_graph``: the eager
             steps use the backend TE picks under capture; ``warn``; ``error``).
+        host_sync_check: run the last warmup step under :class:`CaptureSafetyCheck` (host syncs named before
+            capture). ``False`` leaves that step unobserved (the capture's own sync-debug check still runs).
 
     Streams: on CUDA, building it moves this thread off the legacy default stream (see ``_streams.py``): build
     it before the first training step. Every call then runs on the thread's current stream, the capture too.
@@ -183,7 +185,9 @@ class FullIterationCudaGraph:
         backend: Optional[str] = None,
         generators: Sequence[torch.Generator] = (),
         attention_backend: str = "match_graph",
+        host_sync_check: bool = True,
     ) -> None:
+        self.host_sync_check = host_sync_check
         if not isinstance(model, MegatronFSDP):
             raise TypeError(f"FullIterationCudaGraph needs a megatron_fsdp.MegatronFSDP model (from fully_shard), got "
                             f"{type(model).__name__}; wrap the model with megatron_fsdp.fully_shard first")
@@ -349,7 +353,7 @@ class FullIterationCudaGraph:
                 slot.eager_steps += 1
                 # the step right before capture runs under the host-sync check: caches are warm by then, so
                 # what it refuses would happen at capture too
-                return self._eager(slot, micro_batches, check=slot.warmup_left == 0)
+                return self._eager(slot, micro_batches, check=self.host_sync_check and slot.warmup_left == 0)
             self._capture(slot, leaves, sig)
         elif sig != slot.signature:
             return self._fallback(slot, micro_batches, sig)

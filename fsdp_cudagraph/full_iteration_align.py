@@ -90,6 +90,8 @@ class FullRunSpec:
     strict: bool = False
     #: clip the main gradients to this global norm before each optimizer step (model.clip_grad_norm_)
     max_norm: Optional[float] = None
+    #: full_iteration runs: the last warmup step runs under the host-sync check (FullIterationCudaGraph's default)
+    host_sync_check: bool = True
     #: forward_step(model, x, y) -> loss; default the reference loss divided by grad_accum
     forward_step: Optional[Callable[..., torch.Tensor]] = None
     double_buffer: bool = True
@@ -165,7 +167,8 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
     if spec.mode == "full_iteration":
         config = CudaGraphConfig(cuda_graph_impl="full_iteration", cuda_graph_warmup_steps=spec.capture_step,
                                  cuda_graph_strict_signature=spec.strict)
-        graph = FullIterationCudaGraph(model, forward_step, config, graph_optimizer=spec.graph_optimizer)
+        graph = FullIterationCudaGraph(model, forward_step, config, graph_optimizer=spec.graph_optimizer,
+                                       host_sync_check=spec.host_sync_check)
     elif spec.mode == "partial":
         config = CudaGraphConfig(cuda_graph_impl="transformer_engine" if spec.partial_backend == "te" else "local",
                                  cuda_graph_modules=[], cuda_graph_warmup_steps=spec.capture_step,
@@ -339,6 +342,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--capture-step", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="torch model, strategies no_shard and optim_grads_params")
     p.add_argument("--no-controls", action="store_true")
+    p.add_argument("--no-host-sync-check", action="store_true",
+                   help="graphed runs skip the host-sync check on their last warmup step (a diagnosis aid)")
+    p.add_argument("--only", nargs="*", default=None, metavar="MODEL:STRATEGY[:ACCUM]",
+                   help="run only these rows, e.g. te:no_shard:1 (a diagnosis aid)")
     p.add_argument("--out", default=None, help="JSON result path (rank 0 writes)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -379,6 +386,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         if rank == 0:
             print(f"eager repeat {m:5s} {first.sharding_strategy:18s} "
                   f"{'EQUAL' if cmp['equal'] else 'MISMATCH at step ' + str(cmp['first_mismatch_step'])}", flush=True)
+    if args.only is not None:
+        wanted = [tuple(w.split(":")) for w in args.only]
+
+        def _match(sp: FullRunSpec) -> bool:
+            key = ("te" if sp.model.use_te else "torch", sp.sharding_strategy, str(sp.grad_accum))
+            return any(key[:len(w)] == w for w in wanted)
+
+        specs = [sp for sp in specs if _match(sp)]
+    if args.no_host_sync_check:
+        specs = [dataclasses.replace(sp, host_sync_check=False) for sp in specs]
     rows = []
     t0 = time.time()
     for i, spec in enumerate(specs):
