@@ -200,12 +200,14 @@ class FullIterationCudaGraph:
         if backend is None:
             backend = "cuda" if model.device.type == "cuda" else "protocol"
         if backend not in FULL_ITERATION_BACKENDS:
-            raise ValueError(f"backend={backend!r} is not one of {FULL_ITERATION_BACKENDS}")
+            raise ValueError(f"backend={backend!r} is not one of {FULL_ITERATION_BACKENDS}; pass 'cuda' for real graphs, "
+                             "'protocol' for the CPU schedule, or None to choose by the model's device")
         if backend == "cuda" and model.device.type != "cuda":
             raise ValueError(f"backend='cuda' needs a model on a CUDA device, this one is on {model.device}; "
                              "use backend='protocol' on CPU")
         if attention_backend not in ATTENTION_POLICIES:
-            raise ValueError(f"attention_backend={attention_backend!r} is not one of {ATTENTION_POLICIES}")
+            raise ValueError(f"attention_backend={attention_backend!r} is not one of {ATTENTION_POLICIES}; 'match_graph' "
+                             "runs the eager steps with the attention backend the graph will use")
         if generators and backend == "cuda" and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
             raise NotImplementedError(f"generators= needs CUDAGraph.register_generator_state, missing in torch "
                                       f"{torch.__version__}")

@@ -180,7 +180,8 @@ class InferenceCudaGraphs:
         if backend is None:
             backend = "cuda" if self.device.type == "cuda" else "protocol"
         if backend not in INFERENCE_BACKENDS:
-            raise ValueError(f"backend={backend!r} is not one of {INFERENCE_BACKENDS}")
+            raise ValueError(f"backend={backend!r} is not one of {INFERENCE_BACKENDS}; pass 'cuda' for real graphs, "
+                             "'protocol' for the CPU schedule, or None to choose by the model's device")
         if backend == "cuda" and self.device.type != "cuda":
             raise ValueError(f"backend='cuda' needs a model on a CUDA device, this one is on {self.device}; use "
                              "backend='protocol' on CPU")
