@@ -49,8 +49,8 @@ from ._full_iteration import FullIterationCudaGraph, FullIterationReport
 from ._te import HAS_TE, TE_REASON
 from .align import versions
 from .config import CudaGraphConfig
-from .model import GPT, GPTConfig, loss_fn, synthetic_batch
-from .train import init_distributed, use_deterministic_kernels
+from .model import GPT, GPTConfig, loss_fn
+from .train import init_distributed, rank_batches, use_deterministic_kernels
 
 __all__ = ["FullRunSpec", "FullRunResult", "run_full", "main"]
 
@@ -111,15 +111,14 @@ class FullRunResult:
     counters: Dict[str, int]
 
 
-def _batches(spec: FullRunSpec, device: torch.device, rank: int, world: int) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
+def _batches(spec: FullRunSpec, device: torch.device) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
     """Every step's micro-batches, on the device before the loop (no host work inside timed steps)."""
-    per = spec.micro_batch_size
+    data = rank_batches(spec.model, steps=spec.steps, grad_accum=spec.grad_accum,
+                        micro_batch_size=spec.micro_batch_size, device=device, seed=spec.seed)
     out = []
-    for step in range(spec.steps):
+    for step, micro in enumerate(data):
         mbs = []
-        for mb in range(spec.grad_accum):
-            x, y = synthetic_batch(step * spec.grad_accum + mb, per * world, spec.model, device, seed=spec.seed)
-            x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        for x, y in micro:
             if step in spec.short_steps:
                 x, y = x[:, : spec.model.seq_len // 2], y[:, : spec.model.seq_len // 2]
             if spec.perturb_step == step and spec.mode != "eager":
@@ -158,7 +157,7 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
         return loss_fn(m(x), y) / grad_accum
 
     forward_step = spec.forward_step or default_step
-    batches = _batches(spec, device, rank, world)
+    batches = _batches(spec, device)
     eval_batch = _batches(dataclasses.replace(spec, steps=1, seed=spec.seed + 1, short_steps=(), perturb_step=None),
                           device, rank, world)[0]
     graph: Optional[FullIterationCudaGraph] = None

@@ -25,7 +25,7 @@ from .config import CudaGraphConfig
 from .model import GPT, GPTConfig, loss_fn, synthetic_batch
 
 __all__ = ["RunSpec", "RunResult", "build_model", "graph_config", "run_training", "use_deterministic_kernels",
-           "init_distributed"]
+           "init_distributed", "rank_batches"]
 
 
 def init_distributed(*, default_port: int = 29512) -> torch.device:
@@ -133,6 +133,27 @@ def build_model(spec: RunSpec, device: torch.device) -> MegatronFSDP:
     )
 
 
+def rank_batches(model: GPTConfig, *, steps: int, grad_accum: int, micro_batch_size: int, device: torch.device,
+                 seed: int) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
+    """This rank's (tokens, targets) for every micro-batch of every step, all on ``device`` before the loop.
+
+    Each step's global batch is the same on every rank; a rank takes its slice. On the device up front, as a
+    prefetching data loader would have it: a copy from pageable host memory inside a step synchronises the
+    host with the GPU (two cudaStreamSynchronize per step in the profile of bench_replay_work at 266aaf4),
+    which serialises launch-bound steps.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lo, hi = rank * micro_batch_size, (rank + 1) * micro_batch_size
+    out = []
+    for step in range(steps):
+        micro = []
+        for mb in range(grad_accum):
+            x, y = synthetic_batch(step * grad_accum + mb, micro_batch_size * world, model, device, seed=seed)
+            micro.append((x[lo:hi], y[lo:hi]))
+        out.append(micro)
+    return out
+
+
 def graph_config(spec: RunSpec, scope: Optional[Sequence[str]] = None) -> CudaGraphConfig:
     """The CudaGraphConfig of a graphed run: its scope (default ``spec.cuda_graph_modules``) and backend."""
     return CudaGraphConfig(
@@ -150,7 +171,6 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
 
     ``profile_from``: run torch.profiler (CPU and CUDA) from that step to the end and return its table.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
     cuda = device.type == "cuda"
     if cuda:
         # Every run starts as a fresh user process would: on the default stream (an earlier graphed run in this
@@ -177,16 +197,8 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
     events: List[Any] = []
     report = None
     per_rank = spec.micro_batch_size
-    # Every batch on the device before the loop, as a prefetching data loader would have it: a copy from
-    # pageable host memory inside the step synchronises the host with the GPU (two cudaStreamSynchronize per
-    # step in the profile of bench_replay_work at 266aaf4), which serialises launch-bound steps.
-    data = []
-    for step in range(spec.steps):
-        micro = []
-        for mb in range(spec.grad_accum):
-            x, y = synthetic_batch(step * spec.grad_accum + mb, per_rank * world, spec.model, device, seed=spec.seed)
-            micro.append((x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]))
-        data.append(micro)
+    data = rank_batches(spec.model, steps=spec.steps, grad_accum=spec.grad_accum, micro_batch_size=per_rank,
+                        device=device, seed=spec.seed)
     ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
     with ctx:
         for step in range(spec.steps):
