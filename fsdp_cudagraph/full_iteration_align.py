@@ -97,6 +97,10 @@ class FullRunSpec:
     double_buffer: bool = True
     #: wrap every layer in checkpoint_wrapper(preserve_rng_state=False): forwards recomputed inside backward
     activation_checkpointing: bool = False
+    #: keep a copy of every main gradient (before clipping) of the first this-many steps. Adam's first update
+    #: is lr * sign(grad) whatever the gradient's rounding, so a loss first differs one step after the
+    #: gradient that caused it; the copies name that step (``first_grad_mismatch_step``)
+    record_grad_steps: int = 0
 
 
 @dataclasses.dataclass
@@ -109,6 +113,7 @@ class FullRunResult:
     final_state: Dict[str, torch.Tensor]
     reports: Dict[str, FullIterationReport]
     counters: Dict[str, int]
+    grads: List[List[torch.Tensor]] = dataclasses.field(default_factory=list)  # see FullRunSpec.record_grad_steps
 
 
 def _batches(spec: FullRunSpec, device: torch.device) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
@@ -159,7 +164,7 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
     forward_step = spec.forward_step or default_step
     batches = _batches(spec, device)
     eval_batch = _batches(dataclasses.replace(spec, steps=1, seed=spec.seed + 1, short_steps=(), perturb_step=None),
-                          device, rank, world)[0]
+                          device)[0]
     graph: Optional[FullIterationCudaGraph] = None
     partial: Optional[PartialCudaGraphs] = None
     matcher: Optional[AttentionBackendMatcher] = None
@@ -181,6 +186,12 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
     norms: List[torch.Tensor] = []
     events: List[Any] = []
     host_ms: List[float] = []
+    grads: List[List[torch.Tensor]] = []
+
+    def record_grads() -> None:
+        if step < spec.record_grad_steps:
+            grads.append([torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                          for p in model.optimizer_parameters()])
     for step in range(spec.steps):
         if partial is not None and step == spec.capture_step:
             partial.capture()
@@ -199,6 +210,7 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
                     evals.append(tuple(forward_step(model, x, y) for x, y in eval_batch))
         if live:
             losses.append(graph.step(batches[step]))
+            record_grads()
             norm = graph.optimizer_step(opt, max_norm=spec.max_norm)
             if norm is not None:
                 norms.append(norm)
@@ -209,6 +221,7 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
                 loss.backward()
                 per.append(loss.detach().reshape(()))
             losses.append(torch.stack(per))
+            record_grads()
             if spec.max_norm is not None:
                 norms.append(model.clip_grad_norm_(spec.max_norm))
             opt.step()
@@ -230,7 +243,7 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
         partial.delete()
     if matcher is not None:
         matcher.uninstall()
-    return FullRunResult(losses, evals, norms, ms, peak, state, reports, counters)
+    return FullRunResult(losses, evals, norms, ms, peak, state, reports, counters, grads)
 
 
 # ---------------------------------------------------------------------------------------------- alignment
@@ -247,13 +260,16 @@ def compare(eager: FullRunResult, graphed: FullRunResult, device: torch.device) 
     eval_eq = len(eager.evals) == len(graphed.evals) and all(
         all(torch.equal(a, b) for a, b in zip(ea, ga)) for ea, ga in zip(eager.evals, graphed.evals))
     norm_eq = len(eager.norms) == len(graphed.norms) and all(torch.equal(a, b) for a, b in zip(eager.norms, graphed.norms))
-    ok = _everywhere(all(loss_eq) and param_eq and eval_eq and norm_eq, device)
+    grad_eq = [len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(eager.grads, graphed.grads)]
+    ok = _everywhere(all(loss_eq) and param_eq and eval_eq and norm_eq and all(grad_eq), device)
     med = lambda ms: sorted(ms[5:])[len(ms[5:]) // 2] if len(ms) > 5 else None  # noqa: E731
     train = graphed.reports.get("train")
     return {
         "equal": ok, "losses_equal_per_step": loss_eq[:-1], "params_equal": param_eq, "evals_equal": eval_eq,
         "norms_equal": norm_eq, "norms": [float(n) for n in eager.norms],
         "first_mismatch_step": next((i for i, e in enumerate(loss_eq[:-1]) if not e), None),
+        "grads_equal_per_step": grad_eq,
+        "first_grad_mismatch_step": next((i for i, e in enumerate(grad_eq) if not e), None),
         "eager_losses": [x.float().tolist() for x in eager.losses],
         "graphed_losses": [x.float().tolist() for x in graphed.losses],
         "eager_step_ms_median": med(eager.step_ms), "graphed_step_ms_median": med(graphed.step_ms),
@@ -264,9 +280,13 @@ def compare(eager: FullRunResult, graphed: FullRunResult, device: torch.device) 
     }
 
 
-def run_row(spec: FullRunSpec, device: torch.device, **graphed_overrides: Any) -> Dict[str, Any]:
-    eager = run_full(dataclasses.replace(spec, mode="eager", graph_optimizer=False), device)
-    graphed = run_full(dataclasses.replace(spec, mode="full_iteration", **graphed_overrides), device)
+def run_row(spec: FullRunSpec, device: torch.device, *, graphed_first: bool = False,
+            **graphed_overrides: Any) -> Dict[str, Any]:
+    """The eager and the full-iteration run of ``spec``, compared; ``graphed_first`` swaps their order."""
+    runs = {"eager": lambda: run_full(dataclasses.replace(spec, mode="eager", graph_optimizer=False), device),
+            "graphed": lambda: run_full(dataclasses.replace(spec, mode="full_iteration", **graphed_overrides), device)}
+    done = {k: runs[k]() for k in (("graphed", "eager") if graphed_first else ("eager", "graphed"))}
+    eager, graphed = done["eager"], done["graphed"]
     row = {"model": "te" if spec.model.use_te else "torch", "strategy": spec.sharding_strategy,
            "grad_accum": spec.grad_accum, "graph_optimizer": spec.graph_optimizer, "max_norm": spec.max_norm,
            "activation_checkpointing": spec.activation_checkpointing,
@@ -334,6 +354,11 @@ def negative_controls(device: torch.device, steps: int) -> List[Dict[str, Any]]:
     return out
 
 
+def _mismatch(row: Dict[str, Any]) -> str:
+    return (f"MISMATCH at step {row['first_mismatch_step']} (losses), "
+            f"{row.get('first_grad_mismatch_step')} (gradients)")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["torch", "te"], choices=["torch", "te"])
@@ -343,6 +368,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--no-controls", action="store_true")
     p.add_argument("--no-host-sync-check", action="store_true",
                    help="graphed runs skip the host-sync check on their last warmup step (a diagnosis aid)")
+    p.add_argument("--graphed-first", action="store_true",
+                   help="in each row, run the graphed run before the eager one (a diagnosis aid: order effects)")
     p.add_argument("--only", nargs="*", default=None, metavar="MODEL:STRATEGY[:ACCUM]",
                    help="run only these rows, e.g. te:no_shard:1 (a diagnosis aid)")
     p.add_argument("--out", default=None, help="JSON result path (rank 0 writes)")
@@ -372,6 +399,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     specs.append(FullRunSpec(**extra, grad_accum=2, capturable_optimizer=True, graph_optimizer=True, max_norm=0.5))
     # activation checkpointing: each layer's forward (and its gather) runs again inside the captured backward
     specs.append(FullRunSpec(**extra, grad_accum=2, activation_checkpointing=True))
+    # gradients of the warmup steps, the capture and the first replay, compared too (see record_grad_steps)
+    specs = [dataclasses.replace(sp, record_grad_steps=args.capture_step + 2) for sp in specs]
     # Determinism control: each model's first eager run, twice. A row can only be bit-exact if eager is
     # reproducible; a failing repeat says the mismatch is in the kernels, not in the graph.
     repeats = []
@@ -381,10 +410,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         b = run_full(dataclasses.replace(first, mode="eager", graph_optimizer=False), device)
         cmp = compare(a, b, device)
         repeats.append({"model": m, "strategy": first.sharding_strategy, "equal": cmp["equal"],
-                        "first_mismatch_step": cmp["first_mismatch_step"]})
+                        "first_mismatch_step": cmp["first_mismatch_step"],
+                        "first_grad_mismatch_step": cmp["first_grad_mismatch_step"]})
         if rank == 0:
             print(f"eager repeat {m:5s} {first.sharding_strategy:18s} "
-                  f"{'EQUAL' if cmp['equal'] else 'MISMATCH at step ' + str(cmp['first_mismatch_step'])}", flush=True)
+                  f"{'EQUAL' if cmp['equal'] else _mismatch(cmp)}", flush=True)
     if args.only is not None:
         wanted = [tuple(w.split(":")) for w in args.only]
 
@@ -399,14 +429,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.time()
     for i, spec in enumerate(specs):
         try:
-            row = run_row(spec, device)
+            row = run_row(spec, device, graphed_first=args.graphed_first)
         except Exception as exc:  # noqa: BLE001 - one failing row is recorded; the matrix goes on
             logger.exception("row %d failed", i)
             row = {"model": "te" if spec.model.use_te else "torch", "strategy": spec.sharding_strategy,
                    "grad_accum": spec.grad_accum, "graph_optimizer": spec.graph_optimizer, "max_norm": spec.max_norm,
                    "activation_checkpointing": spec.activation_checkpointing, "short_steps": list(spec.short_steps),
                    "eval_steps": list(spec.eval_steps), "delete_step": spec.delete_step, "equal": False,
-                   "first_mismatch_step": None, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                   "first_mismatch_step": None, "first_grad_mismatch_step": None, "error": f"{type(exc).__name__}: {exc}"[:2000],
                    "eager_step_ms_median": float("nan"), "graphed_step_ms_median": float("nan"),
                    "capture_seconds": float("nan"), "captured_collectives": None, "counters": {}}
         rows.append(row)
@@ -416,7 +446,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"ckpt={row['activation_checkpointing']!s:5s} "
                   f"short={row['short_steps']} "
                   f"eval={bool(row['eval_steps'])} delete={row['delete_step']}  "
-                  f"{'EQUAL' if row['equal'] else 'MISMATCH at step ' + str(row['first_mismatch_step'])}  "
+                  f"{'EQUAL' if row['equal'] else _mismatch(row)}  "
                   f"eager {row['eager_step_ms_median']:.2f} ms  graphed {row['graphed_step_ms_median']:.2f} ms  "
                   f"capture {row['capture_seconds']:.2f} s, {row['captured_collectives']} collectives  {row['counters']}",
                   flush=True)
