@@ -3,8 +3,10 @@
 Every row trains the same model on the same data twice, on the default CUDA stream: with the plain engine
 loop (eager) and through :class:`~fsdp_cudagraph.FullIterationCudaGraph` (eager warmup steps, capture
 before ``--capture-step``, replays after). Each step's micro-batch losses and the final parameters must be
-``torch.equal`` on every rank. Rows: every strategy, the plain-torch GPT and (with TE) the TE GPT, one
-micro-batch with the eager optimizer and two micro-batches with the optimizer graph (capturable Adam with a
+``torch.equal`` on every rank, and so must the main gradients of the warmup steps, the capture and the first
+replay (Adam's first update is a sign, so a loss only differs a step after the gradient that caused it; the
+row names both steps). Rows: every strategy, the plain-torch GPT and (with TE) the TE GPT, one
+and two micro-batches, each with the eager Adam and with the optimizer graph (capturable Adam with a
 device-tensor learning rate in both runs of the row); then a shape change mid-run (an eager fallback), an
 evaluation graph between steps, ``delete()`` mid-run, and clipping (``model.clip_grad_norm_``) inside the
 optimizer graph, whose returned norms must be equal too. Negative controls must be caught: a perturbed
@@ -138,7 +140,6 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
     """Train per ``spec`` on the default CUDA stream (as a user's loop does) and return losses, times, state."""
     if spec.mode not in MODES:
         raise ValueError(f"mode={spec.mode!r} is not one of {MODES}")
-    rank, world = dist.get_rank(), dist.get_world_size()
     cuda = device.type == "cuda"
     if cuda:  # start as a fresh process would: an earlier graphed run left the thread on a side stream
         default = torch.cuda.default_stream(device)
@@ -388,8 +389,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     for m in models:
         for s in strategies:
             common = dict(model=model_config(m == "te"), steps=args.steps, capture_step=args.capture_step, sharding_strategy=s)
-            specs.append(FullRunSpec(**common))
-            specs.append(FullRunSpec(**common, grad_accum=2, capturable_optimizer=True, graph_optimizer=True))
+            # one and two micro-batches, each with the eager Adam and with capturable Adam in an optimizer graph
+            for accum in (1, 2):
+                specs.append(FullRunSpec(**common, grad_accum=accum))
+                specs.append(FullRunSpec(**common, grad_accum=accum, capturable_optimizer=True, graph_optimizer=True))
     extra = dict(model=model_config(False), steps=args.steps, capture_step=args.capture_step)
     c = args.capture_step  # evaluations before the training capture too: they install parameters eagerly
     specs.append(FullRunSpec(**extra, grad_accum=2, short_steps=(c + 4,),
