@@ -350,4 +350,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from fsdp_cudagraph.train import exit_process
+
+    exit_process(main())

@@ -429,11 +429,6 @@ if __name__ == "__main__":
     # Run the importable module's main, not this __main__ copy: factories return fsdp_cudagraph.check.ModelSpec.
     from fsdp_cudagraph.check import main as _main
 
-    code = _main()
-    # The verdict is printed (and written) and the process group destroyed by now. Gloo's C++ side was seen to
-    # abort, rarely and only under load, while the interpreter tears down ("terminate called without an active
-    # exception", exit -6 after a correct run); leave without running those destructors so that the exit status
-    # is the verdict.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from fsdp_cudagraph.train import exit_process
+
+    exit_process(_main())  # the verdict is printed and the group destroyed: the exit status is the verdict

@@ -86,4 +86,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from fsdp_cudagraph.train import exit_process
+
     main()
+    exit_process(0)

@@ -7,6 +7,8 @@ accumulation and a late ``PartialCudaGraphs`` (the stream-hazard control's sched
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any, Dict
 
 import pytest
@@ -73,3 +75,12 @@ def test_graphs_built_late_and_accumulation_train_the_same(ranks):
     for r in ranks:
         assert all(r["late_build"]["losses"]) and r["late_build"]["params"]
         assert all(r["accum"]) and len(r["accum"]) == 5
+
+
+def test_exit_process_keeps_the_status_and_flushes_output():
+    """The entry points leave through exit_process (no interpreter teardown): status and piped output survive."""
+    code = ("import sys; from fsdp_cudagraph.train import exit_process; print('stdout line', end=''); "
+            "sys.stderr.write('stderr line'); exit_process(3)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3
+    assert proc.stdout == "stdout line" and proc.stderr.endswith("stderr line"), (proc.stdout, proc.stderr)
