@@ -2,7 +2,7 @@
 # Runs a named part of the GPU record on a GPU machine; its logs + JSON are written under /tmp/record/<part>/
 # and tarred into $OUT/<part>[-<tag>].tgz (the lending tool returns at most 8 files). Every command is echoed
 # into the log. TAG=<tag> keeps two runs of one part apart.
-#   bash benchmarks/gpu_record.sh versions|readme|demo|align|pytest-gpu|<script args...>
+#   bash benchmarks/gpu_record.sh versions|readme|demo|align|bisect-13|pytest-gpu|<script args...>
 #   bash benchmarks/gpu_record.sh 2gpu-10|2gpu-11-12|2gpu-13|2gpu-14-16     (on 2 GPUs: the issues' 2-GPU halves)
 # With TE: stage it first (bash ../shared/gpu/te-stage.sh here, then the five carried calls that
 # shared/gpu/te-install.sh describes); run the parts back to back while the machine is warm.
@@ -46,6 +46,12 @@ case $part in
     run env NPROC=1 bash scripts/demo.sh --scope attn || rc=1 ;;
   align)
     run python3 -m fsdp_cudagraph.align "$@" --out "$dir/align-1gpu.json" || rc=1 ;;
+  bisect-13)  # the open full-iteration TE no_shard row (1 GPU, TE staged): each knob alone, then the full matrix
+    FI="python3 -m fsdp_cudagraph.full_iteration_align --no-controls --only te:no_shard torch:no_shard"
+    run $FI --out "$dir/fi-no-shard.json" || rc=1
+    run $FI --no-host-sync-check --out "$dir/fi-no-shard-no-check.json" || rc=1
+    run $FI --graphed-first --out "$dir/fi-no-shard-graphed-first.json" || rc=1
+    run python3 -m fsdp_cudagraph.full_iteration_align --out "$dir/fi-align-1gpu.json" || rc=1 ;;
   # The 2-GPU halves of issues 10-16 (nvidia-h200-x2), each part well inside one 10-minute call.
   2gpu-10)
     versions
