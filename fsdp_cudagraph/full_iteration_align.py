@@ -261,7 +261,8 @@ def compare(eager: FullRunResult, graphed: FullRunResult, device: torch.device) 
     eval_eq = len(eager.evals) == len(graphed.evals) and all(
         all(torch.equal(a, b) for a, b in zip(ea, ga)) for ea, ga in zip(eager.evals, graphed.evals))
     norm_eq = len(eager.norms) == len(graphed.norms) and all(torch.equal(a, b) for a, b in zip(eager.norms, graphed.norms))
-    grad_eq = [len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(eager.grads, graphed.grads)]
+    grad_eq = [len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+               for a, b in zip(eager.grads, graphed.grads)]
     ok = _everywhere(all(loss_eq) and param_eq and eval_eq and norm_eq and all(grad_eq), device)
     med = lambda ms: sorted(ms[5:])[len(ms[5:]) // 2] if len(ms) > 5 else None  # noqa: E731
     train = graphed.reports.get("train")
@@ -439,7 +440,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "grad_accum": spec.grad_accum, "graph_optimizer": spec.graph_optimizer, "max_norm": spec.max_norm,
                    "activation_checkpointing": spec.activation_checkpointing, "short_steps": list(spec.short_steps),
                    "eval_steps": list(spec.eval_steps), "delete_step": spec.delete_step, "equal": False,
-                   "first_mismatch_step": None, "first_grad_mismatch_step": None, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                   "first_mismatch_step": None, "first_grad_mismatch_step": None,
+                   "error": f"{type(exc).__name__}: {exc}"[:2000],
                    "eager_step_ms_median": float("nan"), "graphed_step_ms_median": float("nan"),
                    "capture_seconds": float("nan"), "captured_collectives": None, "counters": {}}
         rows.append(row)

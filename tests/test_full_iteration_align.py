@@ -29,8 +29,8 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
     return {
         # the GPU record's failing shape: one micro-batch, no_shard, the eager optimizer
         "no_shard_1": run_row(dataclasses.replace(base, sharding_strategy="no_shard"), cpu),
-        "zero3_2_opt_graph": run_row(dataclasses.replace(base, grad_accum=2, graph_optimizer=True, eval_steps=(1, 3, 4, 5),
-                                                         short_steps=(4,)), cpu),
+        "zero3_2_opt_graph": run_row(dataclasses.replace(base, grad_accum=2, graph_optimizer=True,
+                                                         eval_steps=(1, 3, 4, 5), short_steps=(4,)), cpu),
         "graphed_first": run_row(dataclasses.replace(base, sharding_strategy="no_shard"), cpu, graphed_first=True),
         "perturbed": run_row(base, cpu, perturb_step=3),
     }
