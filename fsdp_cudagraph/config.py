@@ -148,21 +148,13 @@ def _parse_scope_item(value: Any) -> Union[CudaGraphModule, _LegacyScope]:
     return _parse_enum(CudaGraphModule, value, "cuda_graph_scope entry", _LegacyScope)
 
 
-def _parse_module_patterns(values: Any) -> List[str]:
-    patterns = _as_list(values, "cuda_graph_module_patterns")
+def _parse_patterns(values: Any, field: str, example_glob: str) -> List[str]:
+    """A list field of module patterns (qualified-name globs or class names): stripped, deduplicated."""
+    patterns = _as_list(values, field)
     for p in patterns:
         if not isinstance(p, str) or not p.strip():
-            raise TypeError(f"cuda_graph_module_patterns entries must be non-empty strings, got {p!r}; "
-                            "give qualified-name globs such as 'layers.*.attn' or class names such as 'MLP'")
-    return _dedupe(p.strip() for p in patterns)
-
-
-def _parse_offload_patterns(values: Any) -> List[str]:
-    patterns = _as_list(values, "activation_offload_module_patterns")
-    for p in patterns:
-        if not isinstance(p, str) or not p.strip():
-            raise TypeError(f"activation_offload_module_patterns entries must be non-empty strings, got {p!r}; give "
-                            "qualified-name globs such as 'layers.*.mlp' or class names such as 'MLP'")
+            raise TypeError(f"{field} entries must be non-empty strings, got {p!r}; give qualified-name globs such "
+                            f"as '{example_glob}' or class names such as 'MLP'")
     return _dedupe(p.strip() for p in patterns)
 
 
@@ -397,7 +389,8 @@ class CudaGraphConfig:
         self.enable_cuda_graph = self.external_cuda_graph = self.cuda_graph_scope = None
         self.cuda_graph_impl = migrated.cuda_graph_impl or CudaGraphImpl.NONE
         self.cuda_graph_modules = migrated.cuda_graph_modules
-        self.cuda_graph_module_patterns = _parse_module_patterns(self.cuda_graph_module_patterns)
+        self.cuda_graph_module_patterns = _parse_patterns(
+            self.cuda_graph_module_patterns, "cuda_graph_module_patterns", "layers.*.attn")
         inference = migrated.inference_cuda_graph_scope
         if inference is None:
             inference = (InferenceCudaGraphScope.LAYER if self.cuda_graph_impl == CudaGraphImpl.LOCAL
@@ -406,7 +399,8 @@ class CudaGraphConfig:
         self.activation_offload_modules = _dedupe(_parse_enum(CudaGraphModule, v, "activation_offload_modules entry")
                                                   for v in _as_list(self.activation_offload_modules,
                                                                     "activation_offload_modules"))
-        self.activation_offload_module_patterns = _parse_offload_patterns(self.activation_offload_module_patterns)
+        self.activation_offload_module_patterns = _parse_patterns(
+            self.activation_offload_module_patterns, "activation_offload_module_patterns", "layers.*.mlp")
         self._validate()
         logger.debug("CUDA graph config: %s", self)
 
