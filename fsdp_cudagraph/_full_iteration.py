@@ -197,14 +197,7 @@ class FullIterationCudaGraph:
         if config.cuda_graph_impl != CudaGraphImpl.FULL_ITERATION:
             raise ValueError(f"FullIterationCudaGraph got cuda_graph_impl='{config.cuda_graph_impl}'; pass a config with "
                              "cuda_graph_impl='full_iteration', or use PartialCudaGraphs for per-layer graphs")
-        if backend is None:
-            backend = "cuda" if model.device.type == "cuda" else "protocol"
-        if backend not in FULL_ITERATION_BACKENDS:
-            raise ValueError(f"backend={backend!r} is not one of {FULL_ITERATION_BACKENDS}; pass 'cuda' for real graphs, "
-                             "'protocol' for the CPU schedule, or None to choose by the model's device")
-        if backend == "cuda" and model.device.type != "cuda":
-            raise ValueError(f"backend='cuda' needs a model on a CUDA device, this one is on {model.device}; "
-                             "use backend='protocol' on CPU")
+        backend = _streams.graph_backend(backend, model.device, FULL_ITERATION_BACKENDS)
         if attention_backend not in ATTENTION_POLICIES:
             raise ValueError(f"attention_backend={attention_backend!r} is not one of {ATTENTION_POLICIES}; 'match_graph' "
                              "runs the eager steps with the attention backend the graph will use")

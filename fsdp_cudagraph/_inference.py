@@ -177,15 +177,7 @@ class InferenceCudaGraphs:
         self.rank = self.engine.rank if self.engine is not None else 0
         params = list(model.parameters())
         self.device = params[0].device if params else torch.device("cpu")
-        if backend is None:
-            backend = "cuda" if self.device.type == "cuda" else "protocol"
-        if backend not in INFERENCE_BACKENDS:
-            raise ValueError(f"backend={backend!r} is not one of {INFERENCE_BACKENDS}; pass 'cuda' for real graphs, "
-                             "'protocol' for the CPU schedule, or None to choose by the model's device")
-        if backend == "cuda" and self.device.type != "cuda":
-            raise ValueError(f"backend='cuda' needs a model on a CUDA device, this one is on {self.device}; use "
-                             "backend='protocol' on CPU")
-        self.backend = backend
+        self.backend = _streams.graph_backend(backend, self.device, INFERENCE_BACKENDS)
         if seq_buckets is not None:
             self._check_causal(causal)
         if self.engine is not None and self.scope is not InferenceCudaGraphScope.NONE:
@@ -208,7 +200,7 @@ class InferenceCudaGraphs:
         self.captures: List[InferenceCapture] = []
         self.counters = {"graphed_calls": 0, "eager_calls": 0, "captures": 0, "replays": 0}
         self.deleted = False
-        if backend == "cuda" and self.scope is not InferenceCudaGraphScope.NONE:
+        if self.backend == "cuda" and self.scope is not InferenceCudaGraphScope.NONE:
             config.check_runtime()
             self._pool = torch.cuda.graph_pool_handle()
             _streams.use_side_stream(self.device)

@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["use_side_stream", "on_legacy_default_stream", "stale_stream_override", "legacy_stream_hazard"]
+__all__ = ["use_side_stream", "on_legacy_default_stream", "stale_stream_override", "legacy_stream_hazard",
+           "graph_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,20 @@ def _device_index(device: Optional[torch.device]) -> int:
     if device is None or device.index is None:
         return _cuda.current_device()
     return device.index
+
+
+def graph_backend(backend: Optional[str], device: torch.device, allowed: Sequence[str]) -> str:
+    """``backend`` checked against ``allowed`` ('cuda': real graphs, 'protocol': the CPU schedule), or, when
+    None, the one the model's ``device`` runs: 'cuda' on a CUDA device, else 'protocol'."""
+    if backend is None:
+        backend = "cuda" if device.type == "cuda" else "protocol"
+    if backend not in allowed:
+        raise ValueError(f"backend={backend!r} is not one of {tuple(allowed)}; pass 'cuda' for real graphs, "
+                         "'protocol' for the CPU schedule, or None to choose by the model's device")
+    if backend == "cuda" and device.type != "cuda":
+        raise ValueError(f"backend='cuda' needs a model on a CUDA device, this one is on {device}; "
+                         "use backend='protocol' on CPU")
+    return backend
 
 
 def on_legacy_default_stream(device: Optional[torch.device] = None) -> bool:

@@ -328,3 +328,16 @@ def test_protocol_backend_leaves_streams_alone(fake_cuda):
     PartialCudaGraphs(net, CudaGraphConfig(cuda_graph_impl="local", cuda_graph_module_patterns=["0"]),
                       backend="protocol").delete()
     assert fake_cuda.current is fake_cuda.legacy
+
+
+def test_graph_backend_choice_and_refusals():
+    graph_backend = streams_mod.graph_backend
+    allowed = ("cuda", "protocol")
+    assert graph_backend(None, torch.device("cpu"), allowed) == "protocol"
+    assert graph_backend(None, torch.device("cuda", 0), allowed) == "cuda"
+    assert graph_backend("protocol", torch.device("cuda", 0), allowed) == "protocol"
+    with pytest.raises(ValueError, match=r"backend='te' is not one of \('cuda', 'protocol'\); pass 'cuda'"):
+        graph_backend("te", torch.device("cpu"), allowed)
+    with pytest.raises(ValueError, match=r"backend='cuda' needs a model on a CUDA device, this one is on cpu; use "
+                                         r"backend='protocol' on CPU"):
+        graph_backend("cuda", torch.device("cpu"), allowed)
