@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -42,7 +41,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph._te import HAS_TE  # noqa: E402
-from fsdp_cudagraph.align import versions  # noqa: E402
+from fsdp_cudagraph.align import versions, write_record  # noqa: E402
 from fsdp_cudagraph.full_iteration_align import FullRunSpec, run_full  # noqa: E402
 from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
 
@@ -254,9 +253,7 @@ def main() -> int:
                   "world_size": dist.get_world_size(), "versions": versions(), "steps": args.steps,
                   "skip": args.skip, "capture_step": args.capture_step, "results": results,
                   "seconds": time.time() - t0}
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+        write_record(args.out, record)
         print(f"wrote {args.out} ({record['seconds']:.0f} s)")
     dist.destroy_process_group()
     return 0

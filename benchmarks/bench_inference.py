@@ -27,7 +27,6 @@ Times come from CUDA events after ``--warmup`` calls, medians over ``--iters`` c
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph import CudaGraphConfig, InferenceCudaGraphs, PartialCudaGraphs  # noqa: E402
 from fsdp_cudagraph._buckets import Buckets, pad_to  # noqa: E402
-from fsdp_cudagraph.align import versions  # noqa: E402
+from fsdp_cudagraph.align import versions, write_record  # noqa: E402
 from fsdp_cudagraph.generate import GreedyGenerator, greedy_reference  # noqa: E402
 from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
 from fsdp_cudagraph.train import RunSpec, build_model, graph_config, use_deterministic_kernels  # noqa: E402
@@ -317,9 +316,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"{verdict:8s} {c['check']} {extra if extra else ''}")
         print("all_ok:", result["all_ok"])
         if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+            write_record(args.out, result)
     dist.barrier()
     dist.destroy_process_group()
     return 0 if result["all_ok"] else 1

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import statistics
 import sys
@@ -40,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fsdp_cudagraph.align import versions  # noqa: E402
+from fsdp_cudagraph.align import versions, write_record  # noqa: E402
 from fsdp_cudagraph.vision import VisionConfig, VisionRunSpec, run_vision  # noqa: E402
 
 
@@ -139,11 +138,9 @@ def main() -> int:
                   f"{r['pool_growth_bytes'] / 2**20:>8.1f}")
         print("peak memory (GiB): " + ", ".join(f"{k} {v['peak_memory_bytes'] / 2**30:.2f}" for k, v in runs.items()))
         if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump({"command": " ".join(sys.argv), "world_size": dist.get_world_size(), "versions": versions(),
-                           "config": dataclasses.asdict(cfg), "args": vars(args), "lengths": lengths, "rows": rows,
-                           "runs": runs}, f, indent=1)
+            write_record(args.out, {"command": " ".join(sys.argv), "world_size": dist.get_world_size(),
+                                    "versions": versions(), "config": dataclasses.asdict(cfg), "args": vars(args),
+                                    "lengths": lengths, "rows": rows, "runs": runs})
     dist.destroy_process_group()
     return 0
 

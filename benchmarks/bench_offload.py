@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import statistics
 import sys
@@ -48,7 +47,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, match_graph_attention  # noqa: E402
 from fsdp_cudagraph._offload import ActivationOffloader  # noqa: E402
 from fsdp_cudagraph._te import HAS_TE  # noqa: E402
-from fsdp_cudagraph.align import versions  # noqa: E402
+from fsdp_cudagraph.align import versions, write_record  # noqa: E402
 from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
 from fsdp_cudagraph.train import use_deterministic_kernels  # noqa: E402
 from megatron_fsdp import fully_shard  # noqa: E402
@@ -272,9 +271,7 @@ def _main(args: argparse.Namespace, device: torch.device, min_bytes: Optional[in
                   "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "config": {k: v for k, v in vars(args).items() if k != "out"}, "results": results, "all_bit_exact": ok,
                   "seconds": time.time() - t0}
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+        write_record(args.out, record)
         print(f"wrote {args.out} ({record['seconds']:.0f} s); all bit-exact: {ok}")
     dist.destroy_process_group()
     return 0 if ok else 1

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph._te import HAS_TE  # noqa: E402
-from fsdp_cudagraph.align import versions  # noqa: E402
+from fsdp_cudagraph.align import versions, write_record  # noqa: E402
 from fsdp_cudagraph.model import GPTConfig  # noqa: E402
 from fsdp_cudagraph.train import RunSpec, run_training  # noqa: E402
 
@@ -188,9 +187,7 @@ def main() -> int:
                 print(f"--- profile, {key}, 5 steps ---\n{r.profile}", flush=True)
     result["seconds"] = time.time() - t0
     if dist.get_rank() == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_record(args.out, result)
         print(f"wrote {args.out} ({result['seconds']:.0f} s)")
     dist.destroy_process_group()
     return 0

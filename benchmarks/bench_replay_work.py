@@ -18,7 +18,6 @@ torch.profiler table (top CPU ops) of ``ours_noclone_fused``'s replayed steps. N
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,7 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph._te import HAS_TE, TE_REASON, require_te  # noqa: E402
-from fsdp_cudagraph.align import versions  # noqa: E402
+from fsdp_cudagraph.align import versions, write_record  # noqa: E402
 from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
 from fsdp_cudagraph.train import RunSpec, init_distributed, run_training, use_deterministic_kernels  # noqa: E402
 
@@ -133,8 +132,7 @@ def main() -> int:
             if "profile_ours_noclone_fused" in res:
                 print(res["profile_ours_noclone_fused"][:6000])
     if dist.get_rank() == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_record(args.out, out)
     dist.destroy_process_group()
     return 0
 

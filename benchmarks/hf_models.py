@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -41,8 +39,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, check_alignment  # noqa: E402
-from fsdp_cudagraph import hf_models  # noqa: E402
-from fsdp_cudagraph._te import HAS_TE, TE_REASON, TE_VERSION  # noqa: E402
+from fsdp_cudagraph import align, hf_models  # noqa: E402
+from fsdp_cudagraph._te import HAS_TE  # noqa: E402
 from fsdp_cudagraph.train import use_deterministic_kernels  # noqa: E402
 from megatron_fsdp import fully_shard  # noqa: E402
 
@@ -163,9 +161,8 @@ def run_checker(device: torch.device, backend: str, rank: int) -> List[Dict[str,
 
 
 def versions() -> Dict[str, Any]:
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": hf_models.TRANSFORMERS_VERSION,
-            "te": str(TE_VERSION) if HAS_TE else f"absent: {TE_REASON}", "python": platform.python_version(),
-            "device": torch.cuda.get_device_name(), "commit": os.environ.get("GIT_COMMIT", "unknown")}
+    """The suites' version record (torch, CUDA, NCCL, cuDNN, TE, device, commit), plus transformers'."""
+    return {**align.versions(), "transformers": hf_models.TRANSFORMERS_VERSION}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -263,11 +260,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"\n{len(rows)} rows, {sum(r['equal'] for r in rows)} bit-identical; checker cases as expected: "
               f"{sum(c['as_expected'] for c in checker)}/{len(checker)}; world {world}; {time.time() - t0:.0f} s")
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"command": " ".join(sys.argv), "world_size": world, "versions": versions(),
-                           "shape": vars(shape), "steps": args.steps, "capture_step": args.capture_step,
-                           "skip": args.skip, "dtype": "bf16", "eager_repeat_equal": determinism, "rows": rows,
-                           "checker": checker, "all_ok": ok}, f, indent=1)
+            align.write_record(args.out, {"command": " ".join(sys.argv), "world_size": world, "versions": versions(),
+                                          "shape": vars(shape), "steps": args.steps, "capture_step": args.capture_step,
+                                          "skip": args.skip, "dtype": "bf16", "eager_repeat_equal": determinism,
+                                          "rows": rows, "checker": checker, "all_ok": ok})
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1

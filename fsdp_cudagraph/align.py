@@ -289,6 +289,13 @@ def versions() -> Dict[str, Any]:
     }
 
 
+def write_record(path: str, record: Dict[str, Any]) -> None:
+    """Write a result record as JSON to ``path``, creating its folder (the records of every suite and benchmark)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", nargs="+", default=["te", "torch"], choices=["te", "torch"])
@@ -339,11 +346,10 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{sum(c['caught'] is True for c in controls)}/{sum(c['caught'] is not None for c in controls)}; "
               f"{time.time() - t0:.0f} s; world {world}")
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"command": " ".join(sys.argv), "world_size": world, "versions": versions(),
-                           "steps": args.steps, "capture_step": args.capture_step, "skipped": skipped,
-                           "clone_param_grads": not args.no_clone_param_grads, "optimizer": args.optimizer,
-                           "rows": rows, "controls": controls, "all_ok": ok}, f, indent=1)
+            write_record(args.out, {"command": " ".join(sys.argv), "world_size": world, "versions": versions(),
+                                    "steps": args.steps, "capture_step": args.capture_step, "skipped": skipped,
+                                    "clone_param_grads": not args.no_clone_param_grads, "optimizer": args.optimizer,
+                                    "rows": rows, "controls": controls, "all_ok": ok})
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1

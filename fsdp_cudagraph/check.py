@@ -39,7 +39,6 @@ import contextlib
 import dataclasses
 import gc
 import importlib
-import json
 import logging
 import os
 import socket
@@ -382,6 +381,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from .align import write_record  # noqa: PLC0415 - a CLI-only dependency
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="factory as package.module:name (see the factory protocol)")
     p.add_argument("--steps", type=int, default=8)
@@ -417,9 +418,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"negative control: {'CAUGHT' if ok else 'NOT CAUGHT'} (perturbed {args.perturb}, "
                       f"reported {report.culprit})")
             if args.json:
-                with open(args.json, "w") as f:
-                    json.dump({"command": " ".join(sys.argv), "model": args.model, "dtype": str(dtype),
-                               "ok": ok, **report.to_dict()}, f, indent=1)
+                write_record(args.json, {"command": " ".join(sys.argv), "model": args.model, "dtype": str(dtype),
+                                         "ok": ok, **report.to_dict()})
     finally:
         dist.destroy_process_group()
     return 0 if ok else 1

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -49,7 +48,7 @@ from ._capture import PartialCudaGraphs
 from ._capture_safety import HostSyncError
 from ._full_iteration import FullIterationCudaGraph, FullIterationReport
 from ._te import HAS_TE, TE_REASON
-from .align import versions
+from .align import versions, write_record
 from .config import CudaGraphConfig
 from .model import GPT, GPTConfig, loss_fn
 from .train import init_distributed, rank_batches, use_deterministic_kernels
@@ -463,10 +462,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{len(rows)} rows, {sum(r['equal'] for r in rows)} equal; controls caught "
               f"{sum(c['caught'] for c in controls)}/{len(controls)}; {time.time() - t0:.0f} s; world {world}")
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"command": " ".join(sys.argv), "world_size": world, "versions": versions(),
-                           "steps": args.steps, "capture_step": args.capture_step, "skipped": skipped,
-                           "eager_repeats": repeats, "rows": rows, "controls": controls, "all_ok": ok}, f, indent=1)
+            write_record(args.out, {"command": " ".join(sys.argv), "world_size": world, "versions": versions(),
+                                    "steps": args.steps, "capture_step": args.capture_step, "skipped": skipped,
+                                    "eager_repeats": repeats, "rows": rows, "controls": controls, "all_ok": ok})
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1

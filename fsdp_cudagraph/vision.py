@@ -430,7 +430,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
     os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
-    from .align import versions  # noqa: PLC0415 - a CLI-only dependency
+    from .align import versions, write_record  # noqa: PLC0415 - a CLI-only dependency
     from .train import use_deterministic_kernels  # noqa: PLC0415
 
     cuda = args.device == "cuda"
@@ -471,11 +471,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"[rank {i}] padding overhead {r['padding_overhead']:.3f}; capture {r['capture']}")
         print(f"{'ALL OK' if ok else 'FAILED'} in {time.time() - t0:.0f} s, world {dist.get_world_size()}, backend {backend}")
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"command": " ".join(sys.argv), "world_size": dist.get_world_size(), "versions": versions(),
-                           "backend": backend, "config": dataclasses.asdict(cfg), "buckets": list(buckets),
-                           "lengths": list(lengths), "steps": args.steps, "capture_step": args.capture_step,
-                           "ranks": ranks, "all_ok": ok}, f, indent=1)
+            write_record(args.out, {"command": " ".join(sys.argv), "world_size": dist.get_world_size(),
+                                    "versions": versions(), "backend": backend, "config": dataclasses.asdict(cfg),
+                                    "buckets": list(buckets), "lengths": list(lengths), "steps": args.steps,
+                                    "capture_step": args.capture_step, "ranks": ranks, "all_ok": ok})
     dist.destroy_process_group()
     return 0 if ok else 1
 
