@@ -6,7 +6,6 @@ import faulthandler
 import gc
 import os
 import socket
-import sys
 import tempfile
 import traceback
 import warnings
@@ -15,6 +14,8 @@ from typing import Any, Callable, List
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from fsdp_cudagraph.train import exit_process
 
 
 def _free_port() -> int:
@@ -35,7 +36,6 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
         record = {"ok": True, "result": result}
     except BaseException:
         record, code = {"ok": False, "error": traceback.format_exc()}, 1
-    result = None
     try:
         # Free the job's objects (models, hooks and Work handles sit in reference cycles) while the process group
         # and the interpreter are both alive, then destroy the group.
@@ -46,13 +46,9 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
         if code == 0:
             record, code = {"ok": False, "error": "destroy_process_group failed:\n" + traceback.format_exc()}, 1
     torch.save(record, os.path.join(outdir, f"{rank}.pt"))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Leave without interpreter teardown. There, Gloo's C++ side was seen to abort the process ("terminate
-    # called without an active exception", SIGABRT) after a correct job, under load on CI's 2-core machine,
-    # twice in a row once: its worker threads can still own objects that need the interpreter. The job's
-    # outcome is already on disk; the exit status mirrors it.
-    os._exit(code)
+    # The outcome is on disk; leave without the interpreter teardown in which Gloo was seen to abort a correct
+    # job on CI (see exit_process). The exit status mirrors the outcome.
+    exit_process(code)
 
 
 def run_gloo(fn: Callable, world_size: int, *args: Any) -> List[Any]:
