@@ -188,7 +188,7 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
     host_ms: List[float] = []
     grads: List[List[torch.Tensor]] = []
 
-    def record_grads() -> None:
+    def record_grads(step: int) -> None:
         if step < spec.record_grad_steps:
             grads.append([torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
                           for p in model.optimizer_parameters()])
@@ -210,7 +210,7 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
                     evals.append(tuple(forward_step(model, x, y) for x, y in eval_batch))
         if live:
             losses.append(graph.step(batches[step]))
-            record_grads()
+            record_grads(step)
             norm = graph.optimizer_step(opt, max_norm=spec.max_norm)
             if norm is not None:
                 norms.append(norm)
@@ -221,7 +221,7 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
                 loss.backward()
                 per.append(loss.detach().reshape(()))
             losses.append(torch.stack(per))
-            record_grads()
+            record_grads(step)
             if spec.max_norm is not None:
                 norms.append(model.clip_grad_norm_(spec.max_norm))
             opt.step()
