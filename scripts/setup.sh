@@ -3,16 +3,26 @@
 # - python3 already has torch (a GPU machine): use it, install this package editable without deps
 #   (falls back to PYTHONPATH where pip cannot build offline).
 # - otherwise (a fresh CPU machine): make .venv, install torch==2.13.0 (the CPU build on this
-#   workplace's disk; an unpinned torch would pull a multi-GB CUDA build), then this package with [dev,hf].
+#   workplace's disk; an unpinned torch would pull a multi-GB CUDA build), then this package with [dev,hf],
+#   every package at the version in scripts/constraints.txt (the set last tested), so that a new upstream
+#   release cannot change what CI runs. FSDP_CUDAGRAPH_NEWEST=1 drops the constraints (newest releases
+#   within pyproject.toml's bounds, in .venv-newest) to try what pip would install today.
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if python3 -c "import torch" 2>/dev/null; then
   PY=python3
   $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   $PY -c "import pytest" 2>/dev/null || $PY -m pip install -q pytest || echo "pytest is missing and could not be installed"
 else
-  [ -x .venv/bin/python ] || python3 -m venv .venv
-  PY=.venv/bin/python
-  $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==2.13.0"
-  $PY -m pip install -q -e ".[dev,hf]"   # hf: transformers for tests/test_hf.py (about 12 s)
+  CONSTRAINTS=(-c scripts/constraints.txt)
+  VENV=.venv
+  if [ "${FSDP_CUDAGRAPH_NEWEST:-0}" = 1 ]; then
+    CONSTRAINTS=()
+    VENV=.venv-newest   # its own environment, so that the tested one stays as it is
+    echo "FSDP_CUDAGRAPH_NEWEST=1: installing the newest releases into $VENV, not scripts/constraints.txt"
+  fi
+  [ -x $VENV/bin/python ] || python3 -m venv $VENV
+  PY=$VENV/bin/python
+  $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "${CONSTRAINTS[@]}" "torch==2.13.0"
+  $PY -m pip install -q "${CONSTRAINTS[@]}" -e ".[dev,hf]"   # hf: transformers for tests/test_hf.py (about 12 s)
 fi
 export PY

@@ -10,11 +10,13 @@ Must hold (per rank, ``torch.equal``): the losses and the final parameters of ev
 the eager run's; callables whose call changed run eagerly at step 4 with one warning per callable naming
 ``is_causal`` and replay again at step 5, callables whose call did not change (the MLPs) replay
 throughout; strict mode raises naming ``is_causal``; a KV cache in the call is refused at capture naming
-``past_key_values``. A negative control replays despite the change and must differ at step 4.
+the layer argument that carried it (whatever the installed transformers calls it). A negative control replays despite the change and must differ at step 4.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -98,6 +100,9 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
             res[(family, None if patterns is None else tuple(patterns))] = _train(family, patterns)
     res["strict"] = _train("llama", [], strict=True)
     res["cache"] = _train("llama", [], use_cache=True)
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    res["layer_params"] = list(inspect.signature(LlamaDecoderLayer.forward).parameters)
     res["forced"] = _train("llama", [], force_replay=True)
     return res
 
@@ -168,5 +173,10 @@ def test_hf_kv_cache_in_the_call_is_refused_at_capture(hf):
     for res in hf:
         kind, msg = res["cache"]["error"]
         assert kind == "TypeError" and "graphed callable model.layers.0" in msg, msg
-        assert "`past_key_values` (transformers.cache_utils.DynamicCache)" in msg and "use_cache=False" in msg, msg
+        # The message names the argument that carried the cache, whatever this transformers release calls it
+        # (`past_key_values` up to 5.23, `cache` in 5.24's LlamaDecoderLayer.forward): read it from the message
+        # and check it is a real parameter of the layer's forward, so a wrong or missing name still fails.
+        named = re.search(r"`(\w+)` \(transformers\.cache_utils\.DynamicCache\)", msg)
+        assert named is not None and "use_cache=False" in msg, msg
+        assert named.group(1) in res["layer_params"], (named.group(1), res["layer_params"], msg)
         assert len(res["cache"]["losses"]) == CAPTURE_AT  # the eager steps before capture trained normally
