@@ -1,0 +1,173 @@
+"""The engine contract: what a sharded data-parallel engine tells the graph layer, and the registry of engines.
+
+The graph kinds (partial graphs first) never read an engine's internals. They ask one
+:class:`EngineAdapter`, built by :func:`adapter_for` from whatever the user passed, the questions below.
+A new engine is one module in this folder with one subclass and one ``register_engine`` call; no graph
+kind changes.
+
+[Note: the engine contract]
+An FSDP engine drives its communication from module hooks. A per-layer graph needs, from the engine:
+
+1. **Its units.** Which modules carry the engine's per-unit hooks (``unit_modules``, in forward order:
+   whole-layer graphs capture exactly these), and which unit owns a given submodule (``unit_of``), so that
+   several callables of one unit run the unit's handlers once per pass.
+2. **Its hooks, in TE's form.** Given a module's saved hook dicts, ``hook_plan`` says which hooks are the
+   engine's and what each one does at capture time, as ``fn(module) -> None`` under TE's four
+   ``capture_time_hooks`` keys. A hook that only *registers* a backward handler on tensors (autograd
+   cannot use it at capture) is withheld and its inner handler is planned instead. Hooks the engine does
+   not own are reported as unknown: restored, never run at capture.
+3. **What must not move.** ``replay_tensors`` names every tensor a replay of a callable reads or writes by
+   address (parameters, gradient targets); the graph layer records their addresses at capture and
+   refuses a replay if one moved. ``check_partial_graphs`` refuses, before any CUDA work, settings under
+   which the engine cannot keep them still, naming the settings that work.
+4. **No collective inside a capture.** ``capture_guard`` is entered around each capture pass: the
+   engine's collectives raise ``RuntimeError`` inside it. ``simulated_capture`` is the same guard for
+   the CPU protocol backend, which captures nothing.
+5. **A step boundary.** ``reset`` waits for anything in flight and brings every unit to idle; the graph
+   layer calls it before and after capture.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["EngineAdapter", "HookPlan", "HOOK_KEYS", "adapter_for", "register_engine", "registered_engines"]
+
+#: TE's capture_time_hooks keys, in the order TE runs them in a step.
+HOOK_KEYS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+
+CaptureTimeHook = Callable[[nn.Module], None]
+
+
+@dataclasses.dataclass
+class HookPlan:
+    """An engine's reading of one module's hooks (phase 2 of the extraction in ``fsdp_cudagraph.hooks``)."""
+
+    #: TE-form capture-time hooks: key (one of HOOK_KEYS) -> {hook_id: fn(module) -> None}.
+    capture_time: Dict[str, Dict[int, CaptureTimeHook]] = dataclasses.field(
+        default_factory=lambda: {k: {} for k in HOOK_KEYS})
+    #: (dict name, hook id, hook) of the engine's wrappers whose inner handlers are planned instead.
+    withheld: List[Tuple[str, int, Any]] = dataclasses.field(default_factory=list)
+    #: (dict name, hook id, hook) of hooks the engine does not own: restored, reported, not run at capture.
+    unknown: List[Tuple[str, int, Any]] = dataclasses.field(default_factory=list)
+
+
+class EngineAdapter(abc.ABC):
+    """One wrapped model as the graph layer sees it (see [Note: the engine contract])."""
+
+    #: Short name for messages, e.g. ``"megatron_fsdp"`` or ``"torch FSDP2"``.
+    name: str = "engine"
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    # -- recognition ------------------------------------------------------------------------------
+    @classmethod
+    @abc.abstractmethod
+    def recognizes(cls, model: nn.Module) -> bool:
+        """Whether ``model`` (what the user passed) is wrapped by this engine. Cheap; imports nothing new."""
+
+    # -- 1. units ---------------------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def root(self) -> nn.Module:
+        """The module tree callables are selected in (the user's model, unwrapped)."""
+
+    @property
+    def rank(self) -> int:
+        """This process's rank, for ``[rank N]`` prefixes."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank()
+        return 0
+
+    @abc.abstractmethod
+    def unit_modules(self) -> List[nn.Module]:
+        """The modules that carry the engine's per-unit hooks, in forward order."""
+
+    @abc.abstractmethod
+    def unit_of(self, module: nn.Module) -> Optional[nn.Module]:
+        """The unit module that owns ``module`` (itself or its nearest unit ancestor), None if none does."""
+
+    def unit_name(self, unit: nn.Module) -> str:
+        """The unit's qualified name in :attr:`root` (for messages)."""
+        for name, m in self.root.named_modules():
+            if m is unit:
+                return name or type(unit).__name__
+        return type(unit).__name__
+
+    def unit_uses_recompute(self, unit: nn.Module) -> bool:
+        """Whether the unit's forward is recomputed in backward (activation checkpointing)."""
+        return False
+
+    @property
+    def num_forward_calls(self) -> int:
+        """Root forward calls so far (0 where the engine does not count them)."""
+        return 0
+
+    # -- 2. hooks ---------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def hook_plan(self, hooks: Mapping[str, Mapping[int, Any]]) -> HookPlan:
+        """Read a module's saved hook dicts (``_forward_pre_hooks`` ... ``_backward_hooks`` and the flag dicts)."""
+
+    # -- 3. what must not move -------------------------------------------------------------------
+    @abc.abstractmethod
+    def check_partial_graphs(self) -> None:
+        """Raise ValueError (bad settings) or NotImplementedError (unsupported) before any CUDA work."""
+
+    @abc.abstractmethod
+    def replay_tensors(self, module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+        """(name, tensor) pairs a replay of ``module`` reads or writes by address, in a fixed order."""
+
+    # -- 4. capture guard -------------------------------------------------------------------------
+    def capture_guard(self) -> ContextManager[None]:
+        """Entered around each real capture pass: the engine's collectives raise RuntimeError inside."""
+        return contextlib.nullcontext()
+
+    def simulated_capture(self) -> ContextManager[None]:
+        """The same guard for the CPU protocol backend (nothing is captured)."""
+        return self.capture_guard()
+
+    # -- 5. step boundary -------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Wait for anything in flight and bring every unit to idle (before and after capture)."""
+
+
+_ENGINES: List[type] = []
+
+
+def register_engine(cls: type) -> type:
+    """Add an :class:`EngineAdapter` subclass to the registry (usable as a class decorator)."""
+    if cls not in _ENGINES:
+        _ENGINES.append(cls)
+    return cls
+
+
+def registered_engines() -> List[type]:
+    _load_builtin()
+    return list(_ENGINES)
+
+
+def adapter_for(model: nn.Module) -> Optional[EngineAdapter]:
+    """The adapter of the engine that wraps ``model``, or None for a model no engine wraps."""
+    for cls in registered_engines():
+        if cls.recognizes(model):
+            return cls(model)
+    return None
+
+
+_LOADED = False
+
+
+def _load_builtin() -> None:
+    """Import the engine modules of this folder once (each registers itself)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    # The modules register themselves on import; the list grows as adapters land.
