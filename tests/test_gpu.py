@@ -18,24 +18,34 @@ from tests.gpu_utils import NO_GPU, ROOT, gpu_env, keep, launcher, run_json
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
 
 
-def _align(tmp_path, nproc: int, backends: list) -> dict:
-    return run_json(launcher(nproc, ["-m", "fsdp_cudagraph.align"]) + ["--backends", *backends],
-                    tmp_path / f"align-{nproc}.json", name=f"align-{nproc}gpu-{'-'.join(backends)}.json", tail=4000)
+def _align(tmp_path, nproc: int, backends: list, *, quick: bool = False) -> dict:
+    extra = ["--quick"] if quick else []
+    return run_json(launcher(nproc, ["-m", "fsdp_cudagraph.align"]) + ["--backends", *backends] + extra,
+                    tmp_path / f"align-{nproc}.json",
+                    name=f"align-{nproc}gpu-{'-'.join(backends)}{'-quick' if quick else ''}.json", tail=4000)
 
 
-@pytest.mark.gpu
-def test_alignment_torch_backend_1gpu(tmp_path):
-    res = _align(tmp_path, 1, ["torch"])
-    assert res["all_ok"] and all(r["equal"] for r in res["rows"]) and len(res["rows"]) == len(matrix("torch", quick=False))
+# [Note: the quick and the full matrix] `pytest -m gpu` must fit one 10-minute device call with room to spare:
+# it runs each alignment matrix in its quick form (seq 100, two scopes, tuple outputs, hooks, the controls); the
+# full matrices (minutes each) carry the `matrix` marker instead and run with `pytest -m matrix`.
+QUICK_OR_FULL = pytest.mark.parametrize("quick", [pytest.param(True, marks=pytest.mark.gpu, id="quick"),
+                                                  pytest.param(False, marks=pytest.mark.matrix, id="full")])
+README_CASES = [pytest.param([], marks=pytest.mark.gpu, id="attn+mlp"),
+                pytest.param(["--scope"], marks=pytest.mark.gpu, id="layers"),
+                pytest.param(["--seq-len", "512"], marks=pytest.mark.matrix, id="seq512")]
+@QUICK_OR_FULL
+def test_alignment_torch_backend_1gpu(tmp_path, quick):
+    res = _align(tmp_path, 1, ["torch"], quick=quick)
+    assert res["all_ok"] and all(r["equal"] for r in res["rows"]) and len(res["rows"]) == len(matrix("torch", quick=quick))
     assert all(c["caught"] is not False for c in res["controls"]) and any(c["caught"] for c in res["controls"])
 
 
-@pytest.mark.gpu
 @pytest.mark.te
 @pytest.mark.skipif(not HAS_TE, reason=TE_REASON or "TE present")
-def test_alignment_te_backend_1gpu(tmp_path):
-    res = _align(tmp_path, 1, ["te"])
-    assert res["all_ok"] and len(res["rows"]) == len(matrix("te", quick=False))
+@QUICK_OR_FULL
+def test_alignment_te_backend_1gpu(tmp_path, quick):
+    res = _align(tmp_path, 1, ["te"], quick=quick)
+    assert res["all_ok"] and len(res["rows"]) == len(matrix("te", quick=quick))
 
 
 @pytest.mark.gpu
@@ -52,16 +62,14 @@ def _readme_loop(tmp_path, nproc: int, impl: str, extra: list) -> dict:
                     name=f"readme-loop-{impl}-{nproc}gpu{'-'.join([''] + extra)}.json", tail=4000)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("extra", [[], ["--scope"], ["--seq-len", "512"]], ids=["attn+mlp", "layers", "seq512"])
+@pytest.mark.parametrize("extra", README_CASES)
 def test_readme_loop_default_stream_torch_backend_1gpu(tmp_path, extra):
     assert _readme_loop(tmp_path, 1, "local", extra)["ok"]
 
 
-@pytest.mark.gpu
 @pytest.mark.te
 @pytest.mark.skipif(not HAS_TE, reason=TE_REASON or "TE present")
-@pytest.mark.parametrize("extra", [[], ["--scope"], ["--seq-len", "512"]], ids=["attn+mlp", "layers", "seq512"])
+@pytest.mark.parametrize("extra", README_CASES)
 def test_readme_loop_default_stream_te_backend_1gpu(tmp_path, extra):
     assert _readme_loop(tmp_path, 1, "transformer_engine", extra)["ok"]
 

@@ -14,14 +14,17 @@ from tests.gpu_utils import NO_GPU, launcher, run_json
 
 from fsdp_cudagraph._te import HAS_TE
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)]
+# The full matrix takes about 80 s on one H100: it is opt-in (`pytest -m matrix`); `pytest -m gpu` runs the
+# TE and torch rows of one strategy each ([Note: the quick and the full matrix] in test_gpu.py).
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)]
 STRATEGIES = 4
 CONTROLS = {".item() in the step", "host sync only under capture", "CPU tensor in the step",
             "ZeRO-3 without double buffer", "strict shape change", "one token perturbed at step 4"}
 
 
-def _run(tmp_path, nproc: int) -> dict:
-    return run_json(launcher(nproc, ["-m", "fsdp_cudagraph.full_iteration_align"]), tmp_path / f"fi-align-{nproc}gpu.json")
+def _run(tmp_path, nproc: int, extra=()) -> dict:
+    return run_json(launcher(nproc, ["-m", "fsdp_cudagraph.full_iteration_align", *extra]),
+                    tmp_path / f"fi-align-{nproc}gpu.json")
 
 
 def _check(res: dict, world: int) -> None:
@@ -43,10 +46,23 @@ def _check(res: dict, world: int) -> None:
     assert all(c["caught"] for c in res["controls"]), res["controls"]
 
 
+@pytest.mark.gpu
+def test_full_iteration_rows_1gpu(tmp_path):
+    """Quick form: the no_shard rows (the last to go bit-exact) of both models, both optimizers, accum 1 and 2."""
+    res = _run(tmp_path, 1, ["--no-controls", "--only", "te:no_shard", "torch:no_shard"])
+    rows = res["rows"]
+    assert res["all_ok"] and len(rows) == (2 if HAS_TE else 1) * 4, [(r["model"], r["grad_accum"]) for r in rows]
+    bad = [(r["model"], r["strategy"], r["grad_accum"], r["first_mismatch_step"]) for r in rows if not r["equal"]]
+    assert not bad, bad
+
+
+@pytest.mark.matrix
 def test_full_iteration_bit_exact_1gpu(tmp_path):
     _check(_run(tmp_path, 1), 1)
 
 
+@pytest.mark.gpu
+@pytest.mark.matrix
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
 def test_full_iteration_bit_exact_2gpu(tmp_path):
