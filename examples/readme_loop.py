@@ -37,6 +37,7 @@ def run(args: argparse.Namespace, graphed: bool) -> dict:
                     use_te=args.impl == "transformer_engine")
     my_gpt = GPT(cfg)  # the README's names
     MyTransformerLayer = my_gpt.unit_class  # noqa: N806
+    device = torch.device("cuda", torch.cuda.current_device())
     loader = []
     for step in range(args.steps):
         x, y = synthetic_batch(step, 2 * world, cfg, torch.device("cuda"))
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace, graphed: bool) -> dict:
 
     # ---------------------------------------------------------------- the README's block, as written
     model = fully_shard(
-        my_gpt.cuda(), fsdp_unit_modules=[MyTransformerLayer], sharding_strategy="optim_grads_params",
+        my_gpt.to(device), fsdp_unit_modules=[MyTransformerLayer], sharding_strategy="optim_grads_params",
         compute_dtype=torch.bfloat16, fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True,
     )
     optimizer = torch.optim.Adam(model.optimizer_parameters(), lr=1e-4)   # fp32 main shards
