@@ -40,10 +40,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fsdp_cudagraph._te import HAS_TE  # noqa: E402
-from fsdp_cudagraph.align import versions, write_record  # noqa: E402
-from fsdp_cudagraph.full_iteration_align import FullRunSpec, run_full  # noqa: E402
-from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
+from fsdp_cudagraph.runtime.te import HAS_TE  # noqa: E402
+from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
+from fsdp_cudagraph.apps.full_iteration_align import FullRunSpec, run_full  # noqa: E402
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
 
 COLUMNS = ["eager", "partial", "full_iteration", "full_iteration+opt", "fsdp2", "fsdp2_graph"]
 CONFIGS = {

@@ -36,10 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_full_ite
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fsdp_cudagraph._te import HAS_TE  # noqa: E402
-from fsdp_cudagraph.align import versions, write_record  # noqa: E402
-from fsdp_cudagraph.model import GPTConfig  # noqa: E402
-from fsdp_cudagraph.train import RunSpec, run_training  # noqa: E402
+from fsdp_cudagraph.runtime.te import HAS_TE  # noqa: E402
+from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
+from fsdp_cudagraph.apps.model import GPTConfig  # noqa: E402
+from fsdp_cudagraph.apps.train import RunSpec, run_training  # noqa: E402
 
 
 def matmul_peak_tflops(device: torch.device) -> float:

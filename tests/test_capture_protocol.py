@@ -25,9 +25,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import pytest
 import torch
 
-import fsdp_cudagraph._capture as capture_mod
+import fsdp_cudagraph.graphs.partial as capture_mod
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, hooks_snapshot
-from fsdp_cudagraph.model import GPT, GPTConfig, SelfAttention, TransformerBlock, loss_fn, synthetic_batch
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, SelfAttention, TransformerBlock, loss_fn, synthetic_batch
 from megatron_fsdp import fully_shard, is_capturing, simulated_capture
 from tests.dist_utils import run_gloo
 

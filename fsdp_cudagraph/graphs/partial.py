@@ -40,11 +40,13 @@ from torch import nn
 from megatron_fsdp import MegatronFSDP, simulated_capture
 from megatron_fsdp._unit import FSDPUnit
 
-from . import _args, _offload, _streams
-from ._attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
-from ._hooks import HOOK_KEYS, ExtractedHooks, _DICTS, extract_hooks, fsdp_handlers, restore_hooks
-from ._te import require_te
-from .config import CudaGraphConfig
+from fsdp_cudagraph.runtime import args as _args
+from fsdp_cudagraph.offload import offloader as _offload
+from fsdp_cudagraph.runtime import streams as _streams
+from fsdp_cudagraph.runtime.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
+from fsdp_cudagraph.hooks import HOOK_KEYS, ExtractedHooks, _DICTS, extract_hooks, fsdp_handlers, restore_hooks
+from fsdp_cudagraph.runtime.te import require_te
+from fsdp_cudagraph.config import CudaGraphConfig
 
 __all__ = ["PartialCudaGraphs", "CaptureReport", "BACKENDS", "select_modules", "match_graph_attention"]
 

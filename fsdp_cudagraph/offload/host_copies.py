@@ -1,6 +1,6 @@
 """The copy mechanics of activation offloading: host pool, group records, pack/unpack hooks, copy streams.
 
-Used by :class:`~fsdp_cudagraph._offload.ActivationOffloader` (lifecycle, recording and plan, and
+Used by :class:`~fsdp_cudagraph.offload.offloader.ActivationOffloader` (lifecycle, recording and plan, and
 [Note: offloading inside partial graphs] are there).
 
 [Note: activation offloading]
@@ -53,7 +53,7 @@ from torch import nn
 from megatron_fsdp import is_capturing
 
 if TYPE_CHECKING:
-    from ._offload import ActivationOffloader
+    from fsdp_cudagraph.offload.offloader import ActivationOffloader
 
 __all__ = ["HostBufferPool", "GroupRecord"]
 

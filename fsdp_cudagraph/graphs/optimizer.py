@@ -25,8 +25,8 @@ import torch
 from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard
 from megatron_fsdp import _graph_mode as static_step
 
-from . import _streams
-from ._capture_safety import sync_debug_errors, translate_capture_error
+from fsdp_cudagraph.runtime import streams as _streams
+from fsdp_cudagraph.runtime.capture_safety import sync_debug_errors, translate_capture_error
 
 __all__ = ["OptimizerGraph"]
 
@@ -90,7 +90,7 @@ class OptimizerGraph:
         return norm
 
     def _capture(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float]) -> None:
-        from ._full_iteration import FullIterationReport  # the report type lives with the public class
+        from fsdp_cudagraph.graphs.full_iteration import FullIterationReport  # the report type lives with the public class
 
         for i, group in enumerate(optimizer.param_groups):
             if self.backend == "cuda" and group.get("capturable") is False:

@@ -48,7 +48,7 @@ from torch import nn
 
 from megatron_fsdp import MegatronFSDP, is_capturing
 
-from ._offload_copy import GroupRecord, HostBufferPool, _Group, _unpack
+from fsdp_cudagraph.offload.host_copies import GroupRecord, HostBufferPool, _Group, _unpack
 
 __all__ = [
     "ActivationOffloader", "HostBufferPool", "GroupRecord", "OffloadState", "select_offload_modules",

@@ -71,10 +71,11 @@ from torch import nn
 
 from megatron_fsdp import MegatronFSDP
 
-from . import _args, _streams
-from ._buckets import Buckets, pad_to
-from ._capture import BACKENDS, CaptureReport, PartialCudaGraphs, select_modules
-from .config import CudaGraphConfig
+from fsdp_cudagraph.runtime import args as _args
+from fsdp_cudagraph.runtime import streams as _streams
+from fsdp_cudagraph.runtime.buckets import Buckets, pad_to
+from fsdp_cudagraph.graphs.partial import BACKENDS, CaptureReport, PartialCudaGraphs, select_modules
+from fsdp_cudagraph.config import CudaGraphConfig
 
 __all__ = [
     "LengthBucketGraphs",

@@ -79,11 +79,12 @@ import torch.distributed as dist
 from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard, simulated_capture
 from megatron_fsdp import _graph_mode as static_step
 
-from . import _args, _streams
-from ._attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
-from ._capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
-from ._optimizer_graph import OptimizerGraph
-from .config import CudaGraphConfig, CudaGraphImpl
+from fsdp_cudagraph.runtime import args as _args
+from fsdp_cudagraph.runtime import streams as _streams
+from fsdp_cudagraph.runtime.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
+from fsdp_cudagraph.runtime.capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
+from fsdp_cudagraph.graphs.optimizer import OptimizerGraph
+from fsdp_cudagraph.config import CudaGraphConfig, CudaGraphImpl
 
 __all__ = ["FullIterationCudaGraph", "FullIterationReport", "FULL_ITERATION_BACKENDS"]
 
