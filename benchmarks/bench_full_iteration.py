@@ -184,7 +184,7 @@ def summarize(name: str, rows: Dict[str, Any], args: argparse.Namespace, device:
                 ratios[f"full_iteration_best/{base}"] = best_full / ok[base]
     out = {"config": {**fields, "micro_batch_size": mbs, "use_te": args.te}, "columns": rows, "ratios": ratios}
     if name == "compute" and ok:
-        from bench_partial_graphs import matmul_peak_tflops, model_flops_per_step
+        from _flops import matmul_peak_tflops, model_flops_per_step
 
         peak = matmul_peak_tflops(device)
         flops = model_flops_per_step(cfg, mbs * cfg.seq_len)

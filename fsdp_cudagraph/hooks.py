@@ -8,7 +8,8 @@ engine's sentinels (``_cuda_graph_backward_pre_handler``, ``_cuda_graph_backward
 *registers* a backward handler on tensors, which a capture cannot use, so the wrapper is withheld and its
 inner handler goes under TE's ``backward_pre_hooks`` / ``backward_hooks`` keys; the engine's plain
 pre-forward / post-forward hooks go under ``forward_pre_hooks`` / ``forward_hooks``, adapted to TE's
-``fn(module) -> None`` form. Any other hook is unknown: it is restored like the rest (so it fires around
+``fn(module) -> None`` form (which hooks those are, only the engine knows: its adapter's ``hook_plan`` in
+``engines/`` decides, calling :func:`read_sentinel` here first). Any other hook is unknown: it is restored like the rest (so it fires around
 each replay, outside the graph) and reported, never dropped, but not run at capture time, because its
 arguments (the real inputs and outputs) do not exist there.
 """
@@ -17,16 +18,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Dict, List, OrderedDict, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, OrderedDict, Tuple
 
 from torch import nn
 
-__all__ = ["HOOK_KEYS", "ExtractedHooks", "extract_hooks", "restore_hooks", "hooks_snapshot", "fsdp_handlers"]
+from fsdp_cudagraph.engines import HOOK_KEYS, HookPlan, plan_bare_hooks
 
-#: TE's capture_time_hooks keys, in the order TE runs them in a step.
-HOOK_KEYS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+__all__ = ["HOOK_KEYS", "HOOK_DICTS", "ExtractedHooks", "extract_hooks", "restore_hooks", "hooks_snapshot", "read_sentinel",
+           "sentinel_plan", "adapt"]
+
 
 _DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+HOOK_DICTS = _DICTS
 _FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 PRE_SENTINEL = "_cuda_graph_backward_pre_handler"
@@ -46,6 +49,8 @@ class ExtractedHooks:
     unknown: List[Tuple[str, int, Any]]
     #: Sentinel wrappers withheld from capture (their inner handlers run instead).
     withheld: List[Tuple[str, int, Any]]
+    #: The engine's own hooks that nothing runs at capture (e.g. call guards): restored, not reported.
+    engine_only: List[Tuple[str, int, Any]] = dataclasses.field(default_factory=list)
 
 
 def hooks_snapshot(module: nn.Module) -> Dict[str, List[Tuple[int, Any]]]:
@@ -53,7 +58,7 @@ def hooks_snapshot(module: nn.Module) -> Dict[str, List[Tuple[int, Any]]]:
     return {name: list(getattr(module, name).items()) for name in _DICTS + _FLAGS}
 
 
-def _adapt(fn: Callable[..., Any], kind: str) -> Callable[[nn.Module], None]:
+def adapt(fn: Callable[..., Any], kind: str) -> Callable[[nn.Module], None]:
     """Turn an engine hook or inner handler into TE's one-argument form."""
     if kind == "handler":
         def run(module: nn.Module) -> None:
@@ -68,40 +73,49 @@ def _adapt(fn: Callable[..., Any], kind: str) -> Callable[[nn.Module], None]:
     return run
 
 
-def fsdp_handlers(hook_dicts: Dict[str, "OrderedDict[int, Any]"]) -> Tuple[Dict[str, Dict[int, Callable]], List, List]:
-    """Phase 2 on a set of hook dicts: (capture-time plan, unknown hooks, withheld wrappers)."""
-    plan: Dict[str, Dict[int, Callable]] = {k: {} for k in HOOK_KEYS}
-    unknown: List[Tuple[str, int, Any]] = []
-    withheld: List[Tuple[str, int, Any]] = []
+def read_sentinel(hook: Any, hid: int, dict_name: str, plan: HookPlan) -> bool:
+    """The reusable half of phase 2: plan a sentinel wrapper's inner handler and withhold the wrapper.
+
+    Returns whether ``hook`` carried a sentinel. An engine's :meth:`EngineAdapter.hook_plan` calls it first
+    for each hook and reads its own hooks (e.g. a role attribute) only when it returns False.
+    """
+    pre_handler = getattr(hook, PRE_SENTINEL, None)
+    post_handler = getattr(hook, POST_SENTINEL, None)
+    if pre_handler is not None:
+        plan.capture_time["backward_pre_hooks"][hid] = adapt(pre_handler, "handler")
+    elif post_handler is not None:
+        plan.capture_time["backward_hooks"][hid] = adapt(post_handler, "handler")
+    else:
+        return False
+    plan.withheld.append((dict_name, hid, hook))
+    return True
+
+
+def sentinel_plan(hook_dicts: Mapping[str, Mapping[int, Any]]) -> HookPlan:
+    """Phase 2 knowing no engine: sentinel wrappers are planned, every other hook is unknown."""
+    plan = HookPlan()
     for dict_name in _DICTS:
         for hid, hook in hook_dicts.get(dict_name, {}).items():
-            pre_handler = getattr(hook, PRE_SENTINEL, None)
-            post_handler = getattr(hook, POST_SENTINEL, None)
-            role = getattr(hook, "_megatron_fsdp_role", None)
-            if pre_handler is not None:
-                plan["backward_pre_hooks"][hid] = _adapt(pre_handler, "handler")
-                withheld.append((dict_name, hid, hook))
-            elif post_handler is not None:
-                plan["backward_hooks"][hid] = _adapt(post_handler, "handler")
-                withheld.append((dict_name, hid, hook))
-            elif role == "pre_forward" and dict_name == "_forward_pre_hooks":
-                plan["forward_pre_hooks"][hid] = _adapt(hook, "pre")
-            elif role == "post_forward" and dict_name == "_forward_hooks":
-                plan["forward_hooks"][hid] = _adapt(hook, "post")
-            else:
-                unknown.append((dict_name, hid, hook))
-    return plan, unknown, withheld
+            if not read_sentinel(hook, hid, dict_name, plan):
+                plan.unknown.append((dict_name, hid, hook))
+    return plan
 
 
-def extract_hooks(module: nn.Module) -> ExtractedHooks:
-    """Phase 1 (copy and clear) then phase 2 (reroute) for one callable."""
+def extract_hooks(module: nn.Module, hook_plan: Optional[Callable[[Mapping[str, Mapping[int, Any]]], HookPlan]] = None
+                  ) -> ExtractedHooks:
+    """Phase 1 (copy and clear) then phase 2 (reroute) for one callable.
+
+    ``hook_plan``: phase 2, e.g. an :class:`EngineAdapter`'s ``hook_plan``. Default: the plan of the registered
+    engine that recognises these hooks (``engines.plan_bare_hooks``), else :func:`sentinel_plan`.
+    """
     saved: Dict[str, "OrderedDict[int, Any]"] = {}
     for name in _DICTS + _FLAGS:
         saved[name] = collections.OrderedDict(getattr(module, name))
     for name in _DICTS + _FLAGS:
         getattr(module, name).clear()
-    plan, unknown, withheld = fsdp_handlers(saved)
-    return ExtractedHooks(module=module, saved=saved, capture_time=plan, unknown=unknown, withheld=withheld)
+    plan = hook_plan(saved) if hook_plan is not None else (plan_bare_hooks(saved) or sentinel_plan(saved))
+    return ExtractedHooks(module=module, saved=saved, capture_time=plan.capture_time, unknown=plan.unknown,
+                          withheld=plan.withheld, engine_only=plan.engine_only)
 
 
 def restore_hooks(extracted: ExtractedHooks) -> None:

@@ -32,12 +32,14 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import importlib
 from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["EngineAdapter", "HookPlan", "HOOK_KEYS", "adapter_for", "register_engine", "registered_engines"]
+__all__ = ["EngineAdapter", "HookPlan", "HOOK_KEYS", "adapter_for", "register_engine", "registered_engines",
+           "plan_bare_hooks", "unavailable_engines"]
 
 #: TE's capture_time_hooks keys, in the order TE runs them in a step.
 HOOK_KEYS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
@@ -56,6 +58,13 @@ class HookPlan:
     withheld: List[Tuple[str, int, Any]] = dataclasses.field(default_factory=list)
     #: (dict name, hook id, hook) of hooks the engine does not own: restored, reported, not run at capture.
     unknown: List[Tuple[str, int, Any]] = dataclasses.field(default_factory=list)
+    #: (dict name, hook id, hook) of the engine's own hooks that nothing runs at capture (e.g. call guards):
+    #: restored like the rest, not reported (they are not the user's).
+    engine_only: List[Tuple[str, int, Any]] = dataclasses.field(default_factory=list)
+
+    def claims_any(self) -> bool:
+        """Whether the engine recognised any hook (planned, withheld or its own)."""
+        return bool(any(self.capture_time.values()) or self.withheld or self.engine_only)
 
 
 class EngineAdapter(abc.ABC):
@@ -111,6 +120,11 @@ class EngineAdapter(abc.ABC):
         return 0
 
     # -- 2. hooks ---------------------------------------------------------------------------------
+    @classmethod
+    def plan_bare_hooks(cls, hooks: Mapping[str, Mapping[int, Any]]) -> Optional[HookPlan]:
+        """:meth:`hook_plan` without a wrapped model (``extract_hooks`` on a bare module); None: not supported."""
+        return None
+
     @abc.abstractmethod
     def hook_plan(self, hooks: Mapping[str, Mapping[int, Any]]) -> HookPlan:
         """Read a module's saved hook dicts (``_forward_pre_hooks`` ... ``_backward_hooks`` and the flag dicts)."""
@@ -161,7 +175,33 @@ def adapter_for(model: nn.Module) -> Optional[EngineAdapter]:
     return None
 
 
+def plan_bare_hooks(hooks: Mapping[str, Mapping[int, Any]]) -> Optional[HookPlan]:
+    """The plan of the first registered engine that recognises any of these hooks, or None if none does."""
+    for cls in registered_engines():
+        plan = cls.plan_bare_hooks(hooks)
+        if plan is not None and plan.claims_any():
+            return plan
+    return None
+
+
 _LOADED = False
+#: engine module -> why it could not be imported (a missing optional dependency); see _load_builtin.
+_UNAVAILABLE: Dict[str, str] = {}
+
+
+def unavailable_engines() -> Dict[str, str]:
+    """Built-in engine modules that failed to import, with the reason (e.g. a missing optional dependency)."""
+    _load_builtin()
+    return dict(_UNAVAILABLE)
+
+
+def _load(name: str) -> None:
+    # importlib, not an import statement: an engine module imports this contract, and the contract must not
+    # import it back (tests/test_layout.py forbids the circle). A missing dependency disables one engine only.
+    try:
+        importlib.import_module(f"{__name__}.{name}")
+    except ImportError as exc:
+        _UNAVAILABLE[name] = f"{type(exc).__name__}: {exc}"
 
 
 def _load_builtin() -> None:
@@ -170,4 +210,5 @@ def _load_builtin() -> None:
     if _LOADED:
         return
     _LOADED = True
-    # The modules register themselves on import; the list grows as adapters land.
+    # The modules register themselves on import; one line per engine module of this folder.
+    _load("megatron_fsdp")

@@ -28,7 +28,7 @@ Evaluation (``evaluate``) has its own forward-only graph; the optimizer step has
 
 [Note: frozen host decisions]
 At replay no Python runs: every decision taken on the host while the step was captured is replayed as it
-was taken then. The engine's decisions follow a fixed schedule (``megatron_fsdp._graph_mode``, [Note: the
+was taken then. The engine's decisions follow a fixed schedule (``megatron_fsdp.graph_contract``, [Note: the
 static schedule]): every step re-installs the compute parameters from the main shards, gathers every unit
 it needs, and writes this step's gradients over the main gradients. The eager steps this class runs (the
 warmup before capture, fallbacks on other inputs) start from the same state, so they issue the same
@@ -77,13 +77,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard, simulated_capture
-from megatron_fsdp import _graph_mode as static_step
+from megatron_fsdp import graph_contract as static_step
 
 from fsdp_cudagraph.runtime import args as _args
 from fsdp_cudagraph.runtime import streams as _streams
 from fsdp_cudagraph.runtime.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
 from fsdp_cudagraph.runtime.capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
-from fsdp_cudagraph.graphs.optimizer import OptimizerGraph
+from fsdp_cudagraph.graphs.optimizer import FullIterationReport, OptimizerGraph
 from fsdp_cudagraph.config import CudaGraphConfig, CudaGraphImpl
 
 __all__ = ["FullIterationCudaGraph", "FullIterationReport", "FULL_ITERATION_BACKENDS"]
@@ -94,21 +94,6 @@ logger = logging.getLogger(__name__)
 #: each "replay" re-runs the step under the capture guard and must issue what the capture issued.
 FULL_ITERATION_BACKENDS = ("cuda", "protocol")
 _KINDS = {"train": "the training step", "eval": "the evaluation step", "optimizer": "the optimizer step"}
-
-
-@dataclasses.dataclass
-class FullIterationReport:
-    """What one capture did."""
-
-    kind: str
-    backend: str
-    capture_seconds: float
-    graph_memory_bytes: int
-    num_micro_batches: int
-    #: the engine's collectives inside the graph, in launch order (the same on every rank)
-    collectives: List[str]
-    #: units whose main gradients the captured step writes (train graphs)
-    units_with_grads: List[str]
 
 
 @dataclasses.dataclass(eq=False)

@@ -66,7 +66,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard, simulated_capture
-from megatron_fsdp import _graph_mode as static_step
+from megatron_fsdp import graph_contract as static_step
 
 from fsdp_cudagraph.runtime import args as _args
 from fsdp_cudagraph.runtime import streams as _streams
@@ -139,7 +139,7 @@ class InferenceCudaGraphs:
             each capture, ``cuda_graph_strict_signature`` raises instead of running oversized calls eagerly.
         batch_buckets: padded batch sizes (dim 0), e.g. ``Buckets.powers_of_two(8)``.
         seq_buckets: optional padded sequence lengths (dim 1, padded at the end); needs a causal model: the
-            reference GPT, or a model declaring ``causal = True`` and ``max_positions``, checked against them) or ``causal=True``.
+            reference GPT, or any model declaring ``causal = True`` and ``max_positions``) or ``causal=True``.
         causal: declare that position ``i``'s outputs never depend on positions after ``i``.
         layer_modules: classes (or class names) of the layers for ``layer`` scope; default the FSDP units, or
             the model's ``unit_class`` (the reference GPT's blocks).
@@ -191,7 +191,7 @@ class InferenceCudaGraphs:
                     "fsdp_double_buffer=True and fsdp_db_use_persist_buf_on_alloc_fail=True to fully_shard, or use "
                     "inference_cuda_graph_scope='none'")
         self._layers: List[_Layer] = self._select_layers(layer_modules) if self.scope is InferenceCudaGraphScope.LAYER else []
-        #: block graphs of an engine hold its work, collectives included, as a static step (_graph_mode.py)
+        #: block graphs of an engine hold its work, collectives included, as a static step (graph_contract.py)
         self._static = self.scope is InferenceCudaGraphScope.BLOCK and self.engine is not None
         self._agree = self._static and self.engine.world_size > 1
         self._blocks: Dict[Any, _Graph] = {}
