@@ -6,15 +6,15 @@ graph), restores them exactly so that they fire around every replay, and checks 
 the parameters sit where they sat at capture. See :class:`PartialCudaGraphs` and :class:`CudaGraphConfig`.
 """
 
+from fsdp_cudagraph.graphs.full_iteration import FULL_ITERATION_BACKENDS, FullIterationCudaGraph, FullIterationReport
+from fsdp_cudagraph.graphs.inference import INFERENCE_BACKENDS, GraphLimitWarning, InferenceCapture, InferenceCudaGraphs
+from fsdp_cudagraph.graphs.length_buckets import BucketReplayConflictWarning, LengthArg, LengthBucketGraphs, LengthBucketsReport
+from fsdp_cudagraph.graphs.partial import BACKENDS, CaptureReport, PartialCudaGraphs, match_graph_attention
+from fsdp_cudagraph.hooks import extract_hooks, hooks_snapshot, restore_hooks
+from fsdp_cudagraph.offload.offloader import ActivationOffloader
 from fsdp_cudagraph.runtime.args import SignatureChangedWarning
 from fsdp_cudagraph.runtime.attention import ATTENTION_POLICIES, AttentionBackendMatcher
-from fsdp_cudagraph.graphs.partial import BACKENDS, CaptureReport, PartialCudaGraphs, match_graph_attention
 from fsdp_cudagraph.runtime.capture_safety import HostSyncError
-from fsdp_cudagraph.graphs.full_iteration import FULL_ITERATION_BACKENDS, FullIterationCudaGraph, FullIterationReport
-from fsdp_cudagraph.hooks import extract_hooks, hooks_snapshot, restore_hooks
-from fsdp_cudagraph.graphs.inference import INFERENCE_BACKENDS, GraphLimitWarning, InferenceCapture, InferenceCudaGraphs
-from fsdp_cudagraph.offload.offloader import ActivationOffloader
-from fsdp_cudagraph.graphs.length_buckets import BucketReplayConflictWarning, LengthArg, LengthBucketGraphs, LengthBucketsReport
 from fsdp_cudagraph.runtime.streams import use_side_stream
 from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON, TE_VERSION
 from fsdp_cudagraph.config import (

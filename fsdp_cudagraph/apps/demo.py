@@ -21,9 +21,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch
 import torch.distributed as dist
 
-from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON
 from fsdp_cudagraph.apps.model import GPTConfig
 from fsdp_cudagraph.apps.train import RunSpec, run_training, use_deterministic_kernels
+from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON
 
 
 def main() -> None:

@@ -43,15 +43,15 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from megatron_fsdp import fully_shard
 
-from fsdp_cudagraph.runtime.attention import AttentionBackendMatcher
-from fsdp_cudagraph.graphs.partial import PartialCudaGraphs
-from fsdp_cudagraph.runtime.capture_safety import HostSyncError
-from fsdp_cudagraph.graphs.full_iteration import FullIterationCudaGraph, FullIterationReport
-from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON
 from fsdp_cudagraph.apps.align import versions, write_record
-from fsdp_cudagraph.config import CudaGraphConfig
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn
 from fsdp_cudagraph.apps.train import init_distributed, rank_batches, use_deterministic_kernels
+from fsdp_cudagraph.config import CudaGraphConfig
+from fsdp_cudagraph.graphs.full_iteration import FullIterationCudaGraph, FullIterationReport
+from fsdp_cudagraph.graphs.partial import PartialCudaGraphs
+from fsdp_cudagraph.runtime.attention import AttentionBackendMatcher
+from fsdp_cudagraph.runtime.capture_safety import HostSyncError
+from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON
 
 __all__ = ["FullRunSpec", "FullRunResult", "run_full", "main"]
 

@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from megatron_fsdp import MegatronFSDP, fully_shard
 
-from fsdp_cudagraph.graphs.partial import CaptureReport, PartialCudaGraphs, match_graph_attention, select_modules
-from fsdp_cudagraph.config import CudaGraphConfig
-from fsdp_cudagraph.testing.records import exit_process  # noqa: F401 - re-exported for the entry points
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch
+from fsdp_cudagraph.config import CudaGraphConfig
+from fsdp_cudagraph.graphs.partial import CaptureReport, PartialCudaGraphs, match_graph_attention, select_modules
+from fsdp_cudagraph.testing.records import exit_process  # noqa: F401 - re-exported for the entry points
 
 __all__ = ["RunSpec", "RunResult", "build_model", "graph_config", "run_training", "use_deterministic_kernels",
            "init_distributed", "rank_batches"]

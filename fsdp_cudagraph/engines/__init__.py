@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 __all__ = ["EngineAdapter", "HookPlan", "HOOK_KEYS", "adapter_for", "register_engine", "registered_engines",
-           "plan_bare_hooks", "unavailable_engines"]
+           "plan_bare_hooks", "root_of", "unavailable_engines"]
 
 #: TE's capture_time_hooks keys, in the order TE runs them in a step.
 HOOK_KEYS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
@@ -182,6 +182,12 @@ def plan_bare_hooks(hooks: Mapping[str, Mapping[int, Any]]) -> Optional[HookPlan
         if plan is not None and plan.claims_any():
             return plan
     return None
+
+
+def root_of(model: nn.Module) -> nn.Module:
+    """The user's module tree under whatever registered engine wraps ``model`` (``model`` itself if none does)."""
+    adapter = adapter_for(model)
+    return adapter.root if adapter is not None else model
 
 
 _LOADED = False

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import megatron_fsdp
+
 from fsdp_cudagraph import hooks
 from fsdp_cudagraph.engines import EngineAdapter, HookPlan, register_engine
 

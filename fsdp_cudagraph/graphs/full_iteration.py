@@ -79,12 +79,12 @@ import torch.distributed as dist
 from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard, simulated_capture
 from megatron_fsdp import graph_contract as static_step
 
+from fsdp_cudagraph.config import CudaGraphConfig, CudaGraphImpl
+from fsdp_cudagraph.graphs.optimizer import FullIterationReport, OptimizerGraph
 from fsdp_cudagraph.runtime import args as _args
 from fsdp_cudagraph.runtime import streams as _streams
 from fsdp_cudagraph.runtime.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
 from fsdp_cudagraph.runtime.capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
-from fsdp_cudagraph.graphs.optimizer import FullIterationReport, OptimizerGraph
-from fsdp_cudagraph.config import CudaGraphConfig, CudaGraphImpl
 
 __all__ = ["FullIterationCudaGraph", "FullIterationReport", "FULL_ITERATION_BACKENDS"]
 

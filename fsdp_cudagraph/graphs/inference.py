@@ -68,12 +68,12 @@ from torch import nn
 from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard, simulated_capture
 from megatron_fsdp import graph_contract as static_step
 
+from fsdp_cudagraph.config import CudaGraphConfig, InferenceCudaGraphScope
 from fsdp_cudagraph.runtime import args as _args
 from fsdp_cudagraph.runtime import streams as _streams
 from fsdp_cudagraph.runtime.attention import te_capture_flag
 from fsdp_cudagraph.runtime.buckets import Buckets, pad_to, unpad
 from fsdp_cudagraph.runtime.capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
-from fsdp_cudagraph.config import CudaGraphConfig, InferenceCudaGraphScope
 
 __all__ = ["InferenceCudaGraphs", "InferenceCapture", "INFERENCE_BACKENDS", "GraphLimitWarning"]
 

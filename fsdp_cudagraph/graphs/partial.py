@@ -37,15 +37,16 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from megatron_fsdp import simulated_capture
 
-from fsdp_cudagraph.runtime import args as _args
-from fsdp_cudagraph.offload import offloader as _offload
-from fsdp_cudagraph.runtime import streams as _streams
-from fsdp_cudagraph.runtime.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
+from fsdp_cudagraph.config import CudaGraphConfig
 from fsdp_cudagraph.engines import EngineAdapter, adapter_for
 from fsdp_cudagraph.hooks import HOOK_DICTS, HOOK_KEYS, ExtractedHooks, extract_hooks, restore_hooks
+from fsdp_cudagraph.offload import offloader as _offload
+from fsdp_cudagraph.runtime import args as _args
+from fsdp_cudagraph.runtime import streams as _streams
+from fsdp_cudagraph.runtime.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
 from fsdp_cudagraph.runtime.te import require_te
-from fsdp_cudagraph.config import CudaGraphConfig
 
 __all__ = ["PartialCudaGraphs", "CaptureReport", "BACKENDS", "select_modules", "match_graph_attention"]
 
@@ -387,7 +388,9 @@ class PartialCudaGraphs:
             self._install(c, wrappers[c], _ProtocolReplay(wrappers[c]))
 
     def _simulated_capture(self) -> Any:
-        return self.engine.simulated_capture() if self.engine is not None else contextlib.nullcontext()
+        # The engine's guard; with no engine, still the process-wide simulated-capture flag that offloading reads
+        # (megatron_fsdp's public is_capturing/simulated_capture: the one capture state of the CPU protocol).
+        return self.engine.simulated_capture() if self.engine is not None else simulated_capture()
 
     def _pool_kwargs(self, callables: List[_Callable]) -> Dict[str, Any]:
         """Extra graph-maker arguments for one capture call: none here; length buckets pass a shared ``pool``."""

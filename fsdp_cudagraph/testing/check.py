@@ -51,11 +51,11 @@ from torch import nn
 
 from megatron_fsdp import fully_shard
 
-from fsdp_cudagraph.graphs import partial as _capture
-from fsdp_cudagraph.testing.records import write_record
-from fsdp_cudagraph.testing.divergence import StepRecorder, describe_divergence, first_divergence
-from fsdp_cudagraph.runtime.te import HAS_TE
 from fsdp_cudagraph.config import CudaGraphConfig
+from fsdp_cudagraph.graphs import partial as _capture
+from fsdp_cudagraph.runtime.te import HAS_TE
+from fsdp_cudagraph.testing.divergence import StepRecorder, describe_divergence, first_divergence
+from fsdp_cudagraph.testing.records import write_record
 
 __all__ = ["ModelSpec", "AlignmentReport", "check_alignment", "main"]
 
