@@ -8,7 +8,7 @@ multiples of 128 (64, 100, 128, 512), head dims 32/64/128, TE's own ``Transforme
 (sequence-first), plain-torch layers under the TE backend, all four sharding strategies, gradient
 accumulation, user forward hooks and full backward hooks on graphed modules, and tuple outputs with tensor
 keyword arguments. The eager run uses ``match_graph_attention`` for the row's scope (TE attention picks the
-backend a graph would; see ``_attention.py``).
+backend a graph would; see ``runtime/attention.py``).
 
 Negative controls show the comparison can fail: double buffering off is refused by validation, a hook left
 on a captured module is refused, a parameter moved after capture is caught before replay, a one-token data

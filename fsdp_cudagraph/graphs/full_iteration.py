@@ -151,7 +151,7 @@ class FullIterationCudaGraph:
         host_sync_check: run the last warmup step under :class:`CaptureSafetyCheck` (host syncs named before
             capture). ``False`` leaves that step unobserved (the capture's own sync-debug check still runs).
 
-    Streams: on CUDA, building it moves this thread off the legacy default stream (see ``_streams.py``): build
+    Streams: on CUDA, building it moves this thread off the legacy default stream (see ``runtime/streams.py``): build
     it before the first training step. Every call then runs on the thread's current stream, the capture too.
 
     Hazards: the returned losses are fresh tensors, but tensors inside the graph (activations, the graph's
@@ -267,7 +267,7 @@ class FullIterationCudaGraph:
         ``max_norm``: clip the main gradients by their global norm first (``model.clip_grad_norm_``, sync-free:
         an all-reduce and device-side scaling, inside the optimizer graph when there is one) and return that
         norm (before clipping) as a fresh tensor. The value is bound at capture: a replay with another raises.
-        See ``_optimizer_graph.py`` for what a replay checks.
+        See ``graphs/optimizer.py`` for what a replay checks.
         """
         self._check_usable("optimizer_step")
         return self._opt.step(optimizer, max_norm)

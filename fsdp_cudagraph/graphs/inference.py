@@ -153,7 +153,7 @@ class InferenceCudaGraphs:
     Python side effects inside a graphed forward (a hook on a submodule of a layer, a counter) happen at
     capture only; a ``block`` graph of a sharded model on several ranks holds collectives, so every rank must
     call it together (the padded batch is agreed across ranks per call, other shapes must match).
-    Streams: on CUDA, building it moves this thread off the legacy default stream (``_streams.py``).
+    Streams: on CUDA, building it moves this thread off the legacy default stream (``runtime/streams.py``).
     """
 
     def __init__(self, model: nn.Module, config: CudaGraphConfig, *, batch_buckets: Buckets,

@@ -9,7 +9,7 @@ Lifecycle (eager)::
 With partial graphs, ``PartialCudaGraphs(model, config)`` builds the offloader from
 ``config.activation_offload_modules`` (or ``..._module_patterns``) and drives it around capture (see
 [Note: offloading inside partial graphs]). What is copied, on which streams, into which host buffers, and
-the hazards: ``_offload_copy.py``, [Note: activation offloading].
+the hazards: ``offload/host_copies.py``, [Note: activation offloading].
 
 Recording and plan. The first grad-enabled forward after the offloader is built offloads every group and
 records each one's (module name, call index) and copy sizes, in forward order (:class:`GroupRecord`). At
