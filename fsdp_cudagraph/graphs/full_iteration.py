@@ -458,15 +458,11 @@ class FullIterationCudaGraph:
 
     def _run_protocol(self, slot: _Slot, static_batch: Any, log: List[str]) -> Tuple[Any, list]:
         """One capture or replay on the protocol backend: the step under simulated capture, phases recorded."""
-        engine, previous = self.engine, self.engine.trace
-        engine.trace = []
-        try:
-            with simulated_capture(), capture_guard(CaptureGuardMode.ALLOW_COLLECTIVES, collective_log=log), \
-                    CaptureSafetyCheck(self.device, _KINDS[slot.kind]):
-                out = self._body(slot)(static_batch)
-            return out, engine.trace
-        finally:
-            engine.trace = previous
+        with static_step.recording_phases(self.engine) as trace, simulated_capture(), \
+                capture_guard(CaptureGuardMode.ALLOW_COLLECTIVES, collective_log=log), \
+                CaptureSafetyCheck(self.device, _KINDS[slot.kind]):
+            out = self._body(slot)(static_batch)
+        return out, trace
 
     def _barrier(self) -> None:
         if dist.get_backend(self.engine.group) == "nccl":

@@ -235,7 +235,7 @@ class PartialCudaGraphs:
                 "unknown; run at least one eager training step (cuda_graph_warmup_steps >= 1) before capture()"
             )
         _args.check_recorded(self.callables)
-        # (helper A, issue 11) A unit under activation checkpointing re-runs its forward inside backward, where a
+        # A unit under activation checkpointing re-runs its forward inside backward, where a
         # graphed callable would replay out of the captured schedule: refused, the engine tells which units.
         recomputed = sorted({self.engine.unit_name(c.unit) for c in self.callables if c.unit is not None
                              and self.engine.unit_uses_recompute(c.unit)})
