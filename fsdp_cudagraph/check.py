@@ -1,4 +1,4 @@
-"""The alignment checker's public door: ``python -m fsdp_cudagraph.check`` and ``from fsdp_cudagraph.check import ModelSpec``.
+"""The alignment checker's public door: ``python -m fsdp_cudagraph.check``, ``fsdp_cudagraph.check.ModelSpec``.
 
 The checker lives in :mod:`fsdp_cudagraph.testing.check` (the room of what users run to check their own
 training); this module keeps the command and the import path that users and factories already spell.

@@ -9,7 +9,8 @@ engine's sentinels (``_cuda_graph_backward_pre_handler``, ``_cuda_graph_backward
 inner handler goes under TE's ``backward_pre_hooks`` / ``backward_hooks`` keys; the engine's plain
 pre-forward / post-forward hooks go under ``forward_pre_hooks`` / ``forward_hooks``, adapted to TE's
 ``fn(module) -> None`` form (which hooks those are, only the engine knows: its adapter's ``hook_plan`` in
-``engines/`` decides, calling :func:`read_sentinel` here first). Any other hook is unknown: it is restored like the rest (so it fires around
+``engines/`` decides, calling the contract's ``read_sentinel`` first). The engine's other hooks (e.g. call
+guards) are ``engine_only``. Any other hook is unknown: it is restored like the rest (so it fires around
 each replay, outside the graph) and reported, never dropped, but not run at capture time, because its
 arguments (the real inputs and outputs) do not exist there.
 """
@@ -22,19 +23,16 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, OrderedDict, Tu
 
 from torch import nn
 
-from fsdp_cudagraph.engines import HOOK_KEYS, HookPlan, plan_bare_hooks
+# The sentinels and their reader are part of the engine contract (an adapter calls read_sentinel); re-exported.
+from fsdp_cudagraph.engines import (HOOK_DICTS, HOOK_KEYS, POST_SENTINEL, PRE_SENTINEL, HookPlan, adapt, plan_bare_hooks,
+                                    read_sentinel, sentinel_plan)
 
 __all__ = ["HOOK_KEYS", "HOOK_DICTS", "ExtractedHooks", "extract_hooks", "restore_hooks", "hooks_snapshot", "read_sentinel",
-           "sentinel_plan", "adapt"]
+           "sentinel_plan", "adapt", "PRE_SENTINEL", "POST_SENTINEL"]
 
 
-_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-HOOK_DICTS = _DICTS
+_DICTS = HOOK_DICTS
 _FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-
-PRE_SENTINEL = "_cuda_graph_backward_pre_handler"
-POST_SENTINEL = "_cuda_graph_backward_handler"
-
 
 @dataclasses.dataclass
 class ExtractedHooks:
@@ -56,49 +54,6 @@ class ExtractedHooks:
 def hooks_snapshot(module: nn.Module) -> Dict[str, List[Tuple[int, Any]]]:
     """A comparable picture of a module's hooks: per dict, the (id, hook object) pairs in order."""
     return {name: list(getattr(module, name).items()) for name in _DICTS + _FLAGS}
-
-
-def adapt(fn: Callable[..., Any], kind: str) -> Callable[[nn.Module], None]:
-    """Turn an engine hook or inner handler into TE's one-argument form."""
-    if kind == "handler":
-        def run(module: nn.Module) -> None:
-            fn(module)
-    elif kind == "pre":
-        def run(module: nn.Module) -> None:
-            fn(module, ())
-    else:
-        def run(module: nn.Module) -> None:
-            fn(module, (), None)
-    run.__wrapped__ = fn  # type: ignore[attr-defined]
-    return run
-
-
-def read_sentinel(hook: Any, hid: int, dict_name: str, plan: HookPlan) -> bool:
-    """The reusable half of phase 2: plan a sentinel wrapper's inner handler and withhold the wrapper.
-
-    Returns whether ``hook`` carried a sentinel. An engine's :meth:`EngineAdapter.hook_plan` calls it first
-    for each hook and reads its own hooks (e.g. a role attribute) only when it returns False.
-    """
-    pre_handler = getattr(hook, PRE_SENTINEL, None)
-    post_handler = getattr(hook, POST_SENTINEL, None)
-    if pre_handler is not None:
-        plan.capture_time["backward_pre_hooks"][hid] = adapt(pre_handler, "handler")
-    elif post_handler is not None:
-        plan.capture_time["backward_hooks"][hid] = adapt(post_handler, "handler")
-    else:
-        return False
-    plan.withheld.append((dict_name, hid, hook))
-    return True
-
-
-def sentinel_plan(hook_dicts: Mapping[str, Mapping[int, Any]]) -> HookPlan:
-    """Phase 2 knowing no engine: sentinel wrappers are planned, every other hook is unknown."""
-    plan = HookPlan()
-    for dict_name in _DICTS:
-        for hid, hook in hook_dicts.get(dict_name, {}).items():
-            if not read_sentinel(hook, hid, dict_name, plan):
-                plan.unknown.append((dict_name, hid, hook))
-    return plan
 
 
 def extract_hooks(module: nn.Module, hook_plan: Optional[Callable[[Mapping[str, Mapping[int, Any]]], HookPlan]] = None

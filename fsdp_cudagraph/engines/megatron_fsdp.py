@@ -17,15 +17,14 @@ from torch import nn
 
 import megatron_fsdp
 
-from fsdp_cudagraph import hooks
-from fsdp_cudagraph.engines import EngineAdapter, HookPlan, register_engine
+from fsdp_cudagraph.engines import HOOK_DICTS, EngineAdapter, HookPlan, adapt, read_sentinel, register_engine
 
 __all__ = ["MegatronFSDPEngine", "ROLE_ATTR", "PLANNED_ROLES"]
 
 #: Every hook ``megatron_fsdp`` registers names its role in this attribute.
 ROLE_ATTR = "_megatron_fsdp_role"
 #: role -> (the hook dict it must sit in, the TE capture-time key it is planned under, how it is called).
-#: The two ``register_*`` roles carry sentinels: hooks.read_sentinel plans their inner handlers instead.
+#: The two ``register_*`` roles carry sentinels: read_sentinel plans their inner handlers instead.
 _PLANNED = {
     "pre_forward": ("_forward_pre_hooks", "forward_pre_hooks", "pre"),
     "post_forward": ("_forward_hooks", "forward_hooks", "post"),
@@ -43,14 +42,14 @@ def plan_hooks(saved: Mapping[str, Mapping[int, Any]]) -> HookPlan:
     - everything else, including a planned role in the wrong dict, is unknown: restored and reported.
     """
     plan = HookPlan()
-    for dict_name in hooks.HOOK_DICTS:
+    for dict_name in HOOK_DICTS:
         for hid, hook in saved.get(dict_name, {}).items():
-            if hooks.read_sentinel(hook, hid, dict_name, plan):
+            if read_sentinel(hook, hid, dict_name, plan):
                 continue
             role = getattr(hook, ROLE_ATTR, None)
             planned = _PLANNED.get(role)
             if planned is not None and planned[0] == dict_name:
-                plan.capture_time[planned[1]][hid] = hooks.adapt(hook, planned[2])
+                plan.capture_time[planned[1]][hid] = adapt(hook, planned[2])
             elif role is not None and role not in PLANNED_ROLES:
                 plan.engine_only.append((dict_name, hid, hook))
             else:
@@ -110,8 +109,8 @@ class MegatronFSDPEngine(EngineAdapter):
         return self.engine.num_forward_calls
 
     # -- 2. hooks
-    def hook_plan(self, hooks_: Mapping[str, Mapping[int, Any]]) -> HookPlan:
-        return plan_hooks(hooks_)
+    def hook_plan(self, hooks: Mapping[str, Mapping[int, Any]]) -> HookPlan:
+        return plan_hooks(hooks)
 
     # -- 3. what must not move
     def check_partial_graphs(self) -> None:

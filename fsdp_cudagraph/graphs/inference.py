@@ -21,7 +21,8 @@ Scopes:
   pre-forward (all-gather) and post-forward (reshard) fire around its replay exactly as in an eager
   forward ([Note: layer graphs inside the layer's call]).
 - ``block``: the whole forward in one graph per padded shape. Under ``megatron_fsdp`` the graph holds the
-  engine's work too, collectives included (ZeRO-3 all-gathers; the engine side of it is [Note: the static schedule] in ``megatron_fsdp/graph_contract.py``).
+  engine's work too, collectives included (ZeRO-3 all-gathers; the engine's side is [Note: the static
+  schedule] in ``megatron_fsdp/graph_contract.py``).
 - ``none``: ``graphs(...)`` is ``model(...)``.
 
 [Note: inference buckets and padding]

@@ -94,8 +94,13 @@ class _Callable:
     signature: Any = None
 
 
-def select_modules(root: nn.Module, engine: Optional[EngineAdapter], config: CudaGraphConfig) -> List[Tuple[str, nn.Module]]:
-    """The (qualified name, module) pairs that ``config`` selects as graphed callables, in module order."""
+def select_modules(root: nn.Module, engine: Any, config: CudaGraphConfig) -> List[Tuple[str, nn.Module]]:
+    """The (qualified name, module) pairs that ``config`` selects as graphed callables, in module order.
+
+    ``engine``: the engine's adapter, or the wrapped model itself (its adapter is looked up), or None.
+    """
+    if engine is not None and not isinstance(engine, EngineAdapter):
+        engine = adapter_for(engine)
     cfg = config
     named = list(root.named_modules())
     if cfg.cuda_graph_module_patterns:
