@@ -1,4 +1,4 @@
-"""The engine contract as our engine answers it (fsdp_cudagraph/engines/megatron_fsdp.py), and the moved apps' aliases.
+"""The engine contract as our engine (engines/megatron_fsdp.py) and a toy engine answer it; the moved apps' aliases.
 
 No process group for the hook-plan tests; one Gloo rank for the adapter over a sharded model.
 """
@@ -17,7 +17,9 @@ from torch import nn
 
 from fsdp_cudagraph import CudaGraphConfig, LengthBucketGraphs, PartialCudaGraphs, extract_hooks, hooks_snapshot, restore_hooks
 from fsdp_cudagraph.apps.model import GPT, GPTConfig
-from fsdp_cudagraph.engines import adapter_for, registered_engines, root_of, unavailable_engines
+import fsdp_cudagraph.engines as engines_pkg
+from fsdp_cudagraph.engines import (HOOK_DICTS, EngineAdapter, HookPlan, adapt, adapter_for, read_sentinel, register_engine,
+                                    registered_engines, root_of, unavailable_engines)
 from fsdp_cudagraph.engines.megatron_fsdp import MegatronFSDPEngine, plan_hooks
 from megatron_fsdp import fully_shard
 
@@ -140,3 +142,85 @@ def test_moved_command_line_runs_the_new_module():
     assert "fsdp_cudagraph.align moved to fsdp_cudagraph.apps.align" in proc.stderr
     if not torch.cuda.is_available():
         assert "needs a CUDA GPU" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------- a second engine, through the contract
+class _Wrapper(nn.Module):
+    """A toy 'engine' wrapper: its per-unit hooks carry ``_toy_role``, which only its adapter understands."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.module = inner
+        self.calls = {"pre": 0}
+        for layer in inner:
+            def pre(mod, args):
+                self.calls["pre"] += 1
+            pre._toy_role = "pre"
+            layer.register_forward_pre_hook(pre)
+
+    def forward(self, x):
+        return self.module(x)
+
+
+class _ToyEngine(EngineAdapter):
+    name = "toy"
+    resets = 0
+
+    @classmethod
+    def recognizes(cls, model):
+        return isinstance(model, _Wrapper)
+
+    @property
+    def root(self):
+        return self.model.module
+
+    def unit_modules(self):
+        return list(self.root)
+
+    def unit_of(self, module):
+        return next((u for u in self.root if any(m is module for m in u.modules())), None)
+
+    def hook_plan(self, hooks):
+        plan = HookPlan()
+        for d in HOOK_DICTS:
+            for hid, hook in hooks.get(d, {}).items():
+                if getattr(hook, "_toy_role", None) == "pre" and d == "_forward_pre_hooks":
+                    plan.capture_time["forward_pre_hooks"][hid] = adapt(hook, "pre")
+                elif not read_sentinel(hook, hid, d, plan):
+                    plan.unknown.append((d, hid, hook))
+        return plan
+
+    def check_partial_graphs(self):
+        pass
+
+    def replay_tensors(self, module):
+        return list(module.named_parameters())
+
+    def reset(self):
+        type(self).resets += 1
+
+
+@pytest.fixture
+def toy_engine():
+    register_engine(_ToyEngine)
+    try:
+        yield _ToyEngine
+    finally:
+        engines_pkg._ENGINES.remove(_ToyEngine)
+
+
+def test_partial_graphs_speak_to_any_engine_through_the_contract(toy_engine):
+    # No graph-kind code knows the toy engine: units, hook plan and reset come from its adapter alone.
+    torch.manual_seed(0)
+    model = _Wrapper(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    graphs = PartialCudaGraphs(model, CudaGraphConfig(cuda_graph_impl="local", cuda_graph_modules=[]), backend="protocol")
+    assert [c.module for c in graphs.callables] == list(model.module)
+    model(torch.randn(2, 4)).sum().backward()
+    before, resets = model.calls["pre"], toy_engine.resets
+    report = graphs.capture()
+    assert report.unknown_hooks == []  # the toy role was planned by its adapter, not reported as the user's
+    # the planned pre hook ran around each warmup and capture pass of both layers
+    assert model.calls["pre"] - before == 2 * (graphs.config.cuda_graph_num_warmup_iters + 1)
+    assert toy_engine.resets - resets == 2  # before and after capture
+    model(torch.randn(2, 4)).sum().backward()  # replays with the hooks restored around them
+    graphs.delete()

@@ -189,9 +189,9 @@ def negative_controls(device: torch.device, backend: str) -> List[Dict[str, Any]
     # 2. One FSDP hook left on a captured module: the graph maker refuses it.
     real_extract = _hooks.extract_hooks
 
-    def leaky_extract(module: torch.nn.Module) -> Any:
+    def leaky_extract(module: torch.nn.Module, **kwargs: Any) -> Any:
         kept = dict(module._forward_pre_hooks)
-        ex = real_extract(module)
+        ex = real_extract(module, **kwargs)
         first = next(iter(kept.items()), None)
         if first is not None:
             module._forward_pre_hooks[first[0]] = first[1]

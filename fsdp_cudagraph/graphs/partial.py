@@ -269,8 +269,9 @@ class PartialCudaGraphs:
         mem0 = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         t0 = time.perf_counter()
         try:
+            hook_plan = self.engine.hook_plan if self.engine is not None else None  # phase 2: the engine's reading
             for c in order:
-                c.extracted = extract_hooks(c.module)
+                c.extracted = extract_hooks(c.module, hook_plan=hook_plan)
             self._plan(order)
             runner = {"te": self._capture_te, "torch": self._capture_torch, "protocol": self._capture_protocol}[self.backend]
             with _streams.stale_stream_override(), _offload.graph_maker(self.offload):
