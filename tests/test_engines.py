@@ -12,7 +12,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fsdp_cudagraph import CudaGraphConfig, LengthBucketGraphs, PartialCudaGraphs, extract_hooks, hooks_snapshot, restore_hooks
@@ -22,6 +21,7 @@ from fsdp_cudagraph.engines import (HOOK_DICTS, EngineAdapter, HookPlan, adapt, 
                                     registered_engines, root_of, unavailable_engines)
 from fsdp_cudagraph.engines.megatron_fsdp import MegatronFSDPEngine, plan_hooks
 from megatron_fsdp import fully_shard
+from tests.test_engine import one_rank_group  # noqa: F401 - the one-rank Gloo group fixture
 
 
 def _hooked():
@@ -77,15 +77,6 @@ def test_adapter_plan_matches_the_bare_plan():
     a, b = plan_hooks(saved), MegatronFSDPEngine.plan_bare_hooks(saved)
     assert (a.unknown, a.engine_only, list(a.capture_time["forward_pre_hooks"])) == \
         (b.unknown, b.engine_only, list(b.capture_time["forward_pre_hooks"]))
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _gpt() -> GPT:
