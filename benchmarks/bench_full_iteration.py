@@ -40,10 +40,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fsdp_cudagraph._te import HAS_TE  # noqa: E402
-from fsdp_cudagraph.align import versions, write_record  # noqa: E402
-from fsdp_cudagraph.full_iteration_align import FullRunSpec, run_full  # noqa: E402
-from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
+from fsdp_cudagraph.runtime.te import HAS_TE  # noqa: E402
+from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
+from fsdp_cudagraph.apps.full_iteration_align import FullRunSpec, run_full  # noqa: E402
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
 
 COLUMNS = ["eager", "partial", "full_iteration", "full_iteration+opt", "fsdp2", "fsdp2_graph"]
 CONFIGS = {
@@ -184,7 +184,7 @@ def summarize(name: str, rows: Dict[str, Any], args: argparse.Namespace, device:
                 ratios[f"full_iteration_best/{base}"] = best_full / ok[base]
     out = {"config": {**fields, "micro_batch_size": mbs, "use_te": args.te}, "columns": rows, "ratios": ratios}
     if name == "compute" and ok:
-        from bench_partial_graphs import matmul_peak_tflops, model_flops_per_step
+        from _flops import matmul_peak_tflops, model_flops_per_step
 
         peak = matmul_peak_tflops(device)
         flops = model_flops_per_step(cfg, mbs * cfg.seq_len)

@@ -39,11 +39,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph import CudaGraphConfig, InferenceCudaGraphs, PartialCudaGraphs  # noqa: E402
-from fsdp_cudagraph._buckets import Buckets, pad_to  # noqa: E402
-from fsdp_cudagraph.align import versions, write_record  # noqa: E402
-from fsdp_cudagraph.generate import GreedyGenerator, greedy_reference  # noqa: E402
-from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
-from fsdp_cudagraph.train import RunSpec, build_model, graph_config, use_deterministic_kernels  # noqa: E402
+from fsdp_cudagraph.runtime.buckets import Buckets, pad_to  # noqa: E402
+from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
+from fsdp_cudagraph.apps.generate import GreedyGenerator, greedy_reference  # noqa: E402
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
+from fsdp_cudagraph.apps.train import RunSpec, build_model, graph_config, use_deterministic_kernels  # noqa: E402
 
 SCOPES = ("none", "layer", "block")
 

@@ -1,6 +1,6 @@
 """Length buckets on a ViT-style encoder under megatron_fsdp: step time per bucket against eager packed.
 
-The encoder (``fsdp_cudagraph.vision``; patches 14x14x3, hidden 1024, 8 layers, 16 heads, bf16, ZeRO-3 with
+The encoder (``fsdp_cudagraph.apps.vision``; patches 14x14x3, hidden 1024, 8 layers, 16 heads, bf16, ZeRO-3 with
 the double buffer) trains on packed multi-image samples. The schedule has one phase per bucket: every step
 of a phase has ``--fill`` x bucket patches (split into 2-4 images), so the bucket's padding overhead is
 ``1 / fill - 1``. Four runs train on that same schedule, each in this process:
@@ -19,7 +19,7 @@ graphed run's capture time, graph memory and memory-pool growth. Run (1 GPU, the
 
 About a minute on one H100. ``--quick`` shrinks the model (hidden 256, 4 layers); ``--device cpu`` runs the
 script on Gloo with the protocol backend (a smoke test: CPU timings mean nothing). Kernels are not forced
-deterministic (``--deterministic`` does, as the correctness record ``python -m fsdp_cudagraph.vision`` does).
+deterministic (``--deterministic`` does, as the correctness record ``python -m fsdp_cudagraph.apps.vision`` does).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fsdp_cudagraph.align import versions, write_record  # noqa: E402
-from fsdp_cudagraph.vision import VisionConfig, VisionRunSpec, run_vision  # noqa: E402
+from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
+from fsdp_cudagraph.apps.vision import VisionConfig, VisionRunSpec, run_vision  # noqa: E402
 
 
 def schedule(buckets: List[int], fill: float, warmup: int, per_phase: int) -> List[int]:

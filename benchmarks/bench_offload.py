@@ -45,11 +45,11 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, match_graph_attention  # noqa: E402
-from fsdp_cudagraph._offload import ActivationOffloader  # noqa: E402
-from fsdp_cudagraph._te import HAS_TE  # noqa: E402
-from fsdp_cudagraph.align import versions, write_record  # noqa: E402
-from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
-from fsdp_cudagraph.train import use_deterministic_kernels  # noqa: E402
+from fsdp_cudagraph.offload.offloader import ActivationOffloader  # noqa: E402
+from fsdp_cudagraph.runtime.te import HAS_TE  # noqa: E402
+from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
+from fsdp_cudagraph.apps.train import use_deterministic_kernels  # noqa: E402
 from megatron_fsdp import fully_shard  # noqa: E402
 
 GiB = 2**30

@@ -36,36 +36,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_full_ite
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fsdp_cudagraph._te import HAS_TE  # noqa: E402
-from fsdp_cudagraph.align import versions, write_record  # noqa: E402
-from fsdp_cudagraph.model import GPTConfig  # noqa: E402
-from fsdp_cudagraph.train import RunSpec, run_training  # noqa: E402
-
-
-def matmul_peak_tflops(device: torch.device) -> float:
-    """Measured bf16 matmul rate (8192^3, random data, median of 10 after warmup)."""
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        a @ b
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return 2 * 8192**3 / (statistics.median(times) * 1e-3) / 1e12
-
-
-def model_flops_per_step(cfg: GPTConfig, tokens: int) -> float:
-    """6 * params * tokens for the matmuls plus attention (12 * layers * seq * hidden per token, causal /2)."""
-    h, f, L, s = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.seq_len
-    per_layer = 4 * h * h + 2 * h * f
-    dense = 6 * tokens * (L * per_layer + h * cfg.vocab_size)
-    attn = 6 * tokens * L * s * h  # 12*L*s*h forward+backward, halved by the causal mask
-    return float(dense + attn)
+from fsdp_cudagraph.runtime.te import HAS_TE  # noqa: E402
+from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
+from fsdp_cudagraph.apps.model import GPTConfig  # noqa: E402
+from fsdp_cudagraph.apps.train import RunSpec, run_training  # noqa: E402
+from _flops import matmul_peak_tflops, model_flops_per_step  # noqa: E402,F401 - re-exported
 
 
 def measure(spec: RunSpec, device: torch.device, skip: int) -> Dict[str, Any]:

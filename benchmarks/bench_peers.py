@@ -1,7 +1,7 @@
 """FSDP engines side by side: our megatron_fsdp, PyTorch FSDP2, NVIDIA Megatron-FSDP 0.6.1 (PyPI), eager; and
 our full-iteration graph against FSDP2 captured the torchtitan way.
 
-Same reference GPT (fsdp_cudagraph/model.py, loaded by file path so that no process imports the
+Same reference GPT (fsdp_cudagraph/apps/model.py, loaded by file path so that no process imports the
 fsdp_cudagraph package), same seed, same synthetic data, bf16 compute with fp32 main weights and fp32
 gradient reduction, torch.optim.Adam(lr=1e-4), ZeRO-3, FSDP unit = TransformerBlock. Engines ``ours``,
 ``fsdp2``, ``mfsdp`` run eagerly; ``ours_full`` is ours with the step's forward+backward in one CUDA graph
@@ -105,7 +105,7 @@ def git_commit() -> str:
 
 
 def load_model_code() -> Any:
-    """fsdp_cudagraph/_te.py and model.py by path, under a stand-in package: same code, no package import."""
+    """fsdp_cudagraph/runtime/te.py and model.py by path, under a stand-in package: same code, no package import."""
     pkg = "_bench_peers_fsdpcg"
     src = os.path.join(REPO, "fsdp_cudagraph")
     mod = types.ModuleType(pkg)

@@ -30,10 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fsdp_cudagraph._te import HAS_TE, TE_REASON, require_te  # noqa: E402
-from fsdp_cudagraph.align import versions, write_record  # noqa: E402
-from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
-from fsdp_cudagraph.train import RunSpec, init_distributed, run_training, use_deterministic_kernels  # noqa: E402
+from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON, require_te  # noqa: E402
+from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
+from fsdp_cudagraph.apps.train import RunSpec, init_distributed, run_training, use_deterministic_kernels  # noqa: E402
 
 SUITES = {
     "launch": dict(cfg=dict(vocab_size=1024, hidden_size=1024, num_layers=8, num_heads=16, seq_len=512), mbs=2),

@@ -45,13 +45,13 @@ case $part in
     run env NPROC=1 bash scripts/demo.sh || rc=1
     run env NPROC=1 bash scripts/demo.sh --scope attn || rc=1 ;;
   align)
-    run python3 -m fsdp_cudagraph.align "$@" --out "$dir/align-1gpu.json" || rc=1 ;;
+    run python3 -m fsdp_cudagraph.apps.align "$@" --out "$dir/align-1gpu.json" || rc=1 ;;
   bisect-13)  # the open full-iteration TE no_shard row (1 GPU, TE staged): each knob alone, then the full matrix
-    FI="python3 -m fsdp_cudagraph.full_iteration_align --no-controls --only te:no_shard torch:no_shard"
+    FI="python3 -m fsdp_cudagraph.apps.full_iteration_align --no-controls --only te:no_shard torch:no_shard"
     run $FI --out "$dir/fi-no-shard.json" || rc=1
     run $FI --no-host-sync-check --out "$dir/fi-no-shard-no-check.json" || rc=1
     run $FI --graphed-first --out "$dir/fi-no-shard-graphed-first.json" || rc=1
-    run python3 -m fsdp_cudagraph.full_iteration_align --out "$dir/fi-align-1gpu.json" || rc=1 ;;
+    run python3 -m fsdp_cudagraph.apps.full_iteration_align --out "$dir/fi-align-1gpu.json" || rc=1 ;;
   # The 2-GPU halves of issues 10-16 (nvidia-h200-x2), each part well inside one 10-minute call.
   2gpu-10)
     versions
@@ -59,18 +59,18 @@ case $part in
       run $TR examples/readme_loop.py --impl $impl --out "$dir/readme-$impl-2gpu.json" || rc=1
       run $TR examples/readme_loop.py --impl $impl --scope --seq-len 100 --out "$dir/readme-$impl-layers-2gpu.json" || rc=1
     done
-    run $TR -m fsdp_cudagraph.align --out "$dir/align-2gpu.json" || rc=1
+    run $TR -m fsdp_cudagraph.apps.align --out "$dir/align-2gpu.json" || rc=1
     run env NPROC=2 bash scripts/demo.sh || rc=1 ;;
   2gpu-11-12)
     run $TR tests/gpu_engine_parity.py "$dir/parity-2gpu.json" || rc=1
     rm -rf "$dir/parity-2gpu.json.dcp"
     run $TR benchmarks/hf_models.py --out "$dir/hf-2gpu.json" || rc=1 ;;
   2gpu-13)
-    run $TR -m fsdp_cudagraph.full_iteration_align --out "$dir/fi-align-2gpu.json" || rc=1
+    run $TR -m fsdp_cudagraph.apps.full_iteration_align --out "$dir/fi-align-2gpu.json" || rc=1
     run $TR benchmarks/bench_full_iteration.py --out "$dir/fi-bench-2gpu.json" || rc=1 ;;
   2gpu-14-16)
     run $TR benchmarks/bench_offload.py --sdpa math --out "$dir/offload-2gpu.json" || rc=1
-    run $TR -m fsdp_cudagraph.vision --out "$dir/length-buckets-record-2gpu.json" || rc=1
+    run $TR -m fsdp_cudagraph.apps.vision --out "$dir/length-buckets-record-2gpu.json" || rc=1
     run $TR benchmarks/bench_length_buckets.py --out "$dir/length-buckets-bench-2gpu.json" || rc=1
     run $TR benchmarks/bench_inference.py --out "$dir/inference-2gpu.json" || rc=1 ;;
   pytest-gpu)

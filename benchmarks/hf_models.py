@@ -30,7 +30,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional
 
-# Deterministic kernels in every run (see fsdp_cudagraph.train.use_deterministic_kernels), set before CUDA/TE.
+# Deterministic kernels in every run (see fsdp_cudagraph.apps.train.use_deterministic_kernels), set before CUDA/TE.
 os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,9 +39,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, check_alignment  # noqa: E402
-from fsdp_cudagraph import align, hf_models  # noqa: E402
-from fsdp_cudagraph._te import HAS_TE  # noqa: E402
-from fsdp_cudagraph.train import use_deterministic_kernels  # noqa: E402
+from fsdp_cudagraph.apps import hf_models  # noqa: E402
+from fsdp_cudagraph.apps import align
+from fsdp_cudagraph.runtime.te import HAS_TE  # noqa: E402
+from fsdp_cudagraph.apps.train import use_deterministic_kernels  # noqa: E402
 from megatron_fsdp import fully_shard  # noqa: E402
 
 SCOPES = {"layers": [], "self_attn": ["model.layers.*.self_attn"], "mlp": ["model.layers.*.mlp"]}

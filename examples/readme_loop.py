@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, match_graph_attention
-from fsdp_cudagraph.train import init_distributed, use_deterministic_kernels
-from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch
+from fsdp_cudagraph.apps.train import init_distributed, use_deterministic_kernels
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch
 from megatron_fsdp import fully_shard
 
 

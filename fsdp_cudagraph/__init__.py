@@ -6,18 +6,18 @@ graph), restores them exactly so that they fire around every replay, and checks 
 the parameters sit where they sat at capture. See :class:`PartialCudaGraphs` and :class:`CudaGraphConfig`.
 """
 
-from ._args import SignatureChangedWarning
-from ._attention import ATTENTION_POLICIES, AttentionBackendMatcher
-from ._capture import BACKENDS, CaptureReport, PartialCudaGraphs, match_graph_attention
-from ._capture_safety import HostSyncError
-from ._full_iteration import FULL_ITERATION_BACKENDS, FullIterationCudaGraph, FullIterationReport
-from ._hooks import extract_hooks, hooks_snapshot, restore_hooks
-from ._inference import INFERENCE_BACKENDS, GraphLimitWarning, InferenceCapture, InferenceCudaGraphs
-from ._offload import ActivationOffloader
-from ._length_buckets import BucketReplayConflictWarning, LengthArg, LengthBucketGraphs, LengthBucketsReport
-from ._streams import use_side_stream
-from ._te import HAS_TE, TE_REASON, TE_VERSION
-from .config import (
+from fsdp_cudagraph.graphs.full_iteration import FULL_ITERATION_BACKENDS, FullIterationCudaGraph, FullIterationReport
+from fsdp_cudagraph.graphs.inference import INFERENCE_BACKENDS, GraphLimitWarning, InferenceCapture, InferenceCudaGraphs
+from fsdp_cudagraph.graphs.length_buckets import BucketReplayConflictWarning, LengthArg, LengthBucketGraphs, LengthBucketsReport
+from fsdp_cudagraph.graphs.partial import BACKENDS, CaptureReport, PartialCudaGraphs, match_graph_attention
+from fsdp_cudagraph.hooks import extract_hooks, hooks_snapshot, restore_hooks
+from fsdp_cudagraph.offload.offloader import ActivationOffloader
+from fsdp_cudagraph.runtime.args import SignatureChangedWarning
+from fsdp_cudagraph.runtime.attention import ATTENTION_POLICIES, AttentionBackendMatcher
+from fsdp_cudagraph.runtime.capture_safety import HostSyncError
+from fsdp_cudagraph.runtime.streams import use_side_stream
+from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON, TE_VERSION
+from fsdp_cudagraph.config import (
     CudaGraphConfig,
     CudaGraphImpl,
     CudaGraphModule,
@@ -71,7 +71,7 @@ _CHECK_NAMES = ("check_alignment", "ModelSpec", "AlignmentReport")
 def __getattr__(name: str):
     # The checker loads on first use, so that `python -m fsdp_cudagraph.check` runs a module not yet imported.
     if name in _CHECK_NAMES:
-        from . import check
+        from fsdp_cudagraph.testing import check
 
         return getattr(check, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

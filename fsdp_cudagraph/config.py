@@ -27,7 +27,7 @@ from typing import Any, List, NamedTuple, Optional, Type, Union
 
 import torch
 
-from . import _te
+from fsdp_cudagraph.runtime import te as _te
 
 logger = logging.getLogger(__name__)
 
@@ -343,7 +343,7 @@ class CudaGraphConfig:
         Megatron-FSDP needs both buffer options, because replay needs every unshard buffer at the address it
         had at capture; ``fsdp_db_use_persist_buf_on_alloc_fail`` changes the double buffer and needs it.
 
-    Activation offloading (``fsdp_cudagraph._offload``; eager, or with impl ``local`` / ``transformer_engine``):
+    Activation offloading (``fsdp_cudagraph.offload.offloader``; eager, or with impl ``local`` / ``transformer_engine``):
         activation_offload_modules: submodule kinds (``cuda_graph_module`` tags) whose saved activations go to
             host memory during forward and come back for backward; empty: offloading off.
         activation_offload_module_patterns: the same by qualified-name glob or class name; exclusive with the tags.

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fsdp_cudagraph.train import exit_process
+from fsdp_cudagraph.apps.train import exit_process
 
 
 def _free_port() -> int:

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fsdp_cudagraph.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch  # noqa: E402
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch  # noqa: E402
 from megatron_fsdp import fully_shard  # noqa: E402
 
 STEPS, LR, MOMENTUM, PER_RANK_BATCH = 10, 0.3, 0.9, 2

@@ -1,4 +1,4 @@
-"""Graphed calls that mix tensors with constants (``fsdp_cudagraph._args``), without a process group.
+"""Graphed calls that mix tensors with constants (``fsdp_cudagraph.runtime.args``), without a process group.
 
 Unit tests of flatten / rebuild / signature comparison and of the messages, then the whole path through
 ``PartialCudaGraphs`` on a plain (unsharded) module: the protocol backend on CPU, and the torch and TE
@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, SignatureChangedWarning
-from fsdp_cudagraph._args import check_signature, describe_change, flatten, rebuild, record_call
-from fsdp_cudagraph._te import HAS_TE, TE_REASON
+from fsdp_cudagraph.runtime.args import check_signature, describe_change, flatten, rebuild, record_call
+from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON
 
 NO_GPU = "needs a CUDA GPU: the torch and TE backends capture real CUDA graphs"
 

@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from fsdp_cudagraph._buckets import BucketOverflowWarning, Buckets, pad_to, unpad
+from fsdp_cudagraph.runtime.buckets import BucketOverflowWarning, Buckets, pad_to, unpad
 
 
 def test_powers_of_two_and_halving():

@@ -25,9 +25,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import pytest
 import torch
 
-import fsdp_cudagraph._capture as capture_mod
+import fsdp_cudagraph.graphs.partial as capture_mod
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, hooks_snapshot
-from fsdp_cudagraph.model import GPT, GPTConfig, SelfAttention, TransformerBlock, loss_fn, synthetic_batch
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, SelfAttention, TransformerBlock, loss_fn, synthetic_batch
 from megatron_fsdp import fully_shard, is_capturing, simulated_capture
 from tests.dist_utils import run_gloo
 
@@ -350,9 +350,9 @@ def test_losses_equal_eager_through_capture_and_delete(scopes, scope):
 # ---------------------------------------------------------------------------------------------- job 2: failures
 
 
-def _extract_leaving_pre_forward(module):
+def _extract_leaving_pre_forward(module, **kwargs):
     """extract_hooks, but the engine's pre-forward hook stays on the module instead of in the plan."""
-    ex = _REAL_EXTRACT(module)
+    ex = _REAL_EXTRACT(module, **kwargs)
     for hid, hook in ex.saved["_forward_pre_hooks"].items():
         if getattr(hook, "_megatron_fsdp_role", None) == "pre_forward":
             module._forward_pre_hooks[hid] = hook

@@ -17,9 +17,9 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-import fsdp_cudagraph._capture as capture_mod
+import fsdp_cudagraph.graphs.partial as capture_mod
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
-from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch
 from megatron_fsdp import TrainingState, fully_shard, simulated_capture
 from tests.dist_utils import run_gloo
 

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-import fsdp_cudagraph._te as te_probe
+import fsdp_cudagraph.runtime.te as te_probe
 from fsdp_cudagraph.config import (
     CudaGraphConfig,
     CudaGraphImpl,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import megatron_fsdp._collectives as collectives
-from fsdp_cudagraph.model import GPT, Experts, GPTConfig, Router, SelfAttention, TransformerBlock, loss_fn, synthetic_batch
+from fsdp_cudagraph.apps.model import GPT, Experts, GPTConfig, Router, SelfAttention, TransformerBlock, loss_fn, synthetic_batch
 from megatron_fsdp import MegatronFSDP, fully_shard
 from tests.dist_utils import run_gloo
 

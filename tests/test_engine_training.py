@@ -19,7 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
-from fsdp_cudagraph.model import GPTConfig, loss_fn, synthetic_batch
+from fsdp_cudagraph.apps.model import GPTConfig, loss_fn, synthetic_batch
 from megatron_fsdp import MegatronFSDP
 from tests.dist_utils import run_gloo
 from tests.test_engine import (ATOL, CPU, GLOBAL_BATCH, NUM_STEPS, RTOL, STRATEGIES, build_gpt, global_loss, sgd,

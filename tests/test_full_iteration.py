@@ -30,8 +30,8 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from fsdp_cudagraph import CudaGraphConfig, FullIterationCudaGraph, HostSyncError
-from fsdp_cudagraph._capture_safety import SYNC_DEBUG_MARK, CaptureSafetyCheck, translate_capture_error
-from fsdp_cudagraph.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
+from fsdp_cudagraph.runtime.capture_safety import SYNC_DEBUG_MARK, CaptureSafetyCheck, translate_capture_error
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
 from megatron_fsdp import CaptureGuardMode, capture_guard, fully_shard, is_capturing, simulated_capture
 from megatron_fsdp._common import capture_guard_mode, check_not_capturing
 from tests.dist_utils import run_gloo

@@ -12,8 +12,8 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from fsdp_cudagraph.full_iteration_align import FullRunSpec, run_row
-from fsdp_cudagraph.model import GPTConfig
+from fsdp_cudagraph.apps.full_iteration_align import FullRunSpec, run_row
+from fsdp_cudagraph.apps.model import GPTConfig
 
 from .dist_utils import run_gloo
 

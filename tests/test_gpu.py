@@ -1,6 +1,6 @@
 """GPU tests: bit-exact alignment of eager and graphed training, and the engine on NCCL.
 
-They launch the same entry points a user runs (``python -m fsdp_cudagraph.align``, torchrun for 2 GPUs)
+They launch the same entry points a user runs (``python -m fsdp_cudagraph.apps.align``, torchrun for 2 GPUs)
 and check their verdicts. Skipped without CUDA (and the TE rows of the matrix without TE, inside align).
 """
 
@@ -11,8 +11,8 @@ import subprocess
 import pytest
 import torch
 
-from fsdp_cudagraph._te import HAS_TE, TE_REASON
-from fsdp_cudagraph.align import matrix
+from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON
+from fsdp_cudagraph.apps.align import matrix
 from tests.gpu_utils import NO_GPU, ROOT, gpu_env, keep, launcher, run_json
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
 
 def _align(tmp_path, nproc: int, backends: list, *, quick: bool = False) -> dict:
     extra = ["--quick"] if quick else []
-    return run_json(launcher(nproc, ["-m", "fsdp_cudagraph.align"]) + ["--backends", *backends] + extra,
+    return run_json(launcher(nproc, ["-m", "fsdp_cudagraph.apps.align"]) + ["--backends", *backends] + extra,
                     tmp_path / f"align-{nproc}.json",
                     name=f"align-{nproc}gpu-{'-'.join(backends)}{'-quick' if quick else ''}.json", tail=4000)
 
@@ -33,6 +33,8 @@ QUICK_OR_FULL = pytest.mark.parametrize("quick", [pytest.param(True, marks=pytes
 README_CASES = [pytest.param([], marks=pytest.mark.gpu, id="attn+mlp"),
                 pytest.param(["--scope"], marks=pytest.mark.gpu, id="layers"),
                 pytest.param(["--seq-len", "512"], marks=pytest.mark.matrix, id="seq512")]
+
+
 @QUICK_OR_FULL
 def test_alignment_torch_backend_1gpu(tmp_path, quick):
     res = _align(tmp_path, 1, ["torch"], quick=quick)

@@ -1,6 +1,6 @@
 """GPU tests of full-iteration graphs: bit-exact against eager on 1 and 2 GPUs, with the negative controls.
 
-They run the entry point a user runs (``python -m fsdp_cudagraph.full_iteration_align``; torchrun for 2
+They run the entry point a user runs (``python -m fsdp_cudagraph.apps.full_iteration_align``; torchrun for 2
 GPUs) and check its verdicts: every row ``torch.equal`` (losses of every micro-batch of every step, final
 parameters, evaluation outputs) and every control caught. Skipped without CUDA; the TE rows are skipped
 inside the script without TE (the JSON lists them under ``skipped``).
@@ -12,7 +12,7 @@ import torch
 
 from tests.gpu_utils import NO_GPU, launcher, run_json
 
-from fsdp_cudagraph._te import HAS_TE
+from fsdp_cudagraph.runtime.te import HAS_TE
 
 # The full matrix takes about 80 s on one H100: it is opt-in (`pytest -m matrix`); `pytest -m gpu` runs the
 # TE and torch rows of one strategy each ([Note: the quick and the full matrix] in test_gpu.py).
@@ -23,7 +23,7 @@ CONTROLS = {".item() in the step", "host sync only under capture", "CPU tensor i
 
 
 def _run(tmp_path, nproc: int, extra=()) -> dict:
-    return run_json(launcher(nproc, ["-m", "fsdp_cudagraph.full_iteration_align", *extra]),
+    return run_json(launcher(nproc, ["-m", "fsdp_cudagraph.apps.full_iteration_align", *extra]),
                     tmp_path / f"fi-align-{nproc}gpu.json")
 
 

@@ -1,6 +1,6 @@
 """Unmodified HuggingFace causal LMs under megatron_fsdp with partial graphs: 2 Gloo ranks, protocol backend, fp32.
 
-Models: ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` from ``fsdp_cudagraph.hf_models`` (tiny configs,
+Models: ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` from ``fsdp_cudagraph.apps.hf_models`` (tiny configs,
 random weights, ``attn_implementation="sdpa"``, ``use_cache=False``); FSDP units = the decoder-layer class.
 Their layers are called with None, bools, a (cos, sin) tuple and keyword tensors, and the attention
 modules return ``(tensor, None)``. Every step passes ``is_causal`` through HF's ``**kwargs`` to the layers
@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import pytest
 import torch
 
-from fsdp_cudagraph.hf_models import HAS_TRANSFORMERS, TRANSFORMERS_REASON
+from fsdp_cudagraph.apps.hf_models import HAS_TRANSFORMERS, TRANSFORMERS_REASON
 from tests.dist_utils import run_gloo
 
 pytestmark = [pytest.mark.gloo, pytest.mark.skipif(not HAS_TRANSFORMERS, reason=TRANSFORMERS_REASON or "ok")]
@@ -43,7 +43,8 @@ def _train(family: str, patterns: Optional[Sequence[str]], *, strict: bool = Fal
     """Train STEPS steps; ``patterns=None``: eager, ``[]``: whole layers, else pattern scopes."""
     from megatron_fsdp import fully_shard
     from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, SignatureChangedWarning
-    from fsdp_cudagraph import _args, hf_models
+    from fsdp_cudagraph.runtime import args as _args
+    from fsdp_cudagraph.apps import hf_models
 
     shape = hf_models.HFShape()
     torch.manual_seed(0)

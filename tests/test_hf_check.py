@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_cudagraph.check import ModelSpec, check_alignment
-from fsdp_cudagraph.hf_models import HAS_TRANSFORMERS, TRANSFORMERS_REASON
-from fsdp_cudagraph.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
+from fsdp_cudagraph.apps.hf_models import HAS_TRANSFORMERS, TRANSFORMERS_REASON
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
 from tests.dist_utils import run_gloo
 
 pytestmark = pytest.mark.gloo
@@ -52,7 +52,7 @@ def gpt_with_user_hook(device: torch.device) -> ModelSpec:
 
 def hf_changing_constant(device: torch.device) -> ModelSpec:
     """HF Llama whose step-3 batch passes is_causal=False (a changed constant: those calls run eagerly)."""
-    from fsdp_cudagraph import hf_models
+    from fsdp_cudagraph.apps import hf_models
 
     spec = hf_models.llama(device)
     base = spec.batch
@@ -70,7 +70,7 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
         "user_hook": check_alignment(gpt_with_user_hook, **kw).to_dict(),
     }
     if HAS_TRANSFORMERS:
-        from fsdp_cudagraph import hf_models
+        from fsdp_cudagraph.apps import hf_models
 
         out["hf_mlp_perturb"] = check_alignment(hf_models.llama, cuda_graph_module_patterns=["model.layers.*.mlp"],
                                                 perturb="model.layers.0.mlp", **kw).to_dict()

@@ -14,7 +14,7 @@ import torch
 
 from tests.gpu_utils import NO_GPU, ROOT, launcher, run_json
 
-from fsdp_cudagraph.hf_models import HAS_TRANSFORMERS, TRANSFORMERS_REASON
+from fsdp_cudagraph.apps.hf_models import HAS_TRANSFORMERS, TRANSFORMERS_REASON
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,4 +1,4 @@
-"""The two-phase hook extractor (``fsdp_cudagraph._hooks``) on plain modules, without a process group.
+"""The two-phase hook extractor (``fsdp_cudagraph.hooks``) on plain modules, without a process group.
 
 A module carries a mix of user hooks (every registration flavour torch has) and fake FSDP hooks (functions
 with the engine's sentinel and role attributes). Extraction must leave the module bare, route exactly the
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fsdp_cudagraph import extract_hooks, hooks_snapshot, restore_hooks
-from fsdp_cudagraph._hooks import HOOK_KEYS, POST_SENTINEL, PRE_SENTINEL
+from fsdp_cudagraph.hooks import HOOK_KEYS, POST_SENTINEL, PRE_SENTINEL
 from megatron_fsdp._unit import make_unit_hooks
 
 DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")

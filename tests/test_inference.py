@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from fsdp_cudagraph import CudaGraphConfig, GraphLimitWarning, InferenceCudaGraphs, InferenceCudaGraphScope
-from fsdp_cudagraph._buckets import BucketOverflowWarning, Buckets
-from fsdp_cudagraph.generate import GreedyGenerator, greedy_reference
-from fsdp_cudagraph.model import GPT, GPTConfig
+from fsdp_cudagraph.runtime.buckets import BucketOverflowWarning, Buckets
+from fsdp_cudagraph.apps.generate import GreedyGenerator, greedy_reference
+from fsdp_cudagraph.apps.model import GPT, GPTConfig
 from tests.gpu_utils import run_entry
 
 VOCAB, SEQ = 64, 16
@@ -201,7 +201,7 @@ def test_construction_refusals():
         InferenceCudaGraphs(nn.Sequential(nn.Linear(4, 4)), _cfg(), batch_buckets=Buckets([4]))
     with pytest.raises(ValueError, match="match no submodule"):
         InferenceCudaGraphs(model, _cfg(), batch_buckets=Buckets([4]), layer_modules=["Missing"])
-    with pytest.raises(TypeError, match="must be fsdp_cudagraph._buckets.Buckets"):
+    with pytest.raises(TypeError, match="must be fsdp_cudagraph.runtime.buckets.Buckets"):
         InferenceCudaGraphs(model, _cfg(), batch_buckets=[4])  # type: ignore[arg-type]
 
 

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from fsdp_cudagraph import CudaGraphConfig, InferenceCudaGraphs, PartialCudaGraphs
-from fsdp_cudagraph._buckets import Buckets, pad_to
-from fsdp_cudagraph.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
+from fsdp_cudagraph.runtime.buckets import Buckets, pad_to
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
 from megatron_fsdp import fully_shard
 from tests.dist_utils import run_gloo
 

@@ -15,11 +15,11 @@ import warnings
 import pytest
 import torch
 
-import fsdp_cudagraph.vision as vision
+import fsdp_cudagraph.apps.vision as vision
 from fsdp_cudagraph import BucketReplayConflictWarning, CudaGraphConfig, LengthArg, LengthBucketGraphs, hooks_snapshot
-from fsdp_cudagraph._buckets import BucketOverflowWarning, Buckets
-from fsdp_cudagraph._length_buckets import _LengthSpec, _unpad_output, block_diagonal_mask, segment_ids_from_cu_seqlens
-from fsdp_cudagraph.vision import LENGTH_ARGS, VisionBlock, VisionConfig, VisionEncoder, synthetic_images
+from fsdp_cudagraph.runtime.buckets import BucketOverflowWarning, Buckets
+from fsdp_cudagraph.graphs.length_buckets import _LengthSpec, _unpad_output, block_diagonal_mask, segment_ids_from_cu_seqlens
+from fsdp_cudagraph.apps.vision import LENGTH_ARGS, VisionBlock, VisionConfig, VisionEncoder, synthetic_images
 
 CPU = torch.device("cpu")
 CFG = VisionConfig(patch_dim=12, hidden_size=32, num_layers=2, num_heads=2, max_patches_per_image=64)
@@ -277,7 +277,7 @@ class _FakeCuda:
 
 @pytest.mark.parametrize("backend", ["torch", "protocol"])
 def test_building_moves_the_thread_off_the_legacy_default_stream(monkeypatch, backend):
-    import fsdp_cudagraph._streams as streams_mod
+    import fsdp_cudagraph.runtime.streams as streams_mod
 
     fake = _FakeCuda()
     monkeypatch.setattr(streams_mod, "_cuda", fake)
@@ -297,7 +297,7 @@ def test_building_moves_the_thread_off_the_legacy_default_stream(monkeypatch, ba
 def _stub_graph_makers(monkeypatch):
     """torch's and TE's graph makers at their signatures, without graphs: record each call's callables, sample
     shapes and pool, run the callables eagerly (what the wrappers need to learn their outputs)."""
-    import fsdp_cudagraph._capture as capture_mod
+    import fsdp_cudagraph.graphs.partial as capture_mod
 
     calls = []
     handles = iter(range(1000))

@@ -1,6 +1,6 @@
 """Length-bucketed graphs of the ViT-style encoder under megatron_fsdp on 2 Gloo ranks (protocol backend).
 
-One spawned job runs ``fsdp_cudagraph.vision.record`` on each rank (the CPU form of the GPU record): the
+One spawned job runs ``fsdp_cudagraph.apps.vision.record`` on each rank (the CPU form of the GPU record): the
 encoder trains 8 steps with ZeRO-3 and the double buffer, each rank on its own packed multi-image samples
 whose lengths hit different buckets in the same step (and one length past the largest bucket), capture
 before step 2. The tests assert on what each rank returns:
@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_cudagraph import vision
+from fsdp_cudagraph.apps import vision
 from tests.dist_utils import run_gloo
 from tests.gpu_utils import run_entry
 
@@ -101,7 +101,7 @@ def test_the_record_command_runs_on_cpu(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "record.json"
     env = dict(os.environ, PYTHONPATH=root, MASTER_PORT=str(29600 + os.getpid() % 300))
-    proc = run_entry([sys.executable, "-m", "fsdp_cudagraph.vision", "--device", "cpu", "--out", str(out)],
+    proc = run_entry([sys.executable, "-m", "fsdp_cudagraph.apps.vision", "--device", "cpu", "--out", str(out)],
                      env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""GPU record of length buckets: ``python -m fsdp_cudagraph.vision`` on 1 GPU (and 2 under torchrun), and the
+"""GPU record of length buckets: ``python -m fsdp_cudagraph.apps.vision`` on 1 GPU (and 2 under torchrun), and the
 benchmark's smoke run. Skipped without CUDA (and the TE row without TransformerEngine).
 
 The record trains the ViT-style encoder under megatron_fsdp (bf16, ZeRO-3, double buffer) with graphs from
@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from fsdp_cudagraph._te import HAS_TE, TE_REASON
+from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_GPU = "needs a CUDA GPU: CUDA graphs and NCCL only exist there (this machine has torch.cuda.is_available() == False)"
@@ -49,13 +49,13 @@ def _assert_record(res: dict, world: int) -> None:
 
 
 def test_vision_record_torch_backend_1gpu(tmp_path):
-    _assert_record(_run([sys.executable, "-m", "fsdp_cudagraph.vision"], tmp_path, "length-buckets-record-1gpu.json"), 1)
+    _assert_record(_run([sys.executable, "-m", "fsdp_cudagraph.apps.vision"], tmp_path, "length-buckets-record-1gpu.json"), 1)
 
 
 @pytest.mark.te
 @pytest.mark.skipif(not HAS_TE, reason=TE_REASON or "TE present")
 def test_vision_record_te_backend_1gpu(tmp_path):
-    res = _run([sys.executable, "-m", "fsdp_cudagraph.vision", "--backend", "te"], tmp_path,
+    res = _run([sys.executable, "-m", "fsdp_cudagraph.apps.vision", "--backend", "te"], tmp_path,
                "length-buckets-record-te-1gpu.json")
     _assert_record(res, 1)
 
@@ -63,7 +63,7 @@ def test_vision_record_te_backend_1gpu(tmp_path):
 @pytest.mark.multigpu
 @TWO_GPUS
 def test_vision_record_2gpu(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "fsdp_cudagraph.vision"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "fsdp_cudagraph.apps.vision"]
     _assert_record(_run(cmd, tmp_path, "length-buckets-record-2gpu.json"), 2)
 
 

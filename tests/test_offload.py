@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import fsdp_cudagraph._capture as capture_mod
-import fsdp_cudagraph._offload_copy as copy_mod
+import fsdp_cudagraph.graphs.partial as capture_mod
+import fsdp_cudagraph.offload.host_copies as copy_mod
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
-from fsdp_cudagraph._offload import ActivationOffloader, HostBufferPool, OffloadState, select_offload_modules
-from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch
+from fsdp_cudagraph.offload.offloader import ActivationOffloader, HostBufferPool, OffloadState, select_offload_modules
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch
 from megatron_fsdp import simulated_capture
 
 CPU = torch.device("cpu")

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
-from fsdp_cudagraph._offload import ActivationOffloader
-from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch
+from fsdp_cudagraph.offload.offloader import ActivationOffloader
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch
 from megatron_fsdp import fully_shard
 from tests.dist_utils import run_gloo
 

@@ -39,7 +39,7 @@ def usage_block() -> str:
 
 
 def _names(rank: int, world: int, losses: List[torch.Tensor]) -> Dict[str, Any]:
-    from fsdp_cudagraph.model import GPT, GPTConfig, loss_fn, synthetic_batch
+    from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=2, seq_len=16)

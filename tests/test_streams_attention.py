@@ -20,10 +20,10 @@ import pytest
 import torch
 from torch import nn
 
-import fsdp_cudagraph._attention as attention_mod
-import fsdp_cudagraph._streams as streams_mod
+import fsdp_cudagraph.runtime.attention as attention_mod
+import fsdp_cudagraph.runtime.streams as streams_mod
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, match_graph_attention
-from fsdp_cudagraph._attention import AttentionBackendMatcher, TEAttention
+from fsdp_cudagraph.runtime.attention import AttentionBackendMatcher, TEAttention
 
 
 # ---------------------------------------------------------------------------------------------- CUDA stand-in
@@ -264,7 +264,7 @@ def test_partial_graphs_apply_the_attention_policy(fake_te, policy, caplog):
         graphs.delete()
         assert fake_te.utils.get_attention_backend.__func__ is FakeUtils.get_attention_backend
         return
-    with caplog.at_level(logging.WARNING, logger="fsdp_cudagraph._capture"):
+    with caplog.at_level(logging.WARNING, logger="fsdp_cudagraph.graphs.partial"):
         report = graphs.capture()
     assert "different backend eagerly than in the graph" in caplog.text and "pad the sequence" in caplog.text
     assert report.attention_backends["graphed"]["graph"] == "UnfusedDotProductAttention"
@@ -305,7 +305,7 @@ class TinyTE:
 
 
 def test_partial_graphs_move_the_thread_off_the_default_stream_before_eager_steps(fake_cuda, monkeypatch):
-    import fsdp_cudagraph._capture as capture_mod
+    import fsdp_cudagraph.graphs.partial as capture_mod
 
     te = TinyTE(fake_cuda)
     monkeypatch.setattr(capture_mod, "require_te", lambda what: te)

@@ -14,8 +14,8 @@ from typing import Any, Dict
 import pytest
 import torch
 
-from fsdp_cudagraph.model import GPTConfig
-from fsdp_cudagraph.train import RunSpec, run_training
+from fsdp_cudagraph.apps.model import GPTConfig
+from fsdp_cudagraph.apps.train import RunSpec, run_training
 from tests.dist_utils import run_gloo
 
 pytestmark = pytest.mark.gloo
@@ -79,7 +79,7 @@ def test_graphs_built_late_and_accumulation_train_the_same(ranks):
 
 def test_exit_process_keeps_the_status_and_flushes_output():
     """The entry points leave through exit_process (no interpreter teardown): status and piped output survive."""
-    code = ("import sys; from fsdp_cudagraph.train import exit_process; print('stdout line', end=''); "
+    code = ("import sys; from fsdp_cudagraph.apps.train import exit_process; print('stdout line', end=''); "
             "sys.stderr.write('stderr line'); exit_process(3)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3

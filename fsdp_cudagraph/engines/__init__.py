@@ -14,8 +14,11 @@ An FSDP engine drives its communication from module hooks. A per-layer graph nee
 2. **Its hooks, in TE's form.** Given a module's saved hook dicts, ``hook_plan`` says which hooks are the
    engine's and what each one does at capture time, as ``fn(module) -> None`` under TE's four
    ``capture_time_hooks`` keys. A hook that only *registers* a backward handler on tensors (autograd
-   cannot use it at capture) is withheld and its inner handler is planned instead. Hooks the engine does
-   not own are reported as unknown: restored, never run at capture.
+   cannot use it at capture) carries a sentinel (``PRE_SENTINEL`` / ``POST_SENTINEL``, the inner handler):
+   :func:`read_sentinel`, which every adapter calls first, withholds it and plans the handler instead.
+   The engine's own hooks that nothing runs at capture (e.g. call guards) are ``engine_only``: restored,
+   never run at capture, not reported. Hooks the engine does not own are ``unknown``: restored, never run
+   at capture, reported (they are the user's).
 3. **What must not move.** ``replay_tensors`` names every tensor a replay of a callable reads or writes by
    address (parameters, gradient targets); the graph layer records their addresses at capture and
    refuses a replay if one moved. ``check_partial_graphs`` refuses, before any CUDA work, settings under
@@ -32,15 +35,24 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import importlib
 from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["EngineAdapter", "HookPlan", "HOOK_KEYS", "adapter_for", "register_engine", "registered_engines"]
+__all__ = ["EngineAdapter", "HookPlan", "HOOK_KEYS", "adapter_for", "register_engine", "registered_engines",
+           "plan_bare_hooks", "root_of", "unavailable_engines", "HOOK_DICTS", "PRE_SENTINEL", "POST_SENTINEL",
+           "read_sentinel", "sentinel_plan", "adapt"]
 
 #: TE's capture_time_hooks keys, in the order TE runs them in a step.
 HOOK_KEYS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+
+#: The module hook dicts a hook plan reads, in the order nn.Module runs them.
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+#: Attributes an engine puts on a hook that only registers a backward handler on tensors: the inner handler.
+PRE_SENTINEL = "_cuda_graph_backward_pre_handler"
+POST_SENTINEL = "_cuda_graph_backward_handler"
 
 CaptureTimeHook = Callable[[nn.Module], None]
 
@@ -56,6 +68,57 @@ class HookPlan:
     withheld: List[Tuple[str, int, Any]] = dataclasses.field(default_factory=list)
     #: (dict name, hook id, hook) of hooks the engine does not own: restored, reported, not run at capture.
     unknown: List[Tuple[str, int, Any]] = dataclasses.field(default_factory=list)
+    #: (dict name, hook id, hook) of the engine's own hooks that nothing runs at capture (e.g. call guards):
+    #: restored like the rest, not reported (they are not the user's).
+    engine_only: List[Tuple[str, int, Any]] = dataclasses.field(default_factory=list)
+
+    def claims_any(self) -> bool:
+        """Whether the engine recognised any hook (planned, withheld or its own)."""
+        return bool(any(self.capture_time.values()) or self.withheld or self.engine_only)
+
+
+# -- the sentinel reader every adapter's hook_plan calls first ----------------------------------------
+def adapt(fn: Callable[..., Any], kind: str) -> Callable[[nn.Module], None]:
+    """Turn an engine hook or inner handler into TE's one-argument form."""
+    if kind == "handler":
+        def run(module: nn.Module) -> None:
+            fn(module)
+    elif kind == "pre":
+        def run(module: nn.Module) -> None:
+            fn(module, ())
+    else:
+        def run(module: nn.Module) -> None:
+            fn(module, (), None)
+    run.__wrapped__ = fn  # type: ignore[attr-defined]
+    return run
+
+
+def read_sentinel(hook: Any, hid: int, dict_name: str, plan: HookPlan) -> bool:
+    """The reusable half of phase 2: plan a sentinel wrapper's inner handler and withhold the wrapper.
+
+    Returns whether ``hook`` carried a sentinel. An engine's :meth:`EngineAdapter.hook_plan` calls it first
+    for each hook and reads its own hooks (e.g. a role attribute) only when it returns False.
+    """
+    pre_handler = getattr(hook, PRE_SENTINEL, None)
+    post_handler = getattr(hook, POST_SENTINEL, None)
+    if pre_handler is not None:
+        plan.capture_time["backward_pre_hooks"][hid] = adapt(pre_handler, "handler")
+    elif post_handler is not None:
+        plan.capture_time["backward_hooks"][hid] = adapt(post_handler, "handler")
+    else:
+        return False
+    plan.withheld.append((dict_name, hid, hook))
+    return True
+
+
+def sentinel_plan(hook_dicts: Mapping[str, Mapping[int, Any]]) -> HookPlan:
+    """Phase 2 knowing no engine: sentinel wrappers are planned, every other hook is unknown."""
+    plan = HookPlan()
+    for dict_name in HOOK_DICTS:
+        for hid, hook in hook_dicts.get(dict_name, {}).items():
+            if not read_sentinel(hook, hid, dict_name, plan):
+                plan.unknown.append((dict_name, hid, hook))
+    return plan
 
 
 class EngineAdapter(abc.ABC):
@@ -111,6 +174,11 @@ class EngineAdapter(abc.ABC):
         return 0
 
     # -- 2. hooks ---------------------------------------------------------------------------------
+    @classmethod
+    def plan_bare_hooks(cls, hooks: Mapping[str, Mapping[int, Any]]) -> Optional[HookPlan]:
+        """:meth:`hook_plan` without a wrapped model (``extract_hooks`` on a bare module); None: not supported."""
+        return None
+
     @abc.abstractmethod
     def hook_plan(self, hooks: Mapping[str, Mapping[int, Any]]) -> HookPlan:
         """Read a module's saved hook dicts (``_forward_pre_hooks`` ... ``_backward_hooks`` and the flag dicts)."""
@@ -161,7 +229,39 @@ def adapter_for(model: nn.Module) -> Optional[EngineAdapter]:
     return None
 
 
+def plan_bare_hooks(hooks: Mapping[str, Mapping[int, Any]]) -> Optional[HookPlan]:
+    """The plan of the first registered engine that recognises any of these hooks, or None if none does."""
+    for cls in registered_engines():
+        plan = cls.plan_bare_hooks(hooks)
+        if plan is not None and plan.claims_any():
+            return plan
+    return None
+
+
+def root_of(model: nn.Module) -> nn.Module:
+    """The user's module tree under whatever registered engine wraps ``model`` (``model`` itself if none does)."""
+    adapter = adapter_for(model)
+    return adapter.root if adapter is not None else model
+
+
 _LOADED = False
+#: engine module -> why it could not be imported (a missing optional dependency); see _load_builtin.
+_UNAVAILABLE: Dict[str, str] = {}
+
+
+def unavailable_engines() -> Dict[str, str]:
+    """Built-in engine modules that failed to import, with the reason (e.g. a missing optional dependency)."""
+    _load_builtin()
+    return dict(_UNAVAILABLE)
+
+
+def _load(name: str) -> None:
+    # importlib, not an import statement: an engine module imports this contract, and the contract must not
+    # import it back (tests/test_layout.py forbids the circle). A missing dependency disables one engine only.
+    try:
+        importlib.import_module(f"{__name__}.{name}")
+    except ImportError as exc:
+        _UNAVAILABLE[name] = f"{type(exc).__name__}: {exc}"
 
 
 def _load_builtin() -> None:
@@ -170,4 +270,5 @@ def _load_builtin() -> None:
     if _LOADED:
         return
     _LOADED = True
-    # The modules register themselves on import; the list grows as adapters land.
+    # The modules register themselves on import; one line per engine module of this folder.
+    _load("megatron_fsdp")

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from torch import nn
 
-from ._te import HAS_TE
+from fsdp_cudagraph.runtime.te import HAS_TE
 
 __all__ = [
     "ATTENTION_POLICIES", "AttentionBackendMatcher", "describe_selection", "mismatch_message", "te_attention_namespace",

@@ -28,7 +28,7 @@ Evaluation (``evaluate``) has its own forward-only graph; the optimizer step has
 
 [Note: frozen host decisions]
 At replay no Python runs: every decision taken on the host while the step was captured is replayed as it
-was taken then. The engine's decisions follow a fixed schedule (``megatron_fsdp._graph_mode``, [Note: the
+was taken then. The engine's decisions follow a fixed schedule (``megatron_fsdp.graph_contract``, [Note: the
 static schedule]): every step re-installs the compute parameters from the main shards, gathers every unit
 it needs, and writes this step's gradients over the main gradients. The eager steps this class runs (the
 warmup before capture, fallbacks on other inputs) start from the same state, so they issue the same
@@ -77,13 +77,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard, simulated_capture
-from megatron_fsdp import _graph_mode as static_step
+from megatron_fsdp import graph_contract as static_step
 
-from . import _args, _streams
-from ._attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
-from ._capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
-from ._optimizer_graph import OptimizerGraph
-from .config import CudaGraphConfig, CudaGraphImpl
+from fsdp_cudagraph.config import CudaGraphConfig, CudaGraphImpl
+from fsdp_cudagraph.graphs.optimizer import FullIterationReport, OptimizerGraph
+from fsdp_cudagraph.runtime import args as _args
+from fsdp_cudagraph.runtime import streams as _streams
+from fsdp_cudagraph.runtime.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
+from fsdp_cudagraph.runtime.capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
 
 __all__ = ["FullIterationCudaGraph", "FullIterationReport", "FULL_ITERATION_BACKENDS"]
 
@@ -93,21 +94,6 @@ logger = logging.getLogger(__name__)
 #: each "replay" re-runs the step under the capture guard and must issue what the capture issued.
 FULL_ITERATION_BACKENDS = ("cuda", "protocol")
 _KINDS = {"train": "the training step", "eval": "the evaluation step", "optimizer": "the optimizer step"}
-
-
-@dataclasses.dataclass
-class FullIterationReport:
-    """What one capture did."""
-
-    kind: str
-    backend: str
-    capture_seconds: float
-    graph_memory_bytes: int
-    num_micro_batches: int
-    #: the engine's collectives inside the graph, in launch order (the same on every rank)
-    collectives: List[str]
-    #: units whose main gradients the captured step writes (train graphs)
-    units_with_grads: List[str]
 
 
 @dataclasses.dataclass(eq=False)
@@ -165,7 +151,7 @@ class FullIterationCudaGraph:
         host_sync_check: run the last warmup step under :class:`CaptureSafetyCheck` (host syncs named before
             capture). ``False`` leaves that step unobserved (the capture's own sync-debug check still runs).
 
-    Streams: on CUDA, building it moves this thread off the legacy default stream (see ``_streams.py``): build
+    Streams: on CUDA, building it moves this thread off the legacy default stream (see ``runtime/streams.py``): build
     it before the first training step. Every call then runs on the thread's current stream, the capture too.
 
     Hazards: the returned losses are fresh tensors, but tensors inside the graph (activations, the graph's
@@ -281,7 +267,7 @@ class FullIterationCudaGraph:
         ``max_norm``: clip the main gradients by their global norm first (``model.clip_grad_norm_``, sync-free:
         an all-reduce and device-side scaling, inside the optimizer graph when there is one) and return that
         norm (before clipping) as a fresh tensor. The value is bound at capture: a replay with another raises.
-        See ``_optimizer_graph.py`` for what a replay checks.
+        See ``graphs/optimizer.py`` for what a replay checks.
         """
         self._check_usable("optimizer_step")
         return self._opt.step(optimizer, max_norm)
@@ -472,15 +458,11 @@ class FullIterationCudaGraph:
 
     def _run_protocol(self, slot: _Slot, static_batch: Any, log: List[str]) -> Tuple[Any, list]:
         """One capture or replay on the protocol backend: the step under simulated capture, phases recorded."""
-        engine, previous = self.engine, self.engine.trace
-        engine.trace = []
-        try:
-            with simulated_capture(), capture_guard(CaptureGuardMode.ALLOW_COLLECTIVES, collective_log=log), \
-                    CaptureSafetyCheck(self.device, _KINDS[slot.kind]):
-                out = self._body(slot)(static_batch)
-            return out, engine.trace
-        finally:
-            engine.trace = previous
+        with static_step.recording_phases(self.engine) as trace, simulated_capture(), \
+                capture_guard(CaptureGuardMode.ALLOW_COLLECTIVES, collective_log=log), \
+                CaptureSafetyCheck(self.device, _KINDS[slot.kind]):
+            out = self._body(slot)(static_batch)
+        return out, trace
 
     def _barrier(self) -> None:
         if dist.get_backend(self.engine.group) == "nccl":

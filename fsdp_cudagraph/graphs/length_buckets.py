@@ -16,7 +16,7 @@ length changes every step (Qwen3-VL concatenates all images of a sample, batch 1
 pads everything to one maximum length and replaces the per-image ``cu_seqlens`` by a mask over the whole
 padded sequence; that wastes compute on short inputs and lets every image attend to every other one. Here:
 
-- Buckets. ``Buckets`` (``_buckets.py``) holds ascending lengths; a call of length ``n`` is padded to the
+- Buckets. ``Buckets`` (``runtime/buckets.py``) holds ascending lengths; a call of length ``n`` is padded to the
   smallest bucket ``>= n`` along each *length argument*'s dimension (``LengthArg(dim, pad_value)``), and every
   tensor of the output is cut back to ``n`` along ``output_dim``. A call already at a bucket length is not
   copied, so a model may pad once before its layers (as the PR does) and every layer replays without copies.
@@ -69,12 +69,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from megatron_fsdp import MegatronFSDP
-
-from . import _args, _streams
-from ._buckets import Buckets, pad_to
-from ._capture import BACKENDS, CaptureReport, PartialCudaGraphs, select_modules
-from .config import CudaGraphConfig
+from fsdp_cudagraph.config import CudaGraphConfig
+from fsdp_cudagraph.engines import adapter_for
+from fsdp_cudagraph.graphs.partial import BACKENDS, CaptureReport, PartialCudaGraphs, select_modules
+from fsdp_cudagraph.runtime import args as _args
+from fsdp_cudagraph.runtime import streams as _streams
+from fsdp_cudagraph.runtime.buckets import Buckets, pad_to
 
 __all__ = [
     "LengthBucketGraphs",
@@ -320,16 +320,15 @@ class LengthBucketGraphs:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; with backend=None set cuda_graph_impl "
                              "to 'transformer_engine' or 'local'")
         self.model, self.config, self.buckets, self.output_dim, self.backend = model, config, buckets, output_dim, backend
-        self.engine = model if isinstance(model, MegatronFSDP) else None
-        if self.engine is not None and not (self.engine.fsdp_double_buffer and self.engine.fsdp_db_use_persist_buf_on_alloc_fail):
-            raise ValueError("length-bucketed graphs under megatron_fsdp need fsdp_double_buffer=True and "
-                             "fsdp_db_use_persist_buf_on_alloc_fail=True (replay needs parameters at fixed "
-                             "addresses); pass both to fully_shard")
-        root = model.module if self.engine is not None else model
+        #: The engine contract (None: a plain module): units, the address-stability refusal, the side stream.
+        self.engine = adapter_for(model)
+        if self.engine is not None:
+            self.engine.check_partial_graphs()  # one refusal for every per-layer graph kind, in the engine's words
+        root = self.engine.root if self.engine is not None else model
         self._modules: Dict[str, nn.Module] = dict(select_modules(root, self.engine, config))
         self._steps_before_side_stream = 0
         if backend in ("te", "torch") and _streams.on_legacy_default_stream():
-            self._steps_before_side_stream = getattr(self.engine, "num_forward_calls", 0)
+            self._steps_before_side_stream = self.engine.num_forward_calls if self.engine is not None else 0
             _streams.use_side_stream()
         self._calls: Dict[str, Tuple[Tuple[torch.Tensor, ...], Any]] = {}
         self._order: List[str] = []
@@ -440,7 +439,7 @@ class LengthBucketGraphs:
     def _check_addresses(self, first: _BucketCapture, cap: _BucketCapture) -> None:
         """One address check serves every bucket: the parameters must sit where they sat for the first bucket."""
         for c, oc in zip(first._order, cap._order):
-            if oc.param_ptrs != c.param_ptrs or oc.grad_ptr != c.grad_ptr:
+            if oc.param_ptrs != c.param_ptrs or oc.replay_ptrs != c.replay_ptrs:
                 raise RuntimeError(f"fsdp_cudagraph: the parameters (or gradient buffer) of {c.name} moved between the "
                                    f"captures of buckets {first.bucket} and {cap.bucket}; length buckets need "
                                    "address-stable parameters (fsdp_double_buffer and fsdp_db_use_persist_buf_on_alloc_fail)")

@@ -37,7 +37,8 @@ their addresses.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, FrozenSet, Iterable, List
+import contextlib
+from typing import TYPE_CHECKING, Any, FrozenSet, Iterable, Iterator, List, Tuple
 
 from ._common import COMPUTING, TrainingState
 
@@ -52,6 +53,7 @@ __all__ = [
     "end_static_step",
     "grads_bound",
     "mark_params_stale",
+    "recording_phases",
 ]
 
 
@@ -138,6 +140,21 @@ def end_static_step(engine: "MegatronFSDP", *, bound: Iterable[str]) -> None:
     engine.slot_owner[:] = [None] * len(engine.slot_owner)
     engine._pending.clear()
     engine._callback_queued = False
+
+
+@contextlib.contextmanager
+def recording_phases(engine: "MegatronFSDP") -> Iterator[List[Tuple[str, str, bool]]]:
+    """Record the engine's unit phases in the block: yields a list of ``(phase, unit name, capturing)``.
+
+    What the protocol backend compares between capture and replay. The previous recording (if any) is
+    restored in ``finally``, so recordings nest.
+    """
+    previous = engine.trace
+    engine.trace = []
+    try:
+        yield engine.trace
+    finally:
+        engine.trace = previous
 
 
 def mark_params_stale(engine: "MegatronFSDP") -> None:

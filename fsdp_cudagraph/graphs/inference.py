@@ -21,7 +21,8 @@ Scopes:
   pre-forward (all-gather) and post-forward (reshard) fire around its replay exactly as in an eager
   forward ([Note: layer graphs inside the layer's call]).
 - ``block``: the whole forward in one graph per padded shape. Under ``megatron_fsdp`` the graph holds the
-  engine's work too, collectives included (ZeRO-3 all-gathers; [Note: block graphs under megatron_fsdp]).
+  engine's work too, collectives included (ZeRO-3 all-gathers; the engine's side is [Note: the static
+  schedule] in ``megatron_fsdp/graph_contract.py``).
 - ``none``: ``graphs(...)`` is ``model(...)``.
 
 [Note: inference buckets and padding]
@@ -66,13 +67,14 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard, simulated_capture
-from megatron_fsdp import _graph_mode as static_step
+from megatron_fsdp import graph_contract as static_step
 
-from . import _args, _streams
-from ._attention import te_capture_flag
-from ._buckets import Buckets, pad_to, unpad
-from ._capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
-from .config import CudaGraphConfig, InferenceCudaGraphScope
+from fsdp_cudagraph.config import CudaGraphConfig, InferenceCudaGraphScope
+from fsdp_cudagraph.runtime import args as _args
+from fsdp_cudagraph.runtime import streams as _streams
+from fsdp_cudagraph.runtime.attention import te_capture_flag
+from fsdp_cudagraph.runtime.buckets import Buckets, pad_to, unpad
+from fsdp_cudagraph.runtime.capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
 
 __all__ = ["InferenceCudaGraphs", "InferenceCapture", "INFERENCE_BACKENDS", "GraphLimitWarning"]
 
@@ -138,7 +140,7 @@ class InferenceCudaGraphs:
             each capture, ``cuda_graph_strict_signature`` raises instead of running oversized calls eagerly.
         batch_buckets: padded batch sizes (dim 0), e.g. ``Buckets.powers_of_two(8)``.
         seq_buckets: optional padded sequence lengths (dim 1, padded at the end); needs a causal model: the
-            reference GPT (checked against its positional embedding) or ``causal=True``.
+            reference GPT, or any model declaring ``causal = True`` and ``max_positions``) or ``causal=True``.
         causal: declare that position ``i``'s outputs never depend on positions after ``i``.
         layer_modules: classes (or class names) of the layers for ``layer`` scope; default the FSDP units, or
             the model's ``unit_class`` (the reference GPT's blocks).
@@ -152,7 +154,7 @@ class InferenceCudaGraphs:
     Python side effects inside a graphed forward (a hook on a submodule of a layer, a counter) happen at
     capture only; a ``block`` graph of a sharded model on several ranks holds collectives, so every rank must
     call it together (the padded batch is agreed across ranks per call, other shapes must match).
-    Streams: on CUDA, building it moves this thread off the legacy default stream (``_streams.py``).
+    Streams: on CUDA, building it moves this thread off the legacy default stream (``runtime/streams.py``).
     """
 
     def __init__(self, model: nn.Module, config: CudaGraphConfig, *, batch_buckets: Buckets,
@@ -162,7 +164,7 @@ class InferenceCudaGraphs:
         if not isinstance(config, CudaGraphConfig):
             raise TypeError(f"config must be a CudaGraphConfig, got {type(config).__name__}")
         if not isinstance(batch_buckets, Buckets) or (seq_buckets is not None and not isinstance(seq_buckets, Buckets)):
-            raise TypeError("batch_buckets (and seq_buckets) must be fsdp_cudagraph._buckets.Buckets, e.g. "
+            raise TypeError("batch_buckets (and seq_buckets) must be fsdp_cudagraph.runtime.buckets.Buckets, e.g. "
                             "Buckets.powers_of_two(8)")
         if isinstance(max_graph_sets, bool) or not isinstance(max_graph_sets, int) or max_graph_sets < 1:
             raise ValueError(f"max_graph_sets={max_graph_sets!r} must be an int >= 1")
@@ -190,7 +192,7 @@ class InferenceCudaGraphs:
                     "fsdp_double_buffer=True and fsdp_db_use_persist_buf_on_alloc_fail=True to fully_shard, or use "
                     "inference_cuda_graph_scope='none'")
         self._layers: List[_Layer] = self._select_layers(layer_modules) if self.scope is InferenceCudaGraphScope.LAYER else []
-        #: block graphs of an engine hold its work, collectives included, as a static step (_graph_mode.py)
+        #: block graphs of an engine hold its work, collectives included, as a static step (graph_contract.py)
         self._static = self.scope is InferenceCudaGraphScope.BLOCK and self.engine is not None
         self._agree = self._static and self.engine.world_size > 1
         self._blocks: Dict[Any, _Graph] = {}
@@ -207,17 +209,19 @@ class InferenceCudaGraphs:
 
     # ------------------------------------------------------------------ set-up
     def _check_causal(self, causal: Optional[bool]) -> None:
-        from .model import GPT  # the reference model: its positional embedding bounds the padded length
-
-        if isinstance(self.root, GPT):
-            n = self.root.pos.num_embeddings
+        # A model may declare itself causal with a bounded number of positions (the reference GPT does:
+        # ``causal = True`` and ``max_positions``, the size of its positional embedding); the graph layer reads
+        # the declaration instead of importing the application's class.
+        if getattr(self.root, "causal", None) is True and isinstance(getattr(self.root, "max_positions", None), int):
+            n = self.root.max_positions
+            name = type(self.root).__name__
             if self.seq_buckets.max_size > n:
                 raise ValueError(
                     f"seq_buckets={list(self.seq_buckets.sizes)} pads sequences up to {self.seq_buckets.max_size}, but "
-                    f"the GPT's positional embedding has {n} positions (GPTConfig.seq_len={n}); drop the larger "
-                    f"buckets (largest <= {n}) or build the model with a longer seq_len")
+                    f"the {name}'s positional embedding has {n} positions (max_positions={n}); drop the larger "
+                    f"buckets (largest <= {n}) or build the model with more positions")
             if causal is False:
-                raise ValueError("causal=False with seq_buckets: the reference GPT is causal; drop causal=False")
+                raise ValueError(f"causal=False with seq_buckets: the {name} declares causal=True; drop causal=False")
             return
         if causal is not True:
             raise ValueError(

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._args import flatten
+from fsdp_cudagraph.runtime.args import flatten
 
 __all__ = ["fingerprint", "StepRecorder", "first_divergence", "describe_divergence"]
 

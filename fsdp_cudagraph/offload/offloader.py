@@ -9,7 +9,7 @@ Lifecycle (eager)::
 With partial graphs, ``PartialCudaGraphs(model, config)`` builds the offloader from
 ``config.activation_offload_modules`` (or ``..._module_patterns``) and drives it around capture (see
 [Note: offloading inside partial graphs]). What is copied, on which streams, into which host buffers, and
-the hazards: ``_offload_copy.py``, [Note: activation offloading].
+the hazards: ``offload/host_copies.py``, [Note: activation offloading].
 
 Recording and plan. The first grad-enabled forward after the offloader is built offloads every group and
 records each one's (module name, call index) and copy sizes, in forward order (:class:`GroupRecord`). At
@@ -46,9 +46,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from megatron_fsdp import MegatronFSDP, is_capturing
+from megatron_fsdp import is_capturing
 
-from ._offload_copy import GroupRecord, HostBufferPool, _Group, _unpack
+from fsdp_cudagraph.engines import root_of
+from fsdp_cudagraph.offload.host_copies import GroupRecord, HostBufferPool, _Group, _unpack
 
 __all__ = [
     "ActivationOffloader", "HostBufferPool", "GroupRecord", "OffloadState", "select_offload_modules",
@@ -136,7 +137,7 @@ class ActivationOffloader:
     """Offload what chosen submodules save for backward to host memory (see [Note: activation offloading]).
 
     Args:
-        model: a :class:`megatron_fsdp.MegatronFSDP` or a plain module; its forward starts an iteration.
+        model: a model an engine wraps (e.g. :class:`megatron_fsdp.MegatronFSDP`) or a plain module; its forward starts an iteration.
         modules / module_patterns: the modules to offload, by ``cuda_graph_module`` tag or by pattern.
         fraction: in (0, 1]: keep the last ``floor(n * (1 - fraction))`` of the ``n`` recorded groups on the device.
         graphed: the graphed callables ((name, module) pairs from the same root) for the boundary rule.
@@ -153,7 +154,7 @@ class ActivationOffloader:
             raise ValueError(f"fraction={fraction!r} must be a number in (0, 1]; 1.0 offloads every group")
         if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
             raise ValueError(f"min_offload_bytes={min_offload_bytes!r} must be an int >= 0")
-        root = model.module if isinstance(model, MegatronFSDP) else model
+        root = root_of(model)
         self.selected = select_offload_modules(root, modules, module_patterns)
         self.graphed_in = check_graph_boundaries(self.selected, graphed)
         self.fraction = float(fraction)

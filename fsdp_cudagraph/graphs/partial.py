@@ -37,14 +37,16 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from megatron_fsdp import MegatronFSDP, simulated_capture
-from megatron_fsdp._unit import FSDPUnit
+from megatron_fsdp import simulated_capture
 
-from . import _args, _offload, _streams
-from ._attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
-from ._hooks import HOOK_KEYS, ExtractedHooks, _DICTS, extract_hooks, fsdp_handlers, restore_hooks
-from ._te import require_te
-from .config import CudaGraphConfig
+from fsdp_cudagraph.config import CudaGraphConfig
+from fsdp_cudagraph.engines import EngineAdapter, adapter_for
+from fsdp_cudagraph.hooks import HOOK_DICTS, HOOK_KEYS, ExtractedHooks, extract_hooks, restore_hooks
+from fsdp_cudagraph.offload import offloader as _offload
+from fsdp_cudagraph.runtime import args as _args
+from fsdp_cudagraph.runtime import streams as _streams
+from fsdp_cudagraph.runtime.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
+from fsdp_cudagraph.runtime.te import require_te
 
 __all__ = ["PartialCudaGraphs", "CaptureReport", "BACKENDS", "select_modules", "match_graph_attention"]
 
@@ -73,25 +75,32 @@ class CaptureReport:
 class _Callable:
     name: str
     module: nn.Module
-    unit: Optional[FSDPUnit]
+    #: The engine unit's module that owns this callable (None: no engine, or the root).
+    unit: Optional[nn.Module]
     sample_args: Optional[Tuple[torch.Tensor, ...]] = None
     sample_kwargs: Optional[Dict[str, torch.Tensor]] = None
     extracted: Optional[ExtractedHooks] = None
     plan: Dict[str, Dict[int, Any]] = field(default_factory=lambda: {k: {} for k in HOOK_KEYS})
     params: Tuple[nn.Parameter, ...] = ()
     param_ptrs: Tuple[int, ...] = ()
-    grad_ptr: Optional[int] = None
+    #: (name, address) of every tensor a replay reads or writes by address (the engine's replay_tensors).
+    replay_ptrs: Tuple[Tuple[str, int], ...] = ()
     had_forward_attr: bool = False
     #: The module's own instance-level ``forward`` before capture (when ``had_forward_attr``): graph makers
     #: replace it, and delete() or a failed capture must put it back.
     own_forward: Any = None
-    #: The recorded call's signature (structure, constants, tensor metadata; see ``_args.py``). The graph's
+    #: The recorded call's signature (structure, constants, tensor metadata; see ``runtime/args.py``). The graph's
     #: inputs are its tensor leaves, ``sample_args``; ``sample_kwargs`` stays empty.
     signature: Any = None
 
 
-def select_modules(root: nn.Module, engine: Optional[MegatronFSDP], config: CudaGraphConfig) -> List[Tuple[str, nn.Module]]:
-    """The (qualified name, module) pairs that ``config`` selects as graphed callables, in module order."""
+def select_modules(root: nn.Module, engine: Any, config: CudaGraphConfig) -> List[Tuple[str, nn.Module]]:
+    """The (qualified name, module) pairs that ``config`` selects as graphed callables, in module order.
+
+    ``engine``: the engine's adapter, or the wrapped model itself (its adapter is looked up), or None.
+    """
+    if engine is not None and not isinstance(engine, EngineAdapter):
+        engine = adapter_for(engine)
     cfg = config
     named = list(root.named_modules())
     if cfg.cuda_graph_module_patterns:
@@ -101,8 +110,8 @@ def select_modules(root: nn.Module, engine: Optional[MegatronFSDP], config: Cuda
             raise ValueError(f"cuda_graph_module_patterns={pats} match no submodule; patterns are globs over qualified names (e.g. 'layers.*.attn') or class names")
     elif not cfg.cuda_graph_modules:
         if engine is None:
-            raise ValueError("cuda_graph_modules=[] (whole layers) needs a megatron_fsdp model whose units are the layers, or cuda_graph_module_patterns")
-        unit_ids = {id(u.module) for u in engine.units}
+            raise ValueError("cuda_graph_modules=[] (whole layers) needs a sharded model (e.g. megatron_fsdp) whose units are the layers, or cuda_graph_module_patterns")
+        unit_ids = {id(m) for m in engine.unit_modules()}
         chosen = [(n, m) for n, m in named if id(m) in unit_ids]
     else:
         wanted = {getattr(v, "value", v) for v in cfg.cuda_graph_modules}
@@ -134,7 +143,7 @@ class PartialCudaGraphs:
         backend: ``te``, ``torch`` or ``protocol``; default from ``config.cuda_graph_impl``
             (``transformer_engine`` -> te, ``local`` -> torch).
         attention_backend: what to do when TE attention inside a graphed callable would pick another backend
-            under capture than eagerly (see [Note: attention backends under capture] in ``_attention.py``):
+            under capture than eagerly (see [Note: attention backends under capture] in ``runtime/attention.py``):
             ``match_graph`` (default) makes the eager steps use the graph's backend from now on, ``warn``
             keeps TE's eager choice and warns at capture, ``error`` refuses the capture.
         clone_param_grads: TE backend: return clones of the graph's parameter gradients (TE's default) rather
@@ -144,7 +153,7 @@ class PartialCudaGraphs:
             unit's post-backward (the torch backend never clones).
 
     Streams: building it moves this thread off the legacy default CUDA stream (backends ``te`` and
-    ``torch``; see [Note: the default stream and graph capture] in ``_streams.py``), so build it before the
+    ``torch``; see [Note: the default stream and graph capture] in ``runtime/streams.py``), so build it before the
     first training step: the eager steps before capture must run on a stream a capture can join.
     """
 
@@ -158,8 +167,9 @@ class PartialCudaGraphs:
         self.config = config
         self.attention_backend = attention_backend
         self.clone_param_grads = clone_param_grads
-        self.engine = model if isinstance(model, MegatronFSDP) else None
-        self.root = model.module if isinstance(model, MegatronFSDP) else model
+        #: The engine contract (None: a plain module); every question to the engine goes through it.
+        self.engine = adapter_for(model)
+        self.root = self.engine.root if self.engine is not None else model
         if backend is None:
             backend = config.backend
         if backend not in BACKENDS:
@@ -168,15 +178,8 @@ class PartialCudaGraphs:
                 "'transformer_engine' or 'local'"
             )
         self.backend = backend
-        if self.engine is not None and not (
-            self.engine.fsdp_double_buffer and self.engine.fsdp_db_use_persist_buf_on_alloc_fail
-        ):
-            raise ValueError(
-                f"partial CUDA graphs under megatron_fsdp need fsdp_double_buffer=True and "
-                f"fsdp_db_use_persist_buf_on_alloc_fail=True (the model has {self.engine.fsdp_double_buffer} and "
-                f"{self.engine.fsdp_db_use_persist_buf_on_alloc_fail}): replay needs parameters at fixed "
-                "addresses; pass both to fully_shard"
-            )
+        if self.engine is not None:
+            self.engine.check_partial_graphs()
         self.callables = self._select()
         # config.activation_offload_*: built now (the next eager step is recorded), boundaries checked here.
         self.offload = _offload.offloader_for(model, config, [(c.name, c.module) for c in self.callables])
@@ -184,7 +187,7 @@ class PartialCudaGraphs:
         # default stream ([Note: the default stream and graph capture]).
         self._steps_before_side_stream = 0
         if backend in ("te", "torch") and _streams.on_legacy_default_stream():
-            self._steps_before_side_stream = getattr(self.engine, "num_forward_calls", 0)
+            self._steps_before_side_stream = self.engine.num_forward_calls if self.engine is not None else 0
             _streams.use_side_stream()
         self._attention = AttentionBackendMatcher(
             {c.name: c.module for c in self.callables}, force=attention_backend == "match_graph"
@@ -237,9 +240,9 @@ class PartialCudaGraphs:
                 "unknown; run at least one eager training step (cuda_graph_warmup_steps >= 1) before capture()"
             )
         _args.check_recorded(self.callables)
-        # (helper A, issue 11) A unit under activation checkpointing re-runs its forward inside backward, where a
+        # A unit under activation checkpointing re-runs its forward inside backward, where a
         # graphed callable would replay out of the captured schedule: refused, the engine tells which units.
-        recomputed = sorted({c.unit.name for c in self.callables if c.unit is not None and self.engine is not None
+        recomputed = sorted({self.engine.unit_name(c.unit) for c in self.callables if c.unit is not None
                              and self.engine.unit_uses_recompute(c.unit)})
         if recomputed:
             raise NotImplementedError(
@@ -258,7 +261,7 @@ class PartialCudaGraphs:
         self._attention.remove_hooks()  # graph makers refuse modules with hooks; capture selects as captured
         order = self._order + [c for c in self.callables if c not in self._order]
         if self.engine is not None:
-            self.engine.reset_step_state()
+            self.engine.reset()
         for c in order:
             c.extracted = None
             c.had_forward_attr = "forward" in c.module.__dict__
@@ -266,8 +269,9 @@ class PartialCudaGraphs:
         mem0 = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         t0 = time.perf_counter()
         try:
+            hook_plan = self.engine.hook_plan if self.engine is not None else None  # phase 2: the engine's reading
             for c in order:
-                c.extracted = extract_hooks(c.module)
+                c.extracted = extract_hooks(c.module, hook_plan=hook_plan)
             self._plan(order)
             runner = {"te": self._capture_te, "torch": self._capture_torch, "protocol": self._capture_protocol}[self.backend]
             with _streams.stale_stream_override(), _offload.graph_maker(self.offload):
@@ -285,7 +289,7 @@ class PartialCudaGraphs:
                 if c.extracted is not None:
                     restore_hooks(c.extracted)
             if self.engine is not None:
-                self.engine.reset_step_state()
+                self.engine.reset()
             self._attention.uninstall()  # replays select nothing; eager calls go back to TE's own choice
         seconds = time.perf_counter() - t0
         unknown = [f"{c.name}.{d}[{hid}]={getattr(h, '__qualname__', repr(h))}" for c in order for d, hid, h in c.extracted.unknown]
@@ -294,8 +298,7 @@ class PartialCudaGraphs:
         for c in order:
             c.params = tuple(c.module.parameters())
             c.param_ptrs = tuple(p.data_ptr() for p in c.params)
-            gb = c.unit.grad_buffer if c.unit is not None else None
-            c.grad_ptr = gb.tensor.data_ptr() if gb is not None and gb.kind != "dynamic" else None
+            c.replay_ptrs = self._replay_ptrs(c)
             self._checks.append(c.module.register_forward_pre_hook(self._address_check(c)))
         self._order = order
         self.captured = True
@@ -308,12 +311,12 @@ class PartialCudaGraphs:
         by_unit: Dict[int, List[_Callable]] = {}
         for c in order:
             c.plan = {k: dict(v) for k, v in c.extracted.capture_time.items()}
-            if c.unit is not None and c.module is not c.unit.module:
+            if c.unit is not None and c.module is not c.unit:
                 by_unit.setdefault(id(c.unit), []).append(c)
         for group in by_unit.values():
             unit = group[0].unit
-            live = {name: getattr(unit.module, name) for name in _DICTS}
-            plan, _, _ = fsdp_handlers(live)
+            live = {name: getattr(unit, name) for name in HOOK_DICTS}
+            plan = self.engine.hook_plan(live).capture_time
             first, last = group[0], group[-1]
             # [Note: one unit, several callables] The unit unshards before its first callable's forward
             # and reshards after its last; backward runs in reverse, so it unshards before the last
@@ -379,22 +382,27 @@ class PartialCudaGraphs:
             outs = []
             for c in order:
                 _run(c.plan["forward_pre_hooks"], c.module)
-                with simulated_capture() if capturing else contextlib.nullcontext():
+                with self._simulated_capture() if capturing else contextlib.nullcontext():
                     outs.append(wrappers[c](*c.sample_args))
                 _run(c.plan["forward_hooks"], c.module)
             for c, out in zip(reversed(order), reversed(outs)):
                 _run(c.plan["backward_pre_hooks"], c.module)
-                with simulated_capture() if capturing else contextlib.nullcontext():
+                with self._simulated_capture() if capturing else contextlib.nullcontext():
                     _grads(c, out)
                 _run(c.plan["backward_hooks"], c.module)
         for c in order:
             self._install(c, wrappers[c], _ProtocolReplay(wrappers[c]))
 
+    def _simulated_capture(self) -> Any:
+        # The engine's guard; with no engine, still the process-wide simulated-capture flag that offloading reads
+        # (megatron_fsdp's public is_capturing/simulated_capture: the one capture state of the CPU protocol).
+        return self.engine.simulated_capture() if self.engine is not None else simulated_capture()
+
     def _pool_kwargs(self, callables: List[_Callable]) -> Dict[str, Any]:
         """Extra graph-maker arguments for one capture call: none here; length buckets pass a shared ``pool``."""
         return {}
 
-    # ------------------------------------------------------------------ calls with constants (see _args.py)
+    # ------------------------------------------------------------------ calls with constants (see runtime/args.py)
     def _wrappers(self, order: List[_Callable]) -> Dict[_Callable, _args.CallWrapper]:
         """What each backend captures: a module taking the recorded call's tensors, constants bound."""
         return {c: _args.CallWrapper(c.module, c.name, c.signature, c.module.forward) for c in order}
@@ -407,8 +415,16 @@ class PartialCudaGraphs:
         c.module.forward = _args.Dispatcher(c.module, c.name, graphed, wrapper, wrapper.eager_forward,
                                             strict=self.config.cuda_graph_strict_signature)
 
+    def _replay_ptrs(self, c: _Callable) -> Tuple[Tuple[str, int], ...]:
+        """The engine's non-parameter replay tensors of ``c`` (e.g. its unit's gradient buffer), read live."""
+        if self.engine is None:
+            return ()
+        return tuple((n, t.data_ptr()) for n, t in self.engine.replay_tensors(c.module)
+                     if not isinstance(t, nn.Parameter))
+
     def _address_check(self, c: _Callable):
         rank = self.engine.rank if self.engine is not None else 0
+        unit_name = self.engine.unit_name(c.unit) if self.engine is not None and c.unit is not None else "-"
 
         data_ptr = torch.Tensor.data_ptr
 
@@ -419,18 +435,19 @@ class PartialCudaGraphs:
                     if p.data_ptr() != ptr:
                         raise RuntimeError(
                             f"[rank {rank}] fsdp_cudagraph: graphed callable {c.name} (unit "
-                            f"{c.unit.name if c.unit else '-'}) would replay with parameter {pname} at "
+                            f"{unit_name}) would replay with parameter {pname} at "
                             f"{p.data_ptr():#x}, but it was captured at {ptr:#x}; replay would read stale memory. "
                             "Keep fsdp_double_buffer and fsdp_db_use_persist_buf_on_alloc_fail on, and do not "
                             "reassign parameters after capture (or delete() these graphs and capture with a new "
                             "PartialCudaGraphs)"
                         )
-            if c.grad_ptr is not None and c.unit.grad_buffer.tensor.data_ptr() != c.grad_ptr:
-                raise RuntimeError(
-                    f"[rank {rank}] fsdp_cudagraph: the gradient buffer of unit {c.unit.name} moved from "
-                    f"{c.grad_ptr:#x} (capture) to {c.unit.grad_buffer.tensor.data_ptr():#x}; delete() these graphs "
-                    "and capture with a new PartialCudaGraphs"
-                )
+            if c.replay_ptrs and self._replay_ptrs(c) != c.replay_ptrs:
+                for (what, ptr), (_, now) in zip(c.replay_ptrs, self._replay_ptrs(c)):
+                    if now != ptr:
+                        raise RuntimeError(
+                            f"[rank {rank}] fsdp_cudagraph: the {what} moved from {ptr:#x} (capture) to {now:#x}; "
+                            "delete() these graphs and capture with a new PartialCudaGraphs"
+                        )
 
         return check
 
@@ -440,7 +457,7 @@ class PartialCudaGraphs:
 
         The modules end exactly as they were before this object existed; to capture again, build a new
         :class:`PartialCudaGraphs` and run at least one eager step before its ``capture()``. The thread stays
-        on the side stream it was moved to (so that capturing again works; see ``_streams.py``).
+        on the side stream it was moved to (so that capturing again works; see ``runtime/streams.py``).
         """
         for h in self._checks + self._recorders:
             h.remove()
@@ -473,8 +490,8 @@ def match_graph_attention(model: nn.Module, config: CudaGraphConfig) -> Attentio
     its own eager steps by default; see [Note: attention backends under capture]). Call ``.uninstall()``
     on the result when the run ends. Inert without TE.
     """
-    engine = model if isinstance(model, MegatronFSDP) else None
-    root = model.module if engine is not None else model
+    engine = adapter_for(model)
+    root = engine.root if engine is not None else model
     return AttentionBackendMatcher(dict(select_modules(root, engine, config)), force=True)
 
 
@@ -516,7 +533,7 @@ def _on_module(plan: Dict[str, Dict[int, Any]], module: nn.Module) -> Dict[str, 
 def _check_graph_maker_preconditions(order: List[_Callable]) -> None:
     """What TE's and PyTorch's graph makers check before any work: no hook left on a captured module."""
     for c in order:
-        left = {d: len(getattr(c.module, d)) for d in _DICTS if getattr(c.module, d)}
+        left = {d: len(getattr(c.module, d)) for d in HOOK_DICTS if getattr(c.module, d)}
         if left:
             raise RuntimeError(
                 f"graphed callable {c.name} still has hooks {left} when passed to the graph maker; modules must not "

@@ -1,6 +1,6 @@
 """The copy mechanics of activation offloading: host pool, group records, pack/unpack hooks, copy streams.
 
-Used by :class:`~fsdp_cudagraph._offload.ActivationOffloader` (lifecycle, recording and plan, and
+Used by :class:`~fsdp_cudagraph.offload.offloader.ActivationOffloader` (lifecycle, recording and plan, and
 [Note: offloading inside partial graphs] are there).
 
 [Note: activation offloading]
@@ -45,15 +45,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from typing import TYPE_CHECKING, Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from megatron_fsdp import is_capturing
-
-if TYPE_CHECKING:
-    from ._offload import ActivationOffloader
 
 __all__ = ["HostBufferPool", "GroupRecord"]
 
@@ -210,10 +207,20 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(x)
 
 
+class CopyContext(Protocol):
+    """What a group needs of its offloader (``ActivationOffloader`` is one): named here, so that this module
+    does not import the offloader that imports it."""
+
+    device: torch.device
+    streams: Optional[Tuple[torch.cuda.Stream, torch.cuda.Stream]]
+    pool: "HostBufferPool"
+    min_offload_bytes: int
+
+
 class _Group:
     """One running group: the pack/unpack hooks of one call of an offloaded module (see the Note)."""
 
-    def __init__(self, off: "ActivationOffloader", module: nn.Module, record: GroupRecord, *, recording: bool,
+    def __init__(self, off: CopyContext, module: nn.Module, record: GroupRecord, *, recording: bool,
                  capture: bool) -> None:
         self.off, self.record, self.recording, self.capture = off, record, recording, capture
         self.keep = {t.untyped_storage().data_ptr() for t in list(module.parameters()) + list(module.buffers())}

@@ -17,20 +17,40 @@ Optimizers with a ``capturable`` option must have it on (``torch.optim.Adam(...,
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard
-from megatron_fsdp import _graph_mode as static_step
+from megatron_fsdp import graph_contract as static_step
 
-from . import _streams
-from ._capture_safety import sync_debug_errors, translate_capture_error
+from fsdp_cudagraph.runtime import streams as _streams
+from fsdp_cudagraph.runtime.capture_safety import sync_debug_errors, translate_capture_error
 
-__all__ = ["OptimizerGraph"]
+__all__ = ["OptimizerGraph", "FullIterationReport"]
 
 _PHASE = "the optimizer step"
+
+
+@dataclasses.dataclass
+class FullIterationReport:
+    """What one capture of a whole-step graph did (full-iteration train/eval graphs and the optimizer graph).
+
+    Defined here, in the lower of the two modules, so that ``full_iteration`` imports ``optimizer`` and not back.
+    """
+
+    kind: str
+    backend: str
+    capture_seconds: float
+    graph_memory_bytes: int
+    num_micro_batches: int
+    #: the engine's collectives inside the graph, in launch order (the same on every rank)
+    collectives: List[str]
+    #: units whose main gradients the captured step writes (train graphs)
+    units_with_grads: List[str]
+
 
 
 class OptimizerGraph:
@@ -90,8 +110,6 @@ class OptimizerGraph:
         return norm
 
     def _capture(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float]) -> None:
-        from ._full_iteration import FullIterationReport  # the report type lives with the public class
-
         for i, group in enumerate(optimizer.param_groups):
             if self.backend == "cuda" and group.get("capturable") is False:
                 raise ValueError(

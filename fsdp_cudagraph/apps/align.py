@@ -1,0 +1,323 @@
+"""Bit-exact loss alignment: eager ``megatron_fsdp`` against partial CUDA graphs, across scopes and GPUs.
+
+For every row of the matrix the same model, data and seeds train twice, eagerly and with graphs captured
+before step ``--capture-step``, both from a plain loop on the default CUDA stream (the README's loop); every
+step's loss, the final parameters and what user hooks saw must be equal under ``torch.equal``
+(atol = rtol = 0) on every rank. The rows cover what users run: sequence lengths that are and are not
+multiples of 128 (64, 100, 128, 512), head dims 32/64/128, TE's own ``TransformerLayer`` as the unit
+(sequence-first), plain-torch layers under the TE backend, all four sharding strategies, gradient
+accumulation, user forward hooks and full backward hooks on graphed modules, and tuple outputs with tensor
+keyword arguments. The eager run uses ``match_graph_attention`` for the row's scope (TE attention picks the
+backend a graph would; see ``runtime/attention.py``).
+
+Negative controls show the comparison can fail: double buffering off is refused by validation, a hook left
+on a captured module is refused, a parameter moved after capture is caught before replay, a one-token data
+perturbation is reported as a mismatch, an eager baseline that keeps TE's eager attention backend mismatches
+where TE picks another one under capture, ``attention_backend='error'`` refuses such a capture, and (torch <
+2.13) graphs built after eager steps on the default stream are refused at capture with the fix.
+
+Run (1 GPU, then 2 GPUs)::
+
+    python -m fsdp_cudagraph.apps.align --out align-1gpu.json
+    torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.align --out align-2gpu.json
+
+``--quick`` runs a reduced matrix; ``--backends torch`` skips TE. Exit status 1 if any row mismatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+# Deterministic kernels: eager-vs-graph bit equality needs both runs to compute the same thing. TE's fused
+# attention may otherwise pick non-deterministic backward algorithms (set before TE is imported), and
+# PyTorch's flash SDPA backward accumulates dQ with atomics past one key block (seq 512 differed between two
+# eager runs on an H100 before this); deterministic mode makes it use its deterministic path. cuBLAS needs a
+# fixed workspace in that mode (set before CUDA starts).
+os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch
+import torch.distributed as dist
+
+from fsdp_cudagraph.apps.model import GPTConfig
+from fsdp_cudagraph.apps.train import RunSpec, init_distributed, run_training, use_deterministic_kernels
+from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON
+from fsdp_cudagraph.testing.records import versions, write_record  # noqa: F401 - re-exported for the suites and benchmarks
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+ZERO3 = "optim_grads_params"
+
+
+def model_config(backend: str, *, seq_len: int = 100, num_heads: int = 4, unit: str = "block",
+                 use_te: Optional[bool] = None, rich_calls: bool = False) -> GPTConfig:
+    """The matrix's model: 4 layers, hidden 256 (head dim 256 / num_heads), every second layer MoE."""
+    use_te = (backend == "te") if use_te is None else use_te
+    return GPTConfig(
+        vocab_size=1024, hidden_size=256, num_layers=4, num_heads=num_heads, seq_len=seq_len,
+        moe_every=0 if unit == "te_layer" else 2, num_experts=4, moe_top_k=2, use_te=use_te, unit=unit,
+        rich_calls=rich_calls,
+    )
+
+
+def matrix(backend: str, *, quick: bool) -> List[Dict[str, Any]]:
+    """The rows for one backend: each a dict of run_row keyword arguments plus ``model`` kwargs."""
+    rows: List[Dict[str, Any]] = []
+
+    def row(scope: List[str], what: str, strategy: str = ZERO3, grad_accum: int = 1, user_hooks: bool = False,
+            **model: Any) -> None:
+        rows.append(dict(scope=scope, what=what, strategy=strategy, grad_accum=grad_accum, user_hooks=user_hooks,
+                         model=model))
+
+    seqs = (100,) if quick else (64, 100, 128, 512)
+    for seq in seqs:
+        for scope in ([], ["attn"]):
+            row(scope, f"seq {seq}", seq_len=seq)
+    if quick:
+        row(["attn", "mlp"], "tuple outputs, tensor kwargs", rich_calls=True)
+        row(["attn"], "user hooks", user_hooks=True)
+        return rows
+    row(["attn"], "head dim 32", num_heads=8)
+    row(["attn"], "head dim 128", num_heads=2)
+    for strategy in STRATEGIES:
+        row(["attn", "mlp"], f"strategy {strategy}", strategy=strategy)
+    for scope in (["attn", "moe_router", "moe_preprocess"], ["moe_router"], ["mlp"]):
+        row(scope, "scope")
+    row(["attn", "mlp"], "gradient accumulation 2", grad_accum=2)
+    if HAS_TE:
+        for seq in (100, 128):
+            row([], f"TE TransformerLayer units, seq {seq}", seq_len=seq, unit="te_layer", use_te=True)
+    if backend == "te":
+        row([], "plain-torch layers", use_te=False)
+        row(["attn"], "plain-torch layers", use_te=False)
+    row(["attn"], "user forward + full backward hooks", user_hooks=True)
+    row([], "user forward + full backward hooks", user_hooks=True)
+    row(["attn", "mlp"], "tuple outputs, tensor kwargs", rich_calls=True)
+    row([], "tuple outputs, tensor kwargs", rich_calls=True)
+    return rows
+
+
+def _equal_everywhere(flag: bool, device: torch.device) -> bool:
+    t = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _hooks_equal(eager: Any, graphed: Any) -> Optional[bool]:
+    """Whether user hooks saw the same values eagerly and around replays (None: no hooks in this row)."""
+    if eager.hook_values is None:
+        return None
+    if eager.hook_values.keys() != graphed.hook_values.keys():
+        return False
+    for k, a in eager.hook_values.items():
+        b = graphed.hook_values[k]
+        if not a or len(a) != len(b) or not torch.equal(torch.stack(a), torch.stack(b)):
+            return False
+    return True
+
+
+def compare(eager: Any, graphed: Any, device: torch.device) -> Dict[str, Any]:
+    loss_eq = [torch.equal(a, b) for a, b in zip(eager.losses, graphed.losses)]
+    param_eq = all(torch.equal(eager.final_state[k], graphed.final_state[k]) for k in eager.final_state)
+    hooks_eq = _hooks_equal(eager, graphed)
+    ok = _equal_everywhere(all(loss_eq) and param_eq and hooks_eq is not False, device)
+    first_bad = next((i for i, e in enumerate(loss_eq) if not e), None)
+    return {
+        "equal": ok,
+        "losses_equal_per_step": loss_eq,
+        "params_equal": param_eq,
+        "user_hooks_equal": hooks_eq,
+        "num_hook_values": sum(len(v) for v in (graphed.hook_values or {}).values()),
+        "attention_backends": graphed.capture.attention_backends if graphed.capture else {},
+        "first_mismatch_step": first_bad,
+        "eager_losses": [float(x) for x in eager.losses],
+        "graphed_losses": [float(x) for x in graphed.losses],
+        "eager_step_ms_median": sorted(eager.step_ms[5:])[len(eager.step_ms[5:]) // 2] if len(eager.step_ms) > 5 else None,
+        "graphed_step_ms_median": sorted(graphed.step_ms[5:])[len(graphed.step_ms[5:]) // 2] if len(graphed.step_ms) > 5 else None,
+        "capture_seconds": graphed.capture.capture_seconds if graphed.capture else None,
+        "graphed_callables": len(graphed.capture.callables) if graphed.capture else 0,
+    }
+
+
+def run_row(*, scope: List[str], strategy: str, backend: str, grad_accum: int, steps: int, capture_step: int,
+            device: torch.device, perturb_step: Optional[int] = None, what: str = "", user_hooks: bool = False,
+            model: Optional[Dict[str, Any]] = None, eager_matches_graph_attention: bool = True,
+            spec_overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    model = dict(model or {})
+    spec = RunSpec(model=model_config(backend, **model), steps=steps, sharding_strategy=strategy, backend=backend,
+                   grad_accum=grad_accum, capture_step=capture_step, user_hooks=user_hooks,
+                   attention_as_graphed=scope if eager_matches_graph_attention else None, **(spec_overrides or {}))
+    eager = run_training(spec, device)
+    graphed_spec = RunSpec(**{**spec.__dict__, "cuda_graph_modules": scope, "perturb_step": perturb_step,
+                              "attention_as_graphed": None})
+    graphed = run_training(graphed_spec, device)
+    row = {"what": what, "scope": scope, "strategy": strategy, "backend": backend, "grad_accum": grad_accum,
+           "model": {k: v for k, v in dataclasses.asdict(spec.model).items() if k != "ffn_hidden_size"}}
+    row.update(compare(eager, graphed, device))
+    return row
+
+
+def negative_controls(device: torch.device, backend: str) -> List[Dict[str, Any]]:
+    """Runs that must fail, each with how it failed."""
+    from fsdp_cudagraph.graphs import partial as _capture
+    from fsdp_cudagraph import hooks as _hooks
+    from fsdp_cudagraph.config import CudaGraphConfig
+    from fsdp_cudagraph.apps.train import build_model, graph_config
+
+    out: List[Dict[str, Any]] = []
+
+    def expect(name: str, fn: Any, exc: type) -> None:
+        try:
+            fn()
+            out.append({"control": name, "caught": False, "detail": "no error"})
+        except exc as e:  # noqa: PERF203
+            out.append({"control": name, "caught": True, "detail": f"{type(e).__name__}: {str(e)[:300]}"})
+
+    # 1. Double buffering off: refused by validation before anything runs.
+    expect("double buffer off", lambda: CudaGraphConfig(
+        cuda_graph_impl="transformer_engine", use_megatron_fsdp=True, fsdp_double_buffer=False,
+        fsdp_db_use_persist_buf_on_alloc_fail=False), ValueError)
+
+    # 2. One FSDP hook left on a captured module: the graph maker refuses it.
+    real_extract = _hooks.extract_hooks
+
+    def leaky_extract(module: torch.nn.Module, **kwargs: Any) -> Any:
+        kept = dict(module._forward_pre_hooks)
+        ex = real_extract(module, **kwargs)
+        first = next(iter(kept.items()), None)
+        if first is not None:
+            module._forward_pre_hooks[first[0]] = first[1]
+            ex.saved["_forward_pre_hooks"].pop(first[0])
+        return ex
+
+    def leaky_capture() -> None:
+        _capture.extract_hooks = leaky_extract
+        try:
+            run_training(RunSpec(model=model_config(backend), steps=5, backend=backend, cuda_graph_modules=[]), device)
+        finally:
+            _capture.extract_hooks = real_extract
+
+    expect("FSDP hook left in the graph", leaky_capture, (RuntimeError, AssertionError))
+
+    # 3. A parameter moved after capture: the pre-replay address check stops the step.
+    def moved_param() -> None:
+        spec = RunSpec(model=model_config(backend), steps=2, backend=backend, cuda_graph_modules=["attn"], capture_step=1)
+        model = build_model(spec, device)
+        opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-3)
+        graphs = _capture.PartialCudaGraphs(model, graph_config(spec), backend=backend)
+        from fsdp_cudagraph.apps.model import loss_fn, synthetic_batch
+        x, y = synthetic_batch(0, 2, spec.model, device)
+        loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+        graphs.capture()
+        p = next(model.units[0].module.attn.parameters())
+        p.data = p.data.clone()
+        try:
+            loss_fn(model(x), y).backward()
+        finally:
+            model.reset_step_state()
+            graphs.delete()
+
+    expect("parameter moved after capture", moved_param, RuntimeError)
+
+    # 4. One token changed in one step of the graphed run: the comparison must report it.
+    row = run_row(scope=["attn"], strategy="optim_grads_params", backend=backend, grad_accum=1, steps=8,
+                  capture_step=3, device=device, perturb_step=5)
+    out.append({"control": "one token perturbed at step 5", "caught": not row["equal"],
+                "detail": f"first mismatch at step {row['first_mismatch_step']}"})
+
+    # 5./6. Where TE attention picks another backend under capture (seq 100 is not a multiple of 128): an
+    # eager baseline that keeps TE's eager choice must mismatch, and attention_backend='error' must refuse.
+    if backend == "te":
+        row = run_row(scope=["attn"], strategy=ZERO3, backend=backend, grad_accum=1, steps=6, capture_step=3,
+                      device=device, eager_matches_graph_attention=False)
+        differs = any(s["eager"] != s["graph"] for s in row["attention_backends"].values())
+        if differs:
+            out.append({"control": "eager baseline keeps TE's eager attention", "caught": not row["equal"],
+                        "detail": f"first mismatch at step {row['first_mismatch_step']}; {row['attention_backends']}"})
+            expect("attention_backend='error' with a backend change", lambda: run_training(RunSpec(
+                model=model_config(backend), steps=5, backend=backend, cuda_graph_modules=["attn"],
+                attention_backend="error"), device), RuntimeError)
+        else:
+            out.append({"control": "attention backend change under capture", "caught": None,
+                        "detail": f"not applicable here: TE picks the same backend eagerly and under capture "
+                                  f"({row['attention_backends']}); the eager baseline matched: {row['equal']}"})
+
+    # 7. Graphs built after eager steps on the default stream: refused at capture on torch < 2.13.
+    if not hasattr(torch.autograd.graph, "set_override_stale_capture_stream"):
+        expect("graphs built after 2 default-stream steps", lambda: run_training(RunSpec(
+            model=model_config(backend), steps=5, backend=backend, cuda_graph_modules=[], build_graphs_step=2,
+            capture_step=3), device), RuntimeError)
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", nargs="+", default=["te", "torch"], choices=["te", "torch"])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--capture-step", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="a reduced matrix (seq 100, two scopes, tuple outputs, hooks)")
+    p.add_argument("--no-controls", action="store_true")
+    p.add_argument("--no-clone-param-grads", action="store_true",
+                   help="TE backend: clone_param_grads_on_return=False (less work per replay)")
+    p.add_argument("--optimizer", default="adam", choices=["adam", "adam_fused"])
+    p.add_argument("--out", default=None, help="JSON result path (rank 0 writes)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fsdp_cudagraph.apps.align needs a CUDA GPU (graphs are captured on CUDA); nothing to run here.")
+        return 0
+    use_deterministic_kernels()
+    device = init_distributed(default_port=29512)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    backends = [b for b in args.backends if b != "te" or HAS_TE]
+    skipped = [] if len(backends) == len(args.backends) else [f"te: {TE_REASON}"]
+    rows: List[Dict[str, Any]] = []
+    cases = [(b, case) for b in backends for case in matrix(b, quick=args.quick)]
+    t0 = time.time()
+    for i, (backend, case) in enumerate(cases):
+        try:
+            row = run_row(backend=backend, steps=args.steps, capture_step=args.capture_step, device=device,
+                          spec_overrides={"clone_param_grads": not args.no_clone_param_grads,
+                                          "optimizer": args.optimizer}, **case)
+        except Exception as exc:  # noqa: BLE001 - a row that raises is a failed row, reported with the rest
+            logger.exception("row %s failed", case)
+            row = {**{k: v for k, v in case.items() if k != "model"}, "backend": backend, "equal": False,
+                   "error": f"{type(exc).__name__}: {str(exc)[:500]}", "first_mismatch_step": None,
+                   "eager_step_ms_median": float("nan"), "graphed_step_ms_median": float("nan")}
+        rows.append(row)
+        if rank == 0:
+            verdict = "EQUAL" if row["equal"] else row.get("error") or f"MISMATCH at step {row['first_mismatch_step']}"
+            print(f"[{i + 1}/{len(cases)}] {backend:5s} {row['strategy']:18s} accum={row['grad_accum']} "
+                  f"{case['what']:34s} scope={case['scope']!s:36s} {verdict[:200]}  "
+                  f"eager {row['eager_step_ms_median']:.2f} ms  graphed {row['graphed_step_ms_median']:.2f} ms",
+                  flush=True)
+    controls = [] if args.no_controls else [c for b in backends for c in negative_controls(device, b)]
+    ok = all(r["equal"] for r in rows) and all(c["caught"] is not False for c in controls)
+    if rank == 0:
+        for c in controls:
+            verdict = {True: "caught", False: "NOT CAUGHT", None: "n/a"}[c["caught"]]
+            print(f"control: {c['control']:42s} {verdict:10s}  {c['detail'][:160]}")
+        print(f"{len(rows)} rows, {sum(r['equal'] for r in rows)} equal; controls caught "
+              f"{sum(c['caught'] is True for c in controls)}/{sum(c['caught'] is not None for c in controls)}; "
+              f"{time.time() - t0:.0f} s; world {world}")
+        if args.out:
+            write_record(args.out, {"command": " ".join(sys.argv), "world_size": world, "versions": versions(),
+                                    "steps": args.steps, "capture_step": args.capture_step, "skipped": skipped,
+                                    "clone_param_grads": not args.no_clone_param_grads, "optimizer": args.optimizer,
+                                    "rows": rows, "controls": controls, "all_ok": ok})
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    from fsdp_cudagraph.apps.train import exit_process
+
+    exit_process(main())

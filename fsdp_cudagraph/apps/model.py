@@ -1,0 +1,268 @@
+"""A small GPT for tests, the demo and benchmarks, split the way partial CUDA graphs select callables.
+
+Each :class:`TransformerBlock` (the FSDP unit) holds an ``attn`` submodule and either a dense ``mlp`` or an
+MoE block ``moe`` whose ``router`` and ``preprocess`` are submodules of their own. Each of those classes
+carries a ``cuda_graph_module`` tag naming its :class:`~fsdp_cudagraph.config.CudaGraphModule`, which is
+how the capture layer finds callables for a scope. Every tagged submodule takes and returns tensors only,
+with static shapes (the MoE routes densely with top-k masks, no token dropping or variable-size dispatch),
+so any scope, whole layers included, is graphable.
+
+Built from TransformerEngine modules with ``use_te=True`` (needs TE and CUDA) and from plain torch
+otherwise. Dropout is absent on purpose: bit-exact eager-vs-graph comparisons need deterministic kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_cudagraph.runtime.te import require_te
+
+__all__ = ["GPTConfig", "GPT", "TransformerBlock", "SelfAttention", "MLP", "MoEBlock", "Router", "MoEPreprocess", "Experts", "loss_fn", "synthetic_batch"]
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    """Shape of the reference model. ``moe_every=k`` makes every k-th layer (1-based) an MoE layer."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    ffn_hidden_size: Optional[int] = None
+    seq_len: int = 32
+    moe_every: int = 0
+    num_experts: int = 4
+    moe_top_k: int = 2
+    use_te: bool = False
+    #: ``block``: our TransformerBlock (batch-first); ``te_layer``: TE's own ``TransformerLayer`` as the unit
+    #: (sequence-first layout, needs ``use_te``).
+    unit: str = "block"
+    #: Calls the way real models make them: attention returns a tuple ``(out, normed_input)`` and the MLP
+    #: takes that second tensor as a keyword argument (``skip=``); exercises tuple outputs and tensor kwargs.
+    rich_calls: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; pick num_heads that "
+                "divides hidden_size"
+            )
+        if self.unit not in ("block", "te_layer"):
+            raise ValueError(f"unit={self.unit!r} is not 'block' or 'te_layer'; pick one of those")
+        if self.unit == "te_layer" and (not self.use_te or self.moe_every or self.rich_calls):
+            raise ValueError(
+                f"unit='te_layer' (TE TransformerLayer) needs use_te=True, moe_every=0 and rich_calls=False (got "
+                f"use_te={self.use_te}, moe_every={self.moe_every}, rich_calls={self.rich_calls})"
+            )
+        if self.moe_every < 0 or not (1 <= self.moe_top_k <= self.num_experts):
+            raise ValueError(
+                f"moe_every={self.moe_every}, moe_top_k={self.moe_top_k}, num_experts={self.num_experts}: need "
+                "moe_every >= 0 and 1 <= moe_top_k <= num_experts"
+            )
+
+
+class SelfAttention(nn.Module):
+    """Pre-norm causal self-attention with its residual: ``x + proj(attn(ln(x)))``; x is [batch, seq, hidden]."""
+
+    cuda_graph_module = "attn"
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        h, self.num_heads = cfg.hidden_size, cfg.num_heads
+        self.use_te = cfg.use_te
+        self.rich_calls = cfg.rich_calls
+        if cfg.use_te:
+            te = require_te("GPTConfig(use_te=True)")
+            self.ln_qkv = te.LayerNormLinear(h, 3 * h, bias=True, params_dtype=torch.float32)
+            self.core = te.DotProductAttention(cfg.num_heads, h // cfg.num_heads, attn_mask_type="causal", qkv_format="bshd")
+            self.proj = te.Linear(h, h, bias=True, params_dtype=torch.float32)
+        else:
+            self.ln = nn.LayerNorm(h)
+            self.qkv = nn.Linear(h, 3 * h)
+            self.proj = nn.Linear(h, h)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        b, s, h = x.shape
+        d = h // self.num_heads
+        if self.use_te:
+            q, k, v = self.ln_qkv(x).view(b, s, 3, self.num_heads, d).unbind(2)
+            y = self.core(q, k, v)
+        else:
+            q, k, v = self.qkv(self.ln(x)).view(b, s, 3, self.num_heads, d).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+        out = x + self.proj(y)
+        return (out, y) if self.rich_calls else out
+
+
+class MLP(nn.Module):
+    """Pre-norm dense MLP with its residual."""
+
+    cuda_graph_module = "mlp"
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.use_te = cfg.use_te
+        if cfg.use_te:
+            te = require_te("GPTConfig(use_te=True)")
+            self.ln_mlp = te.LayerNormMLP(cfg.hidden_size, cfg.ffn_hidden_size, bias=True, params_dtype=torch.float32)
+        else:
+            self.ln = nn.LayerNorm(cfg.hidden_size)
+            self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size)
+            self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = x + self.ln_mlp(x) if self.use_te else x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+        return out if skip is None else out + 0.5 * skip.to(out.dtype)
+
+
+class Router(nn.Module):
+    """Token-to-expert probabilities: ``softmax(x W)``, [tokens, experts]."""
+
+    cuda_graph_module = "moe_router"
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.gate(x).float(), dim=-1)
+
+
+class MoEPreprocess(nn.Module):
+    """Dispatch preparation: top-k mask of the router probabilities, renormalised combine weights."""
+
+    cuda_graph_module = "moe_preprocess"
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.moe_top_k
+
+    def forward(self, probs: torch.Tensor) -> torch.Tensor:
+        idx = torch.topk(probs, self.top_k, dim=-1).indices
+        mask = torch.zeros_like(probs).scatter_(-1, idx, 1.0)
+        weights = probs * mask
+        return weights / weights.sum(dim=-1, keepdim=True)
+
+
+class Experts(nn.Module):
+    """All experts applied densely and mixed by the combine weights (static shapes, graph-friendly)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size
+        self.w1 = nn.Parameter(torch.randn(e, h, f) / math.sqrt(h))
+        self.w2 = nn.Parameter(torch.randn(e, f, h) / math.sqrt(f))
+
+    def forward(self, x: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
+        hid = F.gelu(torch.einsum("th,ehf->etf", x, self.w1))
+        out = torch.einsum("etf,efh->eth", hid, self.w2)
+        return torch.einsum("eth,te->th", out, combine.to(out.dtype))
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm mixture of experts with its residual."""
+
+    cuda_graph_module = "moe"
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.hidden_size)
+        self.router = Router(cfg)
+        self.preprocess = MoEPreprocess(cfg)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
+        b, s, h = x.shape
+        t = self.ln(x).reshape(b * s, h)
+        combine = self.preprocess(self.router(t))
+        out = x + self.experts(t, combine).view(b, s, h)
+        return out if skip is None else out + 0.5 * skip.to(out.dtype)
+
+
+class TransformerBlock(nn.Module):
+    """One layer: attention then a dense MLP or an MoE block. The FSDP unit of the reference model."""
+
+    def __init__(self, cfg: GPTConfig, layer_number: int) -> None:
+        super().__init__()
+        self.attn = SelfAttention(cfg)
+        is_moe = cfg.moe_every > 0 and layer_number % cfg.moe_every == 0
+        if is_moe:
+            self.moe = MoEBlock(cfg)
+        else:
+            self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ffn = self.moe if hasattr(self, "moe") else self.mlp
+        if self.attn.rich_calls:
+            x, y = self.attn(x)
+            return ffn(x, skip=y)
+        return ffn(self.attn(x))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, ``num_layers`` blocks, final norm and an untied LM head."""
+
+    #: Declared for graph kinds that pad sequences (inference ``seq_buckets``): position i never attends later.
+    causal = True
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.hidden_size)
+        self.layers = nn.ModuleList(_layer(cfg, i + 1) for i in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden_size)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        x = self.tok(tokens) + self.pos(torch.arange(s, device=tokens.device))[None]
+        seq_first = self.cfg.unit == "te_layer"
+        if seq_first:
+            x = x.transpose(0, 1).contiguous()  # TE TransformerLayer's default layout is [seq, batch, hidden]
+        for layer in self.layers:
+            x = layer(x)
+        if seq_first:
+            x = x.transpose(0, 1)
+        return self.head(self.ln_f(x))
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the positional embedding has: the longest (padded) sequence the model accepts."""
+        return self.pos.num_embeddings
+
+    @property
+    def unit_class(self) -> type:
+        """The class whose instances are the FSDP units (the layers)."""
+        return type(self.layers[0])
+
+
+def _layer(cfg: GPTConfig, layer_number: int) -> nn.Module:
+    if cfg.unit == "block":
+        return TransformerBlock(cfg, layer_number)
+    te = require_te("GPTConfig(unit='te_layer')")
+    return te.TransformerLayer(
+        cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_heads, layer_number=layer_number, hidden_dropout=0.0,
+        attention_dropout=0.0, self_attn_mask_type="causal", params_dtype=torch.float32, seq_length=cfg.seq_len,
+    )
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def synthetic_batch(
+    step: int, batch_size: int, cfg: GPTConfig, device: torch.device, *, seed: int = 1234
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic global batch for ``step``: (tokens, next-token targets), each [batch, seq]."""
+    g = torch.Generator().manual_seed(seed * 100003 + step)
+    data = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=g)
+    return data[:, :-1].to(device), data[:, 1:].to(device)

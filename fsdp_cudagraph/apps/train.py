@@ -1,0 +1,274 @@
+"""One training loop for the demo, the alignment suite and the benchmarks: eager or with partial graphs.
+
+The loop is what a user's loop looks like: build the reference GPT, shard it with ``megatron_fsdp``, train
+with Adam on synthetic data, optionally capture partial graphs before step ``capture_step``. Each rank
+trains on its slice of the same global batch. It runs on the default CUDA stream, as users' loops do; the
+graph layer moves the thread to its side stream itself (``side_stream=True`` instead opens a stream of the
+loop's own, the way the first GPU record ran).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_fsdp import MegatronFSDP, fully_shard
+
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch
+from fsdp_cudagraph.config import CudaGraphConfig
+from fsdp_cudagraph.graphs.partial import CaptureReport, PartialCudaGraphs, match_graph_attention, select_modules
+from fsdp_cudagraph.testing.records import exit_process  # noqa: F401 - re-exported for the entry points
+
+__all__ = ["RunSpec", "RunResult", "build_model", "graph_config", "run_training", "use_deterministic_kernels",
+           "init_distributed", "rank_batches"]
+
+
+def init_distributed(*, default_port: int = 29512) -> torch.device:
+    """Join the default process group (NCCL on this rank's GPU, Gloo without one) and return the device.
+
+    Under torchrun the environment says who is who; a plain ``python`` run becomes a one-rank group on
+    ``MASTER_PORT`` (default ``default_port``). An already initialised group is kept.
+    """
+    cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=os.environ.get("MASTER_PORT", str(default_port)))
+        if cuda:
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    return device
+
+
+def use_deterministic_kernels(*, sdpa_math: bool = True) -> None:
+    """Deterministic algorithms for runs that are compared bit for bit (graphs or not, both must use them).
+
+    TE's attention needs NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 and cuBLAS wants CUBLAS_WORKSPACE_CONFIG, both set
+    before TE modules are built / CUDA starts. PyTorch's fused SDPA kernels (flash, memory-efficient) accumulate
+    their backward with atomics past one key block: two eager runs at seq 512 differed on an H100, also with
+    ``use_deterministic_algorithms(True, warn_only=True)`` (their deterministic path needs ``warn_only=False``,
+    which turns every other op without a deterministic kernel into an error). So with ``sdpa_math`` SDPA runs
+    its math kernel. New allocations are not filled with NaN (a cost, not a need here).
+    """
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    if sdpa_math and torch.cuda.is_available():
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_math_sdp(True)
+
+
+@dataclasses.dataclass
+class RunSpec:
+    """One training run. ``cuda_graph_modules=None`` means eager; a list means graphed with that scope."""
+
+    model: GPTConfig
+    steps: int = 20
+    micro_batch_size: int = 2
+    grad_accum: int = 1
+    sharding_strategy: str = "optim_grads_params"
+    compute_dtype: torch.dtype = torch.bfloat16
+    cuda_graph_modules: Optional[Sequence[str]] = None
+    backend: str = "te"
+    capture_step: int = 3
+    side_stream: bool = False
+    #: Build PartialCudaGraphs before this step (0: before the loop, as the README does); a later step leaves
+    #: earlier eager steps on the default stream (a negative control of the stream handling).
+    build_graphs_step: int = 0
+    #: Graphed runs: PartialCudaGraphs' attention_backend policy. Eager runs: the scope whose TE attention
+    #: selects as under capture (match_graph_attention), so that the eager run is comparable with a graphed
+    #: run of that scope; None keeps TE's eager choice.
+    attention_backend: str = "match_graph"
+    attention_as_graphed: Optional[Sequence[str]] = None
+    #: TE backend: TE clones the graph's parameter gradients on return (True, TE's default) or not.
+    clone_param_grads: bool = True
+    #: ``adam`` (torch's default implementation: foreach on CUDA), ``adam_fused`` (one fused kernel on CUDA).
+    optimizer: str = "adam"
+    #: Register a forward hook and a full backward hook on every module of the scope (``cuda_graph_modules``
+    #: or ``attention_as_graphed``) and return what they saw each step: user hooks must fire around replays.
+    user_hooks: bool = False
+    lr: float = 1e-3
+    seed: int = 1234
+    prefetch: bool = True
+    #: Perturb the data of this step (flip one token): a negative control for the comparison itself.
+    perturb_step: Optional[int] = None
+
+
+@dataclasses.dataclass
+class RunResult:
+    losses: List[torch.Tensor]
+    step_ms: List[float]
+    peak_memory_bytes: int
+    capture: Optional[CaptureReport]
+    final_state: Dict[str, torch.Tensor]
+    #: torch.profiler table of the profiled steps (see run_training's profile_from), else None.
+    profile: Optional[str] = None
+    #: With ``user_hooks``: per hooked module, what its forward hook (output sum) and its full backward
+    #: hook (grad_output sum) saw, in call order.
+    hook_values: Optional[Dict[str, List[torch.Tensor]]] = None
+
+
+def build_model(spec: RunSpec, device: torch.device) -> MegatronFSDP:
+    torch.manual_seed(spec.seed)
+    model = GPT(spec.model).to(device)
+    return fully_shard(
+        model,
+        fsdp_unit_modules=[model.unit_class],
+        sharding_strategy=spec.sharding_strategy,
+        compute_dtype=spec.compute_dtype,
+        fsdp_double_buffer=True,
+        fsdp_db_use_persist_buf_on_alloc_fail=True,
+        prefetch=spec.prefetch,
+    )
+
+
+def rank_batches(model: GPTConfig, *, steps: int, grad_accum: int, micro_batch_size: int, device: torch.device,
+                 seed: int) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
+    """This rank's (tokens, targets) for every micro-batch of every step, all on ``device`` before the loop.
+
+    Each step's global batch is the same on every rank; a rank takes its slice. On the device up front, as a
+    prefetching data loader would have it: a copy from pageable host memory inside a step synchronises the
+    host with the GPU (two cudaStreamSynchronize per step in the profile of bench_replay_work at 266aaf4),
+    which serialises launch-bound steps.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lo, hi = rank * micro_batch_size, (rank + 1) * micro_batch_size
+    out = []
+    for step in range(steps):
+        micro = []
+        for mb in range(grad_accum):
+            x, y = synthetic_batch(step * grad_accum + mb, micro_batch_size * world, model, device, seed=seed)
+            micro.append((x[lo:hi], y[lo:hi]))
+        out.append(micro)
+    return out
+
+
+def graph_config(spec: RunSpec, scope: Optional[Sequence[str]] = None) -> CudaGraphConfig:
+    """The CudaGraphConfig of a graphed run: its scope (default ``spec.cuda_graph_modules``) and backend."""
+    return CudaGraphConfig(
+        cuda_graph_impl={"te": "transformer_engine", "torch": "local", "protocol": "local"}[spec.backend],
+        cuda_graph_modules=list((spec.cuda_graph_modules if scope is None else scope) or []),
+        cuda_graph_warmup_steps=spec.capture_step,
+        use_megatron_fsdp=True,
+        fsdp_double_buffer=True,
+        fsdp_db_use_persist_buf_on_alloc_fail=True,
+    )
+
+
+def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[int] = None) -> RunResult:
+    """Train per ``spec``; return per-step losses (this rank's, as tensors), times and the final state.
+
+    ``profile_from``: run torch.profiler (CPU and CUDA) from that step to the end and return its table.
+    """
+    cuda = device.type == "cuda"
+    if cuda:
+        # Every run starts as a fresh user process would: on the default stream (an earlier graphed run in this
+        # process left the thread on the graph layer's side stream).
+        default = torch.cuda.default_stream(device)
+        default.wait_stream(torch.cuda.current_stream(device))
+        torch.cuda.set_stream(default)
+    model = build_model(spec, device)
+    if spec.optimizer not in ("adam", "adam_fused"):
+        raise ValueError(f"optimizer={spec.optimizer!r} is not 'adam' or 'adam_fused'")
+    opt = torch.optim.Adam(model.optimizer_parameters(), lr=spec.lr, fused=spec.optimizer == "adam_fused" or None)
+    graphs = None
+    matcher = None
+    graphed = spec.cuda_graph_modules is not None
+    scope = spec.cuda_graph_modules if graphed else spec.attention_as_graphed
+    if not graphed and scope is not None:
+        matcher = match_graph_attention(model, graph_config(spec, scope))
+    hook_values, hook_handles = _user_hooks(model, graph_config(spec, scope)) if spec.user_hooks else (None, [])
+    stream = torch.cuda.Stream(device) if cuda and spec.side_stream else None
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(device))
+    losses: List[torch.Tensor] = []
+    host_ms: List[float] = []
+    events: List[Any] = []
+    report = None
+    per_rank = spec.micro_batch_size
+    data = rank_batches(spec.model, steps=spec.steps, grad_accum=spec.grad_accum, micro_batch_size=per_rank,
+                        device=device, seed=spec.seed)
+    ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    with ctx:
+        for step in range(spec.steps):
+            if graphed and step == spec.build_graphs_step:
+                graphs = PartialCudaGraphs(model, graph_config(spec), backend=spec.backend,
+                                           attention_backend=spec.attention_backend,
+                                           clone_param_grads=spec.clone_param_grads)
+            if graphs is not None and step == spec.capture_step:
+                report = graphs.capture()
+            if step == profile_from:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                              + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
+                prof.start()
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            step_loss = torch.zeros((), device=device)
+            for x, y in data[step]:
+                if spec.perturb_step == step:
+                    x = x.clone()
+                    x[0, 0] = (x[0, 0] + 1) % spec.model.vocab_size
+                loss = loss_fn(model(x), y) / spec.grad_accum
+                loss.backward()
+                step_loss += loss.detach()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(step_loss)
+            if cuda:
+                end.record()
+                events.append((start, end))  # read after the loop: no host sync per step
+            host_ms.append((time.perf_counter() - t0) * 1e3)
+    table = None
+    if profile_from is not None and profile_from < spec.steps:
+        prof.stop()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    if cuda:
+        torch.cuda.synchronize(device)
+        ms = [s.elapsed_time(e) for s, e in events]
+    else:
+        ms = host_ms
+    peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    state = model.full_state_dict()
+    if graphs is not None:
+        graphs.delete()
+    if matcher is not None:
+        matcher.uninstall()
+    for h in hook_handles:
+        h.remove()
+    return RunResult(losses, ms, peak, report, state, table, hook_values)
+
+
+def _user_hooks(model: MegatronFSDP, config: CudaGraphConfig) -> Tuple[Dict[str, List[torch.Tensor]], List[Any]]:
+    """A user's forward hook and full backward hook on each module of the scope, recording what they see."""
+    values: Dict[str, List[torch.Tensor]] = {}
+    handles = []
+    for name, module in select_modules(model.module, model, config):
+        fwd = values.setdefault(f"{name}:forward", [])
+        bwd = values.setdefault(f"{name}:backward", [])
+
+        def on_forward(mod: Any, args: Any, out: Any, fwd: List[torch.Tensor] = fwd) -> None:
+            first = out[0] if isinstance(out, tuple) else out
+            fwd.append(first.detach().float().sum())
+
+        def on_backward(mod: Any, grad_in: Any, grad_out: Any, bwd: List[torch.Tensor] = bwd) -> None:
+            bwd.append(sum(g.detach().float().sum() for g in grad_out if g is not None))
+
+        handles.append(module.register_forward_hook(on_forward))
+        handles.append(module.register_full_backward_hook(on_backward))
+    return values, handles
