@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CudaGraphImpl", "CudaGraphModule", "InferenceCudaGraphScope", "CudaGraphConfig", "MigratedOptions",
-    "parse_cuda_graph_impl", "parse_cuda_graph_module", "parse_cuda_graph_modules",
+    "parse_cuda_graph_impl", "parse_cuda_graph_module", "parse_cuda_graph_modules", "module_tag",
     "parse_inference_cuda_graph_scope", "migrate_deprecated_options", "add_cuda_graph_args", "config_from_args",
 ]
 
@@ -112,6 +112,12 @@ def parse_cuda_graph_impl(value: Union[CudaGraphImpl, str]) -> CudaGraphImpl:
 def parse_inference_cuda_graph_scope(value: Union[InferenceCudaGraphScope, str]) -> InferenceCudaGraphScope:
     """Parse an inference scope name (``none``, ``layer``, ``block``), case-insensitively."""
     return _parse_enum(InferenceCudaGraphScope, value, "inference_cuda_graph_scope")
+
+
+def module_tag(module: Any) -> Optional[str]:
+    """A module's ``cuda_graph_module`` tag as a plain string: the instance's attribute, else its class's."""
+    tag = getattr(module, "cuda_graph_module", None)
+    return getattr(tag, "value", tag)
 
 
 def parse_cuda_graph_module(value: Union[CudaGraphModule, str]) -> CudaGraphModule:
@@ -469,7 +475,7 @@ class CudaGraphConfig:
         return {CudaGraphImpl.TRANSFORMER_ENGINE: "te", CudaGraphImpl.LOCAL: "torch"}.get(self.cuda_graph_impl)
 
     def check_runtime(self) -> None:
-        """Check that this machine can run the configured impl; the capture entry point calls it.
+        """Check that this machine can run the configured impl; graph objects call it when they are built.
 
         Raises RuntimeError without a CUDA GPU (every graph impl; ``full_iteration`` is captured by
         :class:`~fsdp_cudagraph.FullIterationCudaGraph`, which runs its CPU protocol backend without one), and
@@ -480,7 +486,10 @@ class CudaGraphConfig:
             return
         if not torch.cuda.is_available():
             raise RuntimeError(f"cuda_graph_impl='{impl}' needs a CUDA GPU, but torch.cuda.is_available() is "
-                               "False; run on a GPU machine or set cuda_graph_impl='none'")
+                               "False; run on a GPU machine. On CPU, PartialCudaGraphs and LengthBucketGraphs take "
+                               "backend='protocol' (the same warmup/capture hook schedule, without graphs), or train "
+                               "eagerly with cuda_graph_impl='none' and no cuda_graph_modules, "
+                               "cuda_graph_module_patterns or inference_cuda_graph_scope")
         if impl == CudaGraphImpl.TRANSFORMER_ENGINE and not _te.HAS_TE:
             raise ImportError(f"cuda_graph_impl='transformer_engine' needs TransformerEngine >= "
                               f"{_te.MIN_TE_VERSION}: {_te.TE_REASON}; install it with pip install "

@@ -39,7 +39,7 @@ from torch import nn
 
 from megatron_fsdp import simulated_capture
 
-from fsdp_cudagraph.config import CudaGraphConfig
+from fsdp_cudagraph.config import CudaGraphConfig, module_tag
 from fsdp_cudagraph.engines import EngineAdapter, adapter_for
 from fsdp_cudagraph.hooks import HOOK_DICTS, HOOK_KEYS, ExtractedHooks, extract_hooks, restore_hooks
 from fsdp_cudagraph.offload import offloader as _offload
@@ -115,14 +115,16 @@ def select_modules(root: nn.Module, engine: Any, config: CudaGraphConfig) -> Lis
         chosen = [(n, m) for n, m in named if id(m) in unit_ids]
     else:
         wanted = {getattr(v, "value", v) for v in cfg.cuda_graph_modules}
-        chosen = [(n, m) for n, m in named if getattr(type(m), "cuda_graph_module", None) in wanted]
-        found = {getattr(type(m), "cuda_graph_module", None) for _, m in chosen}
+        # A tag on the instance (``layer.attn.cuda_graph_module = "attn"``) or on its class.
+        chosen = [(n, m) for n, m in named if module_tag(m) in wanted]
+        found = {module_tag(m) for _, m in chosen}
         missing = sorted(wanted - found)
         if missing:
-            tags = sorted({t for _, m in named if (t := getattr(type(m), "cuda_graph_module", None))})
+            tags = sorted({t for _, m in named if (t := module_tag(m))})
             raise ValueError(
                 f"cuda_graph_modules includes {missing} but no submodule of {type(root).__name__} is tagged "
-                f"so (tags present: {tags}); drop them, or set `cuda_graph_module` on the classes to graph"
+                f"so (tags present: {tags}); drop them, or set `cuda_graph_module` on the classes or instances "
+                "to graph"
             )
     names = [n for n, _ in chosen]
     for a in names:
@@ -178,6 +180,10 @@ class PartialCudaGraphs:
                 "'transformer_engine' or 'local'"
             )
         self.backend = backend
+        if backend != "protocol":
+            # The machine first, before any hook or stream changes: a missing GPU or TE is known now, not
+            # after the warmup steps.
+            config.check_runtime()
         if self.engine is not None:
             self.engine.check_partial_graphs()
         self.callables = self._select()

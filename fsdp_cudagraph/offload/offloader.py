@@ -48,6 +48,7 @@ from torch import nn
 
 from megatron_fsdp import is_capturing
 
+from fsdp_cudagraph.config import module_tag
 from fsdp_cudagraph.engines import root_of
 from fsdp_cudagraph.offload.host_copies import GroupRecord, HostBufferPool, _Group, _unpack
 
@@ -93,10 +94,10 @@ def select_offload_modules(root: nn.Module, modules: Sequence[Any] = (),
             raise ValueError(f"activation_offload_module_patterns={list(patterns)} match no submodule of "
                              f"{type(root).__name__}; give qualified-name globs (e.g. 'layers.*.mlp') or class names")
     elif tags:
-        chosen = [(n, m) for n, m in named if getattr(type(m), "cuda_graph_module", None) in tags]
-        missing = sorted(set(tags) - {getattr(type(m), "cuda_graph_module", None) for _, m in chosen})
+        chosen = [(n, m) for n, m in named if module_tag(m) in tags]
+        missing = sorted(set(tags) - {module_tag(m) for _, m in chosen})
         if missing:
-            present = sorted({t for _, m in named if (t := getattr(type(m), "cuda_graph_module", None))})
+            present = sorted({t for _, m in named if (t := module_tag(m))})
             raise ValueError(f"activation_offload_modules includes {missing} but no submodule of {type(root).__name__} "
                              f"is tagged so (tags present: {present}); drop them, or use activation_offload_module_patterns")
     else:
