@@ -16,7 +16,7 @@ from torch.autograd import Variable
 from . import _clip, _dcp, _guards, _state_dict
 from . import _collectives as C
 from ._common import COMPUTING, ShardingStrategy, TrainingState, is_capturing, log_rank0, phase
-from ._unit import FSDPUnit, _Buffer, _PendingReduce, _grad_tensors, make_unit_hooks
+from ._unit import FSDPUnit, _Buffer, _PendingReduce, _grad_tensors, make_call_guard, make_unit_hooks
 
 __all__ = ["fully_shard", "MegatronFSDP"]
 
@@ -48,7 +48,8 @@ def fully_shard(
         sharding_strategy: ``no_shard``, ``optim``, ``optim_grads`` or ``optim_grads_params`` (ZeRO-3).
         process_group: the data-parallel group (default: the world).
         compute_dtype: dtype of the parameters that forward and backward see (e.g. ``torch.bfloat16``);
-            default: the parameters' own dtype. Main parameters and optimizer state stay fp32.
+            default: the parameters' own dtype. Main parameters and optimizer state stay fp32. When given, the
+            root forward's floating-point tensor inputs are cast to it too (integer and bool inputs are not).
         main_grad_dtype: dtype of the unsharded gradient buffers and of the main gradients (fp32).
         fsdp_double_buffer: unshard (and unsharded-gradient) buffers of units live in two fixed slots;
             units alternate between them by forward-order parity, so every unit always uses the same
@@ -87,6 +88,19 @@ def fully_shard(
         fsdp_double_buffer_numel=fsdp_double_buffer_numel,
         prefetch=prefetch,
     )
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor in it (nested in tuples, lists, dicts) cast to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple keeps its type
+        return type(value)(*(_cast_floating(v, dtype) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value
 
 
 def _matches(module: nn.Module, specs: Sequence[UnitSpec]) -> bool:
@@ -165,6 +179,10 @@ class MegatronFSDP(nn.Module):
         # not as a compute_dtype the caller never passed.
         first_float = next((p.dtype for p in params if p.dtype.is_floating_point), params[0].dtype)
         self.compute_dtype = compute_dtype or first_float
+        #: An explicit compute_dtype also applies to the root forward's floating-point tensor inputs (args and
+        #: kwargs, nested), as FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) does: fp32 activations
+        #: would not meet bf16 weights otherwise. Integer and bool tensors (tokens, masks) are left alone.
+        self._cast_inputs = compute_dtype is not None
         for what, dt in (("compute_dtype", self.compute_dtype), ("main_grad_dtype", main_grad_dtype)):
             if not dt.is_floating_point:
                 raise ValueError(f"{what}={dt} is not a floating-point dtype; pass e.g. torch.bfloat16 or torch.float32")
@@ -323,6 +341,32 @@ class MegatronFSDP(nn.Module):
                 m.register_forward_hook(post),
                 m.register_forward_hook(reg_pre_bwd),
             ]
+            # [Note: calls outside the unit] every submodule that owns parameters of this unit refuses calls
+            # made while the unit is not computing.
+            for name, sub in self._param_owners(u):
+                u.hook_handles.append(sub.register_forward_pre_hook(make_call_guard(u, name)))
+
+    def _param_owners(self, unit: FSDPUnit) -> List[Tuple[str, nn.Module]]:
+        """Submodules of ``unit`` (not the unit itself, not inside a nested unit) that own its parameters."""
+        mine = {id(p) for p in unit.all_params}
+        nested = {id(u.module) for u in self.units if u is not unit}
+        out: List[Tuple[str, nn.Module]] = []
+        stack = [(unit.name, unit.module)]
+        while stack:
+            prefix, mod = stack.pop()
+            for cn, child in mod.named_children():
+                if id(child) in nested:
+                    continue
+                qual = f"{prefix}.{cn}" if prefix else cn
+                if any(id(p) in mine for p in child.parameters(recurse=False)):
+                    out.append((qual, child))
+                stack.append((qual, child))
+        return out
+
+    @property
+    def in_root_forward(self) -> bool:
+        """True while the wrapper's forward runs the user's module (between root pre-forward and return)."""
+        return self._in_root_forward
 
     # ------------------------------------------------------------------ used by units
     def record(self, phase: str, unit: FSDPUnit) -> None:
@@ -361,6 +405,8 @@ class MegatronFSDP(nn.Module):
 
     # ------------------------------------------------------------------ root forward / backward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._cast_inputs:
+            args, kwargs = _cast_floating(args, self.compute_dtype), _cast_floating(kwargs, self.compute_dtype)
         self._root_pre_forward()
         self._in_root_forward = True
         try:

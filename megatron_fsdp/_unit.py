@@ -329,7 +329,10 @@ class FSDPUnit:
         if self.state is TrainingState.BACKWARD or (eng.in_backward and self.state is TrainingState.FORWARD_DONE):
             self._pre_recompute()
             return
-        if self.state in COMPUTING:
+        if self.state in COMPUTING or (self.state is TrainingState.FORWARD_DONE and eng.in_root_forward):
+            # [Note: one forward per unit per step] A second forward of a unit in one root forward would take
+            # its double-buffer slot back from the unit prefetched into it, and its backward would run the
+            # unit's handlers twice against one prefetch plan: refused, like a re-entrant call.
             raise RuntimeError(
                 f"[rank {eng.rank}] megatron_fsdp: unit {self.name} entered forward while in state "
                 f"{self.state.name}; a unit may run forward once per backward (no re-entrant or repeated "
@@ -533,6 +536,34 @@ def make_unit_hooks(unit: FSDPUnit) -> Tuple[Callable, Callable, Callable, Calla
     for h in (fsdp_pre_forward, fsdp_register_post_backward, fsdp_post_forward, fsdp_register_pre_backward):
         h._megatron_fsdp_unit = unit  # type: ignore[attr-defined]
     return fsdp_pre_forward, fsdp_register_post_backward, fsdp_post_forward, fsdp_register_pre_backward
+
+
+def make_call_guard(unit: FSDPUnit, name: str) -> Callable[..., None]:
+    """A forward-pre hook for a submodule of ``unit`` that owns parameters: refuse calls outside the unit.
+
+    [Note: calls outside the unit] A unit's parameters hold its values only between the unit's own
+    pre-forward and post-forward (and again in its backward): before, they are NaN placeholders or views
+    into a double-buffer slot that another unit's data may occupy. A model that calls ``layer.mlp(x)``
+    instead of ``layer(x)`` would compute with those bytes, silently. This hook costs one attribute read
+    per call; it is engine-owned (``_megatron_fsdp_role = "call_guard"``), so graph layers restore it
+    without running it at capture, and at a replay the unit is in forward, where the call is legal.
+    """
+    engine = unit.engine
+
+    def megatron_fsdp_call_guard(module: nn.Module, args: Tuple[Any, ...]) -> None:
+        if unit.state not in COMPUTING:
+            raise RuntimeError(
+                f"[rank {engine.rank}] megatron_fsdp: submodule {name} of FSDP unit {unit.name} was called while "
+                f"the unit is {unit.state.name}, i.e. outside the unit's own forward: its parameters are only "
+                f"gathered between the unit's pre-forward and post-forward, so this call would compute with stale "
+                f"or placeholder values. Call the unit itself ({unit.name or 'the unit'}(...)), which runs this "
+                f"submodule inside it; or, if the model needs {name} on its own, make {name} an FSDP unit of its "
+                "own (add its class to fsdp_unit_modules) or leave it out of the unit"
+            )
+
+    megatron_fsdp_call_guard._megatron_fsdp_role = "call_guard"  # type: ignore[attr-defined]
+    megatron_fsdp_call_guard._megatron_fsdp_unit = unit  # type: ignore[attr-defined]
+    return megatron_fsdp_call_guard
 
 
 def _pre_backward_tensor_hook(unit: FSDPUnit) -> Callable[[Any], None]:
