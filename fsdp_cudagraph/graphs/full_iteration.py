@@ -43,7 +43,7 @@ and how it keeps that honest:
   replay ``main_shard.grad`` is bound to the main gradient for the units the captured step reduced, and
   unbound for the others, whatever ``zero_grad(set_to_none=True)`` did in between.
 - Host reads: a host sync, a CPU tensor or a host<->device copy in the step would be frozen at its capture
-  value or break the capture; the last warmup step runs under a check that refuses them by name, and the
+  value or break the capture; a rehearsal of the last warmup step runs under a check that refuses them by name, and the
   capture under ``torch.cuda.set_sync_debug_mode("error")`` ([Note: host syncs in a captured step]). Python values
   the step branches on (counters, flags) cannot be seen: they are frozen too.
 - Python side effects of ``forward_step`` (appending to a list, counting calls) happen at capture only.
@@ -64,7 +64,6 @@ and how it keeps that honest:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -148,8 +147,9 @@ class FullIterationCudaGraph:
         generators: extra CUDA generators the step draws from (the default generator is always handled).
         attention_backend: TE attention policy, as for :class:`PartialCudaGraphs` (``match_graph``: the eager
             steps use the backend TE picks under capture; ``warn``; ``error``).
-        host_sync_check: run the last warmup step under :class:`CaptureSafetyCheck` (host syncs named before
-            capture). ``False`` leaves that step unobserved (the capture's own sync-debug check still runs).
+        host_sync_check: rehearse the last warmup step under :class:`CaptureSafetyCheck` (host syncs named before
+            capture; [Note: the host-sync rehearsal]). ``False`` skips the rehearsal (the capture's own
+            sync-debug check still runs).
 
     Streams: on CUDA, building it moves this thread off the legacy default stream (see ``runtime/streams.py``): build
     it before the first training step. Every call then runs on the thread's current stream, the capture too.
@@ -364,11 +364,37 @@ class FullIterationCudaGraph:
         return outs
 
     def _eager(self, slot: _Slot, micro_batches: Sequence[Any], *, check: bool) -> Any:
+        if check:
+            self._rehearse(slot, micro_batches)
         static_step.begin_static_step(self.engine, replace_grads=slot.kind == "train")
-        ctx = CaptureSafetyCheck(self.device, _KINDS[slot.kind]) if check else contextlib.nullcontext()
-        with ctx:
-            out = self._body(slot)(micro_batches)
-        return out
+        return self._body(slot)(micro_batches)
+
+    def _rehearse(self, slot: _Slot, micro_batches: Sequence[Any]) -> None:
+        """Run the step once under the host-sync check and discard what it computed.
+
+        [Note: the host-sync rehearsal] The check is a dispatch mode that only looks, yet on one H100 a TE
+        model's step computed under it differed in its last bits from the same step without it (the
+        ``te no_shard accum=1`` row of the alignment matrix; equal with the check off, H100, 2026-11-24).
+        So the check never runs on a step whose results count: it runs on a rehearsal of the step right before
+        capture, from the same starting state (``begin_static_step``; gradients are replaced, not added), with
+        every random generator the step draws from put back afterwards; then the step runs again, plainly,
+        as every other warmup step does. Costs one extra forward and backward, once per capture; a
+        ``forward_step`` with Python side effects sees that step twice.
+        """
+        cuda = self.device.type == "cuda"
+        cpu_state = torch.get_rng_state()
+        cuda_state = torch.cuda.get_rng_state(self.device) if cuda else None
+        extra = [g.get_state() for g in self.generators]
+        try:
+            static_step.begin_static_step(self.engine, replace_grads=slot.kind == "train")
+            with CaptureSafetyCheck(self.device, _KINDS[slot.kind]):
+                self._body(slot)(micro_batches)
+        finally:
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(cuda_state, self.device)
+            for g, st in zip(self.generators, extra):
+                g.set_state(st)
 
     def _fallback(self, slot: _Slot, micro_batches: Sequence[Any], sig: Any) -> Any:
         change = _args.describe_change(slot.signature, sig, ["micro_batches", "model.training"])
