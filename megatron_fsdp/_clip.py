@@ -16,16 +16,13 @@ deliberately local norm stays possible: ``grad.as_subclass(torch.Tensor).norm()`
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import _collectives as C
-
-if TYPE_CHECKING:
-    from ._fully_shard import MegatronFSDP
-    from ._unit import FSDPUnit
+from ._common import Engine, Unit
 
 __all__ = ["clip_grad_norm_", "guard_local_norms", "total_grad_norm"]
 
@@ -63,14 +60,14 @@ def _flat_args(args: Tuple[Any, ...]) -> Any:
             yield a
 
 
-def guard_local_norms(main_grad: torch.Tensor, unit: "FSDPUnit") -> torch.Tensor:
+def guard_local_norms(main_grad: torch.Tensor, unit: Unit) -> torch.Tensor:
     """An alias of ``main_grad`` (same storage) whose norms raise; see [Note: local norms]."""
     alias = main_grad.as_subclass(_MainGradShard)
     alias._megatron_fsdp_unit_name = unit.name
     return alias
 
 
-def total_grad_norm(engine: "MegatronFSDP", norm_type: float = 2.0) -> torch.Tensor:
+def total_grad_norm(engine: Engine, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of the whole model's gradient (all ranks' main-gradient shards together), on every rank.
 
     A collective over the data-parallel group: call it on every rank. Units without a gradient yet count
@@ -103,7 +100,7 @@ def total_grad_norm(engine: "MegatronFSDP", norm_type: float = 2.0) -> torch.Ten
     return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
 
 
-def clip_grad_norm_(engine: "MegatronFSDP", max_norm: float, norm_type: float = 2.0,
+def clip_grad_norm_(engine: Engine, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scale every rank's main-gradient shard so the global gradient norm is at most ``max_norm``.
 

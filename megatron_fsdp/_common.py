@@ -6,10 +6,16 @@ import contextlib
 import enum
 import logging
 import threading
-from typing import Iterator, List, Optional, Union
+from typing import Any, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
+
+#: The engine (``megatron_fsdp.MegatronFSDP``) and one of its units (``FSDPUnit``) as the engine's parts
+#: annotate them: the parts (clipping, state dicts, checkpoints, guards) are imported by the facade, so they
+#: never import it back, not even for annotations (the package's import graph stays a tree).
+Engine = Any
+Unit = Any
 
 __all__ = [
     "phase",

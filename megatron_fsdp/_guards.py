@@ -14,14 +14,13 @@
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-if TYPE_CHECKING:
-    from ._fully_shard import MegatronFSDP
+from ._common import Engine
 
 __all__ = ["install_optimizer_guard", "mark_compute_params", "guard_direct_calls"]
 
@@ -32,7 +31,7 @@ _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[Tuple[int, ...
 )
 
 
-def mark_compute_params(engine: "MegatronFSDP") -> None:
+def mark_compute_params(engine: Engine) -> None:
     """Tag every module parameter of ``engine`` as a compute view (read by the optimizer guard)."""
     ref = weakref.ref(engine)
     for u in engine.all_units():
@@ -77,7 +76,7 @@ def _refuse_compute_param(optimizer: torch.optim.Optimizer, tag: Tuple[Any, str,
     )
 
 
-def _check_requires_grad(engine: "MegatronFSDP") -> None:
+def _check_requires_grad(engine: Engine) -> None:
     for u in engine.all_units():
         for name, p in zip(u.layout.names, u.params):
             if not p.requires_grad:
@@ -89,7 +88,7 @@ def _check_requires_grad(engine: "MegatronFSDP") -> None:
                 )
 
 
-def guard_direct_calls(engine: "MegatronFSDP") -> torch.utils.hooks.RemovableHandle:
+def guard_direct_calls(engine: Engine) -> torch.utils.hooks.RemovableHandle:
     """Refuse ``engine.module(...)`` called other than through the wrapper's forward."""
     ref = weakref.ref(engine)
 

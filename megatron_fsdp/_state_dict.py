@@ -25,12 +25,10 @@ import torch
 from torch import nn
 
 from . import _collectives as C
-from ._common import COMPUTING
+from ._common import COMPUTING, Engine, Unit
 
 if TYPE_CHECKING:
     from ._flat import FlatLayout
-    from ._fully_shard import MegatronFSDP
-    from ._unit import FSDPUnit
 
 __all__ = ["clean_fqn", "full_state_dict", "load_full_state_dict", "persistent_buffers", "guard_module_state_dicts",
            "summon_full_params"]
@@ -51,17 +49,17 @@ def persistent_buffers(module: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
                 yield clean_fqn(f"{mname}.{bname}" if mname else bname), b
 
 
-def regions(u: "FSDPUnit") -> List[Tuple["FlatLayout", torch.Tensor]]:
+def regions(u: Unit) -> List[Tuple["FlatLayout", torch.Tensor]]:
     """The unit's (layout, this rank's fp32 shard) pairs: trainable region, then frozen region."""
     return [(u.layout, u.main_shard.detach()), (u.frozen_layout, u.frozen_shard)]
 
 
-def shard_start(engine: "MegatronFSDP", layout: "FlatLayout") -> int:
+def shard_start(engine: Engine, layout: "FlatLayout") -> int:
     """Where this rank's shard of a region starts in the region's flat layout."""
     return engine.rank * layout.shard_numel if engine.strategy.shards_optimizer else 0
 
 
-def gather_region(engine: "MegatronFSDP", layout: "FlatLayout", local: torch.Tensor) -> torch.Tensor:
+def gather_region(engine: Engine, layout: "FlatLayout", local: torch.Tensor) -> torch.Tensor:
     """The full fp32 flat of one region (a collective for the sharded strategies)."""
     if not engine.strategy.shards_optimizer or layout.total_numel == 0:
         return local
@@ -72,7 +70,7 @@ def gather_region(engine: "MegatronFSDP", layout: "FlatLayout", local: torch.Ten
     return full
 
 
-def full_state_dict(engine: "MegatronFSDP") -> Dict[str, torch.Tensor]:
+def full_state_dict(engine: Engine) -> Dict[str, torch.Tensor]:
     """Gathered fp32 parameters and the persistent buffers, keys as the unwrapped model's, on every rank."""
     out: Dict[str, torch.Tensor] = collections.OrderedDict()
     for u in engine.all_units():
@@ -85,7 +83,7 @@ def full_state_dict(engine: "MegatronFSDP") -> Dict[str, torch.Tensor]:
     return out
 
 
-def load_full_state_dict(engine: "MegatronFSDP", state_dict: Mapping[str, Any], *,
+def load_full_state_dict(engine: Engine, state_dict: Mapping[str, Any], *,
                          strict: bool = True) -> Tuple[List[str], List[str]]:
     """Write full values (keys as the unwrapped model's) into this rank's shards and the buffers.
 
@@ -129,14 +127,14 @@ def load_full_state_dict(engine: "MegatronFSDP", state_dict: Mapping[str, Any], 
     return missing, unexpected
 
 
-def mark_stale(u: "FSDPUnit") -> None:
+def mark_stale(u: Unit) -> None:
     """Make the unit re-install its compute parameters from the shards before its next use."""
     u.installed_version = -1
     u.installed_frozen_version = -1
 
 
 # ---------------------------------------------------------------------------------------------- module guard
-def guard_module_state_dicts(engine: "MegatronFSDP") -> List[Any]:
+def guard_module_state_dicts(engine: Engine) -> List[Any]:
     """Refuse module-level state_dict/load_state_dict on modules that own sharded parameters."""
     ref = weakref.ref(engine)
     owned = {id(p) for u in engine.all_units() for p in u.all_params}
@@ -149,7 +147,7 @@ def guard_module_state_dicts(engine: "MegatronFSDP") -> List[Any]:
     return handles
 
 
-def _message(engine: "MegatronFSDP", module: nn.Module, what: str, fix: str) -> str:
+def _message(engine: Engine, module: nn.Module, what: str, fix: str) -> str:
     return (
         f"[rank {engine.rank}] megatron_fsdp: {type(module).__name__}.{what}() would use the compute views of "
         "sharded parameters, which outside forward hold no meaningful values (freed, or another unit's). "
@@ -185,7 +183,7 @@ def _refuse_load(ref: "weakref.ref") -> Any:
 
 # ---------------------------------------------------------------------------------------------- summon
 @contextlib.contextmanager
-def summon_full_params(engine: "MegatronFSDP", *, writeback: bool = False) -> Iterator[None]:
+def summon_full_params(engine: Engine, *, writeback: bool = False) -> Iterator[None]:
     """Inside the block, every module parameter is a full fp32 copy of its current value.
 
     A collective (an all-gather per unit) on entry: enter it on every rank, between steps (not inside
