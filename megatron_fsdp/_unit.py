@@ -17,18 +17,15 @@ adds a fifth phase, ``pre_recompute``: a forward that runs again inside the unit
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import _collectives as C
-from ._common import COMPUTING, ShardingStrategy, TrainingState, phase
+from ._common import COMPUTING, Engine, ShardingStrategy, TrainingState, phase
 from ._flat import ALIGN_NUMEL, FlatLayout, _Buffer, _Works  # noqa: F401  (re-exported: engine and tests import them here)
-
-if TYPE_CHECKING:
-    from ._fully_shard import MegatronFSDP
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +84,7 @@ class FSDPUnit:
     def __init__(
         self,
         *,
-        engine: "MegatronFSDP",
+        engine: Engine,
         name: str,
         module: nn.Module,
         names: Sequence[str],
