@@ -21,7 +21,7 @@ from megatron_fsdp._state_dict import gather_region
 from tests.dist_utils import run_gloo
 from tests.test_engine import STRATEGIES, adam, build_gpt, fsdp_step, sgd, shard
 
-pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")
+pytestmark = pytest.mark.filterwarnings("error::FutureWarning")
 
 STATE_CASES = [(s, db) for s in STRATEGIES for db in (False, True)]
 
