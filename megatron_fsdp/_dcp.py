@@ -1,194 +1,128 @@
-"""Sharded state dicts for ``torch.distributed.checkpoint`` (DCP): parameters and optimizer state.
+"""Sharded state dicts for ``torch.distributed.checkpoint`` (DCP): parameters and optimizer state, as DTensors.
 
 [Note: DCP sharding metadata]
-A region of a unit (its trainable or its frozen parameters, ``_unit.py``) is one flat buffer split evenly
-over the ranks, and each parameter is a contiguous range of it. A rank's slice of one parameter is thus a
-contiguous range of the parameter's row-major elements, which splits into at most ``2 * ndim - 1``
-hyper-rectangles ("boxes"), each contiguous in memory: a run inside one row of the last dimension, whole
-rows, whole planes, ... So every parameter becomes a ``ShardedTensor`` with the parameter's real shape and
-one local shard per box, each a view of the rank's fp32 main shard at its true global offsets. Every rank
-computes every rank's boxes from the layout, so building the state dict needs no communication. DCP then
-saves each box once and reshards on load: a checkpoint saved on N ranks loads on M ranks, into any
-strategy, or into the plain unwrapped model (``dcp.load(model.state_dict(), ...)``). Unsharded strategies
-(``no_shard``) and one-rank groups hand out plain views, which DCP treats as replicated, as they are.
-Optimizer state that has the main shard's shape (Adam's ``exp_avg``, ``exp_avg_sq``; SGD's
-``momentum_buffer``) is split per parameter the same way and keyed by the parameter's name; scalar state
-(``step``) is stored per parameter as a replicated tensor; hyperparameters travel in ``param_groups``.
+Every parameter (and every element-wise optimizer state tensor: Adam's ``exp_avg``/``exp_avg_sq``, SGD's
+``momentum_buffer``) leaves as a ``DTensor`` of the parameter's real shape, placed ``Shard(0)`` over a 1-D
+``DeviceMesh`` of the engine's process group: rank ``r`` holds rows ``[r*c, (r+1)*c)`` with
+``c = ceil(dim0 / world)`` (``torch.chunk``'s split, the one FSDP2 and torchtitan save). 0-dim parameters
+leave ``Replicate()``. Keys are the unwrapped model's, as in ``model.state_dict()``.
 
-``ShardedTensor`` is the DCP type that can hold several uneven boxes per rank (``DTensor`` placements
-cannot express them); torch 2.13 marks it deprecated in favour of DTensor and warns (FutureWarning) when
-DCP touches one.
+Our flat per-unit shards do not split along dim 0: a rank owns a contiguous element range of the unit's
+flat buffer, which cuts parameters mid-row and puts a parameter's rows on other ranks than ``Shard(0)``
+would. We redistribute at save and load time rather than change the flat layout (see "Checkpoints as
+DTensors" in docs/design.md for why): building the state dict all-gathers each region of a unit once (as
+``state_dict()`` does) and copies out this rank's rows of every parameter; loading takes each DTensor's full
+value (``full_tensor()``, an all-gather) and writes this rank's flat slice. Both are collectives: call them
+on every rank, in the same order. The dict holds copies, so after ``dcp.load`` fills it,
+``load_sharded_state_dict`` (and ``load_optimizer_state_dict``) must be called to write the values back.
+
+DCP then reshards on load like any DTensor checkpoint: N ranks to M ranks, any strategy, into the plain
+unwrapped model (``dcp.load(model.state_dict(), ...)``), or into the same architecture under PyTorch FSDP2
+(``fully_shard``), and back. Scalar optimizer state (``step``) is a plain tensor per parameter, and
+hyperparameters travel in ``param_groups`` with the parameters' names: the layout
+``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` gives FSDP2 users.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, Dict, List, Tuple
 
 import torch
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import _collectives as C
-from ._state_dict import clean_fqn, mark_stale, persistent_buffers, regions, shard_start
+from ._state_dict import clean_fqn, gather_region, mark_stale, persistent_buffers, regions, shard_start
 
 if TYPE_CHECKING:
     from ._flat import FlatLayout
     from ._fully_shard import MegatronFSDP
     from ._unit import FSDPUnit
 
-__all__ = ["boxes", "sharded_state_dict", "load_sharded_state_dict", "optimizer_state_dict",
+__all__ = ["row_range", "sharded_state_dict", "load_sharded_state_dict", "optimizer_state_dict",
            "load_optimizer_state_dict"]
 
-Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes)
+
+def row_range(dim0: int, world: int, rank: int) -> Tuple[int, int]:
+    """The rows ``[lo, hi)`` of dimension 0 that ``Shard(0)`` gives ``rank`` of ``world`` (``torch.chunk``'s split)."""
+    per = -(-dim0 // world) if dim0 else 0
+    lo = min(rank * per, dim0)
+    return lo, min(lo + per, dim0)
 
 
-def boxes(shape: Tuple[int, ...], lo: int, hi: int) -> List[Box]:
-    """Hyper-rectangles that tile the row-major element range ``[lo, hi)`` of a tensor of ``shape``, in order.
+def mesh_of(engine: "MegatronFSDP", device: torch.device) -> DeviceMesh:
+    """A 1-D DeviceMesh over the engine's process group (built once per device type)."""
+    meshes = engine.__dict__.setdefault("_dcp_meshes", {})
+    if device.type not in meshes:
+        meshes[device.type] = DeviceMesh.from_group(engine.group, device.type)
+    return meshes[device.type]
 
-    Each box fixes the leading indices, takes a range along one dimension and the whole of every later
-    dimension, so it is contiguous in row-major memory.
-    """
-    if lo >= hi:
-        return []
+
+def _dtensor(engine: "MegatronFSDP", full: torch.Tensor) -> DTensor:
+    """``full`` (this parameter's whole value, the same on every rank) as a DTensor holding a copy of our rows."""
+    mesh = mesh_of(engine, full.device)
+    shape = tuple(full.shape)
     if not shape:
-        return [((), ())]
-    inner = math.prod(shape[1:])
-    rest = tuple(shape[1:])
-    first, last = lo // inner, (hi - 1) // inner
-    out: List[Box] = []
-    if first == last and (lo % inner or hi - lo < inner):
-        return [((first,) + o, (1,) + s) for o, s in boxes(rest, lo - first * inner, hi - first * inner)]
-    if lo % inner:
-        out += [((first,) + o, (1,) + s) for o, s in boxes(rest, lo % inner, inner)]
-        first += 1
-    full_end = hi // inner
-    if full_end > first:
-        out.append(((first,) + (0,) * len(rest), (full_end - first,) + rest))
-    if hi % inner:
-        out += [((full_end,) + o, (1,) + s) for o, s in boxes(rest, 0, hi % inner)]
-    return out
+        return DTensor.from_local(full.detach().clone(), mesh, [Replicate()], run_check=False)
+    lo, hi = row_range(shape[0], engine.world_size, engine.rank)
+    local = full.detach()[lo:hi].clone()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
 
 
-def _ravel(offsets: Tuple[int, ...], shape: Tuple[int, ...]) -> int:
-    index = 0
-    for o, d in zip(offsets, shape):
-        index = index * d + o
-    return index
+def _region_dtensors(engine: "MegatronFSDP", layout: "FlatLayout", local: torch.Tensor) -> List[DTensor]:
+    """Every parameter of one region as a DTensor (a collective: one all-gather of the region)."""
+    full = gather_region(engine, layout, local.detach())
+    return [_dtensor(engine, v) for v in layout.views(full)]
 
 
-def _chunks(layout: "FlatLayout", world: int) -> List[List[Tuple[int, Box, int]]]:
-    """Per parameter of ``layout``: every (rank, box, start in that rank's shard), cached on the layout."""
-    cached = getattr(layout, "_dcp_chunks", None)
-    if cached is not None:
-        return cached
-    out = []
-    s = layout.shard_numel
-    for o, n, shape in zip(layout.offsets, layout.numels, layout.shapes):
-        shape = tuple(shape)
-        per: List[Tuple[int, Box, int]] = []
-        if n:
-            for r in range(o // s, (o + n - 1) // s + 1):
-                lo, hi = max(o, r * s), min(o + n, (r + 1) * s)
-                for box in boxes(shape, lo - o, hi - o):
-                    per.append((r, box, o + _ravel(box[0], shape) - r * s))
-        out.append(per)
-    layout._dcp_chunks = out  # type: ignore[attr-defined]
-    return out
-
-
-def _replicated(engine: "MegatronFSDP") -> bool:
-    return not engine.strategy.shards_optimizer or engine.world_size == 1
-
-
-def _dcp_tensor(engine: "MegatronFSDP", layout: "FlatLayout", local: torch.Tensor, i: int) -> torch.Tensor:
-    """Parameter ``i`` of ``layout`` as DCP should see it, backed by ``local`` (this rank's flat of the region)."""
-    o, n, shape = layout.offsets[i], layout.numels[i], tuple(layout.shapes[i])
-    local = local.detach()
-    if _replicated(engine) or n == 0:
-        return local[o : o + n].view(shape) if n else local.new_empty(shape)
-    chunks = _chunks(layout, engine.world_size)[i]
-    if not shape:
-        # A 0-dim parameter lives on one rank and has no empty box for the others: hand it out replicated, the
-        # owner's value broadcast (the owner's copy is a view, so a load writes the shard).
-        owner, _, start = chunks[0]
-        value = local[start : start + 1].view(()) if owner == engine.rank else local.new_empty(())
-        C.broadcast(value, owner, engine.group, f"the 0-dim parameter {layout.names[i]}")
-        return value
-    ranks = engine._global_ranks()
-    here = str(local.device)
-    mds, shards = [], []
-    for r, (off, size), start in chunks:
-        device = here if r == engine.rank else local.device.type
-        md = ShardMetadata(list(off), list(size), f"rank:{ranks[r]}/{device}")
-        mds.append(md)
-        if r == engine.rank:
-            shards.append(Shard(local[start : start + math.prod(size)].view(size), md))
-    # A rank without a box of this parameter holds one empty box: DCP's load planner drops ShardedTensors
-    # without local shards from its view of the state dict and then mistakes the checkpoint for an old format.
-    # The empty box sits just past the end of dimension 0, an offset no real box has (DCP keys chunks by
-    # offset, so an empty box at a real box's offset would replace it).
-    for r in sorted(set(range(engine.world_size)) - {c[0] for c in chunks}):
-        device = here if r == engine.rank else local.device.type
-        md = ShardMetadata([shape[0]] + [0] * (len(shape) - 1), [0] * len(shape), f"rank:{ranks[r]}/{device}")
-        mds.append(md)
-        if r == engine.rank:
-            shards.append(Shard(local.new_empty((0,) * len(shape)), md))
-    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    meta = ShardedTensorMetadata(mds, torch.Size(shape), props)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta, process_group=engine.group)
+def _full_value(engine: "MegatronFSDP", value: Any, shape: Tuple[int, ...], name: str) -> torch.Tensor:
+    """The whole value of ``value`` (a DTensor, collected from all ranks, or a plain tensor), checked against ``shape``."""
+    if isinstance(value, DTensor):
+        if value.device_mesh.size() != engine.world_size:
+            raise ValueError(f"{name} is a DTensor over a mesh of {value.device_mesh.size()} ranks, this model runs on "
+                             f"{engine.world_size}; fill the dict returned by this model's sharded_state_dict() "
+                             "(torch.distributed.checkpoint.load reshards)")
+        value = value.full_tensor()
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{name} is {got}; the model expects a tensor of shape {shape}; load a state dict of the "
+                         "same model")
+    return value
 
 
 def _copy_in(engine: "MegatronFSDP", layout: "FlatLayout", local: torch.Tensor, i: int, value: Any,
              name: str) -> None:
-    """Write parameter ``i``'s values from ``value`` (ShardedTensor of our layout, or a full tensor) into ``local``."""
+    """Write parameter ``i``'s values from ``value`` (a DTensor or a full tensor) into ``local``, this rank's flat."""
     o, n, shape = layout.offsets[i], layout.numels[i], tuple(layout.shapes[i])
-    with torch.no_grad():
-        if isinstance(value, ShardedTensor):
-            if _replicated(engine):
-                raise ValueError(f"{name} is a ShardedTensor, but this model holds it whole; load a state dict made by "
-                                 "this model's sharded_state_dict() (fill it with torch.distributed.checkpoint.load)")
-            mine = {tuple(box[0]): (box, start) for r, box, start in _chunks(layout, engine.world_size)[i]
-                    if r == engine.rank}
-            got = [s for s in value.local_shards() if s.tensor.numel()]
-            if {tuple(s.metadata.shard_offsets) for s in got} != set(mine):
-                raise ValueError(f"{name}: the ShardedTensor's local shards do not match this model's layout on rank "
-                                 f"{engine.rank}; fill the dict returned by this model's sharded_state_dict()")
-            for s in got:
-                (_, size), start = mine[tuple(s.metadata.shard_offsets)]
-                target = local[start : start + math.prod(size)]
-                if target.data_ptr() != s.tensor.data_ptr():
-                    target.copy_(s.tensor.reshape(-1))
-            return
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"{name} is {got}; the model expects a tensor of shape {shape}")
-        start, length = shard_start(engine, layout), local.numel()
-        lo, hi = max(o, start), min(o + n, start + length)
-        if lo < hi:
-            target = local[lo - start : hi - start]
-            src = value.detach().reshape(-1)[lo - o : hi - o]
-            if target.data_ptr() != src.data_ptr():
-                target.copy_(src)
+    full = _full_value(engine, value, shape, name)
+    start, length = shard_start(engine, layout), local.numel()
+    lo, hi = max(o, start), min(o + n, start + length)
+    if lo < hi:
+        with torch.no_grad():
+            local[lo - start : hi - start].copy_(full.detach().reshape(-1)[lo - o : hi - o])
 
 
 # ---------------------------------------------------------------------------------------------- model
 def sharded_state_dict(engine: "MegatronFSDP") -> Dict[str, Any]:
-    """Parameters (fp32, views of the main shards) and persistent buffers, keyed as the unwrapped model."""
+    """Parameters (fp32 DTensors, copies of this rank's rows) and persistent buffers, keyed as the unwrapped model.
+
+    A collective (an all-gather per region): call it on every rank ([Note: DCP sharding metadata]).
+    """
     out: Dict[str, Any] = {}
     for u in engine.all_units():
         for layout, local in regions(u):
-            for i, n in enumerate(layout.names):
-                out[clean_fqn(n)] = _dcp_tensor(engine, layout, local, i)
+            for n, value in zip(layout.names, _region_dtensors(engine, layout, local)):
+                out[clean_fqn(n)] = value
     for n, b in persistent_buffers(engine.module):
         out[n] = b.detach()
     return out
 
 
 def load_sharded_state_dict(engine: "MegatronFSDP", state_dict: Dict[str, Any]) -> None:
-    """Take values from a dict shaped like ``sharded_state_dict()`` (e.g. after ``dcp.load`` filled it)."""
+    """Take values from a dict shaped like ``sharded_state_dict()`` (e.g. after ``dcp.load`` filled it).
+
+    A collective (an all-gather per DTensor): call it on every rank. Plain full tensors are accepted too.
+    """
     expected = {clean_fqn(n) for u in engine.all_units() for layout, _ in regions(u) for n in layout.names}
     expected |= {n for n, _ in persistent_buffers(engine.module)}
     missing = sorted(expected - set(state_dict))
@@ -258,15 +192,14 @@ def optimizer_state_dict(engine: "MegatronFSDP", optimizer: torch.optim.Optimize
                         f"optimizer state {k!r} of unit {u.name} has shape {tuple(v.shape)}, neither the main shard's "
                         f"{tuple(u.main_shard.shape)} nor a scalar; optimizer_state_dict handles element-wise state "
                         "(Adam, SGD momentum) only")
-            for i, n in enumerate(u.layout.names):
-                entry = state.setdefault(clean_fqn(n), {})
-                for k, v in optimizer.state[u.main_shard].items():
-                    if isinstance(v, torch.Tensor) and v.dim() > 0:
-                        entry[k] = _dcp_tensor(engine, u.layout, v, i)
-                    elif isinstance(v, torch.Tensor):
-                        entry[k] = v.detach().clone()
-                    else:
-                        entry[k] = v
+            entries = [state.setdefault(clean_fqn(n), {}) for n in u.layout.names]
+            for k, v in optimizer.state[u.main_shard].items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    for entry, value in zip(entries, _region_dtensors(engine, u.layout, v)):
+                        entry[k] = value
+                else:
+                    for entry in entries:
+                        entry[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
         saved = {k: v for k, v in g.items() if k != "params"}
         saved["params"] = [clean_fqn(n) for u in units for n in u.layout.names]
         param_groups.append(saved)

@@ -580,24 +580,24 @@ class MegatronFSDP(nn.Module):
         _state_dict.load_full_state_dict(self, state_dict, strict=True)
 
     def sharded_state_dict(self) -> Dict[str, Any]:
-        """Parameters for ``torch.distributed.checkpoint``: ShardedTensors with true global offsets.
+        """Parameters for ``torch.distributed.checkpoint``: fp32 DTensors, ``Shard(0)`` over the process group.
 
-        Keys are the unwrapped model's; values are views of the fp32 main shards ([Note: DCP sharding
-        metadata] in _dcp.py), so ``dcp.load`` into this dict writes the model directly. No communication,
-        except one broadcast per 0-dim parameter (call it on every rank).
+        Keys and shapes are the unwrapped model's ([Note: DCP sharding metadata] in _dcp.py), as FSDP2 saves
+        them. Values are copies: after ``dcp.load`` fills the dict, ``load_sharded_state_dict`` writes them
+        back. A collective (an all-gather per unit): call it on every rank.
         Save: ``dcp.save({"model": model.sharded_state_dict(), ...})``. Load (any world size or strategy):
         ``sd = model.sharded_state_dict(); dcp.load({"model": sd}); model.load_sharded_state_dict(sd)``.
         """
         return _dcp.sharded_state_dict(self)
 
     def load_sharded_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Take the values of a dict shaped like ``sharded_state_dict()`` (copies only what DCP did not write)."""
+        """Take the values of a dict shaped like ``sharded_state_dict()`` (a collective: call it on every rank)."""
         _dcp.load_sharded_state_dict(self, state_dict)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
         """The optimizer's state, keyed by parameter name and sharded like the parameters, for DCP.
 
-        ``{"state": {name: {"exp_avg": ShardedTensor, "step": tensor, ...}}, "param_groups": [...]}``.
+        ``{"state": {name: {"exp_avg": DTensor, "step": tensor, ...}}, "param_groups": [...]}``.
         An optimizer that never stepped gets its state from one step at learning rate 0 first.
         """
         return _dcp.optimizer_state_dict(self, optimizer)

@@ -111,7 +111,7 @@ def dcp_round_trip(cfg: GPTConfig, device: torch.device, directory: str) -> Dict
     """ZeRO-3, bf16, double buffer: train with global-norm clipping, save with DCP, load into a fresh model.
 
     The loaded parameters (fp32 main shards) and Adam state must equal the saved ones exactly: this checks the
-    ShardedTensor metadata on the device (placements ``rank:N/cuda:I``) and the NCCL paths of clipping.
+    DTensor state dicts on the device (a DeviceMesh of type cuda) and the NCCL paths of clipping.
     """
     import torch.distributed.checkpoint as dcp
 

@@ -21,7 +21,7 @@ from megatron_fsdp._state_dict import gather_region
 from tests.dist_utils import run_gloo
 from tests.test_engine import STRATEGIES, adam, build_gpt, fsdp_step, sgd, shard
 
-pytestmark = pytest.mark.filterwarnings("ignore:Please use DTensor instead:FutureWarning")
+pytestmark = pytest.mark.filterwarnings("error::FutureWarning")
 
 STATE_CASES = [(s, db) for s in STRATEGIES for db in (False, True)]
 
@@ -341,3 +341,33 @@ def test_dcp_zero_dim_parameters(tmp_path):
     target = plain.state_dict()
     dcp.load({"model": target}, checkpoint_id=str(tmp_path))
     _assert_same(target, run["saved"])
+
+
+def _dcp_resave_job(rank: int, world: int, source: str, target: str) -> Dict[str, Any]:
+    """Load the checkpoint at this world size and save it again from here."""
+    fresh = shard(_frozen_gpt(1)[0], sharding_strategy="optim_grads_params")
+    opt = adam(fresh.optimizer_parameters())
+    _restore(fresh, opt, source)
+    dcp.save({"model": fresh.sharded_state_dict(), "optim": fresh.optimizer_state_dict(opt)}, checkpoint_id=target)
+    return {}
+
+
+def _dcp_resume_job(rank: int, world: int, directory: str) -> Dict[str, Any]:
+    fresh = shard(_frozen_gpt(1)[0], sharding_strategy="optim_grads_params")
+    opt = adam(fresh.optimizer_parameters())
+    _restore(fresh, opt, directory)
+    cfg = _frozen_gpt(1)[1]
+    resumed = [fsdp_step(fresh, opt, step, cfg, rank, world) for step in range(SAVE_AT, TOTAL)]
+    return dict(resumed=resumed, final=fresh.state_dict())
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("middle", [1, 4])
+def test_dcp_through_another_world_size_resumes_bit_exact(dcp_checkpoint, tmp_path, middle):
+    """Saved at 2 ranks, loaded and saved again at 1 or 4, loaded back at 2: training continues bit for bit."""
+    directory, saved_ranks = dcp_checkpoint
+    resaved = str(tmp_path / f"via{middle}")
+    run_gloo(_dcp_resave_job, middle, directory, resaved)
+    for saved, run in zip(saved_ranks, run_gloo(_dcp_resume_job, 2, resaved)):
+        assert run["resumed"] == saved["uninterrupted"]  # bit for bit
+        _assert_same(run["final"], saved["final"])
