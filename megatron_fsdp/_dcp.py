@@ -31,12 +31,11 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ._common import Engine, Unit
 from ._state_dict import clean_fqn, gather_region, mark_stale, persistent_buffers, regions, shard_start
 
 if TYPE_CHECKING:
     from ._flat import FlatLayout
-    from ._fully_shard import MegatronFSDP
-    from ._unit import FSDPUnit
 
 __all__ = ["row_range", "sharded_state_dict", "load_sharded_state_dict", "optimizer_state_dict",
            "load_optimizer_state_dict"]
@@ -49,7 +48,7 @@ def row_range(dim0: int, world: int, rank: int) -> Tuple[int, int]:
     return lo, min(lo + per, dim0)
 
 
-def mesh_of(engine: "MegatronFSDP", device: torch.device) -> DeviceMesh:
+def mesh_of(engine: Engine, device: torch.device) -> DeviceMesh:
     """A 1-D DeviceMesh over the engine's process group (built once per device type)."""
     meshes = engine.__dict__.setdefault("_dcp_meshes", {})
     if device.type not in meshes:
@@ -57,7 +56,7 @@ def mesh_of(engine: "MegatronFSDP", device: torch.device) -> DeviceMesh:
     return meshes[device.type]
 
 
-def _dtensor(engine: "MegatronFSDP", full: torch.Tensor) -> DTensor:
+def _dtensor(engine: Engine, full: torch.Tensor) -> DTensor:
     """``full`` (this parameter's whole value, the same on every rank) as a DTensor holding a copy of our rows."""
     mesh = mesh_of(engine, full.device)
     shape = tuple(full.shape)
@@ -69,13 +68,13 @@ def _dtensor(engine: "MegatronFSDP", full: torch.Tensor) -> DTensor:
                               stride=torch.empty(shape, device="meta").stride())
 
 
-def _region_dtensors(engine: "MegatronFSDP", layout: "FlatLayout", local: torch.Tensor) -> List[DTensor]:
+def _region_dtensors(engine: Engine, layout: "FlatLayout", local: torch.Tensor) -> List[DTensor]:
     """Every parameter of one region as a DTensor (a collective: one all-gather of the region)."""
     full = gather_region(engine, layout, local.detach())
     return [_dtensor(engine, v) for v in layout.views(full)]
 
 
-def _full_value(engine: "MegatronFSDP", value: Any, shape: Tuple[int, ...], name: str) -> torch.Tensor:
+def _full_value(engine: Engine, value: Any, shape: Tuple[int, ...], name: str) -> torch.Tensor:
     """The whole value of ``value`` (a DTensor, collected from all ranks, or a plain tensor), checked against ``shape``."""
     if isinstance(value, DTensor):
         if value.device_mesh.size() != engine.world_size:
@@ -90,7 +89,7 @@ def _full_value(engine: "MegatronFSDP", value: Any, shape: Tuple[int, ...], name
     return value
 
 
-def _copy_in(engine: "MegatronFSDP", layout: "FlatLayout", local: torch.Tensor, i: int, value: Any,
+def _copy_in(engine: Engine, layout: "FlatLayout", local: torch.Tensor, i: int, value: Any,
              name: str) -> None:
     """Write parameter ``i``'s values from ``value`` (a DTensor or a full tensor) into ``local``, this rank's flat."""
     o, n, shape = layout.offsets[i], layout.numels[i], tuple(layout.shapes[i])
@@ -103,7 +102,7 @@ def _copy_in(engine: "MegatronFSDP", layout: "FlatLayout", local: torch.Tensor, 
 
 
 # ---------------------------------------------------------------------------------------------- model
-def sharded_state_dict(engine: "MegatronFSDP") -> Dict[str, Any]:
+def sharded_state_dict(engine: Engine) -> Dict[str, Any]:
     """Parameters (fp32 DTensors, copies of this rank's rows) and persistent buffers, keyed as the unwrapped model.
 
     A collective (an all-gather per region): call it on every rank ([Note: DCP sharding metadata]).
@@ -118,7 +117,7 @@ def sharded_state_dict(engine: "MegatronFSDP") -> Dict[str, Any]:
     return out
 
 
-def load_sharded_state_dict(engine: "MegatronFSDP", state_dict: Dict[str, Any]) -> None:
+def load_sharded_state_dict(engine: Engine, state_dict: Dict[str, Any]) -> None:
     """Take values from a dict shaped like ``sharded_state_dict()`` (e.g. after ``dcp.load`` filled it).
 
     A collective (an all-gather per DTensor): call it on every rank. Plain full tensors are accepted too.
@@ -141,7 +140,7 @@ def load_sharded_state_dict(engine: "MegatronFSDP", state_dict: Dict[str, Any]) 
 
 
 # ---------------------------------------------------------------------------------------------- optimizer
-def _units_of(engine: "MegatronFSDP", optimizer: torch.optim.Optimizer) -> List[List["FSDPUnit"]]:
+def _units_of(engine: Engine, optimizer: torch.optim.Optimizer) -> List[List[Unit]]:
     by_id = {id(u.main_shard): u for u in engine.all_units()}
     groups = []
     for gi, g in enumerate(optimizer.param_groups):
@@ -174,7 +173,7 @@ def _init_state(optimizer: torch.optim.Optimizer, params: List[torch.Tensor]) ->
             p.grad = grad
 
 
-def optimizer_state_dict(engine: "MegatronFSDP", optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+def optimizer_state_dict(engine: Engine, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """The optimizer's state keyed by parameter name, sharded like the parameters ([Note: DCP sharding metadata]).
 
     An optimizer without state yet (never stepped) gets it from one step at learning rate 0, which leaves
@@ -206,7 +205,7 @@ def optimizer_state_dict(engine: "MegatronFSDP", optimizer: torch.optim.Optimize
     return {"state": state, "param_groups": param_groups}
 
 
-def load_optimizer_state_dict(engine: "MegatronFSDP", optimizer: torch.optim.Optimizer,
+def load_optimizer_state_dict(engine: Engine, optimizer: torch.optim.Optimizer,
                               state_dict: Dict[str, Any]) -> None:
     """Take optimizer state from a dict shaped like ``optimizer_state_dict()`` (e.g. filled by ``dcp.load``)."""
     groups = _units_of(engine, optimizer)
