@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_cudagraph.model import TransformerBlock
+from fsdp_cudagraph.apps.model import TransformerBlock
 from tests.dist_utils import run_gloo
 from tests.test_engine import adam, build_gpt, fsdp_step, shard
 from tests.test_engine_state import full_optimizer_state
