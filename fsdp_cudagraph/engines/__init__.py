@@ -171,3 +171,4 @@ def _load_builtin() -> None:
         return
     _LOADED = True
     # The modules register themselves on import; the list grows as adapters land.
+    from . import fsdp2  # noqa: F401  (PyTorch FSDP2)
