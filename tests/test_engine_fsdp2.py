@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_cudagraph.engines import HOOK_KEYS, adapter_for
+from fsdp_cudagraph.engines.fsdp2 import keep_unsharded_storage, release_unsharded_storage
 from tests.dist_utils import run_gloo
 
 WORLD = 2
@@ -44,7 +45,8 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def build(*, reshard_after_forward: bool = True, reshard_after_backward: bool = True, **kwargs: Any) -> Net:
+def build(*, reshard_after_forward: bool = True, reshard_after_backward: bool = True, keep: bool = False,
+          **kwargs: Any) -> Net:
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(0)
     model = Net()
@@ -53,6 +55,8 @@ def build(*, reshard_after_forward: bool = True, reshard_after_backward: bool = 
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     if not reshard_after_backward:
         model.set_reshard_after_backward(False)
+    if keep:
+        assert keep_unsharded_storage(model) == 2 * len(model.layers) + 2
     return model
 
 
@@ -180,6 +184,11 @@ def count_collectives(rec: Recorder):
 
 def train(rank: int, *, schedule: bool, rec: Optional[Recorder] = None, **settings: Any) -> Dict[str, Any]:
     model = build(**settings)
+    if schedule and settings.get("keep"):
+        model(batch(0, rank)).sum().backward()  # lazy init before the check, as the graph layer captures after eager steps
+        model.zero_grad()
+        adapter_for(model).check_partial_graphs()
+        model = build(**settings)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     adapter = adapter_for(model)
     losses = []
@@ -203,9 +212,10 @@ def train(rank: int, *, schedule: bool, rec: Optional[Recorder] = None, **settin
 def job(rank: int, world: int) -> Dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     report: Dict[str, Any] = {}
-    for label, settings in {"zero3": {}, "zero2": {"reshard_after_forward": False}}.items():
+    for label, settings in {"zero3": {}, "zero2": {"reshard_after_forward": False},
+                            "zero3_kept": {"keep": True}}.items():
         rec = Recorder()
-        ref = train(rank, schedule=False, **settings)
+        ref = train(rank, schedule=False, **{k: v for k, v in settings.items() if k != "keep"})
         got = train(rank, schedule=True, rec=rec, **settings)
         report[label] = {
             "losses_equal": all(torch.equal(a, b) for a, b in zip(ref["losses"], got["losses"])),
@@ -247,7 +257,8 @@ def job(rank: int, world: int) -> Dict[str, Any]:
     for label, settings in {"zero3": {}, "reshard_after_backward": {"reshard_after_forward": False},
                             "bf16": {"reshard_after_forward": False, "reshard_after_backward": False,
                                      "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)},
-                            "ok": {"reshard_after_forward": False, "reshard_after_backward": False}}.items():
+                            "ok": {"reshard_after_forward": False, "reshard_after_backward": False},
+                            "zero3_kept": {"keep": True}}.items():
         m = build(**settings)
         m(batch(0, rank)).sum().backward()  # lazy init, as before a capture
         try:
@@ -275,6 +286,25 @@ def job(rank: int, world: int) -> Dict[str, Any]:
     report["moved"] = [t.untyped_storage().size() == 0 or t.untyped_storage().data_ptr() != p
                        for (_, t), p in zip(named, ptrs)]
     report["sizes_before"] = sizes_before
+    # ... and one that no longer moves once its storage is kept.
+    model = build(keep=True)
+    adapter = adapter_for(model)
+    model(batch(0, rank)).sum().backward()
+    layer = model.layers[0]
+    group = layer._get_fsdp_state()._fsdp_param_groups[0]
+    group.unshard()
+    group.wait_for_unshard()
+    kept = adapter.replay_tensors(layer)
+    ptrs = [t.data_ptr() for _, t in kept]
+    group.reshard()
+    sharded = layer[0].weight is not kept[0][1] and kept[0][1].untyped_storage().size() > 0
+    group.unshard()
+    group.wait_for_unshard()
+    report["kept_stable"] = sharded and [t.data_ptr() for _, t in adapter.replay_tensors(layer)] == ptrs
+    report["kept_is_module_param"] = layer[0].weight is kept[0][1]
+    group.reshard()
+    release_unsharded_storage(model)
+    report["released"] = kept[0][1].untyped_storage().size() == 0
     report["unit_of_linear"] = adapter.unit_of(layer[0]) is layer
     report["unit_of_head"] = adapter.unit_of(model.head) is model
     return report
@@ -288,20 +318,20 @@ def reports() -> List[Dict[str, Any]]:
 pytestmark = pytest.mark.gloo
 
 
-@pytest.mark.parametrize("label", ["zero3", "zero2"])
+@pytest.mark.parametrize("label", ["zero3", "zero2", "zero3_kept"])
 def test_schedule_at_step_2_is_bit_exact(reports, label):
     for r in reports:
         assert r[label]["losses_equal"] and r[label]["params_equal"], r[label]
 
 
-@pytest.mark.parametrize("label", ["zero3", "zero2"])
+@pytest.mark.parametrize("label", ["zero3", "zero2", "zero3_kept"])
 def test_each_hook_runs_once_per_pass(reports, label):
     expected = {(i, k): NUM_WARMUP + 1 for i in range(3) for k in HOOK_KEYS}
     for r in reports:
         assert r[label]["calls"] == expected
 
 
-@pytest.mark.parametrize("label", ["zero3", "zero2"])
+@pytest.mark.parametrize("label", ["zero3", "zero2", "zero3_kept"])
 def test_no_collective_inside_capture(reports, label):
     for r in reports:
         assert r[label]["inside"] == 0
@@ -325,10 +355,11 @@ def test_hooks_restored_when_capture_fails(reports):
 def test_unsafe_settings_refused(reports):
     for r in reports:
         refused = r["refused"]
-        assert "reshard_after_forward=True" in refused["zero3"] and "set_reshard_after_backward(False)" in refused["zero3"]
+        assert "reshard_after_forward=True" in refused["zero3"] and "keep_unsharded_storage(model)" in refused["zero3"]
+        assert "set_reshard_after_backward(False)" in refused["zero3"]
         assert "reshard_after_backward=True" in refused["reshard_after_backward"]
         assert "MixedPrecisionPolicy" in refused["bf16"] and "bfloat16" in refused["bf16"]
-        assert refused["ok"] is None
+        assert refused["ok"] is None and refused["zero3_kept"] is None
 
 
 def test_replay_tensors_show_a_moved_parameter(reports):
@@ -338,6 +369,11 @@ def test_replay_tensors_show_a_moved_parameter(reports):
         assert all(s > 0 for s in r["sizes_before"])
         assert all(r["moved"])
         assert r["unit_of_linear"] and r["unit_of_head"]
+
+
+def test_kept_storage_does_not_move(reports):
+    for r in reports:
+        assert r["kept_stable"] and r["kept_is_module_param"] and r["released"]
 
 
 def test_recognizes_only_fsdp2_roots():

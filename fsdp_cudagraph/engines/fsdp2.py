@@ -28,7 +28,7 @@ from torch import nn
 
 from . import HOOK_KEYS, EngineAdapter, HookPlan, register_engine
 
-__all__ = ["FSDP2Engine"]
+__all__ = ["FSDP2Engine", "keep_unsharded_storage", "release_unsharded_storage"]
 
 #: The torch.distributed functions FSDP2 looks up at call time (2.11: *_into_tensor / *_tensor; 2.13: *_single).
 _COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
@@ -63,6 +63,61 @@ def _state_of(module: nn.Module):
     return _get_module_fsdp_state(module)
 
 
+_KEEP = "_fsdp_cudagraph_keep_storage"
+
+
+def _fsdp_params(model: nn.Module) -> List[Any]:
+    seen, out = set(), []
+    for m in model.modules():
+        state = _state_of(m)
+        if state is None or id(state) in seen:
+            continue
+        seen.add(id(state))
+        for g in state._fsdp_param_groups:
+            out.extend(g.fsdp_params)
+    return out
+
+
+def _keep(*_: Any) -> None:
+    """Stands in for ``FSDPParam.free_unsharded_param``: the unsharded storage stays allocated."""
+
+
+def keep_unsharded_storage(model: nn.Module) -> int:
+    """Keep every FSDP2 unit's unsharded parameter storage allocated, so resharding no longer moves it.
+
+    [Note: address-stable resharding]
+    FSDP2 reshards by swapping the module's parameter back to the sharded DTensor and freeing the unsharded
+    storage (``FSDPParam.free_unsharded_param``: ``untyped_storage().resize_(0)``); the next unshard resizes
+    it back (a new allocation, a new address) and copies the all-gather result in. After this call the free
+    is skipped: the swap still happens, every unshard still all-gathers the current shards (so the optimizer's
+    updates are seen, unlike ``set_reshard_after_backward(False)``), and the copy lands at the same address
+    each time. Numerics are unchanged; the memory cost is every unit's unsharded parameters held for the
+    whole run (as with ``reshard_after_forward=False`` plus no reshard after backward). Returns the number of
+    parameters kept. Call after ``fully_shard`` and before capture; undo with :func:`release_unsharded_storage`.
+    """
+    params = _fsdp_params(model)
+    if not params:
+        raise ValueError(f"fsdp_cudagraph: {type(model).__name__} has no FSDP2 parameters; call "
+                         "keep_unsharded_storage on the model after fully_shard")
+    for fp in params:
+        if not callable(getattr(fp, "free_unsharded_param", None)):
+            raise NotImplementedError(
+                f"fsdp_cudagraph: torch {torch.__version__}'s FSDPParam has no free_unsharded_param, which "
+                "keep_unsharded_storage replaces; use torch 2.11 to 2.13 (the versions checked)")
+        fp.free_unsharded_param = _keep  # an instance attribute shadows the method
+        setattr(fp, _KEEP, True)
+    return len(params)
+
+
+def release_unsharded_storage(model: nn.Module) -> None:
+    """Undo :func:`keep_unsharded_storage`; storage of parameters that are sharded now is freed at once."""
+    for fp in _fsdp_params(model):
+        if fp.__dict__.pop(_KEEP, False):
+            del fp.free_unsharded_param
+            if getattr(fp, "_unsharded_param", None) is not None and fp.sharded_state.name != "UNSHARDED":
+                fp.free_unsharded_param()
+
+
 @register_engine
 class FSDP2Engine(EngineAdapter):
     """A model wrapped by PyTorch FSDP2's ``fully_shard`` (its root is an ``FSDPModule``).
@@ -70,8 +125,8 @@ class FSDP2Engine(EngineAdapter):
     Units are the ``fully_shard``'ed submodules below the root, in module order (which is forward order for
     the layer stacks FSDP2 is applied to). The root is not a unit: its hooks wrap the whole model call, which
     a per-layer graph never captures; a callable owned by the root's own parameters reports the root from
-    :meth:`unit_of`. Address stability needs ``reshard_after_forward=False`` and
-    ``set_reshard_after_backward(False)`` on every unit (see docs/engines.md, "PyTorch FSDP2").
+    :meth:`unit_of`. Address stability needs :func:`keep_unsharded_storage` (any reshard setting) or no
+    resharding at all (see docs/engines.md, "PyTorch FSDP2").
     """
 
     name = "torch FSDP2"
@@ -174,19 +229,24 @@ class FSDP2Engine(EngineAdapter):
             if g is None:
                 continue
             name = self.unit_name(unit)
-            if g._reshard_after_forward:
+            kept = all(getattr(fp, _KEEP, False) for fp in g.fsdp_params)
+            if g._reshard_after_forward and not kept:
                 raise NotImplementedError(
                     f"[rank {self.rank}] fsdp_cudagraph: FSDP2 unit {name} has reshard_after_forward=True "
                     "(ZeRO-3): FSDP2 frees its unsharded parameters after forward and re-allocates them at the "
-                    "next all-gather, so they move between capture and replay. Use "
-                    "fully_shard(..., reshard_after_forward=False) and model.set_reshard_after_backward(False) "
-                    "for per-layer graphs, or capture the whole step (full_iteration)")
-            if g.reshard_after_backward:
+                    "next all-gather, so they move between capture and replay. Call "
+                    "fsdp_cudagraph.engines.fsdp2.keep_unsharded_storage(model) after fully_shard (same "
+                    "numerics, unsharded parameters stay allocated), or use fully_shard(..., "
+                    "reshard_after_forward=False) with model.set_reshard_after_backward(False), or capture "
+                    "the whole step (full_iteration)")
+            if g.reshard_after_backward and not kept:
                 raise NotImplementedError(
                     f"[rank {self.rank}] fsdp_cudagraph: FSDP2 unit {name} has reshard_after_backward=True: "
                     "its unsharded parameters are freed after backward and re-allocated at the next all-gather, "
-                    "so they move between capture and replay. Call model.set_reshard_after_backward(False) "
-                    "(with reshard_after_forward=False), or capture the whole step (full_iteration)")
+                    "so they move between capture and replay. Call "
+                    "fsdp_cudagraph.engines.fsdp2.keep_unsharded_storage(model) after fully_shard, or "
+                    "model.set_reshard_after_backward(False) (FSDP2 then skips the next all-gather, so only "
+                    "within gradient accumulation), or capture the whole step (full_iteration)")
             from torch.distributed.fsdp import CPUOffloadPolicy
             if isinstance(g.offload_policy, CPUOffloadPolicy):
                 raise NotImplementedError(
