@@ -134,7 +134,27 @@ class FSDP2Engine(EngineAdapter):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         _internals()
-        self._pending: set = set()  # units forwarded at capture time whose post-backward has not run yet
+        self._pending: set = set()
+        self._check_names()  # units forwarded at capture time whose post-backward has not run yet
+
+    def _check_names(self) -> None:
+        """Refuse at once a torch whose FSDP2 lacks an attribute the capture-time hooks use."""
+        missing = set()
+        for m in self.model.modules():
+            state = _state_of(m)
+            if state is None:
+                continue
+            missing |= {f"FSDPState.{n}" for n in _STATE_NAMES + ("_states_to_backward_prefetch",)
+                        if not hasattr(state, n)}
+            for g in getattr(state, "_fsdp_param_groups", []):
+                missing |= {f"FSDPParamGroup.{n}" for n in _GROUP_NAMES if not hasattr(g, n)}
+                for fp in g.fsdp_params:
+                    missing |= {f"FSDPParam.{n}" for n in ("_module_info", "sharded_param", "free_unsharded_param")
+                                if not hasattr(fp, n)}
+        if missing:
+            raise NotImplementedError(
+                f"fsdp_cudagraph: torch {torch.__version__}'s FSDP2 lacks {sorted(missing)}, which the FSDP2 "
+                "adapter drives at capture time; use torch 2.11 to 2.13 (the versions checked) or report the version")
 
     @classmethod
     def recognizes(cls, model: nn.Module) -> bool:
