@@ -305,6 +305,17 @@ def job(rank: int, world: int) -> Dict[str, Any]:
     group.reshard()
     release_unsharded_storage(model)
     report["released"] = kept[0][1].untyped_storage().size() == 0
+    # A torch whose FSDP2 lacks a name the adapter drives is refused when the adapter is built.
+    from fsdp_cudagraph.engines import fsdp2
+    saved_names = fsdp2._GROUP_NAMES
+    fsdp2._GROUP_NAMES = saved_names + ("_no_such_fsdp2_name",)
+    try:
+        adapter_for(model)
+        report["missing_name"] = None
+    except NotImplementedError as exc:
+        report["missing_name"] = str(exc)
+    finally:
+        fsdp2._GROUP_NAMES = saved_names
     report["unit_of_linear"] = adapter.unit_of(layer[0]) is layer
     report["unit_of_head"] = adapter.unit_of(model.head) is model
     return report
@@ -374,6 +385,11 @@ def test_replay_tensors_show_a_moved_parameter(reports):
 def test_kept_storage_does_not_move(reports):
     for r in reports:
         assert r["kept_stable"] and r["kept_is_module_param"] and r["released"]
+
+
+def test_missing_fsdp2_internal_is_refused(reports):
+    for r in reports:
+        assert "FSDPParamGroup._no_such_fsdp2_name" in r["missing_name"] and "torch 2.11 to 2.13" in r["missing_name"]
 
 
 def test_recognizes_only_fsdp2_roots():
