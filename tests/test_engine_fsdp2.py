@@ -266,6 +266,18 @@ def job(rank: int, world: int) -> Dict[str, Any]:
             refused[label] = None
         except NotImplementedError as exc:
             refused[label] = str(exc)
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    m = Net()
+    fully_shard([m.layers[0], m.layers[1]], reshard_after_forward=False)
+    fully_shard(m, reshard_after_forward=False)
+    keep_unsharded_storage(m)
+    m(batch(0, rank)).sum().backward()
+    try:
+        adapter_for(m).check_partial_graphs()
+        refused["grouped"] = None
+    except NotImplementedError as exc:
+        refused["grouped"] = str(exc)
     report["refused"] = refused
 
     # (f) a parameter that moves is visible through replay_tensors (ZeRO-3 frees it at reshard).
@@ -370,6 +382,7 @@ def test_unsafe_settings_refused(reports):
         assert "set_reshard_after_backward(False)" in refused["zero3"]
         assert "reshard_after_backward=True" in refused["reshard_after_backward"]
         assert "MixedPrecisionPolicy" in refused["bf16"] and "bfloat16" in refused["bf16"]
+        assert "fully_shard([...])" in refused["grouped"] and "layers.0" in refused["grouped"]
         assert refused["ok"] is None and refused["zero3_kept"] is None
 
 

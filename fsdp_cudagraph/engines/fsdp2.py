@@ -249,6 +249,12 @@ class FSDP2Engine(EngineAdapter):
             if g is None:
                 continue
             name = self.unit_name(unit)
+            if len(getattr(state, "_modules", (unit,))) > 1:
+                raise NotImplementedError(
+                    f"[rank {self.rank}] fsdp_cudagraph: FSDP2 unit {name} is one of "
+                    f"{len(state._modules)} modules sharded together by fully_shard([...]); their hooks are "
+                    "group wrappers the FSDP2 adapter does not plan. Apply fully_shard to each layer on its own "
+                    "for per-layer graphs")
             kept = all(getattr(fp, _KEEP, False) for fp in g.fsdp_params)
             if g._reshard_after_forward and not kept:
                 raise NotImplementedError(
