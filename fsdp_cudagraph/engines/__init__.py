@@ -272,3 +272,4 @@ def _load_builtin() -> None:
     _LOADED = True
     # The modules register themselves on import; one line per engine module of this folder.
     _load("megatron_fsdp")
+    _load("fsdp2")

@@ -1,0 +1,337 @@
+"""PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``) as an engine of the graph layer.
+
+FSDP2 drives one unit (one ``fully_shard``'ed module, one ``FSDPParamGroup``) from two module hooks, both
+bound methods of its ``FSDPState``: ``_pre_forward`` (root lazy init, unshard + wait, then a
+``RegisterPostBackwardFunction`` on the inputs) and ``_post_forward`` (reshard, then ``_pre_backward``
+tensor hooks on the outputs). Neither can run at capture: the autograd registrations would be captured
+once and never replayed. :meth:`FSDP2Engine.hook_plan` withholds both and plans their effects on the
+param group directly, as TE's ``capture_time_hooks``.
+
+[Note: FSDP2 internals relied on]
+Checked against torch 2.11 and 2.13 (``torch/distributed/fsdp/_fully_shard/``): ``FSDPModule``,
+``FSDPState._pre_forward``/``_post_forward``/``_root_post_backward_final_callback``/``_fsdp_param_groups``/
+``_training_state``/``_state_ctx``, ``FSDPParamGroup.unshard``/``wait_for_unshard``/``reshard``/
+``pre_backward``/``post_backward``/``_record_post_forward``/``_reshard_after_forward``/
+``reshard_after_backward``/``fsdp_params``/``offload_policy``/``mp_policy``, ``FSDPParam._unsharded_param``
+and ``sharded_param``, ``TrainingState``. :func:`_internals` checks them once and refuses with the missing
+names instead of failing deep inside a capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import HOOK_KEYS, EngineAdapter, HookPlan, register_engine
+
+__all__ = ["FSDP2Engine", "keep_unsharded_storage", "release_unsharded_storage"]
+
+#: The torch.distributed functions FSDP2 looks up at call time (2.11: *_into_tensor / *_tensor; 2.13: *_single).
+_COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
+                "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier")
+
+_STATE_NAMES = ("_pre_forward", "_post_forward", "_root_post_backward_final_callback", "_fsdp_param_groups",
+                "_training_state", "_state_ctx")
+_GROUP_NAMES = ("unshard", "wait_for_unshard", "reshard", "pre_backward", "post_backward", "_record_post_forward",
+                "_reshard_after_forward", "reshard_after_backward", "fsdp_params", "offload_policy", "mp_policy",
+                "unshard_async_op", "_training_state")
+
+
+@functools.lru_cache(maxsize=None)
+def _internals():
+    """(FSDPModule, FSDPState, TrainingState, fully_shard module) or NotImplementedError naming what is missing."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_state
+    except ImportError as exc:  # pragma: no cover - depends on the torch build
+        raise NotImplementedError(f"fsdp_cudagraph: this torch ({torch.__version__}) has no FSDP2 "
+                                  f"(torch.distributed.fsdp.fully_shard): {exc}; use torch >= 2.11") from exc
+    missing = [f"FSDPState.{n}" for n in _STATE_NAMES[:3] if not hasattr(_fsdp_state.FSDPState, n)]
+    if missing:
+        raise NotImplementedError(
+            f"fsdp_cudagraph: torch {torch.__version__}'s FSDP2 lacks {missing}, which the FSDP2 adapter "
+            "drives at capture time; use torch 2.11 to 2.13 (the versions checked) or report the version")
+    return FSDPModule, _fsdp_state.FSDPState, _fsdp_common.TrainingState
+
+
+def _state_of(module: nn.Module):
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+    return _get_module_fsdp_state(module)
+
+
+_KEEP = "_fsdp_cudagraph_keep_storage"
+
+
+def _fsdp_params(model: nn.Module) -> List[Any]:
+    seen, out = set(), []
+    for m in model.modules():
+        state = _state_of(m)
+        if state is None or id(state) in seen:
+            continue
+        seen.add(id(state))
+        for g in state._fsdp_param_groups:
+            out.extend(g.fsdp_params)
+    return out
+
+
+def _keep(*_: Any) -> None:
+    """Stands in for ``FSDPParam.free_unsharded_param``: the unsharded storage stays allocated."""
+
+
+def keep_unsharded_storage(model: nn.Module) -> int:
+    """Keep every FSDP2 unit's unsharded parameter storage allocated, so resharding no longer moves it.
+
+    [Note: address-stable resharding]
+    FSDP2 reshards by swapping the module's parameter back to the sharded DTensor and freeing the unsharded
+    storage (``FSDPParam.free_unsharded_param``: ``untyped_storage().resize_(0)``); the next unshard resizes
+    it back (a new allocation, a new address) and copies the all-gather result in. After this call the free
+    is skipped: the swap still happens, every unshard still all-gathers the current shards (so the optimizer's
+    updates are seen, unlike ``set_reshard_after_backward(False)``), and the copy lands at the same address
+    each time. Numerics are unchanged; the memory cost is every unit's unsharded parameters held for the
+    whole run (as with ``reshard_after_forward=False`` plus no reshard after backward). Returns the number of
+    parameters kept. Call after ``fully_shard`` and before capture; undo with :func:`release_unsharded_storage`.
+    """
+    params = _fsdp_params(model)
+    if not params:
+        raise ValueError(f"fsdp_cudagraph: {type(model).__name__} has no FSDP2 parameters; call "
+                         "keep_unsharded_storage on the model after fully_shard")
+    for fp in params:
+        if not callable(getattr(fp, "free_unsharded_param", None)):
+            raise NotImplementedError(
+                f"fsdp_cudagraph: torch {torch.__version__}'s FSDPParam has no free_unsharded_param, which "
+                "keep_unsharded_storage replaces; use torch 2.11 to 2.13 (the versions checked)")
+        fp.free_unsharded_param = _keep  # an instance attribute shadows the method
+        setattr(fp, _KEEP, True)
+    return len(params)
+
+
+def release_unsharded_storage(model: nn.Module) -> None:
+    """Undo :func:`keep_unsharded_storage`; storage of parameters that are sharded now is freed at once."""
+    for fp in _fsdp_params(model):
+        if fp.__dict__.pop(_KEEP, False):
+            del fp.free_unsharded_param
+            if getattr(fp, "_unsharded_param", None) is not None and fp.sharded_state.name != "UNSHARDED":
+                fp.free_unsharded_param()
+
+
+@register_engine
+class FSDP2Engine(EngineAdapter):
+    """A model wrapped by PyTorch FSDP2's ``fully_shard`` (its root is an ``FSDPModule``).
+
+    Units are the ``fully_shard``'ed submodules below the root, in module order (which is forward order for
+    the layer stacks FSDP2 is applied to). The root is not a unit: its hooks wrap the whole model call, which
+    a per-layer graph never captures; a callable owned by the root's own parameters reports the root from
+    :meth:`unit_of`. Address stability needs :func:`keep_unsharded_storage` (any reshard setting) or no
+    resharding at all (see docs/engines.md, "PyTorch FSDP2").
+    """
+
+    name = "torch FSDP2"
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        _internals()
+        self._pending: set = set()
+        self._check_names()  # units forwarded at capture time whose post-backward has not run yet
+
+    def _check_names(self) -> None:
+        """Refuse at once a torch whose FSDP2 lacks an attribute the capture-time hooks use."""
+        missing = set()
+        for m in self.model.modules():
+            state = _state_of(m)
+            if state is None:
+                continue
+            missing |= {f"FSDPState.{n}" for n in _STATE_NAMES + ("_states_to_backward_prefetch",)
+                        if not hasattr(state, n)}
+            for g in getattr(state, "_fsdp_param_groups", []):
+                missing |= {f"FSDPParamGroup.{n}" for n in _GROUP_NAMES if not hasattr(g, n)}
+                for fp in g.fsdp_params:
+                    missing |= {f"FSDPParam.{n}" for n in ("_module_info", "sharded_param", "free_unsharded_param")
+                                if not hasattr(fp, n)}
+        if missing:
+            raise NotImplementedError(
+                f"fsdp_cudagraph: torch {torch.__version__}'s FSDP2 lacks {sorted(missing)}, which the FSDP2 "
+                "adapter drives at capture time; use torch 2.11 to 2.13 (the versions checked) or report the version")
+
+    @classmethod
+    def recognizes(cls, model: nn.Module) -> bool:
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover
+            return False
+        return isinstance(model, FSDPModule)
+
+    @property
+    def root(self) -> nn.Module:
+        return self.model
+
+    # -- units ------------------------------------------------------------------------------------
+    def unit_modules(self) -> List[nn.Module]:
+        return [m for m in self.model.modules() if m is not self.model and _state_of(m) is not None]
+
+    def unit_of(self, module: nn.Module) -> Optional[nn.Module]:
+        owner = None
+        for m in self.model.modules():
+            if _state_of(m) is not None and any(s is module for s in m.modules()):
+                owner = m  # modules() is pre-order: the last hit is the nearest ancestor
+        return owner
+
+    def _group(self, unit: nn.Module):
+        state = _state_of(unit)
+        if state is None:
+            raise ValueError(f"fsdp_cudagraph: module {type(unit).__name__} is not a fully_shard'ed unit of "
+                             f"{self.name}; pass a module from unit_modules()")
+        groups = state._fsdp_param_groups
+        return state, (groups[0] if groups else None)
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def hook_plan(self, hooks: Mapping[str, Mapping[int, Any]]) -> HookPlan:
+        _, FSDPState, _ = _internals()
+        plan = HookPlan()
+        for dict_name in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
+            for hid, hook in hooks.get(dict_name, {}).items():
+                owner = getattr(hook, "__self__", None)
+                fname = getattr(getattr(hook, "__func__", None), "__name__", None)
+                if isinstance(owner, FSDPState) and fname in ("_pre_forward", "_post_forward"):
+                    plan.withheld.append((dict_name, hid, hook))
+                    for key, fn in self._capture_time(owner, fname).items():
+                        plan.capture_time[key][hid] = fn
+                else:
+                    plan.unknown.append((dict_name, hid, hook))
+        return plan
+
+    def _capture_time(self, state, fname: str) -> Dict[str, Any]:
+        """The eager hook's effect on FSDP2's state without its autograd registrations (see module docstring)."""
+        _, _, TS = _internals()
+        if fname == "_pre_forward":
+            def forward_pre(module: nn.Module) -> None:
+                state._training_state = TS.FORWARD
+                for g in state._fsdp_param_groups:
+                    g._training_state = TS.FORWARD
+                    g.unshard(g.unshard_async_op)
+                    g.wait_for_unshard()
+                self._pending.add(state)
+
+            def backward(module: nn.Module) -> None:
+                for g in state._fsdp_param_groups:
+                    g.post_backward()  # reduce-scatter the unsharded grads into the sharded .grad; reshard
+                self._pending.discard(state)
+                if not self._pending:
+                    self._final_callback()
+            return {"forward_pre_hooks": forward_pre, "backward_hooks": backward}
+
+        def forward(module: nn.Module) -> None:
+            for g in state._fsdp_param_groups:
+                g.reshard()  # a no-op unless it reshards after forward
+                g._record_post_forward()
+                g._training_state = TS.IDLE
+            state._training_state = TS.IDLE
+
+        def backward_pre(module: nn.Module) -> None:
+            state._training_state = TS.PRE_BACKWARD
+            for g in state._fsdp_param_groups:
+                g.pre_backward(len(state._states_to_backward_prefetch) == 0)
+        return {"forward_hooks": forward, "backward_pre_hooks": backward_pre}
+
+    def _final_callback(self) -> None:
+        """What autograd's queued ``_root_post_backward_final_callback`` does at the end of an eager backward."""
+        root = _state_of(self.model)
+        if root is not None:
+            root._root_post_backward_final_callback()
+
+    # -- what must not move -----------------------------------------------------------------------
+    def check_partial_graphs(self) -> None:
+        for unit in [self.model] + self.unit_modules():
+            state, g = self._group(unit)
+            if g is None:
+                continue
+            name = self.unit_name(unit)
+            if len(getattr(state, "_modules", (unit,))) > 1:
+                raise NotImplementedError(
+                    f"[rank {self.rank}] fsdp_cudagraph: FSDP2 unit {name} is one of "
+                    f"{len(state._modules)} modules sharded together by fully_shard([...]); their hooks are "
+                    "group wrappers the FSDP2 adapter does not plan. Apply fully_shard to each layer on its own "
+                    "for per-layer graphs")
+            kept = all(getattr(fp, _KEEP, False) for fp in g.fsdp_params)
+            if g._reshard_after_forward and not kept:
+                raise NotImplementedError(
+                    f"[rank {self.rank}] fsdp_cudagraph: FSDP2 unit {name} has reshard_after_forward=True "
+                    "(ZeRO-3): FSDP2 frees its unsharded parameters after forward and re-allocates them at the "
+                    "next all-gather, so they move between capture and replay. Call "
+                    "fsdp_cudagraph.engines.fsdp2.keep_unsharded_storage(model) after fully_shard (same "
+                    "numerics, unsharded parameters stay allocated), or use fully_shard(..., "
+                    "reshard_after_forward=False) with model.set_reshard_after_backward(False), or capture "
+                    "the whole step (full_iteration)")
+            if g.reshard_after_backward and not kept:
+                raise NotImplementedError(
+                    f"[rank {self.rank}] fsdp_cudagraph: FSDP2 unit {name} has reshard_after_backward=True: "
+                    "its unsharded parameters are freed after backward and re-allocated at the next all-gather, "
+                    "so they move between capture and replay. Call "
+                    "fsdp_cudagraph.engines.fsdp2.keep_unsharded_storage(model) after fully_shard, or "
+                    "model.set_reshard_after_backward(False) (FSDP2 then skips the next all-gather, so only "
+                    "within gradient accumulation), or capture the whole step (full_iteration)")
+            from torch.distributed.fsdp import CPUOffloadPolicy
+            if isinstance(g.offload_policy, CPUOffloadPolicy):
+                raise NotImplementedError(
+                    f"[rank {self.rank}] fsdp_cudagraph: FSDP2 unit {name} uses CPUOffloadPolicy: its sharded "
+                    "parameters and gradients live on the host and are copied in hooks a graph cannot replay. "
+                    "Drop offload_policy for per-layer graphs")
+            mp = g.mp_policy
+            if mp.param_dtype is not None or mp.output_dtype is not None or (
+                    mp.reduce_dtype is not None and mp.reduce_dtype != g.fsdp_params[0].sharded_param.dtype):
+                raise NotImplementedError(
+                    f"[rank {self.rank}] fsdp_cudagraph: FSDP2 unit {name} has mixed precision {mp}: its hooks "
+                    "cast inputs and outputs, casts a per-layer graph would skip. Use MixedPrecisionPolicy() "
+                    "(no casts) and keep the model in its training dtype")
+
+    def replay_tensors(self, module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+        out: List[Tuple[str, torch.Tensor]] = []
+        unit = self.unit_of(module)
+        if unit is None:
+            return out
+        _, g = self._group(unit)
+        if g is None:
+            return out
+        names = {id(m): n for n, m in module.named_modules()}
+        for fp in g.fsdp_params:
+            owner = fp._module_info.module
+            p = getattr(fp, "_unsharded_param", None)
+            if p is None or id(owner) not in names:
+                continue
+            prefix = names[id(owner)]
+            out.append(((prefix + "." if prefix else "") + fp._module_info.param_name, p))
+        return out
+
+    # -- capture guard ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture_guard(self) -> Iterator[None]:
+        dist = torch.distributed
+        rank = self.rank
+        saved = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
+
+        def refuse(name):
+            def fn(*args, **kwargs):
+                raise RuntimeError(
+                    f"[rank {rank}] fsdp_cudagraph: torch.distributed.{name} was called inside a CUDA graph "
+                    "capture under FSDP2; a collective cannot be captured into a per-layer graph. FSDP2's "
+                    "collectives must run in its capture-time hooks (outside capture): check that the unit's "
+                    "hooks were extracted and that no prefetch targets a captured unit")
+            return fn
+        try:
+            for n in saved:
+                setattr(dist, n, refuse(n))
+            yield
+        finally:
+            for n, f in saved.items():
+                setattr(dist, n, f)
+
+    def reset(self) -> None:
+        # Capture-time forwards whose backward never ran (a failed capture): finish the step as autograd's
+        # final callback would, so the next eager forward starts from idle. Nothing is resharded here: under
+        # the settings check_partial_graphs accepts, resharding would move the parameters a graph reads.
+        if self._pending:
+            self._pending.clear()
+            self._final_callback()
