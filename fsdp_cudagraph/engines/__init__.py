@@ -126,6 +126,8 @@ class EngineAdapter(abc.ABC):
 
     #: Short name for messages, e.g. ``"megatron_fsdp"`` or ``"torch FSDP2"``.
     name: str = "engine"
+    #: The settings that keep replay tensors still, for the message of a refused replay (one sentence).
+    address_hint: str = "Keep the engine's settings that hold its buffers at fixed addresses."
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

@@ -130,6 +130,7 @@ class FSDP2Engine(EngineAdapter):
     """
 
     name = "torch FSDP2"
+    address_hint = "Keep keep_unsharded_storage(model) in force (release_unsharded_storage frees what the graphs read)."
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
@@ -262,17 +263,17 @@ class FSDP2Engine(EngineAdapter):
                     "(ZeRO-3): FSDP2 frees its unsharded parameters after forward and re-allocates them at the "
                     "next all-gather, so they move between capture and replay. Call "
                     "fsdp_cudagraph.engines.fsdp2.keep_unsharded_storage(model) after fully_shard (same "
-                    "numerics, unsharded parameters stay allocated), or use fully_shard(..., "
-                    "reshard_after_forward=False) with model.set_reshard_after_backward(False), or capture "
-                    "the whole step (full_iteration)")
+                    "numerics, unsharded parameters stay allocated), or capture the whole step "
+                    "(full_iteration)")
             if g.reshard_after_backward and not kept:
                 raise NotImplementedError(
                     f"[rank {self.rank}] fsdp_cudagraph: FSDP2 unit {name} has reshard_after_backward=True: "
                     "its unsharded parameters are freed after backward and re-allocated at the next all-gather, "
                     "so they move between capture and replay. Call "
-                    "fsdp_cudagraph.engines.fsdp2.keep_unsharded_storage(model) after fully_shard, or "
-                    "model.set_reshard_after_backward(False) (FSDP2 then skips the next all-gather, so only "
-                    "within gradient accumulation), or capture the whole step (full_iteration)")
+                    "fsdp_cudagraph.engines.fsdp2.keep_unsharded_storage(model) after fully_shard, or capture "
+                    "the whole step (full_iteration). (model.set_reshard_after_backward(False) would keep them "
+                    "too, but FSDP2 then skips the next all-gather, so a forward after optimizer.step() would "
+                    "not see the update: it is meant for micro-batches of one step)")
             from torch.distributed.fsdp import CPUOffloadPolicy
             if isinstance(g.offload_policy, CPUOffloadPolicy):
                 raise NotImplementedError(

@@ -62,6 +62,7 @@ class MegatronFSDPEngine(EngineAdapter):
     """A :class:`megatron_fsdp.MegatronFSDP` model."""
 
     name = "megatron_fsdp"
+    address_hint = "Keep fsdp_double_buffer and fsdp_db_use_persist_buf_on_alloc_fail on."
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)

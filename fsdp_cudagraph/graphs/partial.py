@@ -302,7 +302,9 @@ class PartialCudaGraphs:
         if unknown:
             logger.warning("fsdp_cudagraph: hooks kept but not run at capture time (they fire around replays): %s", unknown)
         for c in order:
-            c.params = tuple(c.module.parameters())
+            # Under an engine, what a replay reads by address is the engine's answer (its parameters may be
+            # swapped in by its own pre-forward hook, as FSDP2's are); a plain module's are its parameters.
+            c.params = tuple(c.module.parameters()) if self.engine is None else ()
             c.param_ptrs = tuple(p.data_ptr() for p in c.params)
             c.replay_ptrs = self._replay_ptrs(c)
             self._checks.append(c.module.register_forward_pre_hook(self._address_check(c)))
@@ -422,38 +424,38 @@ class PartialCudaGraphs:
                                             strict=self.config.cuda_graph_strict_signature)
 
     def _replay_ptrs(self, c: _Callable) -> Tuple[Tuple[str, int], ...]:
-        """The engine's non-parameter replay tensors of ``c`` (e.g. its unit's gradient buffer), read live."""
+        """(name, address) of every tensor the engine says a replay of ``c`` reads or writes, read live."""
         if self.engine is None:
             return ()
-        return tuple((n, t.data_ptr()) for n, t in self.engine.replay_tensors(c.module)
-                     if not isinstance(t, nn.Parameter))
+        return tuple((n, t.data_ptr()) for n, t in self.engine.replay_tensors(c.module))
 
     def _address_check(self, c: _Callable):
         rank = self.engine.rank if self.engine is not None else 0
         unit_name = self.engine.unit_name(c.unit) if self.engine is not None and c.unit is not None else "-"
 
         data_ptr = torch.Tensor.data_ptr
+        hint = self.engine.address_hint if self.engine is not None else ""
 
         def check(module: nn.Module, args: Tuple[Any, ...]) -> None:
             # The hot path is one tuple comparison per replay; names are looked up only to report.
-            if tuple(map(data_ptr, c.params)) != c.param_ptrs:
-                for (pname, p), ptr in zip(module.named_parameters(), c.param_ptrs):
-                    if p.data_ptr() != ptr:
-                        raise RuntimeError(
-                            f"[rank {rank}] fsdp_cudagraph: graphed callable {c.name} (unit "
-                            f"{unit_name}) would replay with parameter {pname} at "
-                            f"{p.data_ptr():#x}, but it was captured at {ptr:#x}; replay would read stale memory. "
-                            "Keep fsdp_double_buffer and fsdp_db_use_persist_buf_on_alloc_fail on, and do not "
-                            "reassign parameters after capture (or delete() these graphs and capture with a new "
-                            "PartialCudaGraphs)"
-                        )
-            if c.replay_ptrs and self._replay_ptrs(c) != c.replay_ptrs:
-                for (what, ptr), (_, now) in zip(c.replay_ptrs, self._replay_ptrs(c)):
-                    if now != ptr:
-                        raise RuntimeError(
-                            f"[rank {rank}] fsdp_cudagraph: the {what} moved from {ptr:#x} (capture) to {now:#x}; "
-                            "delete() these graphs and capture with a new PartialCudaGraphs"
-                        )
+            moved = None
+            if c.params and tuple(map(data_ptr, c.params)) != c.param_ptrs:
+                moved = [(f"parameter {n}", ptr, p.data_ptr())
+                         for (n, p), ptr in zip(module.named_parameters(), c.param_ptrs) if p.data_ptr() != ptr]
+            elif c.replay_ptrs:
+                now = self._replay_ptrs(c)
+                if now != c.replay_ptrs:
+                    moved = [(n if n.startswith("gradient") else f"parameter {n}", ptr, new)
+                             for (n, ptr), (_, new) in zip(c.replay_ptrs, now) if new != ptr] or [
+                        ("set of replay tensors", 0, 0)]
+            if moved:
+                what, ptr, now_ptr = moved[0]
+                raise RuntimeError(
+                    f"[rank {rank}] fsdp_cudagraph: graphed callable {c.name} (unit {unit_name}) would replay with "
+                    f"{what} at {now_ptr:#x}, but it was captured at {ptr:#x}; replay would read stale memory. "
+                    f"{hint} Do not reassign parameters or engine buffers after capture (or delete() these graphs "
+                    "and capture with a new PartialCudaGraphs)"
+                )
 
         return check
 
