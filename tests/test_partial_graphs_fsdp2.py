@@ -120,3 +120,24 @@ def test_moved_parameter_is_refused_before_replay(runs):
         run = res["moved"]
         assert run["error"] is not None and "captured at" in run["error"], run
         assert len(run["losses"]) == CAPTURE_AT
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real thing (benchmarks/gpu_record.sh)")
+def test_engines_align_script_cpu_smoke(tmp_path):
+    """benchmarks/engines_align.py (the GPU record of both engines) runs its rows on CPU and finds them equal."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.dist_utils import _free_port
+    from tests.gpu_utils import ROOT
+
+    out = tmp_path / "ea.json"
+    proc = subprocess.run([sys.executable, "benchmarks/engines_align.py", "--cpu-smoke", "--steps", "6", "--skip", "2",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(__import__("os").environ, PYTHONPATH=ROOT, MASTER_PORT=str(_free_port())))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    ran = [r for r in rows if "skipped" not in r]
+    assert {r["engine"] for r in ran} == {"fsdp2", "megatron_fsdp"}
+    assert all(r["equal"] and r["moved_caught"] and r["unsafe_refused"] for r in ran), ran
