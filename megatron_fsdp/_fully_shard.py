@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
@@ -203,6 +204,9 @@ class MegatronFSDP(nn.Module):
         self._group_ranks: Optional[List[int]] = None
         #: Root forward passes run so far (graph layers read it: steps before a capture matter to streams).
         self.num_forward_calls = 0
+        #: Root forward passes with gradients enabled so far: the backward hooks of a forward remember it, and
+        #: refuse a backward that reaches them after a later such forward ([Note: one backward per forward]).
+        self.num_grad_forwards = 0
         #: When a list, every unit phase appends (phase, unit name, capturing?) to it: a test and debug aid.
         self.trace: Optional[List[Tuple[str, str, bool]]] = None
         self._plan_units(fsdp_unit_modules)
@@ -408,6 +412,9 @@ class MegatronFSDP(nn.Module):
         if self._cast_inputs:
             args, kwargs = _cast_floating(args, self.compute_dtype), _cast_floating(kwargs, self.compute_dtype)
         self._root_pre_forward()
+        grad = torch.is_grad_enabled()
+        if grad:
+            self.num_grad_forwards += 1  # before the units' forwards: their backward hooks record it
         self._in_root_forward = True
         try:
             out = self.module(*args, **kwargs)
@@ -415,12 +422,13 @@ class MegatronFSDP(nn.Module):
             self._in_root_forward = False
         self._last_forward_order = list(self._forward_order)
         self.num_forward_calls += 1
-        if torch.is_grad_enabled():
+        if grad:
             tensors = _grad_tensors(out)
+            hook = functools.partial(self._root_pre_backward, self.num_grad_forwards)
             if len(tensors) == 1:
-                tensors[0].register_hook(self._root_pre_backward)
+                tensors[0].register_hook(hook)
             elif tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
+                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         return out
 
     def _root_pre_forward(self) -> None:
@@ -454,7 +462,9 @@ class MegatronFSDP(nn.Module):
                 r.wait_unshard()
                 r.state = TrainingState.FORWARD_DONE
 
-    def _root_pre_backward(self, *_: Any) -> None:
+    def _root_pre_backward(self, forward_index: int, *_: Any) -> None:
+        if forward_index != self.num_grad_forwards:
+            raise _guards.stale_backward_error(self, forward_index, "the model's output")
         self.in_backward = True
         if not self._callback_queued:
             self._callback_queued = True
@@ -472,6 +482,7 @@ class MegatronFSDP(nn.Module):
             self.retire_reduces()
             self._callback_queued = False
             self.in_backward = False
+            _guards.check_stray_gradients(self)
 
     def reset_step_state(self) -> None:
         """Bring every unit back to IDLE: after a step raised part-way, or after a graph capture.

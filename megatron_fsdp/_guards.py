@@ -8,7 +8,10 @@
   optimizer and redone when its groups change size; it also refuses a step after a parameter's
   ``requires_grad`` changed since ``fully_shard`` (the unit plan fixed which parameters train).
 - **Calls that bypass the wrapper.** ``model.module(x)`` would skip the root's unshard and refresh; a
-  forward-pre hook on the wrapped module refuses it.
+  forward-pre hook on the wrapped module refuses it. (Calls of a unit's submodules outside the unit are
+  refused by the unit's call guards, ``_unit.make_call_guard``.)
+- **A backward through an older forward** and **gradients that reach a unit after its backward**: see
+  [Note: one backward per forward] below.
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ._common import Engine
 
-__all__ = ["install_optimizer_guard", "mark_compute_params", "guard_direct_calls"]
+__all__ = [
+    "install_optimizer_guard",
+    "mark_compute_params",
+    "guard_direct_calls",
+    "stale_backward_error",
+    "check_stray_gradients",
+]
 
 _state: Dict[str, Any] = {"handle": None}
 #: optimizer -> (group sizes when checked, engines whose main shards it steps)
@@ -104,3 +113,59 @@ def guard_direct_calls(engine: Engine) -> torch.utils.hooks.RemovableHandle:
 
     fsdp_root_call_guard._megatron_fsdp_role = "root_call_guard"  # type: ignore[attr-defined]
     return engine.module.register_forward_pre_hook(fsdp_root_call_guard)
+
+
+# [Note: one backward per forward]
+# A unit gathers its parameters for a forward, again for the backward of that forward, and reduces the
+# gradients of its parameters once, when its backward ends. Two backward passes that overlap break that:
+#
+# - ``out1 = model(a); out2 = model(b); (f(out1) + f(out2)).backward()`` (or a backward of ``out1`` after
+#   ``model(b)``): the second forward started a new step, so the first graph's backward hooks meet units
+#   already reduced and resharded. Its unit backward would compute with NaN placeholders or with another
+#   unit's double-buffer slot, and its parameter gradients would arrive after the reduction. Every backward
+#   hook remembers which forward with gradients registered it (``num_grad_forwards``) and refuses when a
+#   later one has run: the error names both and the fix. Forwards without gradients (evaluation under
+#   ``no_grad``) register nothing and count nothing, so evaluating between a forward and its backward is fine,
+#   and a forward with gradients whose output is dropped is simply superseded.
+# - A unit parameter used outside its unit (e.g. read functionally in the root's forward, before the unit
+#   runs): its gradient lands in ``param.grad`` after the unit reduced, so it would be dropped (the next
+#   step resets such leftovers, as it does after a step that raised). At the end of every backward the
+#   engine checks that no compute parameter still holds a gradient, and refuses the step before the
+#   optimizer could use the incomplete main gradients. One pass over the trainable parameters per backward,
+#   no allocation.
+
+
+def stale_backward_error(engine: Engine, forward_index: int, where: str) -> RuntimeError:
+    """The error for a backward hook of forward ``forward_index`` reached after a later forward with gradients."""
+    return RuntimeError(
+        f"[rank {engine.rank}] megatron_fsdp: backward reached {where} from forward #{forward_index} with "
+        f"gradients, but forward #{engine.num_grad_forwards} has run since; FSDP units gather and reduce once per "
+        "forward-backward pair, so this backward would compute with resharded parameters and reduce its "
+        "gradients late. Call backward on each output before the next forward with gradients (gradients "
+        "accumulate across backward calls), or put both batches into one forward; run forwards whose output "
+        "needs no backward under torch.no_grad()"
+    )
+
+
+def check_stray_gradients(engine: Engine) -> None:
+    """At the end of a backward: refuse gradients that reached a compute parameter after its unit reduced."""
+    for u in engine.all_units():
+        for p in u.params:
+            if p.grad is not None:
+                _refuse_stray_gradients(engine)
+
+
+def _refuse_stray_gradients(engine: Engine) -> None:
+    stray = [(n, u.name) for u in engine.all_units() for n, p in zip(u.layout.names, u.params) if p.grad is not None]
+    for u in engine.all_units():
+        for p in u.params:
+            p.grad = None  # the next step starts clean; the main gradients of this one are incomplete
+    names = ", ".join(f"{n} (unit {un})" for n, un in stray[:5])
+    raise RuntimeError(
+        f"[rank {engine.rank}] megatron_fsdp: parameters {names}{' ...' if len(stray) > 5 else ''} received gradients "
+        "after their unit's backward had reduced; they were used outside their unit's forward (e.g. read "
+        "directly in another module's forward), where they hold placeholder, stale or another unit's values. Use "
+        "a unit's parameters only inside that unit's forward: move the use into the unit, or keep the parameter "
+        "outside the units (in the root). This step's main gradients are incomplete: call optimizer.zero_grad() "
+        "before the next step"
+    )

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _collectives as C
+from . import _guards
 from ._common import COMPUTING, Engine, ShardingStrategy, TrainingState, phase
 from ._flat import ALIGN_NUMEL, FlatLayout, _Buffer, _Works  # noqa: F401  (re-exported: engine and tests import them here)
 
@@ -564,7 +565,12 @@ def make_call_guard(unit: FSDPUnit, name: str) -> Callable[..., None]:
 
 
 def _pre_backward_tensor_hook(unit: FSDPUnit) -> Callable[[Any], None]:
+    engine = unit.engine
+    forward_index = engine.num_grad_forwards  # [Note: one backward per forward] in _guards.py
+
     def hook(_grad: Any) -> None:
+        if forward_index != engine.num_grad_forwards:
+            raise _guards.stale_backward_error(engine, forward_index, f"the output of unit {unit.name}")
         unit.pre_backward()
 
     return hook

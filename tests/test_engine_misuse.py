@@ -22,7 +22,7 @@ from torch import nn
 
 from megatron_fsdp import fully_shard
 from tests.dist_utils import run_gloo
-from tests.test_engine import ATOL, RTOL
+from tests.test_engine import ATOL, RTOL, one_rank_group  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.gloo
 
@@ -45,13 +45,22 @@ class Layer(nn.Module):
         super().__init__()
         self.attn = nn.Linear(HIDDEN, HIDDEN)
         self.mlp = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
+        #: Apply ``attn`` twice inside this unit's forward (a submodule reused within its own unit).
+        self.attn_twice = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(torch.tanh(self.attn(x)))
+        h = self.attn(x)
+        if self.attn_twice:
+            h = self.attn(torch.tanh(h))
+        out = x + self.mlp(torch.tanh(h))
+        # A module of another unit kept as a plain attribute (not a registered submodule), called from here.
+        borrowed = self.__dict__.get("borrowed")
+        return out if borrowed is None else out + borrowed(out)
 
 
 class Net(nn.Module):
-    """``mode``: how layer 1 is called this step ("normal", "submodules", "twice"); ``skip``: layers left out."""
+    """``mode``: how layer 1 is called this step ("normal", "submodules", "twice"), or "root_read" (the root
+    reads layer 3's ``attn.weight`` itself); ``skip``: layers left out."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -63,6 +72,8 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
+        if self.mode == "root_read":  # a unit's parameter read directly in the root's forward, before the unit
+            h = h + nn.functional.linear(h, self.layers[3].attn.weight)
         for i, layer in enumerate(self.layers):
             if i in self.skip:
                 continue
@@ -201,3 +212,227 @@ def test_compute_dtype_casts_floating_inputs(runs):
         r = res["bf16"]
         assert r["error"] is None, r["error"]
         assert r["layer_input_dtype"] == torch.bfloat16 and r["out_dtype"] == torch.bfloat16
+
+
+# --- backward passes that overlap, gradients that arrive late, modules used across units ------------------------
+# Each scenario runs at step MISUSE_STEP of an otherwise normal run. A refused scenario must raise where the
+# table says and leave training as if the step had been skipped (after optimizer.zero_grad(), as the error
+# asks); an accepted one must train like the reference doing the same.
+
+MISUSE_STEP = 2
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _step_normal(model, net, x, y, seen):
+    loss = _loss(model, x, y)
+    seen.append("forward")
+    loss.backward()
+    seen.append("backward")
+    return loss
+
+
+def _step_overlap(model, net, x, y, seen):
+    """Two forwards with gradients, then one backward through both (e.g. two augmentations of a batch)."""
+    first = _loss(model, x, y)
+    second = _loss(model, x, y)
+    seen.append("forward")
+    (first + second).backward()
+    seen.append("backward")
+    return first
+
+
+def _step_stale(model, net, x, y, seen):
+    """Backward of the second forward, then of the first."""
+    first = _loss(model, x, y)
+    second = _loss(model, x, y)
+    seen.append("forward")
+    second.backward()
+    seen.append("backward")
+    first.backward()
+    seen.append("backward")
+    return first
+
+
+def _step_eval_between(model, net, x, y, seen):
+    """A forward, an evaluation under no_grad, then the first forward's backward: allowed."""
+    loss = _loss(model, x, y)
+    with torch.no_grad():
+        model(x)
+    seen.append("forward")
+    loss.backward()
+    seen.append("backward")
+    return loss
+
+
+def _step_root_read(model, net, x, y, seen):
+    net.mode = "root_read"
+    try:
+        return _step_normal(model, net, x, y, seen)
+    finally:
+        net.mode = "normal"
+
+
+def _step_borrowed(model, net, x, y, seen):
+    object.__setattr__(net.layers[2], "borrowed", net.layers[1].mlp)  # not registered: no sharing error
+    try:
+        return _step_normal(model, net, x, y, seen)
+    finally:
+        del net.layers[2].__dict__["borrowed"]
+
+
+#: name -> (what the misuse step does, whether the engine refuses it)
+SCENARIOS = {
+    "overlap": (_step_overlap, True),
+    "stale": (_step_stale, True),
+    "eval_between": (_step_eval_between, False),
+    "root_read": (_step_root_read, True),
+    "borrowed": (_step_borrowed, True),
+    "attn_twice": (_step_normal, False),  # layers.1 applies its attn twice, every step
+}
+
+
+def _scenario_run(model: nn.Module, net: Net, params: Any, *, rank: int, world: int, scenario: str,
+                  reference: bool) -> Dict[str, Any]:
+    step_fn, refused = SCENARIOS[scenario]
+    net.layers[1].attn_twice = scenario == "attn_twice"
+    opt = torch.optim.SGD(params, lr=0.05)
+    per = BATCH // world
+    out: Dict[str, Any] = {"losses": {}, "error": None, "seen": None}
+    for step in range(STEPS):
+        x, y = _data(step)
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        seen: List[str] = []
+        if step == MISUSE_STEP and not (reference and refused):
+            try:
+                loss = step_fn(model, net, x, y, seen)
+            except RuntimeError as exc:
+                out["error"], out["seen"] = str(exc), seen
+                opt.zero_grad()
+                continue
+            out["seen"] = seen
+        elif step == MISUSE_STEP:
+            continue  # the reference skips a step the engine refuses
+        else:
+            loss = _step_normal(model, net, x, y, seen)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if world > 1:
+            torch.distributed.all_reduce(total)
+        out["losses"][step] = (total / world).item()
+    return out
+
+
+def _scenario_job(rank: int, world: int) -> Dict[Any, Any]:
+    out: Dict[Any, Any] = {}
+    for case, kwargs in CASES.items():
+        for scenario in SCENARIOS:
+            torch.manual_seed(0)
+            net = Net()
+            ref_net = copy.deepcopy(net)
+            model = fully_shard(net, fsdp_unit_modules=[Layer], **kwargs)
+            run = _scenario_run(model, net, model.optimizer_parameters(), rank=rank, world=world, scenario=scenario,
+                                reference=False)
+            run["state"] = model.full_state_dict()
+            ref = _scenario_run(ref_net, ref_net, ref_net.parameters(), rank=0, world=1, scenario=scenario,
+                                reference=True)
+            run["ref"] = dict(ref, state={k: v.detach().clone() for k, v in ref_net.state_dict().items()})
+            out[(case, scenario)] = run
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenario_runs() -> List[Dict[Any, Any]]:
+    return run_gloo(_scenario_job, WORLD)
+
+
+def _assert_trains_like_reference(run: Dict[str, Any]) -> None:
+    ref = run["ref"]
+    assert sorted(run["losses"]) == sorted(ref["losses"])
+    torch.testing.assert_close(torch.tensor([run["losses"][s] for s in sorted(run["losses"])]),
+                               torch.tensor([ref["losses"][s] for s in sorted(ref["losses"])]), rtol=RTOL, atol=ATOL)
+    for k in ref["state"]:
+        torch.testing.assert_close(run["state"][k], ref["state"][k], rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
+
+
+#: scenario -> (where it must raise: the phases completed before the error, fragments of the message)
+REFUSALS = {
+    "overlap": (["forward"], ["backward reached the model's output from forward #", "has run since",
+                              "Call backward on each output before the next forward"]),
+    "stale": (["forward", "backward"], ["backward reached the model's output from forward #", "has run since"]),
+    "root_read": (["forward"], ["parameters layers.3.attn.weight (unit layers.3) received gradients after their "
+                                "unit's backward had reduced", "optimizer.zero_grad()"]),
+    "borrowed": ([], ["submodule layers.1.mlp.0 of FSDP unit layers.1 was called while the unit is",
+                      "outside the unit's own forward"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("scenario", list(REFUSALS))
+def test_misuse_is_refused_before_the_step_and_training_goes_on(scenario_runs, case, scenario):
+    seen, fragments = REFUSALS[scenario]
+    for rank, res in enumerate(scenario_runs):
+        run = res[(case, scenario)]
+        assert run["error"] is not None, f"{case}/{scenario}: nothing was raised (rank {rank})"
+        assert run["seen"] == seen, (run["seen"], run["error"])
+        assert run["error"].startswith(f"[rank {rank}] megatron_fsdp: "), run["error"]
+        for fragment in fragments:
+            assert fragment in run["error"], run["error"]
+        assert MISUSE_STEP not in run["losses"]
+        _assert_trains_like_reference(run)  # the refused step changed nothing; later steps train normally
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("scenario", ["eval_between", "attn_twice"])
+def test_allowed_uses_train_like_the_reference(scenario_runs, case, scenario):
+    for res in scenario_runs:
+        run = res[(case, scenario)]
+        assert run["error"] is None, run["error"]
+        assert run["seen"] == ["forward", "backward"]
+        assert len(run["losses"]) == STEPS
+        _assert_trains_like_reference(run)
+
+
+# --- one process: sharing refused at fully_shard, the input cast in detail ---------------------------------------
+
+
+def test_module_registered_in_two_units_is_refused(one_rank_group):
+    torch.manual_seed(0)
+    net = Net()
+    net.layers[2].borrowed = net.layers[1].attn  # registered: the same module in two units
+    with pytest.raises(ValueError, match=r"parameter layers\.2\.borrowed\.weight is shared with unit layers\.1; a "
+                                         r"parameter can live in one FSDP unit only"):
+        fully_shard(net, fsdp_unit_modules=[Layer])
+
+
+class _Inputs(nn.Module):
+    """Records the dtype of every tensor it receives, by where it came in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = Layer()
+        self.seen: Dict[str, torch.dtype] = {}
+
+    def forward(self, x, tokens, pair, *, extra):
+        self.seen = {"x": x.dtype, "tokens": tokens.dtype, "pair0": pair[0].dtype, "pair1": pair[1].dtype,
+                     "extra.h": extra["h"].dtype, "extra.mask": extra["mask"].dtype,
+                     "extra.list0": extra["list"][0].dtype}
+        return self.layer(x + pair[0] + extra["h"] + extra["list"][0])
+
+
+@pytest.mark.parametrize("compute_dtype, expected", [(torch.bfloat16, torch.bfloat16), (None, torch.float32)])
+def test_compute_dtype_casts_nested_floating_inputs_only(one_rank_group, compute_dtype, expected):
+    torch.manual_seed(0)
+    m = _Inputs()
+    model = fully_shard(m, fsdp_unit_modules=[Layer], sharding_strategy="optim_grads_params",
+                        compute_dtype=compute_dtype)
+    x = torch.randn(2, HIDDEN)
+    tokens = torch.arange(4)
+    out = model(x, tokens, (x.clone(), tokens), extra={"h": x.clone(), "mask": tokens > 1, "list": [x.clone()]})
+    assert out.dtype == expected
+    floats = {k: expected for k in ("x", "pair0", "extra.h", "extra.list0")}
+    assert m.seen == {**floats, "tokens": torch.int64, "pair1": torch.int64, "extra.mask": torch.bool}
+    assert x.dtype == torch.float32  # the caller's tensor is not changed in place
