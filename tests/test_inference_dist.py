@@ -41,13 +41,22 @@ UNITS = ["layers.0", "layers.1", "layers.2"]
 
 
 class _Repeating(GPT):
-    """The reference GPT that runs its first layer once more at the end when ``repeat_first`` (a host decision)."""
+    """The reference GPT that runs its first two layers in swapped order when ``swap_first`` (a host decision).
 
-    repeat_first = False
+    (It used to run its first layer a second time; megatron_fsdp refuses a unit called twice in one forward
+    before any graph sees the call. Skipping a layer would not do either: the prefetch plan of the capture
+    still gathers the skipped unit, so the collectives stay the same. A swapped order re-gathers a
+    double-buffer slot, which the capture did not.)
+    """
+
+    swap_first = False
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))[None]
-        for layer in list(self.layers) + ([self.layers[0]] if self.repeat_first else []):
+        layers = list(self.layers)
+        if self.swap_first:
+            layers[0], layers[1] = layers[1], layers[0]
+        for layer in layers:
             x = layer(x)
         return self.head(self.ln_f(x))
 
@@ -133,7 +142,7 @@ def _traces(rank: int) -> Dict[str, Any]:
     model.eval()
     with torch.no_grad():
         graphs(_eval_tokens(cfg, 4, 0, rank))
-        model.module.repeat_first = True
+        model.module.swap_first = True
         try:
             graphs(_eval_tokens(cfg, 4, 0, rank))
             out["changed_decision"] = None
