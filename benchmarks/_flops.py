@@ -10,7 +10,7 @@ import torch
 
 from fsdp_cudagraph.apps.model import GPTConfig
 
-__all__ = ["matmul_peak_tflops", "model_flops_per_step"]
+__all__ = ["matmul_peak_tflops", "copy_bandwidth_gbps", "model_flops_per_step"]
 
 
 def matmul_peak_tflops(device: torch.device) -> float:
@@ -28,6 +28,25 @@ def matmul_peak_tflops(device: torch.device) -> float:
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e))
     return 2 * 8192**3 / (statistics.median(times) * 1e-3) / 1e12
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth in 1e9 bytes/s, counting bytes read + written (1 GiB
+    buffers, median of 10 after warmup): the rate memory-bound kernels such as Adam's can reach."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    del src, dst
+    return 2 * nbytes / (statistics.median(times) * 1e-3) / 1e9
 
 
 def model_flops_per_step(cfg: GPTConfig, tokens: int) -> float:
