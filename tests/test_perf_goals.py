@@ -126,3 +126,27 @@ def test_the_benchmark_says_it_needs_a_gpu():
     p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_partial_graphs.py"), "--suite", "full"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 2 and "needs a CUDA GPU" in p.stderr, (p.returncode, p.stderr[-2000:])
+
+
+def test_capture_report_memory_breakdown_arithmetic(monkeypatch):
+    # graphs/partial.py's read-only breakdown: static inputs, static parameter gradients (each parameter once,
+    # frozen ones left out), the rest of the graph memory, and pool growth. CUDA's counters are stubbed.
+    import types
+
+    import torch
+    from torch import nn
+
+    from fsdp_cudagraph.graphs import partial
+
+    shared = nn.Linear(4, 4)  # 20 fp32 parameters = 80 bytes, seen by both callables, counted once
+    frozen = nn.Linear(2, 2)
+    frozen.requires_grad_(False)
+    a = types.SimpleNamespace(sample_args=(torch.zeros(10),), module=nn.Sequential(shared, frozen))
+    b = types.SimpleNamespace(sample_args=(torch.zeros(5, dtype=torch.bfloat16),), module=shared)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: 1000)
+    got = partial._memory_breakdown([a, b], graph_bytes=500, reserved0=400)
+    assert got == {"static_input_bytes": 40 + 10, "param_grad_bytes": 80, "other_bytes": 420,
+                   "reserved_growth_bytes": 600}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert partial._memory_breakdown([a, b], graph_bytes=0, reserved0=0) == {}
