@@ -54,8 +54,11 @@ from fsdp_cudagraph.runtime.te import HAS_TE  # noqa: E402
 from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
 from fsdp_cudagraph.apps.model import GPTConfig  # noqa: E402
 from fsdp_cudagraph.apps.train import RunSpec, run_training  # noqa: E402
-from _flops import copy_bandwidth_gbps, matmul_peak_tflops, model_flops_per_step  # noqa: E402,F401 - re-exported
+from _flops import adam_step_ms, copy_bandwidth_gbps, matmul_peak_tflops, model_flops_per_step  # noqa: E402,F401
 import _perf_goals as goals  # noqa: E402
+
+#: Adam's share of the optimizer bytes (32 of the 38 per parameter; the other 6 are the bf16 cast).
+ADAM_SHARE = goals.ADAM_BYTES_PER_PARAM / (goals.ADAM_BYTES_PER_PARAM + goals.CAST_BYTES_PER_PARAM)
 
 
 def measure(spec: RunSpec, device: torch.device, skip: int) -> Dict[str, Any]:
@@ -136,10 +139,25 @@ def goal_check(full: Dict[str, Any], fargs: argparse.Namespace, device: torch.de
                                copy_gbps=copy)
         res["floor"] = {**floor, "params": n, "model_flops_per_rank": flops}
         configs[name] = {"columns": res["columns"], "floor_ms": floor["floor_ms"], "skip": fargs.skip}
+    # The optimizer part of the floor against what torch's Adam reaches on the same bytes (one flat fp32
+    # tensor of this rank's parameters, after every column, so that its memory is no column's peak).
+    for name, res in full.items():
+        n = res["floor"]["params"] // world
+        gc.collect()
+        torch.cuda.empty_cache()
+        res["adam_ms"] = {"floor_ms": goals.optimizer_bytes(n) * ADAM_SHARE / (copy * 1e9) * 1e3,
+                          "foreach_ms": adam_step_ms(device, n, fused=False),
+                          "fused_ms": adam_step_ms(device, n, fused=True)}
+        gc.collect()
+        torch.cuda.empty_cache()
     ev = goals.evaluate(configs)
     columns = [c for c in bfi.COLUMNS + ["eager_repeat"] if any(c in v["columns"] for v in configs.values())]
+    adam = "\n".join(f"{name}: Adam step over {res['floor']['params'] // world:,} fp32 parameters: floor "
+                     f"{res['adam_ms']['floor_ms']:.2f} ms, foreach {res['adam_ms']['foreach_ms']:.2f} ms, fused "
+                     f"{res['adam_ms']['fused_ms']:.2f} ms" for name, res in full.items())
     return {"matmul_tflops": matmul, "copy_gbps": copy, "evaluation": ev,
-            "table": goals.format_table(configs, ev, columns)}
+            "adam_ms": {name: res["adam_ms"] for name, res in full.items()},
+            "table": goals.format_table(configs, ev, columns) + "\n\n" + adam}
 
 
 _runs_done = [0]

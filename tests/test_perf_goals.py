@@ -150,3 +150,36 @@ def test_capture_report_memory_breakdown_arithmetic(monkeypatch):
                    "reserved_growth_bytes": 600}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert partial._memory_breakdown([a, b], graph_bytes=0, reserved0=0) == {}
+
+
+def test_goal_check_and_memory_table_glue(monkeypatch):
+    # The GPU-only glue of --suite full, on CPU: device rates, the repeated eager column and the Adam timings
+    # are stubbed; what is checked is that the pieces fit (keys, floors, table, verdicts).
+    import argparse
+
+    import bench_full_iteration as bfi
+    import bench_partial_graphs as bpg
+
+    monkeypatch.setattr(bpg, "matmul_peak_tflops", lambda device: 700.0)
+    monkeypatch.setattr(bpg, "copy_bandwidth_gbps", lambda device: 3000.0)
+    monkeypatch.setattr(bpg, "adam_step_ms", lambda device, n, fused: 9.0 if fused else 20.0)
+    monkeypatch.setattr(bpg.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(bpg.gc, "collect", lambda: 0)
+    monkeypatch.setattr(bpg.torch.cuda, "empty_cache", lambda: None)
+
+    def run_columns(name, columns, rows, args, device):
+        rows["eager"] = _configs()[name]["columns"]["eager_repeat"]
+
+    monkeypatch.setattr(bfi, "run_columns", run_columns)
+    full = {name: {"columns": {c: r for c, r in cfg["columns"].items() if c != "eager_repeat"}}
+            for name, cfg in _configs().items()}
+    out = bpg.goal_check(full, argparse.Namespace(skip=0), device=None)
+    ev = out["evaluation"]
+    assert len(ev["goals"]) == len(g.GOALS)
+    assert 24 < full["compute"]["floor"]["floor_ms"] < 27  # the H100-like rates of the test above
+    assert out["adam_ms"]["compute"]["fused_ms"] == 9.0 and 8 < out["adam_ms"]["compute"]["floor_ms"] < 10
+    assert "eager_repeat" in out["table"] and "fused" in out["table"]
+    mem = {"compute": {"eager_peak_gib": 10.0, "partial_peak_gib": 11.5, "partial_over_eager_peak": 1.15,
+                       "extra_gib": 1.5, "graph_memory_gib": 3.0,
+                       "breakdown_gib": {"param_grad_bytes": 1.5, "other_bytes": 1.5}}}
+    assert "| compute | 10.000 | 11.500 | 1.150 | 1.500 | 3.000 | 1.500 | 1.500 | - | - |" in bpg.memory_table(mem)
