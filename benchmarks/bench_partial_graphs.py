@@ -118,8 +118,18 @@ def memory_table(mem: Dict[str, Any]) -> str:
     return "GiB:\n" + "\n".join(lines)
 
 
+def repeat_eager(full: Dict[str, Any], fargs: argparse.Namespace, device: torch.device) -> None:
+    """The noise measurement: the eager column again, same spec, after the others (column ``eager_repeat``)."""
+    import bench_full_iteration as bfi
+
+    for name, res in full.items():
+        again: Dict[str, Any] = {}
+        bfi.run_columns(name, ["eager"], again, fargs, device)
+        res["columns"]["eager_repeat"] = again["eager"]
+
+
 def goal_check(full: Dict[str, Any], fargs: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
-    """Floors from the device's measured rates, the repeated eager column, and every goal's verdict."""
+    """Floors from the device's measured rates, Adam's measured step, and every goal's verdict."""
     import bench_full_iteration as bfi
 
     matmul = matmul_peak_tflops(device)
@@ -127,9 +137,6 @@ def goal_check(full: Dict[str, Any], fargs: argparse.Namespace, device: torch.de
     world = dist.get_world_size()
     configs: Dict[str, Any] = {}
     for name, res in full.items():
-        again: Dict[str, Any] = {}
-        bfi.run_columns(name, ["eager"], again, fargs, device)  # the noise measurement: same spec, run late
-        res["columns"]["eager_repeat"] = again["eager"]
         fields, mbs = bfi.CONFIGS[name]
         cfg = GPTConfig(**fields)
         n = goals.param_count(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
@@ -248,17 +255,28 @@ def main() -> int:
     if "full" in args.suite:
         import bench_full_iteration as bfi
 
-        fargs = argparse.Namespace(te=use_te, steps=args.steps, skip=args.skip, capture_step=3, columns=bfi.COLUMNS)
-        result["suites"]["full"] = bfi.run_all(["launch", "compute"], fargs, device)
+        # Our columns and FSDP2 eager, the eager column again (noise), the memory breakdown, and the FSDP2
+        # capture last (a capture that fails may leave CUDA in a state later runs cannot use).
+        fargs = argparse.Namespace(te=use_te, steps=args.steps, skip=args.skip, capture_step=3,
+                                   columns=[c for c in bfi.COLUMNS if c != "fsdp2_graph"])
+        full = bfi.run_all(["launch", "compute"], fargs, device)
+        repeat_eager(full, fargs, device)
+        result["suites"]["memory"] = memory_breakdown(args, device, use_te)
+        for name in full:
+            rows = full[name]["columns"]
+            bfi.run_columns(name, ["fsdp2_graph"], rows, fargs, device)
+            full[name] = bfi.summarize(name, rows, fargs, device)
+        result["suites"]["full"] = full
         if dist.get_rank() == 0:
-            print(bfi.table(result["suites"]["full"]), flush=True)
-        result["goals"] = goal_check(result["suites"]["full"], fargs, device)
+            print(bfi.table(full), flush=True)
+            print(memory_table(result["suites"]["memory"]), flush=True)
+        result["goals"] = goal_check(full, fargs, device)
         failed = failed or result["goals"]["evaluation"]["failed"]
         if dist.get_rank() == 0:
             g = result["goals"]
             print(f"matmul {g['matmul_tflops']:.0f} TFLOP/s, copy {g['copy_gbps']:.0f} GB/s (read + written)\n"
                   f"{g['table']}", flush=True)
-    if "memory" in args.suite or "full" in args.suite:
+    if "memory" in args.suite and "full" not in args.suite:
         result["suites"]["memory"] = memory_breakdown(args, device, use_te)
         if dist.get_rank() == 0:
             print(memory_table(result["suites"]["memory"]), flush=True)

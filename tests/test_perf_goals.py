@@ -173,6 +173,8 @@ def test_goal_check_and_memory_table_glue(monkeypatch):
     monkeypatch.setattr(bfi, "run_columns", run_columns)
     full = {name: {"columns": {c: r for c, r in cfg["columns"].items() if c != "eager_repeat"}}
             for name, cfg in _configs().items()}
+    bpg.repeat_eager(full, argparse.Namespace(skip=0), device=None)
+    assert full["compute"]["columns"]["eager_repeat"]["step_ms"] == 30.3
     out = bpg.goal_check(full, argparse.Namespace(skip=0), device=None)
     ev = out["evaluation"]
     assert len(ev["goals"]) == len(g.GOALS)
