@@ -10,7 +10,7 @@ import torch
 
 from fsdp_cudagraph.apps.model import GPTConfig
 
-__all__ = ["matmul_peak_tflops", "model_flops_per_step"]
+__all__ = ["matmul_peak_tflops", "copy_bandwidth_gbps", "adam_step_ms", "model_flops_per_step"]
 
 
 def matmul_peak_tflops(device: torch.device) -> float:
@@ -28,6 +28,47 @@ def matmul_peak_tflops(device: torch.device) -> float:
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e))
     return 2 * 8192**3 / (statistics.median(times) * 1e-3) / 1e12
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth in 1e9 bytes/s, counting bytes read + written (1 GiB
+    buffers, median of 10 after warmup): the rate memory-bound kernels such as Adam's can reach."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    del src, dst
+    return 2 * nbytes / (statistics.median(times) * 1e-3) / 1e9
+
+
+def adam_step_ms(device: torch.device, numel: int, *, fused: bool) -> float:
+    """Measured time of one ``torch.optim.Adam`` step over one flat fp32 parameter of ``numel`` elements
+    (``fused=False``: torch's default multi-tensor path; ``True``: the fused kernel), median of 5 after 2
+    warmup steps: the optimizer part of a step next to its floor (32 bytes per element at the copy
+    bandwidth). One flat tensor is the best case of the multi-tensor path (one kernel launch per op)."""
+    p = torch.nn.Parameter(torch.zeros(numel, dtype=torch.float32, device=device))
+    p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.Adam([p], lr=1e-4, fused=fused, foreach=None if fused else True)
+    for _ in range(2):
+        opt.step()
+    times = []
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        opt.step()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    del opt, p
+    return statistics.median(times)
 
 
 def model_flops_per_step(cfg: GPTConfig, tokens: int) -> float:

@@ -17,6 +17,20 @@ Run on 2 GPUs (1 GPU works too)::
 
 Reports median step time over the steps after ``--skip`` (capture happens at step 3), tokens/s over the
 whole data-parallel group, peak memory, capture time and the memory the graphs hold.
+
+The regression check of issue 22 (one GPU)::
+
+    python benchmarks/bench_partial_graphs.py --suite full --out benchmarks/results/perf_goals.json
+
+``--suite full`` also measures the device's bf16 matmul rate (an 8192^3 GEMM) and copy bandwidth (a 1 GiB
+device-to-device copy, bytes read + written), computes each config's floor (model FLOPs / matmul rate +
+Adam and bf16-cast bytes / bandwidth, see [Note: the floor of a step] in ``_perf_goals.py``), runs the eager
+column a second time to measure the run-to-run noise, and prints each column's multiple of the floor, the
+goal ratios with PASS / NOISE / FAIL, and the memory breakdown of partial graphs (``--suite memory``: memory
+allocated before and after capture, static parameter gradients, static inputs, pool growth). Exit status:
+0 when every goal is PASS or NOISE (outside the goal by less than the noise measured in the same run), 1
+when one is FAIL or could not be measured (MISSING), 2 without a CUDA GPU (nothing measured). The rule is
+[Note: noise and the exit code] in ``_perf_goals.py``.
 """
 
 from __future__ import annotations
@@ -40,7 +54,11 @@ from fsdp_cudagraph.runtime.te import HAS_TE  # noqa: E402
 from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
 from fsdp_cudagraph.apps.model import GPTConfig  # noqa: E402
 from fsdp_cudagraph.apps.train import RunSpec, run_training  # noqa: E402
-from _flops import matmul_peak_tflops, model_flops_per_step  # noqa: E402,F401 - re-exported
+from _flops import adam_step_ms, copy_bandwidth_gbps, matmul_peak_tflops, model_flops_per_step  # noqa: E402,F401
+import _perf_goals as goals  # noqa: E402
+
+#: Adam's share of the optimizer bytes (32 of the 38 per parameter; the other 6 are the bf16 cast).
+ADAM_SHARE = goals.ADAM_BYTES_PER_PARAM / (goals.ADAM_BYTES_PER_PARAM + goals.CAST_BYTES_PER_PARAM)
 
 
 def measure(spec: RunSpec, device: torch.device, skip: int) -> Dict[str, Any]:
@@ -62,8 +80,91 @@ def measure(spec: RunSpec, device: torch.device, skip: int) -> Dict[str, Any]:
     }
     if r.capture is not None:
         out.update(capture_seconds=r.capture.capture_seconds, graph_memory_gib=r.capture.graph_memory_bytes / 2**30,
-                   num_graphed_callables=len(r.capture.callables))
+                   num_graphed_callables=len(r.capture.callables),
+                   memory_breakdown_gib={k: v / 2**30 for k, v in r.capture.memory_breakdown.items()})
     return out
+
+
+def memory_breakdown(args: argparse.Namespace, device: torch.device, use_te: bool) -> Dict[str, Any]:
+    """Eager vs partial graphs (whole layers) in the launch and compute configs: peaks and where the graphs'
+    memory sits (CaptureReport.memory_breakdown, see [Note: where graph memory goes] in graphs/partial.py)."""
+    import bench_full_iteration as bfi
+
+    out: Dict[str, Any] = {}
+    for name in ("launch", "compute"):
+        fields, mbs = bfi.CONFIGS[name]
+        cfg = GPTConfig(**fields, use_te=use_te)
+        rows = pair(cfg, scopes=[None, []], args=args, device=device, label=f"mem-{name}", mbs=mbs)
+        eager, graphed = rows
+        out[name] = {"eager_peak_gib": eager["peak_memory_gib"], "partial_peak_gib": graphed["peak_memory_gib"],
+                     "partial_over_eager_peak": graphed["peak_memory_gib"] / eager["peak_memory_gib"],
+                     "extra_gib": graphed["peak_memory_gib"] - eager["peak_memory_gib"],
+                     "graph_memory_gib": graphed.get("graph_memory_gib"),
+                     "breakdown_gib": graphed.get("memory_breakdown_gib", {}), "rows": rows}
+    return out
+
+
+def memory_table(mem: Dict[str, Any]) -> str:
+    lines = ["| config | eager peak | partial peak | ratio | extra | graph memory | static param grads | "
+             "other graph memory | static inputs | pool reserved growth |", "| --- |" + " --- |" * 9]
+    for name, m in mem.items():
+        b = m["breakdown_gib"]
+        cell = (lambda k: f"{b[k]:.3f}" if k in b else "-")
+        gm = m["graph_memory_gib"]
+        lines.append(f"| {name} | {m['eager_peak_gib']:.3f} | {m['partial_peak_gib']:.3f} | "
+                     f"{m['partial_over_eager_peak']:.3f} | {m['extra_gib']:.3f} | "
+                     f"{'-' if gm is None else f'{gm:.3f}'} | {cell('param_grad_bytes')} | {cell('other_bytes')} | "
+                     f"{cell('static_input_bytes')} | {cell('reserved_growth_bytes')} |")
+    return "GiB:\n" + "\n".join(lines)
+
+
+def repeat_eager(full: Dict[str, Any], fargs: argparse.Namespace, device: torch.device) -> None:
+    """The noise measurement: the eager column again, same spec, after the others (column ``eager_repeat``)."""
+    import bench_full_iteration as bfi
+
+    for name, res in full.items():
+        again: Dict[str, Any] = {}
+        bfi.run_columns(name, ["eager"], again, fargs, device)
+        res["columns"]["eager_repeat"] = again["eager"]
+
+
+def goal_check(full: Dict[str, Any], fargs: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+    """Floors from the device's measured rates, Adam's measured step, and every goal's verdict."""
+    import bench_full_iteration as bfi
+
+    matmul = matmul_peak_tflops(device)
+    copy = copy_bandwidth_gbps(device)
+    world = dist.get_world_size()
+    configs: Dict[str, Any] = {}
+    for name, res in full.items():
+        fields, mbs = bfi.CONFIGS[name]
+        cfg = GPTConfig(**fields)
+        n = goals.param_count(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+                              ffn_hidden_size=cfg.ffn_hidden_size, seq_len=cfg.seq_len)
+        flops = model_flops_per_step(cfg, mbs * cfg.seq_len)
+        floor = goals.floor_ms(flops=flops, bytes_moved=goals.optimizer_bytes(n, world), matmul_tflops=matmul,
+                               copy_gbps=copy)
+        res["floor"] = {**floor, "params": n, "model_flops_per_rank": flops}
+        configs[name] = {"columns": res["columns"], "floor_ms": floor["floor_ms"], "skip": fargs.skip}
+    # The optimizer part of the floor against what torch's Adam reaches on the same bytes (one flat fp32
+    # tensor of this rank's parameters, after every column, so that its memory is no column's peak).
+    for name, res in full.items():
+        n = res["floor"]["params"] // world
+        gc.collect()
+        torch.cuda.empty_cache()
+        res["adam_ms"] = {"floor_ms": goals.optimizer_bytes(n) * ADAM_SHARE / (copy * 1e9) * 1e3,
+                          "foreach_ms": adam_step_ms(device, n, fused=False),
+                          "fused_ms": adam_step_ms(device, n, fused=True)}
+        gc.collect()
+        torch.cuda.empty_cache()
+    ev = goals.evaluate(configs)
+    columns = [c for c in bfi.COLUMNS + ["eager_repeat"] if any(c in v["columns"] for v in configs.values())]
+    adam = "\n".join(f"{name}: Adam step over {res['floor']['params'] // world:,} fp32 parameters: floor "
+                     f"{res['adam_ms']['floor_ms']:.2f} ms, foreach {res['adam_ms']['foreach_ms']:.2f} ms, fused "
+                     f"{res['adam_ms']['fused_ms']:.2f} ms" for name, res in full.items())
+    return {"matmul_tflops": matmul, "copy_gbps": copy, "evaluation": ev,
+            "adam_ms": {name: res["adam_ms"] for name, res in full.items()},
+            "table": goals.format_table(configs, ev, columns) + "\n\n" + adam}
 
 
 _runs_done = [0]
@@ -95,7 +196,8 @@ def pair(cfg: GPTConfig, *, scopes: List[Optional[List[str]]], args: argparse.Na
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", nargs="+", default=["launch"], choices=["launch", "compute", "overlap", "scaling", "full"])
+    p.add_argument("--suite", nargs="+", default=["launch"],
+                   choices=["launch", "compute", "overlap", "scaling", "full", "memory"])
     p.add_argument("--backend", default="te" if HAS_TE else "torch", choices=["te", "torch"])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--skip", type=int, default=10, help="steps left out of the median (capture is at step 3)")
@@ -103,6 +205,13 @@ def main() -> int:
     p.add_argument("--profile", action="store_true",
                    help="also profile steps 15.. of the launch-bound model, eager and graphed (whole layers)")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_partial_graphs needs a CUDA GPU (it times CUDA graphs and measures the device's matmul rate "
+              "and bandwidth); no GPU is visible, so nothing was measured (exit 2). The floor and verdict "
+              "arithmetic is tested on CPU by tests/test_perf_goals.py.", file=sys.stderr)
+        return 2
+    if args.backend == "te" and not HAS_TE:
+        sys.exit("bench_partial_graphs: --backend te needs TransformerEngine; pass --backend torch")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     if "RANK" not in os.environ:
@@ -113,6 +222,7 @@ def main() -> int:
     result: Dict[str, Any] = {"command": " ".join(sys.argv), "world_size": dist.get_world_size(),
                               "versions": versions(), "backend": args.backend, "suites": {}}
     t0 = _T0
+    failed = False
     if "launch" in args.suite:
         cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=8, num_heads=16, seq_len=512, use_te=use_te)
         result["suites"]["launch"] = pair(cfg, scopes=[None, [], ["attn"], ["mlp"], ["attn", "mlp"]], args=args,
@@ -145,10 +255,31 @@ def main() -> int:
     if "full" in args.suite:
         import bench_full_iteration as bfi
 
-        fargs = argparse.Namespace(te=use_te, steps=args.steps, skip=args.skip, capture_step=3, columns=bfi.COLUMNS)
-        result["suites"]["full"] = bfi.run_all(["launch", "compute"], fargs, device)
+        # Our columns and FSDP2 eager, the eager column again (noise), the memory breakdown, and the FSDP2
+        # capture last (a capture that fails may leave CUDA in a state later runs cannot use).
+        fargs = argparse.Namespace(te=use_te, steps=args.steps, skip=args.skip, capture_step=3,
+                                   columns=[c for c in bfi.COLUMNS if c != "fsdp2_graph"])
+        full = bfi.run_all(["launch", "compute"], fargs, device)
+        repeat_eager(full, fargs, device)
+        result["suites"]["memory"] = memory_breakdown(args, device, use_te)
+        for name in full:
+            rows = full[name]["columns"]
+            bfi.run_columns(name, ["fsdp2_graph"], rows, fargs, device)
+            full[name] = bfi.summarize(name, rows, fargs, device)
+        result["suites"]["full"] = full
         if dist.get_rank() == 0:
-            print(bfi.table(result["suites"]["full"]), flush=True)
+            print(bfi.table(full), flush=True)
+            print(memory_table(result["suites"]["memory"]), flush=True)
+        result["goals"] = goal_check(full, fargs, device)
+        failed = failed or result["goals"]["evaluation"]["failed"]
+        if dist.get_rank() == 0:
+            g = result["goals"]
+            print(f"matmul {g['matmul_tflops']:.0f} TFLOP/s, copy {g['copy_gbps']:.0f} GB/s (read + written)\n"
+                  f"{g['table']}", flush=True)
+    if "memory" in args.suite and "full" not in args.suite:
+        result["suites"]["memory"] = memory_breakdown(args, device, use_te)
+        if dist.get_rank() == 0:
+            print(memory_table(result["suites"]["memory"]), flush=True)
     if args.profile:
         cfg = GPTConfig(vocab_size=1024, hidden_size=1024, num_layers=8, num_heads=16, seq_len=512, use_te=use_te)
         result["profiles"] = {}
@@ -164,8 +295,11 @@ def main() -> int:
     if dist.get_rank() == 0:
         write_record(args.out, result)
         print(f"wrote {args.out} ({result['seconds']:.0f} s)")
+        if failed:
+            print("bench_partial_graphs: a goal FAILed (or was MISSING) by more than the noise of this run; see the "
+                  "table above and 'goals' in the JSON (exit 1)", flush=True)
     dist.destroy_process_group()
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -69,6 +69,14 @@ class CaptureReport:
     #: callable name -> {"eager": TE's eager attention backend, "graph": its backend under capture,
     #: "eager_used": what the eager steps ran}; empty without TE attention in the graphed callables.
     attention_backends: Dict[str, Dict[str, str]] = field(default_factory=dict)
+    #: Where the graphs' memory sits (empty on CPU), see [Note: where graph memory goes]: ``param_grad_bytes``,
+    #: their static parameter gradients (one per parameter of every graphed callable, as the module holds it
+    #: after capture, kept for the graphs' lifetime) and ``other_bytes``, the rest of ``graph_memory_bytes``
+    #: (saved activations, static outputs, incoming-gradient buffers); ``static_input_bytes``, the recorded
+    #: sample args the graphs read their inputs from (allocated before capture, so outside
+    #: ``graph_memory_bytes``); ``reserved_growth_bytes``, what the allocator reserved during capture (pools'
+    #: free blocks included).
+    memory_breakdown: Dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)  # identity: membership tests must never compare fields (tensors among them)
@@ -273,6 +281,7 @@ class PartialCudaGraphs:
             c.had_forward_attr = "forward" in c.module.__dict__
             c.own_forward = c.module.__dict__.get("forward")
         mem0 = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        reserved0 = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
         t0 = time.perf_counter()
         try:
             hook_plan = self.engine.hook_plan if self.engine is not None else None  # phase 2: the engine's reading
@@ -311,7 +320,8 @@ class PartialCudaGraphs:
         self._order = order
         self.captured = True
         mem = (torch.cuda.memory_allocated() - mem0) if torch.cuda.is_available() else 0
-        self.report = CaptureReport(self.backend, [c.name for c in order], seconds, mem, unknown, attention_backends)
+        self.report = CaptureReport(self.backend, [c.name for c in order], seconds, mem, unknown, attention_backends,
+                                    _memory_breakdown(order, mem, reserved0))
         return self.report
 
     def _plan(self, order: List[_Callable]) -> None:
@@ -565,3 +575,32 @@ def _grads(c: _Callable, out: Any) -> None:
     finally:
         for t, g in zip(inputs, saved):
             t.grad = g
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _memory_breakdown(order: List[_Callable], graph_bytes: int, reserved0: int) -> Dict[str, int]:
+    """[Note: where graph memory goes] Read-only arithmetic over what capture kept; it changes nothing.
+
+    Both graph makers keep, for the graphs' lifetime: each callable's static inputs (the sample args: the
+    replay copies new inputs into them), the activations its forward graph saved for its backward graph, its
+    static outputs and incoming-gradient buffers, and one static gradient per parameter (the backward graph
+    writes it at a fixed address; TE returns a clone of it, torch the buffer). Eagerly the activations are
+    alive at the peak too, but a layer's parameter gradients live only from its backward to its unit's
+    reduce-scatter: the static ones, every graphed layer's at once, are what graphs add on top of the eager
+    peak (with the static inputs and pool fragmentation).
+    """
+    if not torch.cuda.is_available():
+        return {}
+    inputs = sum(_nbytes(t) for c in order for t in (c.sample_args or ()))
+    seen, grads = set(), 0
+    for c in order:
+        for p in c.module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                grads += _nbytes(p)
+    return {"static_input_bytes": inputs, "param_grad_bytes": grads,
+            "other_bytes": graph_bytes - grads,
+            "reserved_growth_bytes": torch.cuda.memory_reserved() - reserved0}

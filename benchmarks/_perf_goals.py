@@ -1,0 +1,198 @@
+"""The hardware floor of a training step and the verdicts of issue 22's goals: pure arithmetic, no GPU.
+
+``bench_partial_graphs.py --suite full`` measures two device rates (bf16 matmul FLOP/s, device copy bytes/s),
+times the columns of ``bench_full_iteration`` and hands both to :func:`evaluate`, which this module keeps free
+of CUDA so that ``tests/test_perf_goals.py`` checks it on CPU.
+
+[Note: the floor of a step]
+A step cannot be faster than its matmuls at the device's measured matmul rate plus its memory-bound optimizer
+traffic at the device's measured copy bandwidth::
+
+    floor = model_flops_per_step / matmul_rate + optimizer_bytes / copy_bandwidth
+
+``model_flops_per_step`` is ``_flops.model_flops_per_step`` (6 x matmul parameters x tokens, plus causal
+attention) for this rank's tokens. ``optimizer_bytes`` counts, per parameter this rank owns (``params /
+world``, ZeRO-3): fp32 Adam reading and writing param, grad, exp_avg and exp_avg_sq (4 tensors x 4 bytes x 2 =
+32 bytes) plus the bf16 compute copy (read the fp32 param, write bf16: 6 bytes), 38 bytes in all. Both rates
+are measured in the same run (a large GEMM, a large device-to-device copy counting bytes read + written), so
+the floor moves with the clock of the device it runs on. It leaves out elementwise kernels (norms, GELU,
+softmax, embedding, loss), communication and launch gaps: those are what the multiple of the floor measures.
+
+[Note: noise and the exit code]
+The same run measures its own noise two ways and, for each goal, takes the larger:
+  * repeat: the eager column is run twice (``eager`` and ``eager_repeat``, same spec, one early and one
+    late); ``|a - b| / min(a, b)`` of their median step times (peak memory: of their peaks);
+  * spread (step times only): half the inter-quartile range of the per-step times (after ``--skip``) over
+    their median, of each of the goal's two columns (the floor has none).
+A ratio with goal ``<= g`` is PASS when ``ratio <= g``, NOISE when ``g < ratio <= g * (1 + noise)`` (outside
+the goal by less than the run-to-run noise: not a regression we can tell from chance) and FAIL when
+``ratio > g * (1 + noise)``. The benchmark exits 1 when any goal FAILs, 0 otherwise (NOISE is reported, not
+fatal); a ratio that cannot be computed (a column failed or was not run) is MISSING and also exits 1.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = ["ADAM_BYTES_PER_PARAM", "CAST_BYTES_PER_PARAM", "Goal", "GOALS", "param_count", "optimizer_bytes",
+           "floor_ms", "relative_spread", "repeat_noise", "verdict", "evaluate", "format_table"]
+
+#: fp32 param, grad, exp_avg, exp_avg_sq, each read and written by Adam.
+ADAM_BYTES_PER_PARAM = 4 * 4 * 2
+#: the bf16 compute copy: read the fp32 param (4), write bf16 (2).
+CAST_BYTES_PER_PARAM = 4 + 2
+
+
+def param_count(*, vocab_size: int, hidden_size: int, num_layers: int, ffn_hidden_size: int, seq_len: int) -> int:
+    """Parameters of the reference GPT (``apps/model.py``, dense layers): embeddings, layers, final norm, head.
+
+    Per layer: LayerNorm + QKV (with bias) + projection, LayerNorm + fc1 + fc2 (with biases).
+    """
+    h, f = hidden_size, ffn_hidden_size
+    layer = (2 * h + 3 * h * h + 3 * h) + (h * h + h) + (2 * h + h * f + f + f * h + h)
+    return vocab_size * h + seq_len * h + num_layers * layer + 2 * h + h * vocab_size
+
+
+def optimizer_bytes(num_params: int, world_size: int = 1) -> float:
+    """Bytes one rank's optimizer step and bf16 cast move: 38 per owned parameter (see [Note: the floor of a step])."""
+    if num_params < 0 or world_size < 1:
+        raise ValueError(f"num_params={num_params}, world_size={world_size}: need num_params >= 0 and world_size >= 1")
+    return (ADAM_BYTES_PER_PARAM + CAST_BYTES_PER_PARAM) * num_params / world_size
+
+
+def floor_ms(*, flops: float, bytes_moved: float, matmul_tflops: float, copy_gbps: float) -> Dict[str, float]:
+    """The step floor in ms and its two parts: ``flops / matmul rate`` and ``bytes / copy bandwidth``.
+
+    ``matmul_tflops`` in 1e12 FLOP/s, ``copy_gbps`` in 1e9 bytes/s (read + written).
+    """
+    if matmul_tflops <= 0 or copy_gbps <= 0:
+        raise ValueError(f"matmul_tflops={matmul_tflops}, copy_gbps={copy_gbps}: the measured rates must be > 0; "
+                         "re-run the measurement on an idle GPU")
+    compute = flops / (matmul_tflops * 1e12) * 1e3
+    memory = bytes_moved / (copy_gbps * 1e9) * 1e3
+    return {"floor_ms": compute + memory, "matmul_ms": compute, "optimizer_ms": memory}
+
+
+def relative_spread(values: Sequence[float]) -> float:
+    """Half the inter-quartile range over the median (0 for fewer than 4 values)."""
+    vals = sorted(values)
+    if len(vals) < 4:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(vals, n=4)
+    med = statistics.median(vals)
+    return (q3 - q1) / 2 / med if med else 0.0
+
+
+def repeat_noise(a: Optional[float], b: Optional[float]) -> float:
+    """``|a - b| / min(a, b)`` of one quantity measured twice in the same run (0 if either is missing)."""
+    if a is None or b is None or min(a, b) <= 0:
+        return 0.0
+    return abs(a - b) / min(a, b)
+
+
+def verdict(ratio: Optional[float], goal: float, noise: float) -> str:
+    """PASS, NOISE, FAIL or MISSING for ``ratio <= goal``, see [Note: noise and the exit code]."""
+    if ratio is None:
+        return "MISSING"
+    if ratio <= goal:
+        return "PASS"
+    if ratio <= goal * (1 + noise):
+        return "NOISE"
+    return "FAIL"
+
+
+@dataclass(frozen=True)
+class Goal:
+    """``num / den <= goal`` for one config, on step time (``ms``) or peak memory (``mem``)."""
+
+    name: str
+    config: str
+    kind: str  # "ms" or "mem"
+    num: str  # a column, or "floor"
+    den: str
+    goal: float
+
+
+#: Issue 22's goals. "full" is the ``full_iteration`` column (optimizer eager), the one of the issue's table.
+GOALS: List[Goal] = [
+    Goal("eager step / floor", "compute", "ms", "eager", "floor", 1.3),
+    Goal("eager step / FSDP2 eager", "compute", "ms", "eager", "fsdp2", 0.8),
+    Goal("partial step / eager", "compute", "ms", "partial", "eager", 1.0),
+    Goal("full-iteration step / eager", "compute", "ms", "full_iteration", "eager", 1.0),
+    Goal("full-iteration step / FSDP2 captured whole", "launch", "ms", "full_iteration", "fsdp2_graph", 0.8),
+    Goal("eager peak / FSDP2 peak", "compute", "mem", "eager", "fsdp2", 1.0),
+    Goal("partial peak / eager peak", "compute", "mem", "partial", "eager", 1.1),
+    Goal("full-iteration peak / eager peak", "compute", "mem", "full_iteration", "eager", 1.05),
+    Goal("partial peak / eager peak", "launch", "mem", "partial", "eager", 1.1),
+    Goal("full-iteration peak / eager peak", "launch", "mem", "full_iteration", "eager", 1.05),
+]
+
+
+def _value(columns: Dict[str, Dict[str, Any]], floor: Optional[float], name: str, kind: str) -> Optional[float]:
+    if name == "floor":
+        return floor if kind == "ms" else None
+    row = columns.get(name) or {}
+    return row.get("step_ms" if kind == "ms" else "peak_memory_gib")
+
+
+def evaluate(configs: Dict[str, Dict[str, Any]], goals: Sequence[Goal] = GOALS) -> Dict[str, Any]:
+    """Floors' multiples, noise and every goal's verdict.
+
+    ``configs``: name -> {"columns": {column: {"step_ms", "step_ms_all", "peak_memory_gib"}}, "floor_ms": float
+    or None}; a column without ``step_ms`` failed. Returns {"configs": {name: {"repeat_noise_ms", "spread":
+    {column: x}, "noise_mem", "floor_ms", "floor_multiple": {column: x}}}, "goals": [one dict per goal with
+    "ratio", "noise", "verdict"], "failed": bool}.
+    """
+    out: Dict[str, Any] = {"configs": {}, "goals": []}
+    for name, cfg in configs.items():
+        cols, floor = cfg["columns"], cfg.get("floor_ms")
+        eager, again = cols.get("eager") or {}, cols.get("eager_repeat") or {}
+        spreads = {c: relative_spread(r["step_ms_all"][cfg.get("skip", 0):]) for c, r in cols.items()
+                   if r.get("step_ms_all")}
+        repeat_ms = repeat_noise(eager.get("step_ms"), again.get("step_ms"))
+        noise_mem = repeat_noise(eager.get("peak_memory_gib"), again.get("peak_memory_gib"))
+        multiples = {c: r["step_ms"] / floor for c, r in cols.items() if "step_ms" in r and floor}
+        out["configs"][name] = {"repeat_noise_ms": repeat_ms, "spread": spreads, "noise_mem": noise_mem,
+                                "floor_ms": floor, "floor_multiple": multiples}
+    for g in goals:
+        if g.config not in configs:
+            continue
+        cfg = configs[g.config]
+        num = _value(cfg["columns"], cfg.get("floor_ms"), g.num, g.kind)
+        den = _value(cfg["columns"], cfg.get("floor_ms"), g.den, g.kind)
+        ratio = num / den if num is not None and den else None
+        c = out["configs"][g.config]
+        if g.kind == "ms":
+            noise = max(c["repeat_noise_ms"], c["spread"].get(g.num, 0.0), c["spread"].get(g.den, 0.0))
+        else:
+            noise = c["noise_mem"]
+        out["goals"].append({**asdict(g), "ratio": ratio, "noise": noise, "verdict": verdict(ratio, g.goal, noise)})
+    out["failed"] = any(r["verdict"] in ("FAIL", "MISSING") for r in out["goals"])
+    return out
+
+
+def format_table(configs: Dict[str, Dict[str, Any]], ev: Dict[str, Any], columns: Sequence[str]) -> str:
+    """Markdown: each config's step time and multiple of the floor per column, peaks, then the goals."""
+    lines = ["| config | quantity | " + " | ".join(columns) + " |", "| --- | --- |" + " --- |" * len(columns)]
+    for name, cfg in configs.items():
+        cols = cfg["columns"]
+        mult = ev["configs"][name]["floor_multiple"]
+
+        def cell(c: str, fmt: str, key: str) -> str:
+            r = cols.get(c)
+            if r is None:
+                return "-"
+            return fmt.format(r[key]) if key in r else "failed"
+
+        lines.append(f"| {name} | step ms | " + " | ".join(cell(c, "{:.2f}", "step_ms") for c in columns) + " |")
+        lines.append(f"| {name} | x floor ({cfg.get('floor_ms') or 0:.2f} ms) | "
+                     + " | ".join(f"{mult[c]:.2f}" if c in mult else "-" for c in columns) + " |")
+        lines.append(f"| {name} | peak GiB | " + " | ".join(cell(c, "{:.2f}", "peak_memory_gib") for c in columns) + " |")
+    lines += ["", "| config | goal | ratio | goal | noise | verdict |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in ev["goals"]:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        lines.append(f"| {r['config']} | {r['name']} | {ratio} | <= {r['goal']:.2f} | {r['noise'] * 100:.1f}% | "
+                     f"{r['verdict']} |")
+    return "\n".join(lines)
