@@ -9,7 +9,8 @@ param group directly, as TE's ``capture_time_hooks``.
 
 [Note: FSDP2 internals relied on]
 Checked against torch 2.11 and 2.13 (``torch/distributed/fsdp/_fully_shard/``): ``FSDPModule``,
-``FSDPState._pre_forward``/``_post_forward``/``_root_post_backward_final_callback``/``_fsdp_param_groups``/
+``FSDPState._pre_forward``/``_post_forward``/``_root_post_backward_final_callback``/``_fsdp_param_groups``
+(2.13; 2.11 has one optional ``_fsdp_param_group``, read through :func:`_groups`)/
 ``_training_state``/``_state_ctx``, ``FSDPParamGroup.unshard``/``wait_for_unshard``/``reshard``/
 ``pre_backward``/``post_backward``/``_record_post_forward``/``_reshard_after_forward``/
 ``reshard_after_backward``/``fsdp_params``/``offload_policy``/``mp_policy``, ``FSDPParam._unsharded_param``
@@ -34,8 +35,8 @@ __all__ = ["FSDP2Engine", "keep_unsharded_storage", "release_unsharded_storage"]
 _COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
                 "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier")
 
-_STATE_NAMES = ("_pre_forward", "_post_forward", "_root_post_backward_final_callback", "_fsdp_param_groups",
-                "_training_state", "_state_ctx")
+_STATE_NAMES = ("_pre_forward", "_post_forward", "_root_post_backward_final_callback", "_training_state",
+                "_state_ctx")
 _GROUP_NAMES = ("unshard", "wait_for_unshard", "reshard", "pre_backward", "post_backward", "_record_post_forward",
                 "_reshard_after_forward", "reshard_after_backward", "fsdp_params", "offload_policy", "mp_policy",
                 "unshard_async_op", "_training_state")
@@ -66,6 +67,18 @@ def _state_of(module: nn.Module):
 _KEEP = "_fsdp_cudagraph_keep_storage"
 
 
+def _groups(state) -> List[Any]:
+    """The unit's param groups: ``_fsdp_param_groups`` (torch 2.13) or the one ``_fsdp_param_group`` (2.11)."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    if hasattr(state, "_fsdp_param_group"):
+        return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
+    raise NotImplementedError(
+        f"fsdp_cudagraph: torch {torch.__version__}'s FSDPState has neither _fsdp_param_groups (2.13) nor "
+        "_fsdp_param_group (2.11), which the FSDP2 adapter reads; use torch 2.11 to 2.13 (the versions checked) "
+        "or report the version")
+
+
 def _fsdp_params(model: nn.Module) -> List[Any]:
     seen, out = set(), []
     for m in model.modules():
@@ -73,7 +86,7 @@ def _fsdp_params(model: nn.Module) -> List[Any]:
         if state is None or id(state) in seen:
             continue
         seen.add(id(state))
-        for g in state._fsdp_param_groups:
+        for g in _groups(state):
             out.extend(g.fsdp_params)
     return out
 
@@ -147,7 +160,7 @@ class FSDP2Engine(EngineAdapter):
                 continue
             missing |= {f"FSDPState.{n}" for n in _STATE_NAMES + ("_states_to_backward_prefetch",)
                         if not hasattr(state, n)}
-            for g in getattr(state, "_fsdp_param_groups", []):
+            for g in _groups(state):
                 missing |= {f"FSDPParamGroup.{n}" for n in _GROUP_NAMES if not hasattr(g, n)}
                 for fp in g.fsdp_params:
                     missing |= {f"FSDPParam.{n}" for n in ("_module_info", "sharded_param", "free_unsharded_param")
@@ -185,7 +198,7 @@ class FSDP2Engine(EngineAdapter):
         if state is None:
             raise ValueError(f"fsdp_cudagraph: module {type(unit).__name__} is not a fully_shard'ed unit of "
                              f"{self.name}; pass a module from unit_modules()")
-        groups = state._fsdp_param_groups
+        groups = _groups(state)
         return state, (groups[0] if groups else None)
 
     # -- hooks ------------------------------------------------------------------------------------
@@ -210,14 +223,14 @@ class FSDP2Engine(EngineAdapter):
         if fname == "_pre_forward":
             def forward_pre(module: nn.Module) -> None:
                 state._training_state = TS.FORWARD
-                for g in state._fsdp_param_groups:
+                for g in _groups(state):
                     g._training_state = TS.FORWARD
                     g.unshard(g.unshard_async_op)
                     g.wait_for_unshard()
                 self._pending.add(state)
 
             def backward(module: nn.Module) -> None:
-                for g in state._fsdp_param_groups:
+                for g in _groups(state):
                     g.post_backward()  # reduce-scatter the unsharded grads into the sharded .grad; reshard
                 self._pending.discard(state)
                 if not self._pending:
@@ -225,7 +238,7 @@ class FSDP2Engine(EngineAdapter):
             return {"forward_pre_hooks": forward_pre, "backward_hooks": backward}
 
         def forward(module: nn.Module) -> None:
-            for g in state._fsdp_param_groups:
+            for g in _groups(state):
                 g.reshard()  # a no-op unless it reshards after forward
                 g._record_post_forward()
                 g._training_state = TS.IDLE
@@ -233,7 +246,7 @@ class FSDP2Engine(EngineAdapter):
 
         def backward_pre(module: nn.Module) -> None:
             state._training_state = TS.PRE_BACKWARD
-            for g in state._fsdp_param_groups:
+            for g in _groups(state):
                 g.pre_backward(len(state._states_to_backward_prefetch) == 0)
         return {"forward_hooks": forward, "backward_pre_hooks": backward_pre}
 
