@@ -143,6 +143,39 @@ def test_host_sync_check_passes_device_side_code_unchanged():
     assert c.numel() == 12 and torch.equal(d, 2 * x)
 
 
+def test_host_sync_check_leaves_compiled_functions_compiled():
+    """[Note: dispatch modes and torch.compile]: one check must not make Dynamo give a compiled function up."""
+    runs: List[str] = []
+
+    def backend(gm, example_inputs):
+        def compiled(*args):
+            runs.append("compiled")
+            return gm.forward(*args)
+        return compiled
+
+    @torch.compile(backend=backend)
+    def bias_gelu(x, b):
+        return torch.nn.functional.gelu(x + b)
+
+    x, b = torch.randn(4, 8), torch.randn(8)
+    expected = torch.nn.functional.gelu(x + b)
+    assert torch.equal(bias_gelu(x, b), expected) and runs == ["compiled"]
+    with _check():
+        checked = bias_gelu(x, b)  # runs as its Python under the check
+    assert torch.equal(checked, expected) and runs == ["compiled"]
+    for _ in range(2):
+        bias_gelu(x, b)
+    assert runs == ["compiled"] * 3  # compiled again after the check (without force_eager: never again)
+
+    @torch.compile(backend=backend)
+    def reads_on_host(x):
+        return x * x.sum().item()
+
+    with pytest.raises(HostSyncError, match="_local_scalar_dense"):  # the check sees inside compiled functions
+        with _check():
+            reads_on_host(x)
+
+
 def test_host_sync_check_on_a_device_refuses_cpu_tensors_and_copies():
     # "meta" stands in for the CUDA device: the rules only look at device types
     dev = torch.device("meta")

@@ -372,9 +372,10 @@ class FullIterationCudaGraph:
     def _rehearse(self, slot: _Slot, micro_batches: Sequence[Any]) -> None:
         """Run the step once under the host-sync check and discard what it computed.
 
-        [Note: the host-sync rehearsal] The check is a dispatch mode that only looks, yet on one H100 a TE
-        model's step computed under it differed in its last bits from the same step without it (the
-        ``te no_shard accum=1`` row of the alignment matrix; equal with the check off, H100, 2026-11-24).
+        [Note: the host-sync rehearsal] The check is a dispatch mode that only looks, yet a step computed
+        under it runs the functions a library compiled with ``torch.compile`` (TE's bias+GeLU fusion) as
+        uncompiled Python, which rounds differently ([Note: dispatch modes and torch.compile]; that is also
+        why the check forces eager mode, or Dynamo would give those functions up for the whole process).
         So the check never runs on a step whose results count: it runs on a rehearsal of the step right before
         capture, from the same starting state (``begin_static_step``; gradients are replaced, not added), with
         every random generator the step draws from put back afterwards; then the step runs again, plainly,

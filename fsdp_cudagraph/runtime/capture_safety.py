@@ -118,12 +118,41 @@ class CaptureSafetyCheck(TorchDispatchMode):
 
     Pass-through otherwise: every operation runs as without the mode. Costs some microseconds of Python per
     operation, so it is meant for the few eager steps before a capture, not for every step.
+
+    [Note: dispatch modes and torch.compile]
+    A function compiled by ``torch.compile`` that is called while a Python dispatch mode is active is given up
+    by Dynamo for the rest of the process: from then on it runs as plain Python, also with no mode active
+    (torch 2.13, reproduced on CPU by ``tests/test_full_iteration.py``). TransformerEngine compiles its
+    bias+GeLU fusion this way (``jit_fuser``), and the unfused eager path rounds differently; one host-sync
+    check therefore changed the last bits of every later TE ``LayerNormMLP`` step in the process (the one
+    full-iteration row that differed from eager, H100, 2026-11-24). The check therefore runs with
+    ``torch.compiler.set_stance("force_eager")``: compiled functions run their Python, where the check sees
+    their operations too, and their compiled code stays in use once the check ends. The checked pass itself
+    computes as uncompiled eager code, which is why the full-iteration layer checks a rehearsal whose
+    results it throws away ([Note: the host-sync rehearsal]).
     """
 
     def __init__(self, device: torch.device, phase: str) -> None:
         super().__init__()
         self.device = device
         self.phase = phase
+        self._stance: List[Any] = []
+
+    def __enter__(self) -> "CaptureSafetyCheck":
+        stance = torch.compiler.set_stance("force_eager")
+        stance.__enter__()
+        self._stance.append(stance)
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._stance.pop().__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._stance.pop().__exit__(None, None, None)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
