@@ -171,3 +171,4 @@ def _load_builtin() -> None:
         return
     _LOADED = True
     # The modules register themselves on import; the list grows as adapters land.
+    with contextlib.suppress(ImportError): from . import nvidia_megatron_fsdp  # noqa: E701,F401 (no megatron import)
