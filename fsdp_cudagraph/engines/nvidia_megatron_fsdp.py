@@ -37,9 +37,10 @@ closures it calls): a hook of another engine, or a look-alike, is unknown.
 [Note: NVIDIA's double buffer and replay]
 With ``fsdp_double_buffer``, ZeRO-3 (``optim_grads_params``) buckets of the units of one size live in two
 slots of a ``FixedPoolAllocator`` (or ``MaxPoolAllocator``): persistent, named buffers. Which slot a bucket
-gets is decided at each unshard: 0.3.1 takes the lowest free slot (so a unit's forward and backward slots
-differ whenever both are free), 0.6.1 remembers the slot of the first allocation and moves the bucket to
-the other one when that slot is busy. A graph captured with a unit in one slot and replayed with it in the
+gets is decided at each unshard: 0.3.1 takes the lowest free slot (with an odd number of units, each unit's
+backward slot is the other one than its forward slot: unit k's backward hook allocates unit k-1 first),
+0.6.1 remembers the slot of the first allocation and moves the bucket to the other one when that slot is
+busy. A graph captured with a unit in one slot and replayed with it in the
 other reads the wrong weights, and the backward graph's weights are not seen by a forward address check.
 :func:`pin_double_buffer_slots` makes the slot a fixed function of the plan: a double-buffered unit's
 bucket always takes slot (its position among double-buffered units) % 2, which is free whenever units run
