@@ -5,14 +5,21 @@ plain torch layers for the torch backend; seq 100, not a multiple of 128) traine
 for ``--steps`` steps, eagerly and with per-layer graphs captured at step 3 (scope ``--scope``: whole layers
 by default), same seeds. Every step's loss and every final parameter must be ``torch.equal``. Negative
 controls: the engine's unsafe setting is refused when PartialCudaGraphs is built; a parameter moved after
-capture is refused before the replay. Step times (median after ``--skip``) of eager vs graphed, side by
+capture is refused before the replay; under NVIDIA Megatron-FSDP, its double buffer asked to move a unit's
+bucket to the other slot is refused. Step times (median after ``--skip``) of eager vs graphed, side by
 side in one run; for FSDP2 also FSDP2 captured whole the torchtitan way (``_fsdp2_graph.py``).
 
 Engines: ``fsdp2`` (torch.distributed.fsdp.fully_shard per layer and root, keep_unsharded_storage; bf16
 parameters: the adapter refuses FSDP2 mixed precision that casts in hooks), ``megatron_fsdp`` (ours, bf16
-compute, ZeRO-3 with double buffering). Run (1 GPU)::
+compute, ZeRO-3 with double buffering), ``nvidia`` (NVIDIA Megatron-FSDP through megatron-core's bundled copy,
+``megatron.core.distributed.fsdp.src.megatron_fsdp``: ZeRO-3, bf16 module, fp32 main parameters and gradients,
+``fsdp_double_buffer`` and, where the version has it, ``fsdp_db_use_persist_buf_on_alloc_fail``; the unsafe
+setting is the latter off, or the double buffer off where it is missing). ``nvidia`` is skipped, with the
+reason printed and recorded, where megatron-core is not importable or there is no GPU (NVIDIA's engine
+builds CUDA streams and buffers, so ``--cpu-smoke`` skips it). Run (1 GPU)::
 
     python benchmarks/engines_align.py --out engines-align.json
+    python benchmarks/engines_align.py --engines nvidia --out engines-align-nvidia.json
 
 Exit status 1 if a row is not bit-equal or a control is not caught.
 """
@@ -28,11 +35,63 @@ from typing import Any, Dict, List, Optional
 
 os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+for _name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):  # NVLink multicast off
+    os.environ.setdefault(_name, "1" if _name != "NCCL_NVLS_ENABLE" else "0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+ENGINES = ("fsdp2", "megatron_fsdp", "nvidia")
+#: What installs NVIDIA Megatron-FSDP 0.6.1 (the version the GPU script was written for).
+NVIDIA_PIP = "pip install 'megatron-core==0.19.2'"
+
+
+def nvidia_unavailable() -> Optional[str]:
+    """Why ``--engines nvidia`` cannot run here (None: it can). Imports megatron-core only when asked."""
+    try:
+        from megatron.core.distributed.fsdp.src import megatron_fsdp  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a megatron-core that fails at import
+        return f"megatron-core is not importable ({type(exc).__name__}: {exc}); {NVIDIA_PIP}"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "NVIDIA's MegatronFSDP builds CUDA streams and buffers: it needs a GPU (no CPU smoke)"
+    return None
+
+
+def _nvidia(gpt, device, keep: bool):
+    """The GPT under NVIDIA Megatron-FSDP (megatron-core's copy): (engine, its optimizer, info)."""
+    import inspect
+
+    import torch
+    from megatron.core.distributed.fsdp.src import megatron_fsdp as mf
+
+    gpt = gpt.to(torch.bfloat16)  # NVIDIA computes in the module's dtype
+    opt = torch.optim.Adam(gpt.parameters(), lr=1e-3)
+    accepted = inspect.signature(mf.fully_shard).parameters
+    options: Dict[str, Any] = dict(fsdp_unit_modules=[gpt.unit_class], zero_dp_strategy="optim_grads_params",
+                                   device=device, fsdp_double_buffer=True, overlap_grad_reduce=True,
+                                   overlap_param_gather=True, sync_model_each_microbatch=True)
+    if "fsdp_db_use_persist_buf_on_alloc_fail" in accepted:  # 0.6.1
+        options["fsdp_db_use_persist_buf_on_alloc_fail"] = keep
+        unsafe_setting = "fsdp_db_use_persist_buf_on_alloc_fail=False"
+    else:  # 0.3.1 has no such option: the unsafe setting is no double buffer
+        options["fsdp_double_buffer"] = keep
+        unsafe_setting = "fsdp_double_buffer=False"
+    if "mixed_precision_policy" in accepted:
+        options["mixed_precision_policy"] = mf.MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                                                    main_grads_dtype=torch.float32)
+    model, opt = mf.fully_shard(gpt, opt, **options)
+    opt.state.clear()  # fully_shard_optimizer's eager zero step would start Adam's count at 1
+    import megatron.core
+
+    info = {"megatron_fsdp": getattr(mf, "__version__", None), "megatron_core": megatron.core.__version__,
+            "unsafe_setting": unsafe_setting}
+    return model, opt, info
+
+
 def _model(engine: str, use_te: bool, seq: int, keep: bool = True):
+    """(model, cfg, optimizer, info) for one run; ``keep=False``: the engine's unsafe setting."""
     import torch
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -53,23 +112,69 @@ def _model(engine: str, use_te: bool, seq: int, keep: bool = True):
         fully_shard(gpt)
         if keep:
             keep_unsharded_storage(gpt)
-        return gpt, cfg, list(gpt.parameters())
+        return gpt, cfg, torch.optim.Adam(gpt.parameters(), lr=1e-3), {"unsafe_setting": "no keep_unsharded_storage"}
+    if engine == "nvidia":
+        model, opt, info = _nvidia(gpt, device, keep)
+        return model, cfg, opt, info
     from megatron_fsdp import fully_shard
 
     model = fully_shard(gpt, fsdp_unit_modules=[gpt.unit_class], sharding_strategy="optim_grads_params",
                         compute_dtype=torch.bfloat16 if device.type == "cuda" else None, fsdp_double_buffer=keep,
                         fsdp_db_use_persist_buf_on_alloc_fail=keep)
-    return model, cfg, model.optimizer_parameters()
+    return (model, cfg, torch.optim.Adam(model.optimizer_parameters(), lr=1e-3),
+            {"unsafe_setting": "fsdp_double_buffer=False, fsdp_db_use_persist_buf_on_alloc_fail=False"})
 
 
-def _full_params(engine: str, model) -> Dict[str, Any]:
+def _full_params(engine: str, model, opt) -> Dict[str, Any]:
     if engine == "fsdp2":
         return {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}
+    if engine == "nvidia":  # this rank's optimizer parameters (the whole model on one rank), in the optimizer's order
+        return {f"param_groups[{g}][{i}]": (p.to_local() if hasattr(p, "to_local") else p).detach().float().cpu()
+                for g, group in enumerate(opt.param_groups) for i, p in enumerate(group["params"])}
     return {k: v.float().cpu() for k, v in model.full_state_dict().items()}
 
 
+def _move_a_parameter(engine: str, model) -> None:
+    """The moved-parameter control: after capture, the first replay tensor of layer 1 gets new storage."""
+    from fsdp_cudagraph.engines import adapter_for
+
+    adapter = adapter_for(model)
+    unit = adapter.root.layers[1]
+    _, t = adapter.replay_tensors(unit)[0]
+    if engine != "nvidia":
+        t.data = t.data.clone()
+        return
+    # NVIDIA's unshard hook points the compute parameters into its bucket again at every forward, which would
+    # undo a move made here; move the parameter from a hook placed right after that unshard instead (what the
+    # double buffer handing the unit the other slot would do), so the graph layer's check sees it.
+    from fsdp_cudagraph.engines.nvidia_megatron_fsdp import identify_hook
+
+    def move(module, args, kwargs):
+        t.data = t.data.clone()
+
+    unit.register_forward_pre_hook(move, with_kwargs=True)
+    order = list(unit._forward_pre_hooks.items())
+    mover = order.pop()
+    unshard = next(i for i, (_, h) in enumerate(order)
+                   if (identify_hook(h, adapter.engine) or ("",))[0] == "pre_forward")
+    order.insert(unshard + 1, mover)
+    unit._forward_pre_hooks.clear()
+    unit._forward_pre_hooks.update(order)
+
+
+def _take_a_planned_slot(model) -> None:
+    """The slot control (NVIDIA): layer 2's bucket takes the double-buffer slot layer 0 is pinned to."""
+    from fsdp_cudagraph.engines import adapter_for
+
+    adapter = adapter_for(model)
+    buffer = adapter.engine.param_and_grad_buffer
+    group = buffer.param_to_param_group[next(adapter.root.layers[2].parameters())]
+    buffer.parameter_groups[group].model_weight_buffer.fetch_bucket()
+
+
 def run(engine: str, backend: str, args: argparse.Namespace, *, mode: str) -> Dict[str, Any]:
-    """``mode``: eager, graphed, moved (graphed, a parameter moved after capture) or whole (FSDP2 captured whole)."""
+    """``mode``: eager, graphed, moved (graphed, a parameter moved after capture), slot (graphed, NVIDIA's double
+    buffer asked to move a unit after capture) or whole (FSDP2 captured whole)."""
     import torch
     import torch.distributed as dist
 
@@ -81,8 +186,7 @@ def run(engine: str, backend: str, args: argparse.Namespace, *, mode: str) -> Di
     if cuda:
         torch.cuda.default_stream().wait_stream(torch.cuda.current_stream())
         torch.cuda.set_stream(torch.cuda.default_stream())  # as a fresh user process starts
-    model, cfg, params = _model(engine, backend == "te", args.seq_len)
-    opt = torch.optim.Adam(params, lr=1e-3)
+    model, cfg, opt, info = _model(engine, backend == "te", args.seq_len)
     rank, world = dist.get_rank(), dist.get_world_size()
     data = []
     for step in range(args.steps):
@@ -90,10 +194,10 @@ def run(engine: str, backend: str, args: argparse.Namespace, *, mode: str) -> Di
         data.append((x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]))
     config = CudaGraphConfig(cuda_graph_impl="transformer_engine" if backend == "te" else "local",
                              cuda_graph_modules=args.scope, cuda_graph_warmup_steps=3,
-                             use_megatron_fsdp=engine == "megatron_fsdp", fsdp_double_buffer=True,
+                             use_megatron_fsdp=engine != "fsdp2", fsdp_double_buffer=True,
                              fsdp_db_use_persist_buf_on_alloc_fail=True)
     graphs = matcher = whole = None
-    if mode in ("graphed", "moved"):
+    if mode in ("graphed", "moved", "slot"):
         graphs = PartialCudaGraphs(model, config, backend=backend if cuda else "protocol")
     else:
         matcher = match_graph_attention(model, config)
@@ -113,11 +217,9 @@ def run(engine: str, backend: str, args: argparse.Namespace, *, mode: str) -> Di
         if graphs is not None and step == 3:
             graphs.capture()
             if mode == "moved":
-                from fsdp_cudagraph.engines import adapter_for
-
-                _, t = adapter_for(model).replay_tensors(model.layers[1] if engine == "fsdp2" else
-                                                          model.module.layers[1])[0]
-                t.data = t.data.clone()
+                _move_a_parameter(engine, model)
+            elif mode == "slot":
+                _take_a_planned_slot(model)
         start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (0, 0)
         if cuda:
             start.record()
@@ -141,9 +243,9 @@ def run(engine: str, backend: str, args: argparse.Namespace, *, mode: str) -> Di
     ms = [s.elapsed_time(e) for s, e in times]
     out = {"losses": [l.float().cpu() for l in losses], "error": error,
            "step_ms": statistics.median(ms[args.skip:]) if len(ms) > args.skip else None,
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, "info": info}
     if error is None:
-        out["params"] = _full_params(engine, model)
+        out["params"] = _full_params(engine, model, opt)
     if graphs is not None:
         out["callables"] = len(graphs.report.callables) if graphs.report else 0
         if error is None:
@@ -158,7 +260,7 @@ def unsafe(engine: str, backend: str, args: argparse.Namespace) -> Optional[str]
 
     import torch
 
-    model, _, _ = _model(engine, backend == "te", args.seq_len, keep=False)
+    model = _model(engine, backend == "te", args.seq_len, keep=False)[0]
     try:
         PartialCudaGraphs(model, CudaGraphConfig(cuda_graph_impl="transformer_engine" if backend == "te" else "local",
                                                  cuda_graph_modules=args.scope),
@@ -170,7 +272,8 @@ def unsafe(engine: str, backend: str, args: argparse.Namespace) -> Optional[str]
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engines", nargs="+", default=["fsdp2", "megatron_fsdp"], choices=["fsdp2", "megatron_fsdp"])
+    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES,
+                   help="nvidia: NVIDIA Megatron-FSDP, skipped with the reason where megatron-core or a GPU is missing")
     p.add_argument("--backends", nargs="+", default=["te", "torch"], choices=["te", "torch"])
     p.add_argument("--scope", nargs="*", default=[], help="cuda_graph_modules (default: whole layers)")
     p.add_argument("--seq-len", type=int, default=100)
@@ -195,6 +298,12 @@ def main(argv=None) -> int:
     init_distributed(default_port=29533)
     rows, ok = [], True
     for engine in args.engines:
+        why = nvidia_unavailable() if engine == "nvidia" else None
+        if why is not None:
+            rows.append({"engine": engine, "skipped": why})
+            if dist.get_rank() == 0:
+                print(f"{engine:14s} skipped: {why}", flush=True)
+            continue
         for backend in args.backends:
             if backend == "te" and (not HAS_TE or not torch.cuda.is_available()):
                 rows.append({"engine": engine, "backend": backend, "skipped": "TransformerEngine not installed"})
@@ -203,6 +312,7 @@ def main(argv=None) -> int:
             graphed = run(engine, backend, args, mode="graphed")
             moved = run(engine, backend, args, mode="moved")
             refused = unsafe(engine, backend, args)
+            slot = run(engine, backend, args, mode="slot") if engine == "nvidia" else None
             loss_eq = [torch.equal(a, b) for a, b in zip(eager["losses"], graphed["losses"])]
             equal = (graphed["error"] is None and len(loss_eq) == args.steps and all(loss_eq)
                      and all(torch.equal(eager["params"][k], graphed["params"][k]) for k in eager["params"]))
@@ -213,17 +323,21 @@ def main(argv=None) -> int:
                    "eager_peak_gib": eager["peak_gib"], "graphed_peak_gib": graphed["peak_gib"],
                    "moved_caught": moved["error"] is not None and "captured at" in moved["error"],
                    "moved_error": (moved["error"] or "")[:400], "unsafe_refused": refused is not None,
-                   "unsafe_error": (refused or "")[:400]}
+                   "unsafe_error": (refused or "")[:400], "engine_info": eager["info"]}
+            if slot is not None:
+                row["slot_caught"] = slot["error"] is not None and "would move bucket" in slot["error"]
+                row["slot_error"] = (slot["error"] or "")[:400]
             if engine == "fsdp2" and torch.cuda.is_available():
                 whole = run(engine, backend, args, mode="whole")
                 row["whole_ms"], row["whole_error"] = whole["step_ms"], whole["error"]
-            ok &= equal and row["moved_caught"] and row["unsafe_refused"]
+            ok &= equal and row["moved_caught"] and row["unsafe_refused"] and row.get("slot_caught", True)
             rows.append(row)
             if dist.get_rank() == 0:
                 print(f"{engine:14s} {backend:5s} {'EQUAL' if equal else 'MISMATCH at ' + str(row['first_mismatch'])}"
                       f"  eager {row['eager_ms'] or float('nan'):.2f} ms  graphed {row['graphed_ms'] or float('nan'):.2f} ms"
                       + (f"  whole {row['whole_ms']:.2f} ms" if row.get("whole_ms") else "")
-                      + f"  moved caught {row['moved_caught']}  unsafe refused {row['unsafe_refused']}", flush=True)
+                      + f"  moved caught {row['moved_caught']}  unsafe refused {row['unsafe_refused']}"
+                      + (f"  slot move refused {row['slot_caught']}" if "slot_caught" in row else ""), flush=True)
     if dist.get_rank() == 0:
         print(f"engines alignment: {'all bit-equal, controls caught' if ok else 'FAILED'}")
         if args.out:

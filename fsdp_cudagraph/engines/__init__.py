@@ -275,3 +275,4 @@ def _load_builtin() -> None:
     # The modules register themselves on import; one line per engine module of this folder.
     _load("megatron_fsdp")
     _load("fsdp2")
+    _load("nvidia_megatron_fsdp")  # imports nothing of megatron: recognises NVIDIA's classes by name

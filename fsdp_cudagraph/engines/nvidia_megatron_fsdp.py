@@ -1,0 +1,589 @@
+"""NVIDIA's Megatron-FSDP, as released, as an engine of the graph layer (see [Note: the engine contract]).
+
+NVIDIA's engine (class ``MegatronFSDP``; megatron-core wraps it in ``FullyShardedDataParallel``) is reached
+only through objects the user built: this module imports nothing of megatron. Its import name clashes with
+this project's ``megatron_fsdp``, so use it through megatron-core's bundled copy,
+``megatron.core.distributed.fsdp.src.megatron_fsdp``.
+
+[Note: NVIDIA Megatron-FSDP internals relied on]
+Read in Megatron-FSDP 0.3.1 (bundled in megatron-core 0.16.1, run on CPU) and 0.6.1 (bundled in megatron-core
+0.19.2, byte-identical to the standalone ``megatron-fsdp`` 0.6.1); other versions are refused by
+:func:`check_version`. ``MegatronFSDP._register_fsdp_hooks`` (``megatron_fsdp.py``) registers, with no
+sentinel attributes, closures local to that method (``__qualname__`` ``MegatronFSDP._register_fsdp_hooks.
+<locals>.NAME``; ``torch.compiler.disable`` wraps some, ``__wrapped__`` leads back):
+
+- on every module outside an FSDP unit and on every unit, a forward-pre hook ``_pre_forward_param_unshard``
+  (``prepend=True, with_kwargs=True``; all-gather and wait, prefetch the next bucket) -- planned as is;
+- on every unit, a forward hook ``_post_forward`` (release the unit's bucket) -- planned as is; on other
+  modules under ``optim_grads_params``, a forward hook ``_release_module_fp8_transpose_cache`` -- planned;
+- on every unit, a forward hook ``forward_hook`` made by ``create_custom_backward_hook(module,
+  custom_backward_handler)``: it only registers ``custom_backward_handler`` on the outputs with
+  ``register_multi_grad_hook``. The handler is the closure's free variable ``custom_backward_handler``:
+  ``_pre_backward_param_unshard`` -- the wrapper is withheld, the handler planned under
+  ``backward_pre_hooks``;
+- under ``optim_grads_params``, on every unit, a forward-pre hook ``functools.partial(
+  _register_post_backward_hook, _post_backward_release_module)``: it only wraps the inputs in
+  ``RegisterFSDPBackwardFunction`` whose backward calls the handler -- withheld, ``partial.args[0]``
+  planned under ``backward_hooks``;
+- ``create_custom_backward_hook(m, _root_pre_backward)`` on every module that holds all parameters, and once
+  more on whichever module ``named_modules()`` yields last (the method reuses its loop variable) --
+  the engine's own (``engine_only``), never run at capture (it queues the root post-backward, a reduce-scatter);
+- post-accumulate-grad hooks on parameters (they do not fire at capture: TE's graph maker takes gradients
+  with ``torch.autograd.grad``, which runs no AccumulateGrad) and state-dict hooks (not module hooks).
+
+Every recognised closure must also close over this very engine (its ``self`` cell, searched through the
+closures it calls): a hook of another engine, or a look-alike, is unknown.
+
+[Note: NVIDIA's double buffer and replay]
+With ``fsdp_double_buffer``, ZeRO-3 (``optim_grads_params``) buckets of the units of one size live in two
+slots of a ``FixedPoolAllocator`` (or ``MaxPoolAllocator``): persistent, named buffers. Which slot a bucket
+gets is decided at each unshard: 0.3.1 takes the lowest free slot (with an odd number of units, each unit's
+backward slot is the other one than its forward slot: unit k's backward hook allocates unit k-1 first),
+0.6.1 remembers the slot of the first allocation and moves the bucket to the other one when that slot is
+busy. A graph captured with a unit in one slot and replayed with it in the
+other reads the wrong weights, and the backward graph's weights are not seen by a forward address check.
+:func:`pin_double_buffer_slots` makes the slot a fixed function of the plan: a double-buffered unit's
+bucket always takes slot (its position among double-buffered units) % 2, which is free whenever units run
+in module order one prefetch ahead (the engine releases a unit before prefetching the one two places on);
+if it is not free, the allocation raises RuntimeError instead of moving the bucket. Parameters then sit
+at one address per unit in forward and in backward, which the graph layer's replay address check on the
+parameters (:meth:`NvidiaMegatronFSDPEngine.replay_tensors`) verifies before every replay. Units outside
+the double-buffered group need ``fsdp_db_use_persist_buf_on_alloc_fail`` (0.6.1; a persistent buffer per
+bucket); 0.3.1 has no such option and allocates them anew at each unshard, so it is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+import threading
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import HOOK_DICTS, EngineAdapter, HookPlan, read_sentinel, register_engine
+
+__all__ = ["NvidiaMegatronFSDPEngine", "TESTED_VERSIONS", "check_version", "identify_hook",
+           "pin_double_buffer_slots", "unpin_double_buffer_slots"]
+
+#: Megatron-FSDP versions whose hook structure and allocators were checked (see the note above).
+TESTED_VERSIONS: Dict[str, str] = {
+    "0.3.1": "bundled in megatron-core 0.16.1 (run on CPU)",
+    "0.6.1": "bundled in megatron-core 0.19.2 and released as megatron-fsdp 0.6.1 (source read)",
+}
+#: (module, class) of NVIDIA's engine: megatron-core's bundled copy, and the standalone package's.
+_ENGINE_CLASSES = {
+    ("megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp", "MegatronFSDP"),
+    ("megatron_fsdp.megatron_fsdp", "MegatronFSDP"),
+}
+#: megatron-core's wrapper around it (``.module`` is the MegatronFSDP).
+_MCORE_CLASSES = {("megatron.core.distributed.fsdp.mcore_fsdp_adapter", "FullyShardedDataParallel")}
+
+_LOCALS = "MegatronFSDP._register_fsdp_hooks.<locals>."
+#: closure name -> role, for the hook objects themselves.
+_HOOK_ROLES = {
+    "_pre_forward_param_unshard": "pre_forward",
+    "_post_forward": "post_forward",
+    "_release_module_fp8_transpose_cache": "post_forward",
+}
+_BACKWARD_WRAPPER = "create_custom_backward_hook.<locals>.forward_hook"
+_POST_BACKWARD_REGISTRAR = "_register_post_backward_hook"
+#: handler name -> role, for the handlers inside the two wrappers.
+_HANDLER_ROLES = {
+    "_pre_backward_param_unshard": "pre_backward",
+    "_root_pre_backward": "root_pre_backward",
+    "_post_backward_release_module": "post_backward",
+}
+#: role -> (the hook dict it sits in, the TE key it is planned under or None, how TE's fn calls it).
+_PLANS = {
+    "pre_forward": ("_forward_pre_hooks", "forward_pre_hooks", "pre"),
+    "post_forward": ("_forward_hooks", "forward_hooks", "post"),
+    "pre_backward": ("_forward_hooks", "backward_pre_hooks", "handler"),
+    "post_backward": ("_forward_pre_hooks", "backward_hooks", "handler"),
+    "root_pre_backward": ("_forward_hooks", None, None),
+}
+_DICTS = HOOK_DICTS
+
+
+def _class_key(cls: type) -> Tuple[str, str]:
+    return getattr(cls, "__module__", ""), getattr(cls, "__qualname__", "")
+
+
+def _is_engine(obj: Any) -> bool:
+    return any(_class_key(c) in _ENGINE_CLASSES for c in type(obj).__mro__)
+
+
+def _is_mcore_wrapper(obj: Any) -> bool:
+    return any(_class_key(c) in _MCORE_CLASSES for c in type(obj).__mro__)
+
+
+def _engine_of(model: nn.Module) -> nn.Module:
+    """NVIDIA's MegatronFSDP in ``model`` (itself, or megatron-core's wrapper's ``.module``)."""
+    if _is_engine(model):
+        return model
+    inner = getattr(model, "module", None)
+    if _is_mcore_wrapper(model) and inner is not None and _is_engine(inner):
+        return inner
+    raise TypeError(f"fsdp_cudagraph: {type(model).__module__}.{type(model).__qualname__} is not NVIDIA's "
+                    "MegatronFSDP nor megatron-core's FullyShardedDataParallel around one")
+
+
+# -- versions -------------------------------------------------------------------------------------------
+def _package_version(package: str) -> Optional[str]:
+    """``package.package_info.__version__`` of an imported package (None where it has none)."""
+    if package not in sys.modules:
+        return None
+    try:
+        info = importlib.import_module(package + ".package_info")
+    except ImportError:
+        return None
+    return getattr(info, "__version__", None)
+
+
+def engine_versions(engine: Any) -> Tuple[Optional[str], Optional[str]]:
+    """(Megatron-FSDP version, megatron-core version or None) of the package ``engine``'s class comes from."""
+    package = type(engine).__module__.rpartition(".")[0]
+    fsdp = _package_version(package)
+    mcore = _package_version("megatron.core") if package.startswith("megatron.core.") else None
+    return fsdp, mcore
+
+
+def check_version(fsdp_version: Optional[str], mcore_version: Optional[str] = None) -> None:
+    """Refuse a Megatron-FSDP whose hooks and allocators were not checked (NotImplementedError)."""
+    if fsdp_version in TESTED_VERSIONS:
+        return
+    where = f" (bundled in megatron-core {mcore_version})" if mcore_version else ""
+    tested = "; ".join(f"{v}, {how}" for v, how in TESTED_VERSIONS.items())
+    raise NotImplementedError(
+        f"fsdp_cudagraph: NVIDIA Megatron-FSDP {fsdp_version}{where} is not a version the adapter was checked "
+        f"against (tested: {tested}). Partial graphs recognise its hooks by structure, which changes between "
+        "releases: install megatron-core 0.16.1 or 0.19.2 (or megatron-fsdp 0.6.1), or report the version")
+
+
+# -- hook recognition -----------------------------------------------------------------------------------
+def _unwrap(fn: Any) -> Any:
+    """Past ``torch.compiler.disable`` (and any functools.wraps) to the function NVIDIA wrote."""
+    seen = 0
+    while hasattr(fn, "__wrapped__") and seen < 8:
+        fn, seen = fn.__wrapped__, seen + 1
+    return fn
+
+
+def _local_name(fn: Any) -> Optional[str]:
+    """The name of ``fn`` inside ``MegatronFSDP._register_fsdp_hooks`` (None if it is not defined there)."""
+    qualname = getattr(_unwrap(fn), "__qualname__", "")
+    return qualname[len(_LOCALS):] if qualname.startswith(_LOCALS) else None
+
+
+def _free_var(fn: Any, name: str) -> Any:
+    """The value of free variable ``name`` of ``fn`` (unwrapped), or None."""
+    fn = _unwrap(fn)
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or not cells or name not in code.co_freevars:
+        return None
+    try:
+        return cells[code.co_freevars.index(name)].cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _owner(fn: Any, depth: int = 3) -> Any:
+    """The MegatronFSDP a closure of ``_register_fsdp_hooks`` serves: its ``self``, or that of a closure it calls."""
+    fn = _unwrap(fn)
+    own = _free_var(fn, "self")
+    if own is not None or depth == 0:
+        return own
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    for cell in cells:
+        try:
+            inner = cell.cell_contents
+        except ValueError:
+            continue
+        if callable(inner) and _local_name(inner) is not None:
+            found = _owner(inner, depth - 1)
+            if found is not None:
+                return found
+    return None
+
+
+def identify_hook(hook: Any, engine: Any) -> Optional[Tuple[str, Callable[..., Any]]]:
+    """(role, the callable a capture-time hook calls) of one of ``engine``'s hooks, None for any other hook.
+
+    Roles: ``pre_forward``, ``post_forward`` (the hook itself is called), ``pre_backward``,
+    ``post_backward`` (the inner handler of a wrapper is called), ``root_pre_backward`` (the engine's, not run
+    at capture). Structure only, pinned to the versions in TESTED_VERSIONS (see the module's note).
+    """
+    if isinstance(hook, functools.partial):
+        if _local_name(hook.func) != _POST_BACKWARD_REGISTRAR or len(hook.args) != 1 or hook.keywords:
+            return None
+        handler = hook.args[0]
+        if _HANDLER_ROLES.get(_local_name(handler) or "") != "post_backward":
+            return None
+        return ("post_backward", handler) if _owner(handler) is engine else None
+    name = _local_name(hook)
+    if name is None:
+        return None
+    if name == _BACKWARD_WRAPPER:
+        handler = _free_var(hook, "custom_backward_handler")
+        role = _HANDLER_ROLES.get(_local_name(handler) or "") if handler is not None else None
+        if role not in ("pre_backward", "root_pre_backward"):
+            return None
+        return (role, handler) if _owner(handler) is engine else None
+    role = _HOOK_ROLES.get(name)
+    if role is None:
+        return None
+    # The FP8 cache release reads no engine state (it closes over no ``self``): any engine's will do.
+    if name != "_release_module_fp8_transpose_cache" and _owner(hook) is not engine:
+        return None
+    return role, hook
+
+
+def _te_form(fn: Callable[..., Any], kind: str) -> Callable[[nn.Module], None]:
+    """A hook or handler in TE's ``fn(module) -> None`` form (NVIDIA's return the arguments or the output)."""
+    if kind == "pre":
+        def run(module: nn.Module) -> None:
+            fn(module, (), {})  # 0.3.1 takes (module, args, kwargs), 0.6.1 (module, *unused)
+    elif kind == "post":
+        def run(module: nn.Module) -> None:
+            fn(module, (), None)
+    else:
+        def run(module: nn.Module) -> None:
+            fn(module)
+    run.__wrapped__ = fn  # type: ignore[attr-defined]
+    return run
+
+
+# -- the double buffer ----------------------------------------------------------------------------------
+_PIN_ATTR = "_fsdp_cudagraph_unpinned_allocate"
+
+
+def _pinned_allocators(engine: Any) -> List[Any]:
+    buffer = getattr(engine, "param_and_grad_buffer", None)
+    out = []
+    for attr in ("weight_alloc", "transpose_weight_alloc"):
+        alloc = getattr(buffer, attr, None)
+        if alloc is not None and hasattr(alloc, "fsdp_double_buffer_units") and hasattr(alloc, "idle_buffer"):
+            out.append(alloc)
+    return out
+
+
+def _planned_entry(alloc: Any, bucket_id: int, dtype: Any) -> Optional[Tuple[Any, ...]]:
+    """The idle-pool entry ``bucket_id`` is pinned to, None if its unit is not double-buffered."""
+    unit_id = alloc.fsdp_param_groups[bucket_id].fsdp_unit_id
+    units = sorted(u for u in alloc.fsdp_double_buffer_units if u is not None)
+    if unit_id not in units:
+        return None
+    slot = units.index(unit_id) % alloc.size
+    index = getattr(alloc, "bucket_alloc_index", None)
+    if index is not None:  # 0.6.1 MaxPoolAllocator: (slot, dtype, offset)
+        offset = index[bucket_id][1]
+        return slot, (torch.uint8 if dtype == "float8" else dtype), offset
+    buckets = alloc.fsdp_unit_buckets[unit_id]
+    offset = buckets[bucket_id][1] if isinstance(buckets, dict) else buckets.index(bucket_id)  # 0.6.1 / 0.3.1
+    return slot, offset
+
+
+def _describe(alloc: Any, bucket_id: int, names: Mapping[int, str]) -> str:
+    unit = alloc.fsdp_param_groups[bucket_id].fsdp_unit_id
+    return f"bucket {bucket_id} (FSDP unit {unit}, {names.get(bucket_id, '?')})"
+
+
+def pin_double_buffer_slots(model: nn.Module) -> int:
+    """Give each double-buffered bucket of NVIDIA's engine one fixed slot; refuse to move it (RuntimeError).
+
+    See [Note: NVIDIA's double buffer and replay]. Idempotent; :func:`unpin_double_buffer_slots` undoes it.
+    Returns the number of allocators pinned (0 without a double buffer). The allocators' ``allocate`` is
+    replaced on the instance (nothing of the installed package changes).
+    """
+    engine = _engine_of(model)
+    rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+    param_name = {id(p): n for n, p in engine.module.named_parameters()}
+    allocators = _pinned_allocators(engine)
+    for alloc in allocators:
+        if _PIN_ATTR in alloc.__dict__:
+            continue
+        names = {b: param_name.get(id(g.params[0]), "?") if getattr(g, "params", None) else "?"
+                 for b, g in enumerate(alloc.fsdp_param_groups)}
+        original = alloc.allocate
+
+        def allocate(bucket_id: int, size: int, dtype: Any, device: Any, *args: Any, _alloc: Any = alloc,
+                     _original: Any = original, _names: Dict[int, str] = names, **kwargs: Any) -> Any:
+            entry = _planned_entry(_alloc, bucket_id, dtype)
+            if entry is None or bucket_id in _alloc.using_buffer:
+                return _original(bucket_id, size, dtype, device, *args, **kwargs)
+            if entry not in _alloc.idle_buffer:
+                holders = [_describe(_alloc, b, _names) for b, e in _alloc.using_buffer.items() if e == entry]
+                raise RuntimeError(
+                    f"[rank {rank}] fsdp_cudagraph: NVIDIA Megatron-FSDP's double buffer "
+                    f"({getattr(_alloc, 'name', '?')}) would move {_describe(_alloc, bucket_id, _names)} out of its "
+                    f"planned slot {entry[0]}, still held by {holders or 'another bucket'}; a CUDA graph captured "
+                    f"with this unit in slot {entry[0]} would replay on another unit's weights. A unit was "
+                    "all-gathered before the unit two places before it released the slot: keep the FSDP units in "
+                    "module (forward) order with one prefetch ahead and no activation recomputation of graphed "
+                    "units, or delete() the graphs and call unpin_double_buffer_slots to train eagerly")
+            others = [e for e in _alloc.idle_buffer if e != entry and e[1:] == entry[1:]]
+            for e in others:  # the only free slot of this offset is the planned one while the call runs
+                _alloc.idle_buffer.remove(e)
+            try:
+                bucket = _original(bucket_id, size, dtype, device, *args, **kwargs)
+            finally:
+                _alloc.idle_buffer.extend(others)
+            assert _alloc.using_buffer.get(bucket_id) == entry, (bucket_id, entry, _alloc.using_buffer)
+            return bucket
+
+        alloc.__dict__[_PIN_ATTR] = original
+        alloc.allocate = allocate
+    return len(allocators)
+
+
+def unpin_double_buffer_slots(model: nn.Module) -> None:
+    """Undo :func:`pin_double_buffer_slots`: the allocators choose slots as released again."""
+    for alloc in _pinned_allocators(_engine_of(model)):
+        if _PIN_ATTR in alloc.__dict__:
+            del alloc.__dict__["allocate"]
+            del alloc.__dict__[_PIN_ATTR]
+
+
+# -- the capture guard ----------------------------------------------------------------------------------
+#: The torch.distributed functions NVIDIA's engine calls through the module at call time.
+_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather", "reduce_scatter",
+                "broadcast", "barrier")
+_guard_lock = threading.Lock()
+_guard_depth = 0
+
+
+@contextlib.contextmanager
+def _refuse_collectives(rank: int, what: str) -> Iterator[None]:
+    """torch.distributed's collectives raise RuntimeError inside (restored in ``finally``; nests)."""
+    global _guard_depth
+    dist = torch.distributed
+    with _guard_lock:
+        _guard_depth += 1
+        saved = {}
+        if _guard_depth == 1:
+            for name in _COLLECTIVES:
+                if hasattr(dist, name):
+                    saved[name] = getattr(dist, name)
+                    setattr(dist, name, _refusing(name, rank, what))
+    try:
+        yield
+    finally:
+        with _guard_lock:
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+            _guard_depth -= 1
+
+
+def _refusing(name: str, rank: int, what: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"[rank {rank}] fsdp_cudagraph: NVIDIA Megatron-FSDP called torch.distributed.{name} during {what}; "
+            "collectives must stay outside CUDA graphs (the engine's hooks run around the capture, not in it). "
+            "A hook of the engine ran inside the captured module: see check_partial_graphs' refusals")
+    refuse.__name__ = name
+    return refuse
+
+
+@register_engine
+class NvidiaMegatronFSDPEngine(EngineAdapter):
+    """A model wrapped by NVIDIA's Megatron-FSDP: its ``MegatronFSDP``, or megatron-core's
+    ``FullyShardedDataParallel`` around one.
+
+    Units are the instances of the engine's ``fsdp_unit_modules`` not nested in another (the modules its
+    ``_register_fsdp_hooks`` gives unit hooks), in module order. Construction refuses an untested version;
+    :meth:`check_partial_graphs` refuses unsafe settings and pins the double buffer's slots.
+    """
+
+    name = "NVIDIA Megatron-FSDP"
+    address_hint = ("Keep fsdp_double_buffer=True (and fsdp_db_use_persist_buf_on_alloc_fail=True on 0.6.1) and the "
+                    "double buffer's slot pin (pin_double_buffer_slots) in force.")
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.engine = _engine_of(model)
+        self.fsdp_version, self.mcore_version = engine_versions(self.engine)
+        check_version(self.fsdp_version, self.mcore_version)
+
+    @classmethod
+    def recognizes(cls, model: nn.Module) -> bool:
+        # By class path: imports nothing, so megatron stays unloaded unless the user loaded it.
+        return _is_engine(model) or (_is_mcore_wrapper(model) and _is_engine(getattr(model, "module", None)))
+
+    @property
+    def root(self) -> nn.Module:
+        return self.engine.module
+
+    # -- units ------------------------------------------------------------------------------------
+    def _unit_classes(self) -> Tuple[type, ...]:
+        return tuple(c for c in getattr(self.engine, "fsdp_unit_modules", ()) if isinstance(c, type))
+
+    def unit_modules(self) -> List[nn.Module]:
+        classes, units = self._unit_classes(), []
+        if not classes:
+            return units
+        for m in self.root.modules():
+            if isinstance(m, classes) and not any(any(s is m for s in u.modules()) for u in units):
+                units.append(m)
+        return units
+
+    def unit_of(self, module: nn.Module) -> Optional[nn.Module]:
+        for unit in self.unit_modules():
+            if any(s is module for s in unit.modules()):
+                return unit
+        return None
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def hook_plan(self, hooks: Mapping[str, Mapping[int, Any]]) -> HookPlan:
+        plan = HookPlan()
+        for dict_name in _DICTS:
+            for hid, hook in hooks.get(dict_name, {}).items():
+                if read_sentinel(hook, hid, dict_name, plan):  # the contract's sentinel wrappers (NVIDIA sets none)
+                    continue
+                found = identify_hook(hook, self.engine)
+                expected = _PLANS.get(found[0]) if found is not None else None
+                if expected is None or expected[0] != dict_name:
+                    plan.unknown.append((dict_name, hid, hook))
+                    continue
+                role, fn = found
+                _, key, kind = expected
+                if key is not None:
+                    plan.capture_time[key][hid] = _te_form(fn, kind)
+                if role in ("pre_backward", "post_backward"):
+                    plan.withheld.append((dict_name, hid, hook))
+                elif role == "root_pre_backward":  # the engine's own, run by nothing at capture
+                    plan.engine_only.append((dict_name, hid, hook))
+        return plan
+
+    # -- what must not move -----------------------------------------------------------------------
+    def _strategy(self) -> str:
+        e = self.engine
+        return str(getattr(e, "data_parallel_sharding_strategy", None) or e.ddp_config.data_parallel_sharding_strategy)
+
+    def check_partial_graphs(self) -> None:
+        """Refuse settings under which replay could read moved or stale memory; then pin the double buffer."""
+        e, cfg = self.engine, self.engine.ddp_config
+        version = f"Megatron-FSDP {self.fsdp_version}"
+        fine = [n for n in ("enable_fine_grained_param_gather_hook", "enable_fine_grained_param_gather_backward_hook")
+                if getattr(e, n, False)]
+        if fine:
+            raise NotImplementedError(
+                f"fsdp_cudagraph: {version} was built with {fine}=True, which hooks every submodule, so the "
+                "engine's all-gathers would run inside the captured layers; build it without fine-grained "
+                "parameter gathering (fully_shard_model(enable_fine_grained_param_gather=False))")
+        if getattr(cfg, "fp8_param_gather", False) or any(
+                getattr(g, "transpose_weight_buffer", None) is not None
+                for g in getattr(getattr(e, "param_and_grad_buffer", None), "parameter_groups", ())):
+            raise NotImplementedError(
+                f"fsdp_cudagraph: {version} gathers FP8 parameters (fp8_param_gather=True): backward reads a "
+                "transpose buffer whose address the replay check does not see; use fp8_param_gather=False")
+        index = getattr(e, "dist_index", None)
+        if getattr(index, "use_hybrid_fsdp", False):
+            raise NotImplementedError(
+                f"fsdp_cudagraph: {version} runs hybrid FSDP (outer_dp_sharding_strategy="
+                f"{getattr(cfg, 'outer_dp_sharding_strategy', '?')!r}), which partial graphs were not checked "
+                "with; use plain FSDP (no dp_outer_dim / hybrid_fsdp_group)")
+        fused = [f"{self.unit_name(u)}.{n}" for u in self.unit_modules() for n, m in u.named_modules()
+                 if getattr(m, "fuse_wgrad_accumulation", False)]
+        if fused:
+            raise NotImplementedError(
+                f"fsdp_cudagraph: modules {fused[:4]} fuse weight-gradient accumulation into main_grad "
+                "(fuse_wgrad_accumulation=True); under NVIDIA Megatron-FSDP main_grad is allocated per bucket at "
+                "each backward, so a graph would write a stale address: set fuse_wgrad_accumulation=False "
+                "(gradient_accumulation_fusion=False in megatron-core)")
+        inside = self._hooks_inside_units()
+        if inside:
+            raise NotImplementedError(
+                f"fsdp_cudagraph: {version} put its hooks {inside[:4]} on modules inside FSDP units; inside a "
+                "graphed layer they would run in the capture and never at replay. _register_fsdp_hooks attaches "
+                "its root pre-backward hook to the last module named_modules() yields: end the model with a "
+                "module outside the FSDP units (a final norm or output head, as GPT models do)")
+        if self._strategy() == "optim_grads_params":
+            self._check_zero3(version)
+        pin_double_buffer_slots(self.engine)
+
+    def _check_zero3(self, version: str) -> None:
+        cfg = self.engine.ddp_config
+        double = bool(getattr(cfg, "fsdp_double_buffer", False))
+        has_persist = hasattr(cfg, "fsdp_db_use_persist_buf_on_alloc_fail")
+        persist = bool(getattr(cfg, "fsdp_db_use_persist_buf_on_alloc_fail", False))
+        if has_persist and not (double and persist):
+            raise ValueError(
+                f"fsdp_cudagraph: partial CUDA graphs under {version} with data_parallel_sharding_strategy="
+                f"'optim_grads_params' need fsdp_double_buffer=True and fsdp_db_use_persist_buf_on_alloc_fail="
+                f"True (the model has {double} and {persist}): replay reads parameters at the addresses of "
+                "capture, and without them unshard buffers are allocated anew; pass both to fully_shard_model "
+                "(or set both in DistributedDataParallelConfig)")
+        if not double:
+            raise ValueError(
+                f"fsdp_cudagraph: partial CUDA graphs under {version} with data_parallel_sharding_strategy="
+                "'optim_grads_params' need fsdp_double_buffer=True (the model has False): without it unshard "
+                "buffers are allocated anew at every all-gather; set it in DistributedDataParallelConfig")
+        if not has_persist:  # 0.3.1: units outside the double-buffered group are allocated anew at each unshard
+            alloc = getattr(self.engine.param_and_grad_buffer, "weight_alloc", None)
+            pooled = set(getattr(alloc, "fsdp_double_buffer_units", ()))
+            outside = sorted({g.fsdp_unit_id for g in getattr(alloc, "fsdp_param_groups", ())
+                              if g.fsdp_unit_id not in (None, -1) and g.fsdp_unit_id not in pooled})
+            if outside:
+                raise NotImplementedError(
+                    f"fsdp_cudagraph: {version} double-buffers only FSDP units of one size and allocates units "
+                    f"{outside} anew at every unshard, and has no fsdp_db_use_persist_buf_on_alloc_fail; make all "
+                    "units the same size, or use megatron-core 0.19.2 (Megatron-FSDP 0.6.1) with "
+                    "fsdp_db_use_persist_buf_on_alloc_fail=True")
+
+    def _hooks_inside_units(self) -> List[str]:
+        out = []
+        for unit in self.unit_modules():
+            base = self.unit_name(unit)
+            for name, m in unit.named_modules():
+                if m is unit:
+                    continue
+                for d in _DICTS:
+                    for hook in getattr(m, d).values():
+                        found = identify_hook(hook, self.engine)
+                        if found is not None:
+                            out.append(f"{base}.{name}:{found[0]}")
+        return out
+
+    def replay_tensors(self, module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+        # The module's compute ("raw") parameters, whose .data the engine points into the unshard buffer; after
+        # finish_grad_sync the module holds the optimizer's DTensors instead, so map those back by name.
+        raw = getattr(self.engine, "raw_param", None) or {}
+        dist = {id(p): n for n, p in getattr(getattr(self.engine, "param_and_grad_buffer", None),
+                                             "optimizer_named_parameters", ())}
+        out = []
+        for name, p in module.named_parameters():
+            full = dist.get(id(p))
+            out.append((name, raw[full] if full is not None and full in raw else p))
+        return out
+
+    # -- capture guard ----------------------------------------------------------------------------
+    def capture_guard(self) -> ContextManager[None]:
+        return _refuse_collectives(self.rank, "a CUDA graph capture")
+
+    def simulated_capture(self) -> ContextManager[None]:
+        return _refuse_collectives(self.rank, "a (simulated) capture")
+
+    # -- step boundary ----------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Wait for in-flight all-gathers and reductions, release every unit's bucket, put the compute
+        parameters back on the modules (capture calls the layers directly, not ``MegatronFSDP.forward``).
+
+        Training states are left as the engine's own hooks set them (a capture pass leaves them as an eager
+        step does), except a unit left mid-forward by a failed capture, which goes back to idle.
+        """
+        e = self.engine
+        reduce = getattr(e, "grad_reduce_pipeline", None)
+        if reduce is not None:
+            reduce.wait_for_previous_grad_reduce(0)
+        gather = getattr(e, "all_gather_pipeline", None)
+        if gather is not None:
+            gather.reset()
+        e._replace_param_with_raw_if_needed()
+        states = getattr(sys.modules.get(type(e).__module__), "TrainingState", None)
+        if states is not None:
+            for unit in self.unit_modules():
+                if getattr(unit, "_training_state", None) == states.FORWARD:
+                    unit._training_state = states.IDLE
