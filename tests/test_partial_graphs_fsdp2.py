@@ -42,7 +42,8 @@ def _build(keep: bool = True):
     return model, cfg
 
 
-def _train(rank: int, world: int, scope: Optional[List[str]], *, move_param: bool = False) -> Dict[str, Any]:
+def _train(rank: int, world: int, scope: Optional[List[str]], *, move_param: bool = False,
+           skip_prepare: bool = False) -> Dict[str, Any]:
     from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
     from fsdp_cudagraph.apps.model import loss_fn, synthetic_batch
 
@@ -54,7 +55,15 @@ def _train(rank: int, world: int, scope: Optional[List[str]], *, move_param: boo
                                                           cuda_graph_warmup_steps=CAPTURE_AT), backend="protocol")
     out: Dict[str, Any] = {"losses": [], "error": None}
     for step in range(STEPS):
-        if graphs is not None and step == CAPTURE_AT:
+        if graphs is not None and step == CAPTURE_AT and skip_prepare:
+            # negative control: the adapter does not register the unsharded parameters before capture, so the
+            # graph maker's parameters (the sharded DTensors) are not the ones the forward reads
+            graphs.engine.prepare_capture = lambda units: None
+            try:
+                graphs.capture()
+            except RuntimeError as exc:
+                out["capture_error"] = str(exc)
+        elif graphs is not None and step == CAPTURE_AT:
             out["callables"] = graphs.capture().callables
             if move_param:  # negative control: an unsharded parameter that no longer sits where capture saw it
                 from fsdp_cudagraph.engines import adapter_for
@@ -83,7 +92,8 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
     from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
 
     res = {"eager": _train(rank, world, None), "layers": _train(rank, world, []),
-           "attn_mlp": _train(rank, world, ["attn", "mlp"]), "moved": _train(rank, world, [], move_param=True)}
+           "attn_mlp": _train(rank, world, ["attn", "mlp"]), "moved": _train(rank, world, [], move_param=True),
+           "unprepared": _train(rank, world, [], skip_prepare=True)}
     model, _ = _build(keep=False)
     try:
         PartialCudaGraphs(model, CudaGraphConfig(cuda_graph_impl="local", cuda_graph_modules=[]), backend="protocol")
@@ -107,6 +117,19 @@ def test_graphed_fsdp2_training_equals_eager(runs, scope):
         assert all(torch.equal(a, b) for a, b in zip(run["losses"], eager["losses"])), (run["losses"], eager["losses"])
         assert all(torch.equal(run["params"][k], eager["params"][k]) for k in eager["params"])
         assert run["replays"] and all(n == STEPS - CAPTURE_AT for n in run["replays"].values()), run["replays"]
+
+
+def test_capture_with_the_sharded_parameters_registered_is_refused(runs):
+    """Contract item 6: TE's graph maker takes module.parameters() before the unshard hook runs. Without the
+    adapter's prepare_capture they are FSDP2's sharded DTensors and a replay's gradients would reach nothing
+    FSDP2 reduces (trained silently wrong on an H200 before the fix); the capture is refused, and the failed
+    capture leaves the eager run exactly as if it had not been tried."""
+    for res in runs:
+        run, eager = res["unprepared"], res["eager"]
+        msg = run.get("capture_error")
+        assert msg is not None and "prepare_capture" in msg and "layers.0" in msg, run
+        assert run["error"] is None and all(torch.equal(a, b) for a, b in zip(run["losses"], eager["losses"]))
+        assert all(torch.equal(run["params"][k], eager["params"][k]) for k in eager["params"])
 
 
 def test_fsdp2_without_kept_storage_is_refused_when_built(runs):

@@ -28,6 +28,13 @@ An FSDP engine drives its communication from module hooks. A per-layer graph nee
    the CPU protocol backend, which captures nothing.
 5. **A step boundary.** ``reset`` waits for anything in flight and brings every unit to idle; the graph
    layer calls it before and after capture.
+6. **The parameters a capture reads.** TE's graph maker reads ``module.parameters()`` once, when it is
+   called, before any capture-time hook runs, and makes those tensors the graph's inputs: their gradients
+   are what a replay's backward returns. An engine that registers other tensors on the module in its
+   pre-forward (FSDP2 swaps the sharded DTensor for the unsharded parameter) registers, in
+   ``prepare_capture``, the ones its forward reads. The graph layer checks after every capture-time
+   pre-forward that the registered parameters are the ones it captured with, and refuses the capture
+   otherwise (the graph would compute gradients that reach no parameter).
 """
 
 from __future__ import annotations
@@ -206,6 +213,10 @@ class EngineAdapter(abc.ABC):
     # -- 5. step boundary -------------------------------------------------------------------------
     def reset(self) -> None:
         """Wait for anything in flight and bring every unit to idle (before and after capture)."""
+
+    # -- 6. the parameters a capture reads ---------------------------------------------------------
+    def prepare_capture(self, units: List[nn.Module]) -> None:
+        """Register on each unit the parameters its forward reads (called after ``reset``, before capture)."""
 
 
 _ENGINES: List[type] = []

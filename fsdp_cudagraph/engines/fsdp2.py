@@ -256,6 +256,16 @@ class FSDP2Engine(EngineAdapter):
         if root is not None:
             root._root_post_backward_final_callback()
 
+    def prepare_capture(self, units: List[nn.Module]) -> None:
+        # Between steps an FSDP2 unit registers its sharded DTensors; its pre-forward swaps in the unsharded
+        # parameters. TE's graph maker reads module.parameters() before that hook runs, so without this the
+        # graph's inputs would be the DTensors, and a replay's gradients would reach no parameter FSDP2 reduces.
+        for unit in units:
+            state = _state_of(unit)
+            for g in (_groups(state) if state is not None else ()):
+                g.unshard(g.unshard_async_op)
+                g.wait_for_unshard()  # registers the unsharded parameters on the modules
+
     # -- what must not move -----------------------------------------------------------------------
     def check_partial_graphs(self) -> None:
         for unit in [self.model] + self.unit_modules():

@@ -90,6 +90,8 @@ class _Callable:
     extracted: Optional[ExtractedHooks] = None
     plan: Dict[str, Dict[int, Any]] = field(default_factory=lambda: {k: {} for k in HOOK_KEYS})
     params: Tuple[nn.Parameter, ...] = ()
+    #: ``module.parameters()`` when the graph maker is called: what TE makes the graph's inputs (contract item 6).
+    capture_params: Tuple[torch.Tensor, ...] = ()
     param_ptrs: Tuple[int, ...] = ()
     #: (name, address) of every tensor a replay reads or writes by address (the engine's replay_tensors).
     replay_ptrs: Tuple[Tuple[str, int], ...] = ()
@@ -288,6 +290,11 @@ class PartialCudaGraphs:
             for c in order:
                 c.extracted = extract_hooks(c.module, hook_plan=hook_plan)
             self._plan(order)
+            if self.engine is not None:
+                self.engine.prepare_capture(list({id(c.unit): c.unit for c in order if c.unit is not None}.values()))
+            for c in order:
+                c.capture_params = tuple(c.module.parameters())
+                c.plan["forward_pre_hooks"][_PARAMS_GUARD] = self._params_guard(c)  # after the engine's hooks
             runner = {"te": self._capture_te, "torch": self._capture_torch, "protocol": self._capture_protocol}[self.backend]
             with _streams.stale_stream_override(), _offload.graph_maker(self.offload):
                 runner(order)
@@ -410,6 +417,22 @@ class PartialCudaGraphs:
                 _run(c.plan["backward_hooks"], c.module)
         for c in order:
             self._install(c, wrappers[c], _ProtocolReplay(wrappers[c]))
+
+    def _params_guard(self, c: _Callable) -> Any:
+        """A capture-time pre-forward hook: the module's parameters are still the ones the graph maker took."""
+        engine = self.engine.name if self.engine is not None else "the model"
+
+        def guard(module: nn.Module) -> None:
+            now = tuple(module.parameters())
+            if len(now) != len(c.capture_params) or any(a is not b for a, b in zip(now, c.capture_params)):
+                swapped = [n for (n, p), q in zip(module.named_parameters(), c.capture_params) if p is not q]
+                raise RuntimeError(
+                    f"fsdp_cudagraph: cannot capture {c.name}: its pre-forward hooks registered other parameter "
+                    f"tensors ({(swapped or ['the set of parameters'])[:3]}) than the module had when the graph "
+                    "maker was called, which are the graph's inputs; a replay's gradients would reach no parameter "
+                    f"the optimizer sees. The engine adapter of {engine} must register, in prepare_capture(), the "
+                    "parameters its forward reads (see [Note: the engine contract], item 6)")
+        return guard
 
     def _simulated_capture(self) -> Any:
         # The engine's guard; with no engine, still the process-wide simulated-capture flag that offloading reads
@@ -537,6 +560,10 @@ def _restore_forward(c: _Callable) -> None:
         c.module.__dict__.pop("forward", None)
 
 
+#: The key of the parameter guard in a callable's capture-time pre-forward hooks (hook ids are >= 0).
+_PARAMS_GUARD = -1
+
+
 def _run(hooks: Dict[int, Any], module: nn.Module) -> None:
     for fn in hooks.values():
         if fn(module) is not None:
@@ -564,7 +591,7 @@ def _grads(c: _Callable, out: Any) -> None:
     and parameters (cleared before, restored after), not ``torch.autograd.grad``."""
     outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor) and o.requires_grad]
     inputs = [a for a in list(c.sample_args) + list(c.sample_kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad]
-    inputs += [p for p in c.module.parameters() if p.requires_grad]
+    inputs += [p for p in c.capture_params if p.requires_grad]  # taken when the graph maker was called, as TE does
     if not outs:
         return
     saved = [t.grad for t in inputs]
