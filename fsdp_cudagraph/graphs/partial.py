@@ -294,7 +294,6 @@ class PartialCudaGraphs:
                 self.engine.prepare_capture(list({id(c.unit): c.unit for c in order if c.unit is not None}.values()))
             for c in order:
                 c.capture_params = tuple(c.module.parameters())
-                c.plan["forward_pre_hooks"][_PARAMS_GUARD] = self._params_guard(c)  # after the engine's hooks
             runner = {"te": self._capture_te, "torch": self._capture_torch, "protocol": self._capture_protocol}[self.backend]
             with _streams.stale_stream_override(), _offload.graph_maker(self.offload):
                 runner(order)
@@ -362,7 +361,7 @@ class PartialCudaGraphs:
             sample_kwargs=tuple({} for _ in order),
             clone_param_grads_on_return=self.clone_param_grads,
             # one entry per callable, in order; TE passes the wrapper, the hooks act on the original module
-            capture_time_hooks=[_on_module(c.plan, c.module) for c in order],
+            capture_time_hooks=[self._te_hooks(c) for c in order],
             **_offload.te_warmup_hooks(self.offload),  # offloading off during warmup, on for capture
             **self._pool_kwargs(order),
         )
@@ -407,6 +406,7 @@ class PartialCudaGraphs:
             outs = []
             for c in order:
                 _run(c.plan["forward_pre_hooks"], c.module)
+                self._check_params(c)
                 with self._simulated_capture() if capturing else contextlib.nullcontext():
                     outs.append(wrappers[c](*c.sample_args))
                 _run(c.plan["forward_hooks"], c.module)
@@ -418,21 +418,24 @@ class PartialCudaGraphs:
         for c in order:
             self._install(c, wrappers[c], _ProtocolReplay(wrappers[c]))
 
-    def _params_guard(self, c: _Callable) -> Any:
-        """A capture-time pre-forward hook: the module's parameters are still the ones the graph maker took."""
-        engine = self.engine.name if self.engine is not None else "the model"
+    def _te_hooks(self, c: _Callable) -> Dict[str, Dict[int, Any]]:
+        """What TE is handed for ``c``: its planned hooks on ``c.module``, then the parameter check."""
+        hooks = _on_module(c.plan, c.module)
+        hooks["forward_pre_hooks"][_PARAMS_GUARD] = lambda _given: self._check_params(c)
+        return hooks
 
-        def guard(module: nn.Module) -> None:
-            now = tuple(module.parameters())
-            if len(now) != len(c.capture_params) or any(a is not b for a, b in zip(now, c.capture_params)):
-                swapped = [n for (n, p), q in zip(module.named_parameters(), c.capture_params) if p is not q]
-                raise RuntimeError(
-                    f"fsdp_cudagraph: cannot capture {c.name}: its pre-forward hooks registered other parameter "
-                    f"tensors ({(swapped or ['the set of parameters'])[:3]}) than the module had when the graph "
-                    "maker was called, which are the graph's inputs; a replay's gradients would reach no parameter "
-                    f"the optimizer sees. The engine adapter of {engine} must register, in prepare_capture(), the "
-                    "parameters its forward reads (see [Note: the engine contract], item 6)")
-        return guard
+    def _check_params(self, c: _Callable) -> None:
+        """After the capture-time pre-forward: the module's parameters are still the ones the graph maker took."""
+        now = tuple(c.module.parameters())
+        if len(now) != len(c.capture_params) or any(a is not b for a, b in zip(now, c.capture_params)):
+            engine = self.engine.name if self.engine is not None else "the model"
+            swapped = [n for (n, p), q in zip(c.module.named_parameters(), c.capture_params) if p is not q]
+            raise RuntimeError(
+                f"fsdp_cudagraph: cannot capture {c.name}: its pre-forward hooks registered other parameter "
+                f"tensors ({(swapped or ['the set of parameters'])[:3]}) than the module had when the graph "
+                "maker was called, which are the graph's inputs; a replay's gradients would reach no parameter "
+                f"the optimizer sees. The engine adapter of {engine} must register, in prepare_capture(), the "
+                "parameters its forward reads (see [Note: the engine contract], item 6)")
 
     def _simulated_capture(self) -> Any:
         # The engine's guard; with no engine, still the process-wide simulated-capture flag that offloading reads
