@@ -4,7 +4,7 @@
 # fi      the full-iteration alignment matrix on 1 GPU, the graphed-first order, partial graphs under engines
 # pytest  `pytest -m gpu` wall time with per-test durations
 # perf    bench_partial_graphs --suite full (issue 22's regression check)
-# engines benchmarks/engines_align.py alone
+# engines benchmarks/engines_align.py alone (all engines; nvidia needs megatron-core, e.g. PYTHONPATH=/tmp/site)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -16,11 +16,16 @@ v = {"commit": os.environ.get("COMMIT", "unknown"), "torch": torch.__version__, 
      "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
      "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
      "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+from importlib import metadata
+for dist in ("transformer_engine", "megatron-core"):  # installed versions; the import is what the runs test
+    try:
+        v[dist] = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        v[dist] = None
 try:
-    import transformer_engine
-    v["transformer_engine"] = transformer_engine.__version__
+    import transformer_engine  # noqa: F401
 except Exception as exc:  # noqa: BLE001 - recorded, not fatal
-    v["transformer_engine"] = f"not importable: {type(exc).__name__}"
+    v["transformer_engine_import_error"] = f"{type(exc).__name__}: {exc}"[:300]
 try:
     import transformers
     v["transformers"] = transformers.__version__
