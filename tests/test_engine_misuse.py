@@ -436,3 +436,30 @@ def test_compute_dtype_casts_nested_floating_inputs_only(one_rank_group, compute
     floats = {k: expected for k in ("x", "pair0", "extra.h", "extra.list0")}
     assert m.seen == {**floats, "tokens": torch.int64, "pair1": torch.int64, "extra.mask": torch.bool}
     assert x.dtype == torch.float32  # the caller's tensor is not changed in place
+
+
+class _FillsList(nn.Module):
+    """Appends its layer input to a list the caller passes (how vision.py exposes a padded input's gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = Layer()
+
+    def forward(self, x, out_list, cache):
+        out_list.append(x)
+        cache["seen"] = x.dtype
+        return self.layer(x)
+
+
+def test_compute_dtype_keeps_containers_the_model_fills(one_rank_group):
+    """Casting the root forward's inputs must not hand the model copies of the caller's lists and dicts that hold
+    no floating-point tensor: the model's appends would then be lost to the caller (found on a GPU run:
+    vision.py's padded-input probe came back empty under compute_dtype=bfloat16)."""
+    torch.manual_seed(0)
+    model = fully_shard(_FillsList(), fsdp_unit_modules=[Layer], sharding_strategy="optim_grads_params",
+                        compute_dtype=torch.bfloat16)
+    filled: list = []
+    cache: dict = {}
+    model(torch.randn(2, HIDDEN), filled, cache)
+    assert len(filled) == 1 and filled[0].dtype == torch.bfloat16
+    assert cache == {"seen": torch.bfloat16}
