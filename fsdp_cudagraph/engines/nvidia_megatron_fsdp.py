@@ -28,8 +28,12 @@ sentinel attributes, closures local to that method (``__qualname__`` ``MegatronF
 - ``create_custom_backward_hook(m, _root_pre_backward)`` on every module that holds all parameters, and once
   more on whichever module ``named_modules()`` yields last (the method reuses its loop variable) --
   the engine's own (``engine_only``), never run at capture (it queues the root post-backward, a reduce-scatter);
-- post-accumulate-grad hooks on parameters (they do not fire at capture: TE's graph maker takes gradients
-  with ``torch.autograd.grad``, which runs no AccumulateGrad) and state-dict hooks (not module hooks).
+- post-accumulate-grad hooks on parameters (``_process_post_backward_gradients``: main_grad accumulation and
+  the bucket's reduce-scatter). TE's graph maker runs its warmup and capture backwards with
+  ``torch.autograd.backward``, so these would fire there (on an H100 they waited on an event inside the
+  capture: ``CUDA error: invalid argument``); the graph layer parks every captured parameter's hooks while a
+  graph maker runs ([Note: post-accumulate-grad hooks at capture]) and they fire at each replay. State-dict
+  hooks are not module hooks.
 
 Every recognised closure must also close over this very engine (its ``self`` cell, searched through the
 closures it calls): a hook of another engine, or a look-alike, is unknown.

@@ -32,7 +32,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -295,7 +295,7 @@ class PartialCudaGraphs:
             for c in order:
                 c.capture_params = tuple(c.module.parameters())
             runner = {"te": self._capture_te, "torch": self._capture_torch, "protocol": self._capture_protocol}[self.backend]
-            with _streams.stale_stream_override(), _offload.graph_maker(self.offload):
+            with _streams.stale_stream_override(), _offload.graph_maker(self.offload), _parked_grad_hooks(order):
                 runner(order)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -561,6 +561,35 @@ def _restore_forward(c: _Callable) -> None:
         c.module.__dict__["forward"] = c.own_forward
     else:
         c.module.__dict__.pop("forward", None)
+
+
+@contextlib.contextmanager
+def _parked_grad_hooks(order: List[_Callable]) -> Iterator[None]:
+    """[Note: post-accumulate-grad hooks at capture]
+    TE's graph maker runs warmup and capture backwards with ``torch.autograd.backward`` (``.grad`` of the inputs
+    and parameters cleared before, restored after), so AccumulateGrad runs and so do the parameters'
+    post-accumulate-grad hooks: on warmup gradients computed from uninitialised output gradients, and inside the
+    capture. An engine that reduces from such a hook (NVIDIA Megatron-FSDP: main_grad accumulation, bucket
+    waits) would take warmup gradients into its buffers and wait on events inside the capture (on an H100:
+    ``CUDA error: invalid argument``). While a graph maker runs, the hooks of the captured parameters are parked
+    (their dict emptied in place, so handles stay valid) and put back afterwards; they fire at every replay,
+    where AccumulateGrad runs outside the graph.
+    """
+    parked: List[Tuple[Dict[Any, Any], Dict[Any, Any]]] = []
+    seen: set = set()
+    for c in order:
+        for p in c.capture_params:
+            hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+            if hooks and id(hooks) not in seen:
+                seen.add(id(hooks))
+                parked.append((hooks, dict(hooks)))
+                hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, saved in parked:
+            hooks.clear()
+            hooks.update(saved)
 
 
 #: The key of the parameter guard in a callable's capture-time pre-forward hooks (hook ids are >= 0).
