@@ -163,13 +163,17 @@ def _move_a_parameter(engine: str, model) -> None:
 
 
 def _take_a_planned_slot(model) -> None:
-    """The slot control (NVIDIA): layer 2's bucket takes the double-buffer slot layer 0 is pinned to."""
+    """The slot control (NVIDIA): layer 0's bucket is all-gathered into its planned slot and, while it holds it,
+    layer 2's (planned for the same slot): what a unit gathered two places early would do. The pin must refuse
+    the second instead of moving it to the other slot. (Fetching layer 2 alone after capture is no control: the
+    engine has released every bucket by then, so its planned slot is free.)"""
     from fsdp_cudagraph.engines import adapter_for
 
     adapter = adapter_for(model)
     buffer = adapter.engine.param_and_grad_buffer
-    group = buffer.param_to_param_group[next(adapter.root.layers[2].parameters())]
-    buffer.parameter_groups[group].model_weight_buffer.fetch_bucket()
+    for i in (0, 2):
+        group = buffer.param_to_param_group[next(adapter.root.layers[i].parameters())]
+        buffer.parameter_groups[group].model_weight_buffer.fetch_bucket()
 
 
 def run(engine: str, backend: str, args: argparse.Namespace, *, mode: str) -> Dict[str, Any]:
@@ -219,7 +223,11 @@ def run(engine: str, backend: str, args: argparse.Namespace, *, mode: str) -> Di
             if mode == "moved":
                 _move_a_parameter(engine, model)
             elif mode == "slot":
-                _take_a_planned_slot(model)
+                try:
+                    _take_a_planned_slot(model)
+                except RuntimeError as exc:
+                    error = str(exc)
+                    break
         start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (0, 0)
         if cuda:
             start.record()
@@ -325,7 +333,7 @@ def main(argv=None) -> int:
                    "moved_error": (moved["error"] or "")[:400], "unsafe_refused": refused is not None,
                    "unsafe_error": (refused or "")[:400], "engine_info": eager["info"]}
             if slot is not None:
-                row["slot_caught"] = slot["error"] is not None and "would move bucket" in slot["error"]
+                row["slot_caught"] = slot["error"] is not None and "out of its planned slot" in slot["error"]
                 row["slot_error"] = (slot["error"] or "")[:400]
             if engine == "fsdp2" and torch.cuda.is_available():
                 whole = run(engine, backend, args, mode="whole")

@@ -67,7 +67,6 @@ def test_vision_record_2gpu(tmp_path):
     _assert_record(_run(cmd, tmp_path, "length-buckets-record-2gpu.json"), 2)
 
 
-@pytest.mark.matrix  # a benchmark's smoke run, not a correctness check: opt-in, to keep -m gpu within 6 minutes
 def test_benchmark_smoke_1gpu(tmp_path):
     res = _run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_length_buckets.py"), "--quick",
                 "--buckets", "256", "512", "--warm", "1", "--timed", "3"], tmp_path, "length-buckets-bench-smoke.json")
