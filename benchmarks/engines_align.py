@@ -171,9 +171,18 @@ def _take_a_planned_slot(model) -> None:
 
     adapter = adapter_for(model)
     buffer = adapter.engine.param_and_grad_buffer
-    for i in (0, 2):
-        group = buffer.param_to_param_group[next(adapter.root.layers[i].parameters())]
-        buffer.parameter_groups[group].model_weight_buffer.fetch_bucket()
+    weights = [buffer.parameter_groups[buffer.param_to_param_group[next(adapter.root.layers[i].parameters())]]
+               .model_weight_buffer for i in (0, 2)]
+    if not all(getattr(w, "is_data_distributed", True) for w in weights):
+        raise SlotControlNotApplicable(
+            "one data-parallel rank: NVIDIA's weight buffers are not distributed, so fetch_bucket hands out the "
+            "persistent local buffer and no double-buffer slot exists to move (runs on 2+ GPUs)")
+    for w in weights:
+        w.fetch_bucket()
+
+
+class SlotControlNotApplicable(Exception):
+    """The NVIDIA slot control has nothing to exercise on this run (the reason is the message)."""
 
 
 def run(engine: str, backend: str, args: argparse.Namespace, *, mode: str) -> Dict[str, Any]:
@@ -225,6 +234,8 @@ def run(engine: str, backend: str, args: argparse.Namespace, *, mode: str) -> Di
             elif mode == "slot":
                 try:
                     _take_a_planned_slot(model)
+                except SlotControlNotApplicable as exc:
+                    info["slot_not_applicable"] = str(exc)
                 except RuntimeError as exc:
                     error = str(exc)
                     break
@@ -332,7 +343,9 @@ def main(argv=None) -> int:
                    "moved_caught": moved["error"] is not None and "captured at" in moved["error"],
                    "moved_error": (moved["error"] or "")[:400], "unsafe_refused": refused is not None,
                    "unsafe_error": (refused or "")[:400], "engine_info": eager["info"]}
-            if slot is not None:
+            if slot is not None and "slot_not_applicable" in slot["info"]:
+                row["slot_not_applicable"] = slot["info"]["slot_not_applicable"]
+            elif slot is not None:
                 row["slot_caught"] = slot["error"] is not None and "out of its planned slot" in slot["error"]
                 row["slot_error"] = (slot["error"] or "")[:400]
             if engine == "fsdp2" and torch.cuda.is_available():
@@ -345,7 +358,8 @@ def main(argv=None) -> int:
                       f"  eager {row['eager_ms'] or float('nan'):.2f} ms  graphed {row['graphed_ms'] or float('nan'):.2f} ms"
                       + (f"  whole {row['whole_ms']:.2f} ms" if row.get("whole_ms") else "")
                       + f"  moved caught {row['moved_caught']}  unsafe refused {row['unsafe_refused']}"
-                      + (f"  slot move refused {row['slot_caught']}" if "slot_caught" in row else ""), flush=True)
+                      + (f"  slot move refused {row['slot_caught']}" if "slot_caught" in row else "")
+                      + ("  slot control n/a (1 rank)" if "slot_not_applicable" in row else ""), flush=True)
     if dist.get_rank() == 0:
         print(f"engines alignment: {'all bit-equal, controls caught' if ok else 'FAILED'}")
         if args.out:
