@@ -32,7 +32,8 @@ sentinel attributes, closures local to that method (``__qualname__`` ``MegatronF
   the bucket's reduce-scatter). TE's graph maker runs its warmup and capture backwards with
   ``torch.autograd.backward``, so these would fire there (on an H100 they waited on an event inside the
   capture: ``CUDA error: invalid argument``); the graph layer parks every captured parameter's hooks while a
-  graph maker runs ([Note: post-accumulate-grad hooks at capture]) and they fire at each replay. State-dict
+  graph maker runs ([Note: post-accumulate-grad hooks at capture], runtime/graph_maker.py) and they
+  fire at each replay. State-dict
   hooks are not module hooks.
 
 Every recognised closure must also close over this very engine (its ``self`` cell, searched through the

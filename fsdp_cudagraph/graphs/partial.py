@@ -32,7 +32,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ from fsdp_cudagraph.engines import EngineAdapter, adapter_for
 from fsdp_cudagraph.hooks import HOOK_DICTS, HOOK_KEYS, ExtractedHooks, extract_hooks, restore_hooks
 from fsdp_cudagraph.offload import offloader as _offload
 from fsdp_cudagraph.runtime import args as _args
+from fsdp_cudagraph.runtime import graph_maker as _graph_maker
 from fsdp_cudagraph.runtime import streams as _streams
 from fsdp_cudagraph.runtime.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
 from fsdp_cudagraph.runtime.te import require_te
@@ -295,7 +296,7 @@ class PartialCudaGraphs:
             for c in order:
                 c.capture_params = tuple(c.module.parameters())
             runner = {"te": self._capture_te, "torch": self._capture_torch, "protocol": self._capture_protocol}[self.backend]
-            with _streams.stale_stream_override(), _offload.graph_maker(self.offload), _parked_grad_hooks(order):
+            with _streams.stale_stream_override(), _offload.graph_maker(self.offload), _graph_maker.parked_grad_hooks(order):
                 runner(order)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -381,7 +382,7 @@ class PartialCudaGraphs:
         for group in groups:
             for key in ("forward_pre_hooks", "backward_pre_hooks"):
                 for c in group:
-                    _run(c.plan[key], c.module)
+                    _graph_maker.run_hooks(c.plan[key], c.module)
             with te_capture_flag():  # TE modules inside must stay graph-safe, as under TE's own graph maker
                 torch.cuda.make_graphed_callables(
                     tuple(wrappers[c] for c in group),
@@ -392,35 +393,35 @@ class PartialCudaGraphs:
                 )
             for key in ("forward_hooks", "backward_hooks"):
                 for c in group:
-                    _run(c.plan[key], c.module)
+                    _graph_maker.run_hooks(c.plan[key], c.module)
         for c in order:
             self._install(c, wrappers[c], wrappers[c].forward)
 
     def _capture_protocol(self, order: List[_Callable]) -> None:
         # TE's schedule: per warmup iteration all forwards in order then all backwards in reverse, then the
         # capture pass the same way, each pass inside the (simulated) capture context and every hook outside.
-        _check_graph_maker_preconditions(order)
+        _graph_maker.check_graph_maker_preconditions(order)
         wrappers = self._wrappers(order)
         for it in range(self.config.cuda_graph_num_warmup_iters + 1):
             capturing = it == self.config.cuda_graph_num_warmup_iters
             outs = []
             for c in order:
-                _run(c.plan["forward_pre_hooks"], c.module)
+                _graph_maker.run_hooks(c.plan["forward_pre_hooks"], c.module)
                 self._check_params(c)
                 with self._simulated_capture() if capturing else contextlib.nullcontext():
                     outs.append(wrappers[c](*c.sample_args))
-                _run(c.plan["forward_hooks"], c.module)
+                _graph_maker.run_hooks(c.plan["forward_hooks"], c.module)
             for c, out in zip(reversed(order), reversed(outs)):
-                _run(c.plan["backward_pre_hooks"], c.module)
+                _graph_maker.run_hooks(c.plan["backward_pre_hooks"], c.module)
                 with self._simulated_capture() if capturing else contextlib.nullcontext():
-                    _grads(c, out)
-                _run(c.plan["backward_hooks"], c.module)
+                    _graph_maker.te_backward(c, out)
+                _graph_maker.run_hooks(c.plan["backward_hooks"], c.module)
         for c in order:
             self._install(c, wrappers[c], _ProtocolReplay(wrappers[c]))
 
     def _te_hooks(self, c: _Callable) -> Dict[str, Dict[int, Any]]:
         """What TE is handed for ``c``: its planned hooks on ``c.module``, then the parameter check."""
-        hooks = _on_module(c.plan, c.module)
+        hooks = _graph_maker.on_module(c.plan, c.module)
         hooks["forward_pre_hooks"][_PARAMS_GUARD] = lambda _given: self._check_params(c)
         return hooks
 
@@ -563,77 +564,8 @@ def _restore_forward(c: _Callable) -> None:
         c.module.__dict__.pop("forward", None)
 
 
-@contextlib.contextmanager
-def _parked_grad_hooks(order: List[_Callable]) -> Iterator[None]:
-    """[Note: post-accumulate-grad hooks at capture]
-    TE's graph maker runs warmup and capture backwards with ``torch.autograd.backward`` (``.grad`` of the inputs
-    and parameters cleared before, restored after), so AccumulateGrad runs and so do the parameters'
-    post-accumulate-grad hooks: on warmup gradients computed from uninitialised output gradients, and inside the
-    capture. An engine that reduces from such a hook (NVIDIA Megatron-FSDP: main_grad accumulation, bucket
-    waits) would take warmup gradients into its buffers and wait on events inside the capture (on an H100:
-    ``CUDA error: invalid argument``). While a graph maker runs, the hooks of the captured parameters are parked
-    (their dict emptied in place, so handles stay valid) and put back afterwards; they fire at every replay,
-    where AccumulateGrad runs outside the graph.
-    """
-    parked: List[Tuple[Dict[Any, Any], Dict[Any, Any]]] = []
-    seen: set = set()
-    for c in order:
-        for p in c.capture_params:
-            hooks = getattr(p, "_post_accumulate_grad_hooks", None)
-            if hooks and id(hooks) not in seen:
-                seen.add(id(hooks))
-                parked.append((hooks, dict(hooks)))
-                hooks.clear()
-    try:
-        yield
-    finally:
-        for hooks, saved in parked:
-            hooks.clear()
-            hooks.update(saved)
-
-
 #: The key of the parameter guard in a callable's capture-time pre-forward hooks (hook ids are >= 0).
 _PARAMS_GUARD = -1
-
-
-def _run(hooks: Dict[int, Any], module: nn.Module) -> None:
-    for fn in hooks.values():
-        if fn(module) is not None:
-            raise RuntimeError("capture-time hooks must return None")
-
-
-def _on_module(plan: Dict[str, Dict[int, Any]], module: nn.Module) -> Dict[str, Dict[int, Any]]:
-    """A callable's capture-time hooks (same keys and ids) that run on ``module`` whatever TE passes them."""
-    return {k: {hid: (lambda _given, fn=fn: fn(module)) for hid, fn in hooks.items()} for k, hooks in plan.items()}
-
-
-def _check_graph_maker_preconditions(order: List[_Callable]) -> None:
-    """What TE's and PyTorch's graph makers check before any work: no hook left on a captured module."""
-    for c in order:
-        left = {d: len(getattr(c.module, d)) for d in HOOK_DICTS if getattr(c.module, d)}
-        if left:
-            raise RuntimeError(
-                f"graphed callable {c.name} still has hooks {left} when passed to the graph maker; modules must not "
-                "have hooks registered at the time they are passed (capture-time hooks run outside the capture)"
-            )
-
-
-def _grads(c: _Callable, out: Any) -> None:
-    """Backward as TE's graph maker runs it: ``torch.autograd.backward`` into ``.grad`` of the static inputs
-    and parameters (cleared before, restored after), not ``torch.autograd.grad``."""
-    outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor) and o.requires_grad]
-    inputs = [a for a in list(c.sample_args) + list(c.sample_kwargs.values()) if isinstance(a, torch.Tensor) and a.requires_grad]
-    inputs += [p for p in c.capture_params if p.requires_grad]  # taken when the graph maker was called, as TE does
-    if not outs:
-        return
-    saved = [t.grad for t in inputs]
-    for t in inputs:
-        t.grad = None
-    try:
-        torch.autograd.backward(outs, grad_tensors=[torch.ones_like(o) for o in outs])
-    finally:
-        for t, g in zip(inputs, saved):
-            t.grad = g
 
 
 def _nbytes(t: torch.Tensor) -> int:
