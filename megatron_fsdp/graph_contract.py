@@ -11,7 +11,8 @@ The graph layer (``fsdp_cudagraph``) calls these functions and never touches uni
 The decisions an eager step takes from host state, and how a static step fixes each:
 
 - ``_install_if_stale`` casts (and for ``optim``/``optim_grads`` all-gathers) the main shard into the compute
-  parameters only when the shard's version counter moved. A captured step must always do it, because the
+  parameters only when the shard's version counter moved; for ZeRO-3 it marks the gathered data invalid, and
+  the next gather casts from the main shard ([Note: cast on gather], ``_unit.py``). A captured step must always do it, because the
   optimizer runs between replays; and a graphed optimizer step changes the shards without moving the
   counters at all. :func:`begin_static_step` marks every unit stale, so capture records the install;
   :func:`end_static_step` marks them stale again, so that an eager step after a replay re-installs too.

@@ -449,3 +449,20 @@ def test_bf16_training_matches_mixed_precision_reference(strategy, double_buffer
         assert math.isfinite(diff) and diff <= BF16_ATOL, f"max |engine - reference| = {diff:.2e}"
         losses = torch.tensor(run["losses"])
         torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=0, atol=BF16_LOSS_ATOL)
+
+
+@pytest.mark.gloo
+def test_zero3_casts_on_gather_to_the_same_bits_as_zero2():
+    """ZeRO-3 keeps no bf16 copy of its shards: it casts the fp32 shard into its slice of the gather buffer and
+    gathers in place ([Note: cast on gather], _unit.py). ZeRO-2 (``optim_grads``) all-gathers the same cast
+    shards out of place, and both reduce-scatter the same gradients, so every loss and final parameter must be
+    the same bits, with on-demand buffers and with the double buffer; a gather that read a stale or half-cast
+    slice would not be."""
+    for rank_result in bf16_runs():
+        zero2 = rank_result[("optim_grads", False)]
+        for double_buffer in (False, True):
+            zero3 = rank_result[("optim_grads_params", double_buffer)]
+            assert zero3["losses"] == zero2["losses"], double_buffer
+            assert zero3["params"].keys() == zero2["params"].keys()
+            for k, v in zero2["params"].items():
+                assert torch.equal(zero3["params"][k], v), (double_buffer, k)
