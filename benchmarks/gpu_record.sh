@@ -5,6 +5,8 @@
 # pytest  `pytest -m gpu` wall time with per-test durations
 # perf    bench_partial_graphs --suite full (issue 22's regression check)
 # engines benchmarks/engines_align.py alone (all engines; nvidia needs megatron-core, e.g. PYTHONPATH=/tmp/site)
+# align   the partial-graph alignment matrix (python -m fsdp_cudagraph.apps.align) on 1 GPU
+# profile benchmarks/profile_step.py: the compute step's kernel time by category, ours vs FSDP2
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -56,5 +58,11 @@ case "$stage" in
   perf)
     step timeout 560 python3 benchmarks/bench_partial_graphs.py --suite full --out "$OUT/perf_goals.json" > "$OUT/perf.log" 2>&1
     tail -40 "$OUT/perf.log" ;;
+  align)
+    step python3 -m fsdp_cudagraph.apps.align --out "$OUT/align-1gpu.json" "$@" > "$OUT/align.log" 2>&1
+    tail -3 "$OUT/align.log" ;;
+  profile)
+    step timeout 300 python3 benchmarks/profile_step.py --out "$OUT/profile-compute.json" "$@" > "$OUT/profile.log" 2>&1
+    tail -30 "$OUT/profile.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

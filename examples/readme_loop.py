@@ -54,7 +54,7 @@ def run(args: argparse.Namespace, graphed: bool) -> dict:
         my_gpt.to(device), fsdp_unit_modules=[MyTransformerLayer], sharding_strategy="optim_grads_params",
         compute_dtype=torch.bfloat16, fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True,
     )
-    optimizer = torch.optim.Adam(model.optimizer_parameters(), lr=1e-4)   # fp32 main shards
+    optimizer = torch.optim.Adam(model.optimizer_parameters(), lr=1e-4, fused=True)   # fp32 main shards
     config = CudaGraphConfig(
         cuda_graph_impl=args.impl, cuda_graph_modules=args.scope, cuda_graph_warmup_steps=3,
         use_megatron_fsdp=True, fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True,

@@ -185,3 +185,39 @@ def test_goal_check_and_memory_table_glue(monkeypatch):
                        "extra_gib": 1.5, "graph_memory_gib": 3.0,
                        "breakdown_gib": {"param_grad_bytes": 1.5, "other_bytes": 1.5}}}
     assert "| compute | 10.000 | 11.500 | 1.150 | 1.500 | 3.000 | 1.500 | 1.500 | - | - |" in bpg.memory_table(mem)
+
+
+# --- benchmarks/profile_step.py: the kernel arithmetic of the profile write-up (pure functions) -----------------
+
+
+def test_profile_categories_of_kernel_names_seen_on_an_h100():
+    import profile_step as ps
+
+    names = {
+        "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "collective",
+        "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matmul",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128": "attention",
+        "void at::native::(anonymous namespace)::fused_adam_kernel<float>": "optimizer",
+        "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>": "optimizer",
+        "void transformer_engine::normalization::ln_fwd_tuned_kernel<float>": "norm",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>": "elementwise/other",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "zero/fill",
+        "Memcpy DtoD (Device -> Device)": "copy/cast",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>": "copy/cast",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>": "elementwise/other",
+    }
+    assert {n: ps.categorize(n) for n in names} == names
+
+
+def test_profile_busy_time_is_the_union_and_idle_the_rest():
+    import profile_step as ps
+
+    assert ps.busy_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    kernels = [("nvjet_a", 0, 10), ("nccl_b", 5, 12), ("fused_adam", 20, 30)]
+    s = ps.summarize_kernels(kernels, steps=2)
+    # per step: matmul 10 us, collective 7 us, optimizer 10 us; busy 22 of a 30 us span
+    assert s["category_ms"] == {"matmul": 0.005, "optimizer": 0.005, "collective": 0.0035}
+    assert (s["busy_ms"], s["span_ms"], s["idle_ms"]) == (0.011, 0.015, 0.004)
+    with pytest.raises(ValueError, match="0 kernels"):
+        ps.summarize_kernels([], steps=1)

@@ -267,7 +267,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--no-controls", action="store_true")
     p.add_argument("--no-clone-param-grads", action="store_true",
                    help="TE backend: clone_param_grads_on_return=False (less work per replay)")
-    p.add_argument("--optimizer", default="adam", choices=["adam", "adam_fused"])
+    p.add_argument("--optimizer", default="adam_fused", choices=["adam", "adam_fused"],
+                   help="adam_fused (default): torch.optim.Adam(fused=True); adam: the foreach implementation")
     p.add_argument("--out", default=None, help="JSON result path (rank 0 writes)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

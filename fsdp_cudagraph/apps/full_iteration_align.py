@@ -76,6 +76,8 @@ class FullRunSpec:
     #: Adam(capturable=True, lr=device tensor): what an optimizer graph needs; use it in both runs of a row
     capturable_optimizer: bool = False
     graph_optimizer: bool = False
+    #: ``adam_fused`` (torch's fused kernel; the default, as in apps/train) or ``adam`` (foreach)
+    optimizer: str = "adam_fused"
     partial_backend: str = "te"
     lr: float = 1e-3
     seed: int = 1234
@@ -155,7 +157,10 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
                         compute_dtype=spec.compute_dtype, fsdp_double_buffer=spec.double_buffer,
                         fsdp_db_use_persist_buf_on_alloc_fail=spec.double_buffer, prefetch=spec.prefetch)
     lr: Any = torch.tensor(spec.lr, device=device) if spec.capturable_optimizer else spec.lr
-    opt = torch.optim.Adam(model.optimizer_parameters(), lr=lr, capturable=spec.capturable_optimizer)
+    if spec.optimizer not in ("adam", "adam_fused"):
+        raise ValueError(f"optimizer={spec.optimizer!r} is not 'adam' or 'adam_fused'")
+    opt = torch.optim.Adam(model.optimizer_parameters(), lr=lr, capturable=spec.capturable_optimizer,
+                           fused=spec.optimizer == "adam_fused" or None)
     grad_accum = spec.grad_accum
 
     def default_step(m: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -373,6 +378,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="in each row, run the graphed run before the eager one (a diagnosis aid: order effects)")
     p.add_argument("--only", nargs="*", default=None, metavar="MODEL:STRATEGY[:ACCUM]",
                    help="run only these rows, e.g. te:no_shard:1 (a diagnosis aid)")
+    p.add_argument("--optimizer", default="adam_fused", choices=["adam", "adam_fused"],
+                   help="adam_fused (default): torch.optim.Adam(fused=True); adam: the foreach implementation")
     p.add_argument("--out", default=None, help="JSON result path (rank 0 writes)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -403,7 +410,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # activation checkpointing: each layer's forward (and its gather) runs again inside the captured backward
     specs.append(FullRunSpec(**extra, grad_accum=2, activation_checkpointing=True))
     # gradients of the warmup steps, the capture and the first replay, compared too (see record_grad_steps)
-    specs = [dataclasses.replace(sp, record_grad_steps=args.capture_step + 2) for sp in specs]
+    specs = [dataclasses.replace(sp, record_grad_steps=args.capture_step + 2, optimizer=args.optimizer) for sp in specs]
     # Determinism control: each model's first eager run, twice. A row can only be bit-exact if eager is
     # reproducible; a failing repeat says the mismatch is in the kernels, not in the graph.
     repeats = []

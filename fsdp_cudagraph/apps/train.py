@@ -96,8 +96,10 @@ class RunSpec:
     attention_as_graphed: Optional[Sequence[str]] = None
     #: TE backend: TE clones the graph's parameter gradients on return (True, TE's default) or not.
     clone_param_grads: bool = True
-    #: ``adam`` (torch's default implementation: foreach on CUDA), ``adam_fused`` (one fused kernel on CUDA).
-    optimizer: str = "adam"
+    #: ``adam_fused`` (one fused kernel over the engine's few flat fp32 shards: 9.3 ms against 22.7 ms for an
+    #: 822 M-parameter rank on an H100, and bit-exact between eager and graphed runs in the alignment matrix),
+    #: or ``adam`` (torch's default implementation: foreach).
+    optimizer: str = "adam_fused"
     #: Register a forward hook and a full backward hook on every module of the scope (``cuda_graph_modules``
     #: or ``attention_as_graphed``) and return what they saw each step: user hooks must fire around replays.
     user_hooks: bool = False

@@ -1,0 +1,272 @@
+"""Where each millisecond of the compute-bound step goes: kernel time by category, against the floor.
+
+Runs the compute config of ``bench_full_iteration`` (4 TE layers, hidden 4096, seq 2048, micro-batch 1) as a
+user's loop on the default stream, three ways one after the other in one process: ``ours`` (megatron_fsdp
+ZeRO-3, double buffer, bf16 compute, fused Adam), ``ours_partial`` (the same with whole-layer graphs, TE's graph
+maker, captured before step 3) and ``fsdp2`` (``torch.distributed.fsdp.fully_shard`` per layer and at the root,
+bf16 parameters, fp32 reduction, fused Adam). For each: the median step time over ``--steps`` after ``--skip``
+(CUDA events, no profiler), then ``--profile-steps`` steps under ``torch.profiler``, whose CUDA kernels are
+summed per category (:func:`categorize`) and whose busy time is the union of the kernels' intervals, so
+``idle`` is the time the GPU waited on the host or on a dependency. Memory: the peak allocated and, for
+``ours``, the engine's persistent tensors by kind. The floor is ``bench_partial_graphs``' (measured matmul
+rate for the model's FLOPs, measured copy bandwidth for the optimizer and cast bytes).
+
+    python benchmarks/profile_step.py --out benchmarks/results/profile-compute.json
+
+Needs a CUDA GPU; TE is used when importable (the plain-torch GPT otherwise, and the JSON says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import re
+import statistics
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+#: (category, pattern over the kernel name); the first match wins, anything else is ``elementwise/other``.
+CATEGORIES: Sequence[Tuple[str, str]] = (
+    ("collective", r"nccl"),
+    ("attention", r"fmha|flash|sdpa|fused_attn|fort_native|cudnn_generated|attn"),
+    ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|wgmma|s\d+_.*_tn|s\d+_.*_nt"),
+    ("optimizer", r"adam|multi_tensor"),
+    ("norm", r"layer_?norm|rms_?norm|ln_fwd|ln_bwd|welford"),
+    ("loss", r"cross_entropy|log_softmax|nll_loss|softmax_warp"),
+    ("zero/fill", r"fill|memset|zero"),
+    ("copy/cast", r"copy|cast|memcpy|convert|transpose"),
+)
+_COMPILED = [(name, re.compile(pat, re.IGNORECASE)) for name, pat in CATEGORIES]
+OTHER = "elementwise/other"
+
+
+def categorize(kernel: str) -> str:
+    """The category of a CUDA kernel (or memcpy/memset) by its name."""
+    for name, pat in _COMPILED:
+        if pat.search(kernel):
+            return name
+    return OTHER
+
+
+def busy_us(intervals: Sequence[Tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals: the time at least one kernel ran."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def summarize_kernels(kernels: Sequence[Tuple[str, float, float]], steps: int) -> Dict[str, Any]:
+    """Per step: kernel milliseconds per category, busy ms (union), the span from first start to last end, idle
+    (span - busy), and the ten kernels that took longest in all."""
+    if not kernels or steps < 1:
+        raise ValueError(f"{len(kernels)} kernels over {steps} steps: need at least one of each (was the profiler "
+                         "given CUDA activity?)")
+    per_cat: Dict[str, float] = {}
+    per_kernel: Dict[str, float] = {}
+    for name, start, end in kernels:
+        cat = categorize(name)
+        per_cat[cat] = per_cat.get(cat, 0.0) + (end - start)
+        per_kernel[name] = per_kernel.get(name, 0.0) + (end - start)
+    span = max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)
+    busy = busy_us([(s, e) for _, s, e in kernels])
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:10]
+    return {
+        "steps": steps,
+        "category_ms": {k: v / steps / 1e3 for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
+        "busy_ms": busy / steps / 1e3,
+        "span_ms": span / steps / 1e3,
+        "idle_ms": (span - busy) / steps / 1e3,
+        "top_kernels_ms": [(k[:160], v / steps / 1e3) for k, v in top],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- GPU part
+
+
+def _persistent_bytes(model: Any, opt: torch.optim.Optimizer) -> Dict[str, float]:
+    """GiB of the engine's persistent tensors by kind (distinct storages only)."""
+    seen: Dict[int, Tuple[str, int]] = {}
+
+    def add(kind: str, t: Optional[torch.Tensor]) -> None:
+        if t is None or t.untyped_storage().size() == 0:
+            return
+        seen.setdefault(t.untyped_storage().data_ptr(), (kind, t.untyped_storage().nbytes()))
+
+    for u in model.all_units():
+        add("fp32 main parameters", u.main_shard)
+        add("fp32 main gradients", u._main_grad_data)
+        add("frozen parameters", u.frozen_shard)
+        add("parameter gather buffers (bf16)", u.param_buffer.tensor if u.param_buffer else None)
+        add("gradient reduce buffers", u.grad_buffer.tensor if u.grad_buffer else None)
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.numel() > 1:
+                add("Adam state", v)
+    out: Dict[str, float] = {}
+    for kind, nbytes in seen.values():
+        out[kind] = out.get(kind, 0.0) + nbytes / 2**30
+    return out
+
+
+def _run(column: str, cfg: Any, args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
+    from fsdp_cudagraph.apps.model import GPT, loss_fn, synthetic_batch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.set_stream(torch.cuda.default_stream(device))
+    torch.manual_seed(1234)
+    gpt = GPT(cfg).to(device)
+    graphs = None
+    if column == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in gpt.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        model = fully_shard(gpt, mesh=mesh, mp_policy=mp)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=args.fused)
+    else:
+        from megatron_fsdp import fully_shard
+
+        model = fully_shard(gpt, fsdp_unit_modules=[gpt.unit_class], sharding_strategy="optim_grads_params",
+                            compute_dtype=torch.bfloat16, fsdp_double_buffer=True,
+                            fsdp_db_use_persist_buf_on_alloc_fail=True)
+        opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-4, fused=args.fused)
+        if column == "ours_partial":
+            config = CudaGraphConfig(cuda_graph_impl="transformer_engine" if cfg.use_te else "local",
+                                     cuda_graph_warmup_steps=3, use_megatron_fsdp=True, fsdp_double_buffer=True,
+                                     fsdp_db_use_persist_buf_on_alloc_fail=True)
+            graphs = PartialCudaGraphs(model, config)
+    batches = [synthetic_batch(s, 1, cfg, device, seed=1234) for s in range(4)]
+
+    def step(i: int) -> None:
+        if graphs is not None and i == 3:
+            graphs.capture()
+        x, y = batches[i % len(batches)]
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = []
+    for i in range(args.steps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        step(i)
+        e.record()
+        torch.cuda.synchronize(device)
+        times.append(s.elapsed_time(e))
+    out: Dict[str, Any] = {"step_ms": statistics.median(times[args.skip:]), "step_ms_all": times,
+                           "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+    if column != "fsdp2":
+        out["persistent_gib"] = _persistent_bytes(model, opt)
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(args.steps, args.steps + args.profile_steps):
+            step(i)
+        torch.cuda.synchronize(device)
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    out["profile"] = summarize_kernels(kernels, args.profile_steps)
+    if graphs is not None:
+        graphs.delete()
+    del model, opt, gpt, graphs
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--columns", nargs="+", default=["ours", "ours_partial", "fsdp2"],
+                   choices=["ours", "ours_partial", "fsdp2"])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--skip", type=int, default=5)
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--foreach", dest="fused", action="store_false", help="torch's foreach Adam instead of fused")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/profile_step.py profiles CUDA kernels: it needs a CUDA GPU; nothing to run here.")
+        return 2
+    import torch.distributed as dist
+
+    from _flops import copy_bandwidth_gbps, matmul_peak_tflops, model_flops_per_step
+    from _perf_goals import floor_ms, optimizer_bytes, param_count
+    from bench_full_iteration import CONFIGS
+    from fsdp_cudagraph.apps.align import versions, write_record
+    from fsdp_cudagraph.apps.model import GPTConfig
+    from fsdp_cudagraph.runtime.te import HAS_TE
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    fields, mbs = CONFIGS["compute"]
+    cfg = GPTConfig(**fields, use_te=HAS_TE)
+    n = param_count(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+                    ffn_hidden_size=cfg.ffn_hidden_size, seq_len=cfg.seq_len)
+    flops = model_flops_per_step(cfg, mbs * cfg.seq_len)
+    rows = {c: _run(c, cfg, args, device) for c in args.columns}
+    matmul, copy = matmul_peak_tflops(device), copy_bandwidth_gbps(device)
+    floor = floor_ms(flops=flops, bytes_moved=optimizer_bytes(n), matmul_tflops=matmul, copy_gbps=copy)
+    result = {"config": {**fields, "micro_batch_size": mbs, "use_te": HAS_TE, "fused_adam": args.fused},
+              "params": n, "flops_per_step": flops, "matmul_tflops": matmul, "copy_gbps": copy, "floor": floor,
+              "columns": rows, "versions": versions(), "command": " ".join(sys.argv)}
+    print(format_table(result))
+    if args.out:
+        write_record(args.out, result)
+    dist.destroy_process_group()
+    return 0
+
+
+def format_table(result: Dict[str, Any]) -> str:
+    """Markdown: one row per category, one column per run, milliseconds per step; then the floor's parts."""
+    cols = list(result["columns"])
+    cats = []
+    for c in cols:
+        for k in result["columns"][c]["profile"]["category_ms"]:
+            if k not in cats:
+                cats.append(k)
+    lines = ["| ms per step | " + " | ".join(cols) + " |", "| --- |" + " --- |" * len(cols)]
+
+    def row(label: str, get) -> None:
+        lines.append(f"| {label} | " + " | ".join(get(result["columns"][c]) for c in cols) + " |")
+
+    row("step (CUDA events, no profiler)", lambda r: f"{r['step_ms']:.2f}")
+    row("span under the profiler", lambda r: f"{r['profile']['span_ms']:.2f}")
+    for k in cats:
+        row(k, lambda r, k=k: f"{r['profile']['category_ms'].get(k, 0.0):.2f}")
+    row("GPU busy (union)", lambda r: f"{r['profile']['busy_ms']:.2f}")
+    row("GPU idle", lambda r: f"{r['profile']['idle_ms']:.2f}")
+    row("peak allocated GiB", lambda r: f"{r['peak_memory_gib']:.2f}")
+    f = result["floor"]
+    lines.append(f"\nfloor {f['floor_ms']:.2f} ms = matmul {f['matmul_ms']:.2f} ms ({result['flops_per_step'] / 1e12:.2f} "
+                 f"TFLOP at {result['matmul_tflops']:.0f} TFLOP/s) + optimizer/cast {f['optimizer_ms']:.2f} ms "
+                 f"({result['params'] / 1e6:.1f} M params x 38 B at {result['copy_gbps']:.0f} GB/s)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
