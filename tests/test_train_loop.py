@@ -84,3 +84,14 @@ def test_exit_process_keeps_the_status_and_flushes_output():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3
     assert proc.stdout == "stdout line" and proc.stderr.endswith("stderr line"), (proc.stdout, proc.stderr)
+
+
+def test_make_adam_picks_fused_on_cuda_only_for_auto_and_refuses_unknown_names():
+    from fsdp_cudagraph.apps.train import make_adam
+
+    p = [torch.nn.Parameter(torch.zeros(4))]
+    assert make_adam(p, "auto", torch.device("cpu"), lr=1e-3).defaults["fused"] is None
+    assert make_adam(p, "adam_fused", torch.device("cpu"), lr=1e-3).defaults["fused"] is True
+    assert make_adam(p, "adam", torch.device("cpu"), lr=1e-3).defaults["fused"] is None
+    with pytest.raises(ValueError, match="'sgd' is not one of"):
+        make_adam(p, "sgd", torch.device("cpu"), lr=1e-3)

@@ -45,7 +45,7 @@ from megatron_fsdp import fully_shard
 
 from fsdp_cudagraph.apps.align import versions, write_record
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn
-from fsdp_cudagraph.apps.train import init_distributed, rank_batches, use_deterministic_kernels
+from fsdp_cudagraph.apps.train import OPTIMIZERS, init_distributed, make_adam, rank_batches, use_deterministic_kernels
 from fsdp_cudagraph.config import CudaGraphConfig
 from fsdp_cudagraph.graphs.full_iteration import FullIterationCudaGraph, FullIterationReport
 from fsdp_cudagraph.graphs.partial import PartialCudaGraphs
@@ -76,8 +76,8 @@ class FullRunSpec:
     #: Adam(capturable=True, lr=device tensor): what an optimizer graph needs; use it in both runs of a row
     capturable_optimizer: bool = False
     graph_optimizer: bool = False
-    #: ``adam_fused`` (torch's fused kernel; the default, as in apps/train) or ``adam`` (foreach)
-    optimizer: str = "adam_fused"
+    #: ``auto`` (fused on CUDA, foreach on CPU), ``adam_fused`` or ``adam``: see ``apps.train.make_adam``
+    optimizer: str = "auto"
     partial_backend: str = "te"
     lr: float = 1e-3
     seed: int = 1234
@@ -157,10 +157,7 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
                         compute_dtype=spec.compute_dtype, fsdp_double_buffer=spec.double_buffer,
                         fsdp_db_use_persist_buf_on_alloc_fail=spec.double_buffer, prefetch=spec.prefetch)
     lr: Any = torch.tensor(spec.lr, device=device) if spec.capturable_optimizer else spec.lr
-    if spec.optimizer not in ("adam", "adam_fused"):
-        raise ValueError(f"optimizer={spec.optimizer!r} is not 'adam' or 'adam_fused'")
-    opt = torch.optim.Adam(model.optimizer_parameters(), lr=lr, capturable=spec.capturable_optimizer,
-                           fused=spec.optimizer == "adam_fused" or None)
+    opt = make_adam(model.optimizer_parameters(), spec.optimizer, device, lr=lr, capturable=spec.capturable_optimizer)
     grad_accum = spec.grad_accum
 
     def default_step(m: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -378,8 +375,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="in each row, run the graphed run before the eager one (a diagnosis aid: order effects)")
     p.add_argument("--only", nargs="*", default=None, metavar="MODEL:STRATEGY[:ACCUM]",
                    help="run only these rows, e.g. te:no_shard:1 (a diagnosis aid)")
-    p.add_argument("--optimizer", default="adam_fused", choices=["adam", "adam_fused"],
-                   help="adam_fused (default): torch.optim.Adam(fused=True); adam: the foreach implementation")
+    p.add_argument("--optimizer", default="auto", choices=list(OPTIMIZERS),
+                   help="auto (default): torch.optim.Adam(fused=True) on CUDA, foreach on CPU; adam_fused; adam (foreach)")
     p.add_argument("--out", default=None, help="JSON result path (rank 0 writes)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
