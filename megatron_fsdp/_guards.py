@@ -7,6 +7,12 @@
   optimizer step whose parameter groups hold such a compute view, naming the fix. The check is cached per
   optimizer and redone when its groups change size; it also refuses a step after a parameter's
   ``requires_grad`` changed since ``fully_shard`` (the unit plan fixed which parameters train).
+- **Optimizers that update the main shards without moving their version counters.** The engine refreshes a
+  unit's compute parameters when its main shard's version counter moved (``_unit._install_if_stale``).
+  torch's fused Adam/AdamW (``fused=True``) and any optimizer writing through ``.data`` update the shards in
+  place without moving it, so the next forward would silently compute with the weights of before the step.
+  A process-wide optimizer step post-hook marks the units whose main shards the optimizer holds stale after
+  every step, whatever kernel the optimizer used.
 - **Calls that bypass the wrapper.** ``model.module(x)`` would skip the root's unshard and refresh; a
   forward-pre hook on the wrapped module refuses it. (Calls of a unit's submodules outside the unit are
   refused by the unit's call guards, ``_unit.make_call_guard``.)
@@ -21,7 +27,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ._common import Engine
 
@@ -33,9 +39,9 @@ __all__ = [
     "check_stray_gradients",
 ]
 
-_state: Dict[str, Any] = {"handle": None}
-#: optimizer -> (group sizes when checked, engines whose main shards it steps)
-_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[Tuple[int, ...], list]]" = (
+_state: Dict[str, Any] = {"handle": None, "post_handle": None}
+#: optimizer -> (group sizes when checked, engines whose main shards it steps, units whose main shards it steps)
+_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[Tuple[int, ...], list, list]]" = (
     weakref.WeakKeyDictionary()
 )
 
@@ -49,9 +55,11 @@ def mark_compute_params(engine: Engine) -> None:
 
 
 def install_optimizer_guard() -> None:
-    """Register the process-wide optimizer step pre-hook once (idempotent)."""
+    """Register the process-wide optimizer step pre- and post-hooks once (idempotent)."""
     if _state["handle"] is None:
         _state["handle"] = register_optimizer_step_pre_hook(_check_optimizer)
+    if _state["post_handle"] is None:
+        _state["post_handle"] = register_optimizer_step_post_hook(_mark_stepped_units_stale)
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -59,6 +67,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
     cached = _checked.get(optimizer)
     if cached is None or cached[0] != sizes:
         engines: Dict[int, Any] = {}
+        units = []
         for group in optimizer.param_groups:
             for p in group["params"]:
                 tag = getattr(p, "_megatron_fsdp_compute", None)
@@ -67,12 +76,28 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                 unit = getattr(p, "_megatron_fsdp_unit", None)
                 if unit is not None:
                     engines[id(unit.engine)] = unit.engine
-        cached = (sizes, [weakref.ref(e) for e in engines.values()])
+                    units.append(weakref.ref(unit))
+        cached = (sizes, [weakref.ref(e) for e in engines.values()], units)
         _checked[optimizer] = cached
     for ref in cached[1]:
         engine = ref()
         if engine is not None:
             _check_requires_grad(engine)
+
+
+def _mark_stepped_units_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After a step: the units whose main shards ``optimizer`` holds re-install their compute parameters before
+    their next use, whether or not the step moved the shards' version counters (see the module docstring).
+    The pre-hook of the same step filled the cache; an optimizer that skipped it (no step pre-hooks) is read now.
+    """
+    cached = _checked.get(optimizer)
+    if cached is None or cached[0] != tuple(len(g["params"]) for g in optimizer.param_groups):
+        _check_optimizer(optimizer, args, kwargs)
+        cached = _checked[optimizer]
+    for ref in cached[2]:
+        unit = ref()
+        if unit is not None:
+            unit.installed_version = -1  # _install_if_stale compares it with the main shard's version
 
 
 def _refuse_compute_param(optimizer: torch.optim.Optimizer, tag: Tuple[Any, str, str]) -> None:

@@ -86,12 +86,11 @@ def test_exit_process_keeps_the_status_and_flushes_output():
     assert proc.stdout == "stdout line" and proc.stderr.endswith("stderr line"), (proc.stdout, proc.stderr)
 
 
-def test_make_adam_picks_fused_on_cuda_only_for_auto_and_refuses_unknown_names():
+def test_make_adam_names_and_refusal():
     from fsdp_cudagraph.apps.train import make_adam
 
     p = [torch.nn.Parameter(torch.zeros(4))]
-    assert make_adam(p, "auto", torch.device("cpu"), lr=1e-3).defaults["fused"] is None
-    assert make_adam(p, "adam_fused", torch.device("cpu"), lr=1e-3).defaults["fused"] is True
-    assert make_adam(p, "adam", torch.device("cpu"), lr=1e-3).defaults["fused"] is None
+    assert make_adam(p, "adam_fused", lr=1e-3).defaults["fused"] is True
+    assert make_adam(p, "adam", lr=1e-3).defaults["fused"] is None
     with pytest.raises(ValueError, match="'sgd' is not one of"):
-        make_adam(p, "sgd", torch.device("cpu"), lr=1e-3)
+        make_adam(p, "sgd", lr=1e-3)

@@ -267,8 +267,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--no-controls", action="store_true")
     p.add_argument("--no-clone-param-grads", action="store_true",
                    help="TE backend: clone_param_grads_on_return=False (less work per replay)")
-    p.add_argument("--optimizer", default="auto", choices=list(OPTIMIZERS),
-                   help="auto (default): torch.optim.Adam(fused=True) on CUDA, foreach on CPU; adam_fused; adam (foreach)")
+    p.add_argument("--optimizer", default="adam_fused", choices=list(OPTIMIZERS),
+                   help="adam_fused (default): torch.optim.Adam(fused=True); adam: torch's foreach implementation")
     p.add_argument("--out", default=None, help="JSON result path (rank 0 writes)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -76,8 +76,8 @@ class FullRunSpec:
     #: Adam(capturable=True, lr=device tensor): what an optimizer graph needs; use it in both runs of a row
     capturable_optimizer: bool = False
     graph_optimizer: bool = False
-    #: ``auto`` (fused on CUDA, foreach on CPU), ``adam_fused`` or ``adam``: see ``apps.train.make_adam``
-    optimizer: str = "auto"
+    #: ``adam_fused`` (default) or ``adam`` (foreach): see ``apps.train.make_adam``
+    optimizer: str = "adam_fused"
     partial_backend: str = "te"
     lr: float = 1e-3
     seed: int = 1234
@@ -157,7 +157,7 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
                         compute_dtype=spec.compute_dtype, fsdp_double_buffer=spec.double_buffer,
                         fsdp_db_use_persist_buf_on_alloc_fail=spec.double_buffer, prefetch=spec.prefetch)
     lr: Any = torch.tensor(spec.lr, device=device) if spec.capturable_optimizer else spec.lr
-    opt = make_adam(model.optimizer_parameters(), spec.optimizer, device, lr=lr, capturable=spec.capturable_optimizer)
+    opt = make_adam(model.optimizer_parameters(), spec.optimizer, lr=lr, capturable=spec.capturable_optimizer)
     grad_accum = spec.grad_accum
 
     def default_step(m: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -375,8 +375,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="in each row, run the graphed run before the eager one (a diagnosis aid: order effects)")
     p.add_argument("--only", nargs="*", default=None, metavar="MODEL:STRATEGY[:ACCUM]",
                    help="run only these rows, e.g. te:no_shard:1 (a diagnosis aid)")
-    p.add_argument("--optimizer", default="auto", choices=list(OPTIMIZERS),
-                   help="auto (default): torch.optim.Adam(fused=True) on CUDA, foreach on CPU; adam_fused; adam (foreach)")
+    p.add_argument("--optimizer", default="adam_fused", choices=list(OPTIMIZERS),
+                   help="adam_fused (default): torch.optim.Adam(fused=True); adam: torch's foreach implementation")
     p.add_argument("--out", default=None, help="JSON result path (rank 0 writes)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

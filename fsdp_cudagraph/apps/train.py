@@ -96,9 +96,8 @@ class RunSpec:
     attention_as_graphed: Optional[Sequence[str]] = None
     #: TE backend: TE clones the graph's parameter gradients on return (True, TE's default) or not.
     clone_param_grads: bool = True
-    #: ``auto`` (default: ``adam_fused`` on CUDA, ``adam`` on CPU; see :func:`make_adam`), ``adam_fused`` or
-    #: ``adam`` (torch's foreach implementation).
-    optimizer: str = "auto"
+    #: ``adam_fused`` (default) or ``adam`` (torch's foreach implementation); see :func:`make_adam`.
+    optimizer: str = "adam_fused"
     #: Register a forward hook and a full backward hook on every module of the scope (``cuda_graph_modules``
     #: or ``attention_as_graphed``) and return what they saw each step: user hooks must fire around replays.
     user_hooks: bool = False
@@ -124,21 +123,17 @@ class RunResult:
 
 
 #: The optimizer names of RunSpec/FullRunSpec and of the ``--optimizer`` options.
-OPTIMIZERS = ("auto", "adam_fused", "adam")
+OPTIMIZERS = ("adam_fused", "adam")
 
 
-def make_adam(params: Any, name: str, device: torch.device, **kwargs: Any) -> torch.optim.Adam:
+def make_adam(params: Any, name: str, **kwargs: Any) -> torch.optim.Adam:
     """``torch.optim.Adam`` over ``params`` as ``name`` says: ``adam_fused`` (one fused kernel; over the engine's
-    few flat fp32 shards 9.3 ms against 22.7 ms foreach for an 822 M-parameter rank on an H100), ``adam``
-    (torch's foreach implementation), or ``auto``: fused on CUDA, where the alignment matrices show eager and
-    graphed runs bit-equal with it, foreach on CPU: with torch's CPU fused kernel the full-iteration rows on
-    Gloo (``tests/test_full_iteration_align.py``) differ from their eager twins from the first update, while
-    two eager runs agree; with foreach they are equal. Why was not run down (the CPU rows exist to test the
-    schedule, not the optimizer kernel)."""
+    few flat fp32 shards 9.3 ms against 22.7 ms foreach for an 822 M-parameter rank on an H100) or ``adam``
+    (torch's foreach implementation). Fused Adam moves no version counter; the engine's optimizer step
+    post-hook refreshes the weights anyway (``megatron_fsdp/_guards.py``, tests/test_engine_optimizers.py)."""
     if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer={name!r} is not one of {OPTIMIZERS}; 'auto' picks fused Adam on CUDA")
-    fused = name == "adam_fused" or (name == "auto" and device.type == "cuda")
-    return torch.optim.Adam(params, fused=fused or None, **kwargs)
+        raise ValueError(f"optimizer={name!r} is not one of {OPTIMIZERS}")
+    return torch.optim.Adam(params, fused=name == "adam_fused" or None, **kwargs)
 
 
 def build_model(spec: RunSpec, device: torch.device) -> MegatronFSDP:
@@ -201,7 +196,7 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
         default.wait_stream(torch.cuda.current_stream(device))
         torch.cuda.set_stream(default)
     model = build_model(spec, device)
-    opt = make_adam(model.optimizer_parameters(), spec.optimizer, device, lr=spec.lr)
+    opt = make_adam(model.optimizer_parameters(), spec.optimizer, lr=spec.lr)
     graphs = None
     matcher = None
     graphed = spec.cuda_graph_modules is not None
