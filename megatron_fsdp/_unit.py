@@ -134,6 +134,8 @@ class FSDPUnit:
         #: parameters currently point at their buffer views (True) or at the placeholders (False).
         self._placeholders: List[torch.Tensor] = []
         self._views_installed = True
+        #: absent-gradient pattern -> views of the gradient buffer the fold zeroes ([Note: the gradient fold])
+        self._holes: Dict[Tuple[bool, ...], List[torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -427,6 +429,13 @@ class FSDPUnit:
                 "parameters train. Set requires_grad before fully_shard (shard the model again to change it)"
             )
 
+    def _grad_holes(self, gbuf: _Buffer, absent: List[bool]) -> List[torch.Tensor]:
+        """Views of ``gbuf`` that the fold must zero (see [Note: the gradient fold]); cached per absent-pattern."""
+        key = tuple(absent)
+        if key not in self._holes:
+            self._holes[key] = [gbuf.tensor[a:b] for a, b in _gaps(self.layout, absent)]
+        return self._holes[key]
+
     def can_prefetch(self, *, backward: bool) -> bool:
         """Whether a prefetch of this unit may take its slot from the unit holding it.
 
@@ -453,9 +462,17 @@ class FSDPUnit:
         present_views = [v for v, g in zip(self.grad_views, grads) if g is not None]
         present = [g for g in grads if g is not None]
         with torch.no_grad():
-            flat.zero_()
-            # Pre-scale by 1/world_size so that the SUM collective yields the mean over ranks.
-            torch._foreach_add_(present_views, present, alpha=eng.grad_scale)
+            # [Note: the gradient fold] Copy (and cast) each gradient into its view, zero what no gradient
+            # covers (absent gradients, the alignment gaps: a slot holds other units' bytes), then pre-scale
+            # by 1/world_size so that the SUM collective yields the mean over ranks. The same bits as zeroing
+            # the buffer and adding alpha * grad (0 + round(alpha * g) == round(g * alpha)) in 6 bytes per bf16
+            # gradient instead of 14 (a zero pass and a mixed-dtype add), and no scale pass on one rank.
+            torch._foreach_copy_(present_views, present)
+            holes = self._grad_holes(gbuf, [g is None for g in grads])
+            if holes:
+                torch._foreach_zero_(holes)
+            if eng.grad_scale != 1.0:
+                torch._foreach_mul_(present_views, eng.grad_scale)
         for p in self.params:
             p.grad = None
         accumulate = self.main_shard.grad is not None
@@ -466,6 +483,29 @@ class FSDPUnit:
             out = torch.empty_like(self._main_grad_data) if accumulate else self._main_grad_data
             work = C.reduce_scatter(out, flat, eng.group, f"gradients of unit {self.name}")
         eng.add_pending_reduce(_PendingReduce(self, work, out, accumulate))
+
+
+def _gaps(layout: FlatLayout, absent: Sequence[bool]) -> List[Tuple[int, int]]:
+    """``(start, end)`` element ranges of ``layout``'s flat that no present gradient covers, merged."""
+    ranges: List[Tuple[int, int]] = []
+    cursor = 0
+    for off, n, gone in zip(layout.offsets, layout.numels, absent):
+        end = off + n
+        start = off if gone else end
+        if cursor < off:
+            ranges.append((cursor, off))
+        if start < end:
+            ranges.append((start, end))
+        cursor = max(cursor, end)
+    if cursor < layout.total_numel:
+        ranges.append((cursor, layout.total_numel))
+    merged: List[Tuple[int, int]] = []
+    for a, b in ranges:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return merged
 
 
 class _PendingReduce:

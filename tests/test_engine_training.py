@@ -466,3 +466,28 @@ def test_zero3_casts_on_gather_to_the_same_bits_as_zero2():
             assert zero3["params"].keys() == zero2["params"].keys()
             for k, v in zero2["params"].items():
                 assert torch.equal(zero3["params"][k], v), (double_buffer, k)
+
+
+def test_gradient_fold_zeroes_exactly_what_no_gradient_covers():
+    """[Note: the gradient fold] copies each present gradient into its view and zeroes the rest; the rest is
+    the alignment gaps, the tail padding and the views of absent gradients, merged where they touch."""
+    from megatron_fsdp._flat import ALIGN_NUMEL, FlatLayout
+    from megatron_fsdp._unit import _gaps
+
+    params = [nn.Parameter(torch.zeros(n)) for n in (10, ALIGN_NUMEL, 3)]
+    layout = FlatLayout(["a", "b", "c"], params, world_size=2)
+    a, b, c = layout.offsets
+    assert (a, b, c) == (0, ALIGN_NUMEL, 2 * ALIGN_NUMEL) and layout.total_numel == 4 * ALIGN_NUMEL
+    assert _gaps(layout, [False, False, False]) == [(10, ALIGN_NUMEL), (c + 3, layout.total_numel)]
+    assert _gaps(layout, [False, True, False]) == [(10, 2 * ALIGN_NUMEL), (c + 3, layout.total_numel)]
+    assert _gaps(layout, [True, False, True]) == [(0, ALIGN_NUMEL), (c, layout.total_numel)]
+    covered = torch.zeros(layout.total_numel, dtype=torch.bool)
+    for absent in ([False] * 3, [True, False, False], [False, False, True]):
+        covered.zero_()
+        for (off, n), gone in zip(zip(layout.offsets, layout.numels), absent):
+            if not gone:
+                covered[off:off + n] = True
+        for lo, hi in _gaps(layout, absent):
+            assert not covered[lo:hi].any()
+            covered[lo:hi] = True
+        assert covered.all(), absent
