@@ -200,6 +200,7 @@ def test_profile_categories_of_kernel_names_seen_on_an_h100():
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128": "attention",
         "void at::native::(anonymous namespace)::fused_adam_kernel<float>": "optimizer",
         "void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>": "optimizer",
+        "void at::native::multi_tensor_apply_kernel<TensorListMetadata<2>, BinaryOpScalarFunctor<float>>": "foreach",
         "void transformer_engine::normalization::ln_fwd_tuned_kernel<float>": "norm",
         "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>": "elementwise/other",
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "zero/fill",
@@ -214,7 +215,7 @@ def test_profile_busy_time_is_the_union_and_idle_the_rest():
     import profile_step as ps
 
     assert ps.busy_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
-    kernels = [("nvjet_a", 0, 10), ("nccl_b", 5, 12), ("fused_adam", 20, 30)]
+    kernels = [("nvjet_a", 0, 10), ("ncclKernel_b", 5, 12), ("fused_adam", 20, 30)]
     s = ps.summarize_kernels(kernels, steps=2)
     # per step: matmul 10 us, collective 7 us, optimizer 10 us; busy 22 of a 30 us span
     assert s["category_ms"] == {"matmul": 0.005, "optimizer": 0.005, "collective": 0.0035}
