@@ -89,6 +89,7 @@ def test_checker_says_equal_for_an_aligned_model(checks):
         assert r["equal"] and r["params_equal"] and r["first_mismatch_step"] is None
         assert [s["equal"] for s in r["steps"]] == [True] * STEPS
         assert r["callables"] == ["layers.0", "layers.1", "layers.2", "layers.3"] and r["backend"] == "protocol"
+        assert r["engine"] == "megatron_fsdp" and "fp32 main parameters" in r["precision"], r["precision"]
         assert r["culprit"] is None and r["divergence"] is None and r["unknown_hooks"] == []
         assert r["calls"] == {n: {"replays": STEPS - CAPTURE, "eager_calls": 0, "last_change": None} for n in r["callables"]}
         assert r["attention_backends"] == {}
@@ -137,5 +138,6 @@ def test_checker_command_line_negative_control(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "negative control: CAUGHT (perturbed layers.0.mlp, reported layers.0.mlp)" in proc.stdout
     assert "first graphed callable to differ: layers.0.mlp" in proc.stdout
+    assert "engine megatron_fsdp, backend protocol" in proc.stdout  # the default engine
     rec = json.loads(out.read_text())
     assert rec["ok"] and rec["culprit"] == "layers.0.mlp" and rec["world_size"] == 1

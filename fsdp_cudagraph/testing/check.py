@@ -1,6 +1,6 @@
 """Alignment checker: does *your* model train bit-identically with partial CUDA graphs? If not, where not?
 
-:func:`check_alignment` trains the model a factory builds twice under ``megatron_fsdp`` on the factory's
+:func:`check_alignment` trains the model a factory builds twice under one FSDP engine on the factory's
 batches, eagerly and with partial graphs captured before ``capture_step``, and reports per step whether
 the losses are equal (``torch.equal``, on every rank), whether the final parameters are equal, and, on a
 mismatch, the first graphed callable whose output (or backward) differs in the first step that differs
@@ -21,11 +21,25 @@ The factory protocol (a few lines for any model)::
             loss=lambda model, batch: model(**batch).loss,
         )
 
+Engines (``engine=`` / ``--engine``; how each shards the model: ``testing/engines.py``):
+
+- ``megatron_fsdp`` (default): this project's ``fully_shard``, ZeRO-3 with its double buffer; compute in
+  ``--dtype``, fp32 main parameters. CPU (Gloo) or GPU.
+- ``fsdp2``: PyTorch's ``torch.distributed.fsdp.fully_shard`` on each unit, then the root, with
+  ``keep_unsharded_storage``. ``--dtype`` is the dtype the model is cast to (parameters, gradients and
+  optimizer state): FSDP2's ``MixedPrecisionPolicy`` casts in hooks a per-layer graph skips, and the FSDP2
+  adapter refuses it. ``--strategy`` ``optim_grads_params`` or ``optim_grads``. CPU (Gloo) or GPU.
+- ``nvidia``: NVIDIA Megatron-FSDP through megatron-core (``pip install 'megatron-core==0.19.2'``), ZeRO-3
+  with its double buffer, module in ``--dtype``, fp32 main parameters; the final parameters are compared
+  shard by shard. GPU only: refused before any work elsewhere.
+
 Run (1 GPU, 2 GPUs, CPU)::
 
     python -m fsdp_cudagraph.check --model my_pkg.my_module:my_factory --patterns 'model.layers.*.mlp'
     torchrun --nproc-per-node 2 -m fsdp_cudagraph.check --model fsdp_cudagraph.apps.hf_models:llama
     python -m fsdp_cudagraph.check --model fsdp_cudagraph.apps.hf_models:llama --device cpu   # protocol backend
+    python -m fsdp_cudagraph.check --engine fsdp2 --model my_pkg.my_module:my_factory     # under PyTorch FSDP2
+    python -m fsdp_cudagraph.check --engine nvidia --model my_pkg.my_module:my_factory    # NVIDIA's, 1 GPU
 
 ``--perturb NAME`` is a negative control: it scales the graphed output of callable NAME by 1.01 from the
 capture on (graphed run only); the checker must then report a mismatch naming NAME (exit status 0 if it
@@ -49,12 +63,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_fsdp import fully_shard
-
 from fsdp_cudagraph.config import CudaGraphConfig
 from fsdp_cudagraph.graphs import partial as _capture
 from fsdp_cudagraph.runtime.te import HAS_TE
 from fsdp_cudagraph.testing.divergence import StepRecorder, describe_divergence, first_divergence
+from fsdp_cudagraph.testing.engines import ENGINES, EngineBuilder, engine_builder
 from fsdp_cudagraph.testing.records import write_record
 
 __all__ = ["ModelSpec", "AlignmentReport", "check_alignment", "main"]
@@ -90,6 +103,10 @@ class AlignmentReport:
     """What :func:`check_alignment` found. ``equal`` is the verdict, the same on every rank."""
 
     equal: bool
+    #: the FSDP engine both runs trained under (``megatron_fsdp``, ``fsdp2`` or ``nvidia``)
+    engine: str
+    #: what ran in which dtype under that engine (one line)
+    precision: str
     backend: str
     world_size: int
     scope: str
@@ -113,9 +130,10 @@ class AlignmentReport:
 
     def format(self) -> str:
         """A human-readable report."""
-        lines = [f"fsdp_cudagraph alignment check: backend {self.backend}, {self.world_size} rank(s), scope "
-                 f"{self.scope}, {len(self.callables)} graphed callables"
-                 + (f" (negative control: {self.perturbed} perturbed)" if self.perturbed else "")]
+        lines = [f"fsdp_cudagraph alignment check: engine {self.engine}, backend {self.backend}, "
+                 f"{self.world_size} rank(s), scope {self.scope}, {len(self.callables)} graphed callables"
+                 + (f" (negative control: {self.perturbed} perturbed)" if self.perturbed else ""),
+                 f"engine {self.engine}: {self.precision}"]
         lines.append(f"{'step':>4}  {'eager loss':>14}  {'graphed loss':>14}  result")
         for s in self.steps:
             lines.append(f"{s['step']:4d}  {s['eager_loss']:14.8f}  {s['graphed_loss']:14.8f}  "
@@ -186,9 +204,9 @@ def _perturb(graphed: Callable[..., Any]) -> Callable[..., Any]:
     return perturbed
 
 
-def _train(factory: Callable[[torch.device], ModelSpec], *, graphed: bool, device: torch.device, backend: str,
-           config: CudaGraphConfig, steps: int, seed: int, sharding_strategy: str,
-           compute_dtype: Optional[torch.dtype], perturb: Optional[str]) -> Dict[str, Any]:
+def _train(factory: Callable[[torch.device], ModelSpec], *, engine: EngineBuilder, graphed: bool,
+           device: torch.device, backend: str, config: CudaGraphConfig, steps: int, seed: int,
+           sharding_strategy: str, compute_dtype: Optional[torch.dtype], perturb: Optional[str]) -> Dict[str, Any]:
     torch.manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.manual_seed_all(seed)
@@ -196,11 +214,9 @@ def _train(factory: Callable[[torch.device], ModelSpec], *, graphed: bool, devic
     if not isinstance(spec, ModelSpec):
         raise TypeError(f"the model factory returned {type(spec).__name__}; it must return a "
                         "fsdp_cudagraph.check.ModelSpec(model=..., unit_modules=..., batch=..., loss=...)")
-    model = fully_shard(spec.model, fsdp_unit_modules=spec.unit_modules, sharding_strategy=sharding_strategy,
-                        compute_dtype=compute_dtype, fsdp_double_buffer=True,
-                        fsdp_db_use_persist_buf_on_alloc_fail=True)
-    opt = spec.make_optimizer(model.optimizer_parameters())
-    root = model.module
+    run = engine.build(spec.model, unit_modules=spec.unit_modules, make_optimizer=spec.make_optimizer, device=device,
+                       sharding_strategy=sharding_strategy, compute_dtype=compute_dtype)
+    model, opt, root, precision = run.model, run.optimizer, run.root, run.precision
     watched = _capture.select_modules(root, model, config)
     graphs = _capture.PartialCudaGraphs(model, config, backend=backend) if graphed else None
     matcher = None if graphed else _capture.match_graph_attention(model, config)
@@ -222,12 +238,12 @@ def _train(factory: Callable[[torch.device], ModelSpec], *, graphed: bool, devic
             loss = spec.loss(model, spec.batch(step))
             recorder.loss(loss)
             loss.backward()
-            recorder.grads(model.named_optimizer_parameters())
+            recorder.grads(run.named_parameters())
             records.append(recorder.stop())
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach().float().cpu())
-        state = {k: v.cpu() for k, v in model.full_state_dict().items()}
+        state = run.final_parameters()
         calls = {}
         if graphs is not None and graphs.captured:
             for n, _ in watched:
@@ -240,12 +256,12 @@ def _train(factory: Callable[[torch.device], ModelSpec], *, graphed: bool, devic
             graphs.delete()
         if matcher is not None:
             matcher.uninstall()
-    del model, opt, spec, graphs
+    del model, opt, root, run, spec, graphs
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"losses": losses, "records": records, "state": state, "report": report, "calls": calls,
-            "callables": [n for n, _ in watched]}
+            "callables": [n for n, _ in watched], "precision": precision}
 
 
 def check_alignment(
@@ -262,8 +278,14 @@ def check_alignment(
     seed: int = 1234,
     device: Optional[torch.device] = None,
     perturb: Optional[str] = None,
+    engine: str = "megatron_fsdp",
 ) -> AlignmentReport:
     """Train ``factory``'s model eagerly and with partial graphs; compare per step; localise a mismatch.
+
+    ``engine``: ``megatron_fsdp`` (default), ``fsdp2`` or ``nvidia`` (see the module docstring); an unknown
+    name (``ValueError``) or an engine this machine cannot run (``ImportError``/``RuntimeError``, e.g.
+    ``nvidia`` without a GPU) is refused before the factory is called. ``sharding_strategy`` and
+    ``compute_dtype`` are read per engine (``fsdp2``: the model is cast to ``compute_dtype``).
 
     Needs an initialised process group (every rank calls it; the verdict is agreed over ranks). Scope:
     ``cuda_graph_modules`` (tags) or ``cuda_graph_module_patterns`` (globs or class names); neither means
@@ -279,26 +301,27 @@ def check_alignment(
     randomness, or the runs differ for reasons of their own. Recording adds hooks around each callable and
     small kernels per tensor; it does not change what the model computes.
     """
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                        else torch.device("cpu"))
+    builder = engine_builder(engine, device)  # an unknown or unavailable engine is refused before any work
     if not dist.is_initialized():
-        raise RuntimeError("check_alignment needs an initialised process group (megatron_fsdp shards over it); "
+        raise RuntimeError(f"check_alignment needs an initialised process group (engine {engine} shards over it); "
                            "call torch.distributed.init_process_group first, or run python -m fsdp_cudagraph.check")
     if not 1 <= capture_step < steps:
         raise ValueError(f"capture_step={capture_step} and steps={steps}: need 1 <= capture_step < steps (at least "
                          "one eager step before capture and one replayed step after)")
-    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                        else torch.device("cpu"))
     backend = backend or _default_backend(device)
     impl = "transformer_engine" if backend == "te" else "local"
     config = CudaGraphConfig(
         cuda_graph_impl=impl, cuda_graph_modules=list(cuda_graph_modules),
         cuda_graph_module_patterns=list(cuda_graph_module_patterns), cuda_graph_warmup_steps=capture_step,
-        cuda_graph_num_warmup_iters=num_warmup_iters, use_megatron_fsdp=True, fsdp_double_buffer=True,
-        fsdp_db_use_persist_buf_on_alloc_fail=True,
+        cuda_graph_num_warmup_iters=num_warmup_iters, use_megatron_fsdp=builder.use_megatron_fsdp,
+        fsdp_double_buffer=builder.use_megatron_fsdp, fsdp_db_use_persist_buf_on_alloc_fail=builder.use_megatron_fsdp,
     )
-    common = dict(device=device, backend=backend, config=config, steps=steps, seed=seed,
+    common = dict(engine=builder, device=device, backend=backend, config=config, steps=steps, seed=seed,
                   sharding_strategy=sharding_strategy, compute_dtype=compute_dtype)
     with _deterministic_kernels():
-        logger.info("check_alignment: eager run, %d steps", steps)
+        logger.info("check_alignment: engine %s, eager run, %d steps", engine, steps)
         eager = _train(factory, graphed=False, perturb=None, **common)
         logger.info("check_alignment: graphed run (%s backend), capture before step %d", backend, capture_step)
         graphed = _train(factory, graphed=True, perturb=perturb, **common)
@@ -324,6 +347,8 @@ def check_alignment(
     equal = all(step_eq) and params_all
     return AlignmentReport(
         equal=equal,
+        engine=engine,
+        precision=graphed["precision"],
         backend=backend,
         world_size=world,
         scope=(f"patterns {list(cuda_graph_module_patterns)}" if cuda_graph_module_patterns
@@ -390,8 +415,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="default: te (TE installed) or torch on CUDA, protocol on CPU")
     p.add_argument("--modules", nargs="*", default=[], help="cuda_graph_modules tags (attn, mlp, ...)")
     p.add_argument("--patterns", nargs="*", default=[], help="cuda_graph_module_patterns (globs or class names)")
-    p.add_argument("--strategy", default="optim_grads_params")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="compute dtype (default bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--engine", choices=sorted(ENGINES), default="megatron_fsdp",
+                   help="the FSDP engine both runs train under (default megatron_fsdp; nvidia needs a GPU and "
+                        "megatron-core)")
+    p.add_argument("--strategy", default="optim_grads_params",
+                   help="sharding strategy (fsdp2: optim_grads_params or optim_grads)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="compute dtype (default bf16 on CUDA, fp32 on CPU; fsdp2: the dtype the model is cast to)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--perturb", default=None, help="negative control: perturb this callable's graphed output")
     p.add_argument("--json", default=None, help="write the report as JSON (rank 0)")
@@ -406,6 +435,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             load_factory(args.model), steps=args.steps, capture_step=args.capture_step, backend=args.backend,
             cuda_graph_modules=args.modules, cuda_graph_module_patterns=args.patterns,
             sharding_strategy=args.strategy, compute_dtype=dtype, device=device, perturb=args.perturb,
+            engine=args.engine,
         )
         if args.perturb:
             ok = not report.equal and report.culprit == args.perturb

@@ -107,8 +107,12 @@ class StepRecorder:
 
     def grads(self, named_params: Sequence[Tuple[str, torch.Tensor]]) -> None:
         for name, p in named_params:
-            if p.grad is not None:
-                self._add(("main_grad", name), p.grad)
+            g = p.grad
+            if g is not None:
+                # A DTensor gradient (FSDP2, NVIDIA Megatron-FSDP) is recorded as this rank's shard: records are
+                # compared rank by rank, and fingerprint() of the DTensor itself raises (its position weights
+                # are a plain tensor: "got mixed torch.Tensor and DTensor").
+                self._add(("main_grad", name), g.to_local() if hasattr(g, "to_local") else g)
 
     def stop(self) -> List[Record]:
         for h in self._handles:
