@@ -16,8 +16,11 @@ NO_GPU = "needs a CUDA GPU: CUDA graphs and NCCL only exist there (this machine 
 
 
 def gpu_env() -> dict:
-    """This workplace's rule for NCCL on its machines (NVLink multicast off), plus the repository on the path."""
-    return dict(os.environ, PYTHONPATH=ROOT, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+    """This workplace's rule for NCCL on its machines (NVLink multicast off), plus the repository on the path
+    in front of the caller's own PYTHONPATH (packages installed there, e.g. megatron-core, stay importable:
+    a test that skips on their absence in this process must find them in the child too)."""
+    path = os.pathsep.join([ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    return dict(os.environ, PYTHONPATH=path, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                 NVSHMEM_DISABLE_NVLS="1")
 
 
