@@ -73,13 +73,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("diagnose_graph_memory needs a CUDA GPU; nothing to run here.")
         return 2
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29655")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", device_id=dev)
+    from fsdp_cudagraph.apps.train import init_distributed
+
+    dev = init_distributed(default_port=29655)
     print("torch", torch.__version__)
     for graphed in (False, False, True, True, True):
         print(f"megatron_fsdp {'graphed' if graphed else 'eager  '}: allocated after delete {_ours(dev, graphed):.1f} MiB",

@@ -42,21 +42,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 ENGINES = ("fsdp2", "megatron_fsdp", "nvidia")
-#: What installs NVIDIA Megatron-FSDP 0.6.1 (the version the GPU script was written for).
-NVIDIA_PIP = "pip install 'megatron-core==0.19.2'"
-
-
 def nvidia_unavailable() -> Optional[str]:
-    """Why ``--engines nvidia`` cannot run here (None: it can). Imports megatron-core only when asked."""
-    try:
-        from megatron.core.distributed.fsdp.src import megatron_fsdp  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - ImportError, or a megatron-core that fails at import
-        return f"megatron-core is not importable ({type(exc).__name__}: {exc}); {NVIDIA_PIP}"
+    """Why ``--engines nvidia`` cannot run here (None: it can): the alignment checker's own answer
+    (``fsdp_cudagraph.testing.engines``), which imports megatron-core only when asked."""
     import torch
 
-    if not torch.cuda.is_available():
-        return "NVIDIA's MegatronFSDP builds CUDA streams and buffers: it needs a GPU (no CPU smoke)"
-    return None
+    from fsdp_cudagraph.testing.engines import ENGINES as CHECKER_ENGINES, NVIDIA_PIP
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    why = CHECKER_ENGINES["nvidia"].unavailable(device)
+    return None if why is None else f"{why}; {NVIDIA_PIP}"
 
 
 def _nvidia(gpt, device, keep: bool):

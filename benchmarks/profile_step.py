@@ -220,15 +220,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     from bench_full_iteration import CONFIGS
     from fsdp_cudagraph.apps.align import versions, write_record
     from fsdp_cudagraph.apps.model import GPTConfig
+    from fsdp_cudagraph.apps.train import init_distributed
     from fsdp_cudagraph.runtime.te import HAS_TE
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
+    device = init_distributed(default_port=29533)
     fields, mbs = CONFIGS["compute"]
     cfg = GPTConfig(**fields, use_te=HAS_TE)
     n = param_count(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,

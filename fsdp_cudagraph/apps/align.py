@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_cudagraph.apps.model import GPTConfig
-from fsdp_cudagraph.apps.train import OPTIMIZERS, RunSpec, init_distributed, run_training, use_deterministic_kernels
+from fsdp_cudagraph.apps.train import RunSpec, add_optimizer_argument, init_distributed, run_training, use_deterministic_kernels
 from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON
 from fsdp_cudagraph.testing.records import versions, write_record  # noqa: F401 - re-exported for the suites and benchmarks
 
@@ -267,8 +267,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--no-controls", action="store_true")
     p.add_argument("--no-clone-param-grads", action="store_true",
                    help="TE backend: clone_param_grads_on_return=False (less work per replay)")
-    p.add_argument("--optimizer", default="adam_fused", choices=list(OPTIMIZERS),
-                   help="adam_fused (default): torch.optim.Adam(fused=True); adam: torch's foreach implementation")
+    add_optimizer_argument(p)
     p.add_argument("--out", default=None, help="JSON result path (rank 0 writes)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

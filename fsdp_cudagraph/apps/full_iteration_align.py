@@ -45,7 +45,7 @@ from megatron_fsdp import fully_shard
 
 from fsdp_cudagraph.apps.align import versions, write_record
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn
-from fsdp_cudagraph.apps.train import OPTIMIZERS, init_distributed, make_adam, rank_batches, use_deterministic_kernels
+from fsdp_cudagraph.apps.train import add_optimizer_argument, init_distributed, make_adam, rank_batches, use_deterministic_kernels
 from fsdp_cudagraph.config import CudaGraphConfig
 from fsdp_cudagraph.graphs.full_iteration import FullIterationCudaGraph, FullIterationReport
 from fsdp_cudagraph.graphs.partial import PartialCudaGraphs
@@ -375,8 +375,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="in each row, run the graphed run before the eager one (a diagnosis aid: order effects)")
     p.add_argument("--only", nargs="*", default=None, metavar="MODEL:STRATEGY[:ACCUM]",
                    help="run only these rows, e.g. te:no_shard:1 (a diagnosis aid)")
-    p.add_argument("--optimizer", default="adam_fused", choices=list(OPTIMIZERS),
-                   help="adam_fused (default): torch.optim.Adam(fused=True); adam: torch's foreach implementation")
+    add_optimizer_argument(p)
     p.add_argument("--out", default=None, help="JSON result path (rank 0 writes)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -126,6 +126,12 @@ class RunResult:
 OPTIMIZERS = ("adam_fused", "adam")
 
 
+def add_optimizer_argument(parser: Any) -> None:
+    """The ``--optimizer`` option of the alignment commands (``RunSpec.optimizer``/``FullRunSpec.optimizer``)."""
+    parser.add_argument("--optimizer", default="adam_fused", choices=list(OPTIMIZERS),
+                        help="adam_fused (default): torch.optim.Adam(fused=True); adam: torch's foreach implementation")
+
+
 def make_adam(params: Any, name: str, **kwargs: Any) -> torch.optim.Adam:
     """``torch.optim.Adam`` over ``params`` as ``name`` says: ``adam_fused`` (one fused kernel; over the engine's
     few flat fp32 shards 9.3 ms against 22.7 ms foreach for an 822 M-parameter rank on an H100) or ``adam``
