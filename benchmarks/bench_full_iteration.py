@@ -26,6 +26,7 @@ Median step time (CUDA events) over the steps after ``--skip``; capture at step 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import statistics
@@ -150,14 +151,20 @@ def run_columns(name: str, columns: List[str], rows: Dict[str, Any], args: argpa
                 device: torch.device) -> None:
     fields, mbs = CONFIGS[name]
     cfg = GPTConfig(**fields, use_te=args.te)
+    # Our columns with TE's fused weight-gradient accumulation when asked (FSDP2 offers no main_grad); the
+    # column "eager_unfused" is our eager step without it, for comparison.
+    fused = args.te and getattr(args, "fuse_wgrad", False)
     t0 = time.time()
     for column in columns:
         _fresh()
         try:
             if column.startswith("fsdp2"):
                 row = run_fsdp2(cfg, mbs, args, device, graphed=column == "fsdp2_graph")
+            elif column == "eager_unfused":
+                row = run_ours("eager", cfg, mbs, args, device)
             else:
-                row = run_ours(column, cfg, mbs, args, device)
+                ours = dataclasses.replace(cfg, fuse_wgrad=True) if fused else cfg
+                row = run_ours(column, ours, mbs, args, device)
         except Exception as exc:  # noqa: BLE001 - one failing column is recorded, the table goes on
             row = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             if dist.get_rank() == 0:

@@ -7,6 +7,7 @@
 # engines benchmarks/engines_align.py alone (all engines; nvidia needs megatron-core, e.g. PYTHONPATH=/tmp/site)
 # align   the partial-graph alignment matrix (python -m fsdp_cudagraph.apps.align) on 1 GPU
 # profile benchmarks/profile_step.py: the compute step's kernel time by category, ours vs FSDP2
+# memory  graph memory on the demo's model: benchmarks/graph_memory_snapshot.py (fused wgrad on and off), the demo
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -64,5 +65,14 @@ case "$stage" in
   profile)
     step timeout 300 python3 benchmarks/profile_step.py --out "$OUT/profile-compute.json" "$@" > "$OUT/profile.log" 2>&1
     tail -30 "$OUT/profile.log" ;;
+  memory)
+    for f in on off; do
+      step timeout 200 python3 benchmarks/graph_memory_snapshot.py --fuse-wgrad $f --out "$OUT/graph-memory-fuse-$f.json" > "$OUT/graph-memory-fuse-$f.log" 2>&1
+      head -30 "$OUT/graph-memory-fuse-$f.log"
+    done
+    step timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m fsdp_cudagraph.apps.demo > "$OUT/demo.log" 2>&1
+    tail -6 "$OUT/demo.log"
+    step timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m fsdp_cudagraph.apps.demo --no-fuse-wgrad > "$OUT/demo-unfused.log" 2>&1
+    tail -3 "$OUT/demo-unfused.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

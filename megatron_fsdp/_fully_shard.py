@@ -200,6 +200,8 @@ class MegatronFSDP(nn.Module):
         self.root_unit: Optional[FSDPUnit] = None
         self.slot_owner: List[Optional[FSDPUnit]] = [None, None]
         self._pending: "collections.deque[_PendingReduce]" = collections.deque()
+        #: gradient slot -> the unit whose TE modules write into it during its backward ([Note: fused weight gradients])
+        self.grad_slot_holder: Dict[int, FSDPUnit] = {}
         self._forward_order: List[FSDPUnit] = []
         self._last_forward_order: List[FSDPUnit] = []
         self._in_root_forward = False
@@ -326,7 +328,11 @@ class MegatronFSDP(nn.Module):
         # a whole unit's backward after it started. Two fp32 slots cost the largest unit's size in fp32 more
         # (0.78 GiB of an 822 M-parameter model) for one more unit of slack when communication is slower than
         # a unit's backward.
-        slots_g = [torch.zeros(self.slot_numel, dtype=gdt, device=dev)] if db_units else []
+        # With fused weight-gradient accumulation a unit's slot is busy through its whole backward, so on
+        # several ranks a second slot lets the previous unit's reduce-scatter overlap this unit's backward.
+        fused = any(u.fused is not None and u.fused.any_fused() for u in db_units)
+        n_gslots = 2 if fused and self.world_size > 1 else 1
+        slots_g = [torch.zeros(self.slot_numel, dtype=gdt, device=dev) for _ in range(n_gslots)] if db_units else []
         slot_of = {id(u): i % 2 for i, u in enumerate(db_units)}  # [Note: fixed slots] parity of plan order
         with torch.no_grad():
             for u in all_units:
@@ -343,7 +349,7 @@ class MegatronFSDP(nn.Module):
                     resident = self.fsdp_double_buffer or not self.strategy.shards_params
                     pbuf = _Buffer("persistent" if resident else "dynamic", torch.zeros(u.numel, dtype=cdt, device=dev))
                 if s is not None and self.strategy is not ShardingStrategy.OPTIM:
-                    gbuf = _Buffer("slot", slots_g[0], 0)
+                    gbuf = _Buffer("slot", slots_g[s % n_gslots], s % n_gslots)
                 else:
                     gkeep = self.fsdp_double_buffer or self.strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM)
                     gbuf = _Buffer("persistent" if gkeep else "dynamic", torch.zeros(u.grad_numel, dtype=gdt, device=dev))
@@ -510,7 +516,10 @@ class MegatronFSDP(nn.Module):
                 p.work.wait()
             p.unit.grad_buffer.free()
         self._pending.clear()
+        self.grad_slot_holder.clear()
         for u in self.units + ([self.root_unit] if self.root_unit else []):
+            if u.fused is not None:
+                u.fused.end_backward()
             u.wait_unshard()
             for p in u.all_params:
                 p.grad = None

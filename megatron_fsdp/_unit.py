@@ -27,6 +27,7 @@ from . import _collectives as C
 from . import _guards
 from ._common import COMPUTING, Engine, ShardingStrategy, TrainingState, phase
 from ._flat import ALIGN_NUMEL, FlatLayout, _Buffer, _Works  # noqa: F401  (re-exported: engine and tests import them here)
+from ._fused_wgrad import FusedWeightGrads, fusable_weights
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,10 @@ class FSDPUnit:
         self._views_installed = True
         #: absent-gradient pattern -> views of the gradient buffer the fold zeroes ([Note: the gradient fold])
         self._holes: Dict[Tuple[bool, ...], List[torch.Tensor]] = {}
+        #: TE weights that may write their gradients into the gradient buffer ([Note: fused weight gradients]);
+        #: None when the unit has no module that follows TE's protocol.
+        owners = fusable_weights(module, self.params)
+        self.fused: Optional[FusedWeightGrads] = FusedWeightGrads(self, owners) if owners else None
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -346,6 +351,8 @@ class FSDPUnit:
                 "checkpointing, which re-runs the forward during backward, is supported"
             )
         eng.record("pre_forward", self)
+        if self.fused is not None:
+            self.fused.replayed.clear()  # a replay of this step notes itself after this hook
         with phase(f"FSDP::pre_forward {self.name}"):
             self.unshard()
             self.wait_unshard()
@@ -395,6 +402,8 @@ class FSDPUnit:
             self.unshard()
             self.wait_unshard()
             self.state = TrainingState.BACKWARD
+            if self.fused is not None and self.fused.any_fused():
+                self.open_grad_buffer(hold=True)  # TE's GEMMs write into it during this backward
             self._prefetch_backward()
 
     def _prefetch_backward(self) -> None:
@@ -413,8 +422,12 @@ class FSDPUnit:
             if self.frozen_params:
                 self._check_frozen_grads()
             grads = [p.grad for p in self.params]
-            if any(g is not None for g in grads):
-                self._reduce_grads(grads)
+            written = self.fused.written() if self.fused is not None else None
+            if any(g is not None for g in grads) or (written is not None and any(written)):
+                self._reduce_grads(grads, written)
+            if self.fused is not None:
+                self.fused.end_backward()
+                self.release_grad_slot()
             self.state = TrainingState.IDLE
             self.reshard()
 
@@ -452,27 +465,60 @@ class FSDPUnit:
         return owner.state not in (COMPUTING + (TrainingState.FORWARD_DONE,) if backward else COMPUTING)
 
     # ------------------------------------------------------------------ gradients
-    def _reduce_grads(self, grads: List[Optional[torch.Tensor]]) -> None:
-        eng = self.engine
+    def open_grad_buffer(self, *, hold: bool = False) -> None:
+        """Claim the unsharded gradient buffer: a shared slot's previous user finishes its reduction first.
+
+        ``hold``: TE writes into it during this unit's backward ([Note: fused weight gradients]); no other unit
+        may take the slot until this unit's post-backward (a unit nested in this one would).
+        """
         gbuf = self.grad_buffer
         if gbuf.kind == "slot":
-            eng.retire_reduces(slot=gbuf.slot)  # the previous user of this slot must have finished reducing
+            holders = self.engine.grad_slot_holder
+            holder = holders.get(gbuf.slot)
+            if holder is not None and holder is not self:
+                raise RuntimeError(
+                    f"[rank {self.engine.rank}] megatron_fsdp: unit {self.name} needs gradient slot {gbuf.slot} while "
+                    f"unit {holder.name}'s TE modules still write their weight gradients into it (its backward has "
+                    "not finished: the units are nested). Fused weight-gradient accumulation needs units that do not "
+                    f"nest: set fuse_wgrad_accumulation=False on the TE modules of unit {holder.name}, or make the "
+                    "nested module part of its parent unit"
+                )
+            self.engine.retire_reduces(slot=gbuf.slot)  # the previous user of this slot must have finished reducing
+            if hold:
+                holders[gbuf.slot] = self
         gbuf.allocate(f"the gradient buffer of unit {self.name}")
+
+    def release_grad_slot(self) -> None:
+        gbuf = self.grad_buffer
+        if gbuf is not None and self.engine.grad_slot_holder.get(gbuf.slot) is self:
+            del self.engine.grad_slot_holder[gbuf.slot]
+
+    def _reduce_grads(self, grads: List[Optional[torch.Tensor]], written: Optional[List[bool]] = None) -> None:
+        eng = self.engine
+        gbuf = self.grad_buffer
+        self.open_grad_buffer()
         flat = gbuf.tensor[: self.grad_numel]
-        present_views = [v for v, g in zip(self.grad_views, grads) if g is not None]
-        present = [g for g in grads if g is not None]
+        done = written or [False] * len(grads)  # already in the buffer ([Note: fused weight gradients])
+        copy_views = [v for v, g, w in zip(self.grad_views, grads, done) if g is not None and not w]
+        copies = [g for g, w in zip(grads, done) if g is not None and not w]
         with torch.no_grad():
             # [Note: the gradient fold] Copy (and cast) each gradient into its view, zero what no gradient
             # covers (absent gradients, the alignment gaps: a slot holds other units' bytes), then pre-scale
             # by 1/world_size so that the SUM collective yields the mean over ranks. The same bits as zeroing
             # the buffer and adding alpha * grad (0 + round(alpha * g) == round(g * alpha)) in 6 bytes per bf16
             # gradient instead of 14 (a zero pass and a mixed-dtype add), and no scale pass on one rank.
-            torch._foreach_copy_(present_views, present)
-            holes = self._grad_holes(gbuf, [g is None for g in grads])
+            # Gradients TE already wrote into the buffer are kept (a weight that also got an ordinary
+            # gradient, through another use, has it added).
+            if copies:
+                torch._foreach_copy_(copy_views, copies)
+            for v, g, w in zip(self.grad_views, grads, done):
+                if w and g is not None:
+                    v.add_(g)
+            holes = self._grad_holes(gbuf, [g is None and not w for g, w in zip(grads, done)])
             if holes:
                 torch._foreach_zero_(holes)
             if eng.grad_scale != 1.0:
-                torch._foreach_mul_(present_views, eng.grad_scale)
+                torch._foreach_mul_(copy_views + [v for v, w in zip(self.grad_views, done) if w], eng.grad_scale)
         for p in self.params:
             p.grad = None
         accumulate = self.main_shard.grad is not None

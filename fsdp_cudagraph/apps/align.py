@@ -58,13 +58,13 @@ ZERO3 = "optim_grads_params"
 
 
 def model_config(backend: str, *, seq_len: int = 100, num_heads: int = 4, unit: str = "block",
-                 use_te: Optional[bool] = None, rich_calls: bool = False) -> GPTConfig:
+                 use_te: Optional[bool] = None, rich_calls: bool = False, fuse_wgrad: bool = False) -> GPTConfig:
     """The matrix's model: 4 layers, hidden 256 (head dim 256 / num_heads), every second layer MoE."""
     use_te = (backend == "te") if use_te is None else use_te
     return GPTConfig(
         vocab_size=1024, hidden_size=256, num_layers=4, num_heads=num_heads, seq_len=seq_len,
         moe_every=0 if unit == "te_layer" else 2, num_experts=4, moe_top_k=2, use_te=use_te, unit=unit,
-        rich_calls=rich_calls,
+        rich_calls=rich_calls, fuse_wgrad=fuse_wgrad,
     )
 
 
@@ -81,9 +81,12 @@ def matrix(backend: str, *, quick: bool) -> List[Dict[str, Any]]:
     for seq in seqs:
         for scope in ([], ["attn"]):
             row(scope, f"seq {seq}", seq_len=seq)
+    fused = dict(fuse_wgrad=True, use_te=True)  # TE writes weight gradients into the engine's buffer
     if quick:
         row(["attn", "mlp"], "tuple outputs, tensor kwargs", rich_calls=True)
         row(["attn"], "user hooks", user_hooks=True)
+        if HAS_TE:
+            row([], "fused wgrad", **fused)
         return rows
     row(["attn"], "head dim 32", num_heads=8)
     row(["attn"], "head dim 128", num_heads=2)
@@ -95,6 +98,16 @@ def matrix(backend: str, *, quick: bool) -> List[Dict[str, Any]]:
     if HAS_TE:
         for seq in (100, 128):
             row([], f"TE TransformerLayer units, seq {seq}", seq_len=seq, unit="te_layer", use_te=True)
+    if HAS_TE:
+        # [Note: fused weight gradients]: whole layers, submodules (the MLP eager beside a graphed attention in
+        # one unit), every strategy, accumulation, TE's own layer
+        row([], "fused wgrad", **fused)
+        row(["attn", "mlp"], "fused wgrad", **fused)
+        row(["attn"], "fused wgrad, MLP eager", **fused)
+        row(["attn", "mlp"], "fused wgrad, gradient accumulation 2", grad_accum=2, **fused)
+        for strategy in STRATEGIES[:3]:
+            row([], f"fused wgrad, strategy {strategy}", strategy=strategy, **fused)
+        row([], "fused wgrad, TE TransformerLayer units", unit="te_layer", **fused)
     if backend == "te":
         row([], "plain-torch layers", use_te=False)
         row(["attn"], "plain-torch layers", use_te=False)

@@ -31,6 +31,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--scope", nargs="*", default=[], help="cuda_graph_modules (empty: whole layers)")
     p.add_argument("--strategy", default="optim_grads_params")
+    p.add_argument("--no-fuse-wgrad", action="store_true",
+                   help="with TE: keep TE's weight gradients as ordinary .grad (by default TE writes them straight "
+                        "into the engine's fp32 gradient buffer, fuse_wgrad_accumulation=True)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     cuda = torch.cuda.is_available()
@@ -46,7 +49,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = ("te" if HAS_TE else "torch") if cuda else "protocol"
     cfg = GPTConfig(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, seq_len=64, moe_every=2,
-                    use_te=backend == "te")
+                    use_te=backend == "te", fuse_wgrad=backend == "te" and not args.no_fuse_wgrad)
     # The eager run's TE attention picks the backend the graphs will use (match_graph_attention), so that the
     # two columns can be compared bit for bit; see fsdp_cudagraph/runtime/attention.py.
     spec = RunSpec(model=cfg, steps=args.steps, sharding_strategy=args.strategy, backend=backend,
@@ -54,7 +57,8 @@ def main() -> None:
                    attention_as_graphed=list(args.scope))
     if rank == 0:
         print(f"megatron_fsdp demo: {world} ranks on {device.type} ({dist.get_backend()}), strategy {args.strategy}, "
-              f"{cfg.num_layers} layers (every 2nd MoE), graph scope {args.scope or 'whole layers'}, backend {backend}")
+              f"{cfg.num_layers} layers (every 2nd MoE), graph scope {args.scope or 'whole layers'}, backend {backend}"
+              + (", fused weight gradients" if cfg.fuse_wgrad else ""))
         if not cuda:
             print("No CUDA GPU here: CUDA graphs need one. The 'graphed' column runs the same capture schedule and "
                   "hook rerouting on the CPU protocol backend (no graphs, no speed-up).")

@@ -46,6 +46,10 @@ class GPTConfig:
     #: Calls the way real models make them: attention returns a tuple ``(out, normed_input)`` and the MLP
     #: takes that second tensor as a keyword argument (``skip=``); exercises tuple outputs and tensor kwargs.
     rich_calls: bool = False
+    #: TE modules write weight gradients straight into the engine's fp32 gradient buffer
+    #: (``fuse_wgrad_accumulation=True``; needs ``use_te`` and an engine that offers ``main_grad``, see
+    #: [Note: fused weight gradients] in ``megatron_fsdp/_fused_wgrad.py``).
+    fuse_wgrad: bool = False
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -62,6 +66,8 @@ class GPTConfig:
                 f"unit='te_layer' (TE TransformerLayer) needs use_te=True, moe_every=0 and rich_calls=False (got "
                 f"use_te={self.use_te}, moe_every={self.moe_every}, rich_calls={self.rich_calls})"
             )
+        if self.fuse_wgrad and not self.use_te:
+            raise ValueError("fuse_wgrad=True is TE's fuse_wgrad_accumulation and needs use_te=True (got use_te=False)")
         if self.moe_every < 0 or not (1 <= self.moe_top_k <= self.num_experts):
             raise ValueError(
                 f"moe_every={self.moe_every}, moe_top_k={self.moe_top_k}, num_experts={self.num_experts}: need "
@@ -81,9 +87,10 @@ class SelfAttention(nn.Module):
         self.rich_calls = cfg.rich_calls
         if cfg.use_te:
             te = require_te("GPTConfig(use_te=True)")
-            self.ln_qkv = te.LayerNormLinear(h, 3 * h, bias=True, params_dtype=torch.float32)
+            fuse = {"fuse_wgrad_accumulation": cfg.fuse_wgrad}
+            self.ln_qkv = te.LayerNormLinear(h, 3 * h, bias=True, params_dtype=torch.float32, **fuse)
             self.core = te.DotProductAttention(cfg.num_heads, h // cfg.num_heads, attn_mask_type="causal", qkv_format="bshd")
-            self.proj = te.Linear(h, h, bias=True, params_dtype=torch.float32)
+            self.proj = te.Linear(h, h, bias=True, params_dtype=torch.float32, **fuse)
         else:
             self.ln = nn.LayerNorm(h)
             self.qkv = nn.Linear(h, 3 * h)
@@ -112,7 +119,8 @@ class MLP(nn.Module):
         self.use_te = cfg.use_te
         if cfg.use_te:
             te = require_te("GPTConfig(use_te=True)")
-            self.ln_mlp = te.LayerNormMLP(cfg.hidden_size, cfg.ffn_hidden_size, bias=True, params_dtype=torch.float32)
+            self.ln_mlp = te.LayerNormMLP(cfg.hidden_size, cfg.ffn_hidden_size, bias=True, params_dtype=torch.float32,
+                                          fuse_wgrad_accumulation=cfg.fuse_wgrad)
         else:
             self.ln = nn.LayerNorm(cfg.hidden_size)
             self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size)
@@ -252,6 +260,7 @@ def _layer(cfg: GPTConfig, layer_number: int) -> nn.Module:
     return te.TransformerLayer(
         cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_heads, layer_number=layer_number, hidden_dropout=0.0,
         attention_dropout=0.0, self_attn_mask_type="causal", params_dtype=torch.float32, seq_length=cfg.seq_len,
+        fuse_wgrad_accumulation=cfg.fuse_wgrad,
     )
 
 

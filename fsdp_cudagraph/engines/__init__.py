@@ -218,6 +218,15 @@ class EngineAdapter(abc.ABC):
     def prepare_capture(self, units: List[nn.Module]) -> None:
         """Register on each unit the parameters its forward reads (called after ``reset``, before capture)."""
 
+    # -- 7. replays the engine must hear of -------------------------------------------------------
+    def replay_notice(self, module: nn.Module) -> Optional[Callable[[], None]]:
+        """A callable to run before each replay of ``module``'s graph, or None (the default: nothing to hear).
+
+        An engine whose hooks learn at run time what a backward wrote (``megatron_fsdp``: which TE weights wrote
+        their gradients into its buffer) cannot learn it from a replay, which runs no Python.
+        """
+        return None
+
 
 _ENGINES: List[type] = []
 

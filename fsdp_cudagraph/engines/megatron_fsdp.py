@@ -10,7 +10,7 @@ engine supports them.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -146,3 +146,16 @@ class MegatronFSDPEngine(EngineAdapter):
     # -- 5. step boundary
     def reset(self) -> None:
         self.engine.reset_step_state()
+
+    # -- 6. and 7. fused weight gradients ([Note: fused weight gradients] in megatron_fsdp/_fused_wgrad.py)
+    def prepare_capture(self, units: List[nn.Module]) -> None:
+        for u in self.engine.all_units():
+            if u.fused is not None:
+                u.fused.forget_captures()
+
+    def replay_notice(self, module: nn.Module) -> Optional[Callable[[], None]]:
+        unit = self._unit(module)
+        if unit is None or unit.fused is None:
+            return None
+        fused = unit.fused
+        return lambda: fused.note_replay(module)

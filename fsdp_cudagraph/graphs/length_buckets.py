@@ -270,7 +270,8 @@ class _BucketCapture(PartialCudaGraphs):
     def _install(self, c: Any, wrapper: _args.CallWrapper, graphed: Any) -> None:
         self.wrappers[c.name] = wrapper
         self.dispatchers[c.name] = _args.Dispatcher(c.module, c.name, graphed, wrapper, wrapper.eager_forward,
-                                                    strict=self.config.cuda_graph_strict_signature)
+                                                    strict=self.config.cuda_graph_strict_signature,
+                                                    on_replay=self._on_replay(c))
 
 
 # ---------------------------------------------------------------------------------------------- the public class

@@ -32,7 +32,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -458,7 +458,12 @@ class PartialCudaGraphs:
             if attr in wrapper.__dict__:
                 c.module.__dict__[attr] = wrapper.__dict__[attr]
         c.module.forward = _args.Dispatcher(c.module, c.name, graphed, wrapper, wrapper.eager_forward,
-                                            strict=self.config.cuda_graph_strict_signature)
+                                            strict=self.config.cuda_graph_strict_signature,
+                                            on_replay=self._on_replay(c))
+
+    def _on_replay(self, c: _Callable) -> Optional[Callable[[], None]]:
+        """What a replay of ``c`` tells the engine (which module's graph ran), or None."""
+        return self.engine.replay_notice(c.module) if self.engine is not None else None
 
     def _replay_ptrs(self, c: _Callable) -> Tuple[Tuple[str, int], ...]:
         """(name, address) of every tensor the engine says a replay of ``c`` reads or writes, read live."""

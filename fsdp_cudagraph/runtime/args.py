@@ -361,13 +361,16 @@ class Dispatcher:
         wrapper: the :class:`CallWrapper` (call and output signatures of capture).
         eager: the module's own forward before capture (called with the original arguments on a mismatch).
         strict: raise ValueError on a mismatch instead of running eagerly.
+        on_replay: called before each replay (the engine learns which graphs wrote gradients outside Python:
+            [Note: fused weight gradients] in ``megatron_fsdp/_fused_wgrad.py``).
 
     Counters ``replays`` and ``eager_calls`` say what happened; ``last_change`` holds the last mismatch's
     description. The hot path is one flatten and one tuple comparison.
     """
 
     def __init__(self, module: nn.Module, name: str, graphed: Callable[..., Any], wrapper: CallWrapper,
-                 eager: Callable[..., Any], *, strict: bool = False) -> None:
+                 eager: Callable[..., Any], *, strict: bool = False,
+                 on_replay: Optional[Callable[[], None]] = None) -> None:
         assert wrapper.out_sig is not None, "the wrapper never ran: no output signature"
         self.module = module
         self.name = name
@@ -379,6 +382,7 @@ class Dispatcher:
         self.training = module.training
         self.eager = eager
         self.strict = strict
+        self.on_replay = on_replay
         self.replays = 0
         self.eager_calls = 0
         self.warned = False
@@ -389,6 +393,8 @@ class Dispatcher:
         sig = _flatten((args, kwargs), leaves)
         if sig == self.sig and self.module.training == self.training:
             self.replays += 1
+            if self.on_replay is not None:
+                self.on_replay()
             out = self.graphed(*leaves)
             if self._single:
                 return out[0] if isinstance(out, (tuple, list)) else out
