@@ -202,6 +202,8 @@ class MegatronFSDP(nn.Module):
         self._pending: "collections.deque[_PendingReduce]" = collections.deque()
         #: gradient slot -> the unit whose TE modules write into it during its backward ([Note: fused weight gradients])
         self.grad_slot_holder: Dict[int, FSDPUnit] = {}
+        #: A graph layer's capture (warmup and capture passes) is running: backwards reduce nothing.
+        self.graph_maker_running = False
         self._forward_order: List[FSDPUnit] = []
         self._last_forward_order: List[FSDPUnit] = []
         self._in_root_forward = False
@@ -517,6 +519,7 @@ class MegatronFSDP(nn.Module):
             p.unit.grad_buffer.free()
         self._pending.clear()
         self.grad_slot_holder.clear()
+        self.graph_maker_running = False
         for u in self.units + ([self.root_unit] if self.root_unit else []):
             if u.fused is not None:
                 u.fused.end_backward()

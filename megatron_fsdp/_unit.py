@@ -422,7 +422,10 @@ class FSDPUnit:
             if self.frozen_params:
                 self._check_frozen_grads()
             grads = [p.grad for p in self.params]
-            written = self.fused.written() if self.fused is not None else None
+            # While a graph maker warms up and captures, its backwards run on sample gradients and leave no
+            # `.grad` behind (TE and torch clear or never set it), so nothing reaches the main gradients; the
+            # weights TE wrote into the buffer are dropped the same way.
+            written = self.fused.written() if self.fused is not None and not self.engine.graph_maker_running else None
             if any(g is not None for g in grads) or (written is not None and any(written)):
                 self._reduce_grads(grads, written)
             if self.fused is not None:

@@ -149,6 +149,9 @@ class MegatronFSDPEngine(EngineAdapter):
 
     # -- 6. and 7. fused weight gradients ([Note: fused weight gradients] in megatron_fsdp/_fused_wgrad.py)
     def prepare_capture(self, units: List[nn.Module]) -> None:
+        # Until reset() after the capture, the graph maker's backwards reduce nothing into the main gradients
+        # (the weight gradients TE writes into the engine's buffer included).
+        self.engine.graph_maker_running = True
         for u in self.engine.all_units():
             if u.fused is not None:
                 u.fused.forget_captures()
