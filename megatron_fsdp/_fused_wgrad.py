@@ -22,7 +22,8 @@ numbers differ from the unfused run (eager and graphed fused runs are bit-identi
 Overwriting is right when each weight reaches its GEMM exactly once per backward of its unit:
 
 - twice (a module called twice in one forward): the second call of ``get_main_grad()`` raises, before the
-  second GEMM would overwrite the first one's gradient;
+  second GEMM would overwrite the first one's gradient (in an eager step: a graph maker's warmup backwards
+  write gradients that are dropped, see ``graph_maker_running``, and capture needs eager steps first);
 - never (a module skipped in this step): the fold zeroes the weight's view, as it zeroes an absent gradient.
 
 "Reached" is counted by the calls of ``get_main_grad()`` in this backward. A replay of a CUDA graph calls no
@@ -103,7 +104,9 @@ class FusedWeightGrads:
         else:
             unit.open_grad_buffer(hold=True)
         self.calls[i] += 1
-        if self.calls[i] > 1:
+        # A graph maker's warmup iterations may run several backwards between two of the engine's handlers
+        # (torch's runs all of them inside one call); what they write is dropped, so only real steps count.
+        if self.calls[i] > 1 and not unit.engine.graph_maker_running:
             module = dict(self.owners).get(i)
             raise RuntimeError(
                 f"[rank {unit.engine.rank}] megatron_fsdp: weight {unit.layout.names[i]} of unit {unit.name} "

@@ -260,7 +260,7 @@ def _layer(cfg: GPTConfig, layer_number: int) -> nn.Module:
     return te.TransformerLayer(
         cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_heads, layer_number=layer_number, hidden_dropout=0.0,
         attention_dropout=0.0, self_attn_mask_type="causal", params_dtype=torch.float32, seq_length=cfg.seq_len,
-        fuse_wgrad_accumulation=cfg.fuse_wgrad,
+        fuse_wgrad_accumulation=cfg.fuse_wgrad, fuse_qkv_params=cfg.fuse_wgrad,  # TE requires both together
     )
 
 
