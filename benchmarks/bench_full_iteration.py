@@ -153,7 +153,7 @@ def run_columns(name: str, columns: List[str], rows: Dict[str, Any], args: argpa
     cfg = GPTConfig(**fields, use_te=args.te)
     # Our columns with TE's fused weight-gradient accumulation when asked (FSDP2 offers no main_grad); the
     # column "eager_unfused" is our eager step without it, for comparison.
-    fused = args.te and getattr(args, "fuse_wgrad", False)
+    ours = dataclasses.replace(cfg, fuse_wgrad=True) if args.te and getattr(args, "fuse_wgrad", False) else cfg
     t0 = time.time()
     for column in columns:
         _fresh()
@@ -163,7 +163,6 @@ def run_columns(name: str, columns: List[str], rows: Dict[str, Any], args: argpa
             elif column == "eager_unfused":
                 row = run_ours("eager", cfg, mbs, args, device)
             else:
-                ours = dataclasses.replace(cfg, fuse_wgrad=True) if fused else cfg
                 row = run_ours(column, ours, mbs, args, device)
         except Exception as exc:  # noqa: BLE001 - one failing column is recorded, the table goes on
             row = {"error": f"{type(exc).__name__}: {exc}"[:2000]}

@@ -144,7 +144,7 @@ class FusedWeightGrads:
             self.unit.params[i].__dict__.pop("main_grad", None)
 
     def forget_captures(self) -> None:
-        """Before a new capture (or after graphs are deleted): no graph writes these weights any more."""
+        """Before a new capture: weights the earlier graphs wrote are no longer written by a replay."""
         self.captured.clear()
         self.replayed.clear()
         self._by_module.clear()

@@ -20,6 +20,7 @@ from torch import nn
 
 from megatron_fsdp import fully_shard
 from tests.dist_utils import run_gloo
+from tests.test_engine_optimizers import STRATEGIES  # the same five strategies, ZeRO-3 with and without double buffer
 
 pytestmark = pytest.mark.gloo
 
@@ -96,16 +97,6 @@ class Net(nn.Module):
         return self.head(x) + 0.1 * (x @ self.head.weight.t())
 
 
-STRATEGIES = {
-    "no_shard": dict(sharding_strategy="no_shard"),
-    "optim": dict(sharding_strategy="optim"),
-    "optim_grads": dict(sharding_strategy="optim_grads"),
-    "zero3": dict(sharding_strategy="optim_grads_params"),
-    "zero3+double_buffer": dict(sharding_strategy="optim_grads_params", fsdp_double_buffer=True,
-                                fsdp_db_use_persist_buf_on_alloc_fail=True),
-}
-
-
 def _train(rank: int, world: int, fuse: bool, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     torch.manual_seed(0)
     net = Net(fuse)
@@ -164,17 +155,13 @@ def test_fused_weight_gradients_equal_the_unfused_ones(runs, strategy):
 
 
 def test_fused_weight_gradients_mark_the_weights_for_te():
-    torch.manual_seed(0)
-    net = Net(True)
-    fully_shard_kwargs: Dict[str, Any] = {}
-    run = run_gloo(_marks_job, 1, fully_shard_kwargs)[0]
+    run = run_gloo(_marks_job, 1)[0]
     assert run == {"fc1.weight": True, "fc1.bias": False, "norm.weight": False, "head.weight": True}
-    del net
 
 
-def _marks_job(rank: int, world: int, kwargs: Dict[str, Any]) -> Dict[str, bool]:
+def _marks_job(rank: int, world: int) -> Dict[str, bool]:
     net = Net(True)
-    fully_shard(net, fsdp_unit_modules=[Block], **kwargs)
+    fully_shard(net, fsdp_unit_modules=[Block])
     params = {"fc1.weight": net.layers[0].fc1.weight, "fc1.bias": net.layers[0].fc1.bias,
               "norm.weight": net.layers[0].norm.weight, "head.weight": net.head.weight}
     return {k: bool(getattr(p, "overwrite_main_grad", False)) and hasattr(p, "__fsdp_param__") for k, p in params.items()}
