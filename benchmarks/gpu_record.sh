@@ -8,6 +8,7 @@
 # align   the partial-graph alignment matrix (python -m fsdp_cudagraph.apps.align) on 1 GPU
 # profile benchmarks/profile_step.py: the compute step's kernel time by category, ours vs FSDP2
 # memory  graph memory on the demo's model: benchmarks/graph_memory_snapshot.py (fused wgrad on and off), the demo
+# peak    benchmarks/peak_composition.py: what is allocated at the peak, our eager step vs FSDP2 (compute, launch)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -65,6 +66,11 @@ case "$stage" in
   profile)
     step timeout 300 python3 benchmarks/profile_step.py --out "$OUT/profile-compute.json" "$@" > "$OUT/profile.log" 2>&1
     tail -30 "$OUT/profile.log" ;;
+  peak)
+    for c in compute launch; do
+      step timeout 300 python3 benchmarks/peak_composition.py --config $c --out "$OUT/peak-$c.json" > "$OUT/peak-$c.log" 2>&1
+      grep -v Warning "$OUT/peak-$c.log" | tail -34
+    done ;;
   memory)
     for f in on off; do
       step timeout 200 python3 benchmarks/graph_memory_snapshot.py --fuse-wgrad $f --out "$OUT/graph-memory-fuse-$f.json" > "$OUT/graph-memory-fuse-$f.log" 2>&1

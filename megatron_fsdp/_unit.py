@@ -17,6 +17,7 @@ adds a fifth phase, ``pre_recompute``: a forward that runs again inside the unit
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -121,12 +122,11 @@ class FSDPUnit:
         #: A forward of this unit ran again during backward (activation checkpointing recomputes it).
         self.recomputed = False
         self.hook_handles: List[torch.utils.hooks.RemovableHandle] = []
-        self.main_shard: nn.Parameter  # set by init_storage, with the tensors below
-        #: The fp32 main gradient as the optimizer sees it (``main_shard.grad``): for sharded strategies on
-        #: several ranks an alias of ``_main_grad_data`` whose norms raise ([Note: local norms], _clip.py).
-        self.main_grad: torch.Tensor
-        #: The same storage as a plain tensor, for the engine's own arithmetic (no dispatch overhead).
-        self._main_grad_data: torch.Tensor
+        self.main_shard: nn.Parameter  # set by init_storage
+        #: The main gradient ([Note: main gradients live like .grad]): held weakly (``main_shard.grad`` owns
+        #: it) until :meth:`keep_main_grad`, strongly after.
+        self._main_grad_ref: Optional[Callable[[], Optional[torch.Tensor]]] = None
+        self._main_grad_kept: Optional[torch.Tensor] = None
         self.frozen_shard: torch.Tensor
         #: ZeRO-3 with a compute dtype other than the main one: each unshard casts the fp32 shards straight
         #: into this rank's part of the gather buffer and gathers in place ([Note: cast on gather]).
@@ -178,9 +178,6 @@ class FSDPUnit:
         t = self.layout.total_numel
         self.main_shard = nn.Parameter(self._local(full_flat_fp32[:t], self.layout), requires_grad=True)
         self.main_shard._megatron_fsdp_unit = self  # type: ignore[attr-defined]  # read by the optimizer guard
-        self._main_grad_data = torch.zeros_like(self.main_shard, dtype=eng.main_grad_dtype)
-        sharded_grad = eng.strategy.shards_optimizer and eng.world_size > 1
-        self.main_grad = guard_local_norms(self._main_grad_data, self) if sharded_grad else self._main_grad_data
         self.frozen_shard = self._local(full_flat_fp32[t : self.numel], self.frozen_layout)
         self._cast_on_gather = eng.strategy.shards_params and eng.compute_dtype != eng.main_param_dtype
         self.param_buffer, self.grad_buffer = param_buffer, grad_buffer
@@ -208,6 +205,62 @@ class FSDPUnit:
         if eng.strategy.shards_params:
             param_buffer.free()
             self._install_placeholders()
+
+    # ------------------------------------------------------------------ main gradient
+    # [Note: main gradients live like .grad]
+    # A unit's fp32 main gradient is created by the first reduction of a step that finds ``main_shard.grad``
+    # unbound, and the unit refers to it only weakly: ``main_shard.grad`` owns it, so
+    # ``optimizer.zero_grad(set_to_none=True)`` frees it as it frees any ``.grad``, and the forward and the
+    # early backward of the next step run without the model's fp32 gradients allocated (4 bytes a parameter
+    # shard; FSDP2 frees its sharded gradients the same way). ``zero_grad(set_to_none=False)`` zeroes it in
+    # place and keeps it bound: the next reduction adds into it. A captured step (full-iteration graph) writes
+    # its main gradients at fixed addresses, so after capture :meth:`keep_main_grad` holds them strongly and
+    # every later reduction, eager or replayed, writes into those. Allocated inside the capture, they come
+    # from the graph's pool, where the step's activations were freed before the backward wrote them.
+    @property
+    def main_grad(self) -> Optional[torch.Tensor]:
+        """The fp32 main gradient as the optimizer sees it (``main_shard.grad`` when bound), or None.
+
+        For sharded strategies on several ranks an alias whose norms raise ([Note: local norms], _clip.py).
+        """
+        if self._main_grad_kept is not None:
+            return self._main_grad_kept
+        return self._main_grad_ref() if self._main_grad_ref is not None else None
+
+    @property
+    def _main_grad_data(self) -> Optional[torch.Tensor]:
+        """The main gradient's storage as a plain tensor, for the engine's own arithmetic (no dispatch)."""
+        g = self.main_grad
+        return None if g is None else getattr(g, "_megatron_fsdp_data", g)
+
+    def _new_main_grad(self, data: torch.Tensor) -> torch.Tensor:
+        """Make ``data`` the unit's main gradient (weakly held; kept if the unit keeps its main gradient)."""
+        from ._clip import guard_local_norms  # a leaf module; imported here to keep _unit's imports short
+
+        eng = self.engine
+        grad = data
+        if eng.strategy.shards_optimizer and eng.world_size > 1:
+            grad = guard_local_norms(data, self)
+            grad._megatron_fsdp_data = data  # type: ignore[attr-defined]
+        self._main_grad_ref = weakref.ref(grad)
+        return grad
+
+    def keep_main_grad(self) -> None:
+        """Hold the current main gradient strongly: every later reduction writes into it (a graph reads it)."""
+        if self._main_grad_kept is None:
+            self._main_grad_kept = self.main_grad
+
+    def _bound_main_grad(self) -> Optional[torch.Tensor]:
+        """``main_shard.grad`` if bound (the engine's main gradient), None if unbound; raises for a stranger."""
+        g = self.main_shard.grad
+        if g is None or g is self.main_grad:
+            return g
+        raise RuntimeError(
+            f"[rank {self.engine.rank}] megatron_fsdp: main_shard.grad of unit {self.name} is a tensor the engine did "
+            f"not create (shape {tuple(g.shape)}, dtype {g.dtype}); a reduction adds into the engine's own main "
+            "gradient and would drop it. Leave .grad as the engine binds it, or set it to None (zero_grad()) "
+            "to start from zero"
+        )
 
     def _install_placeholders(self) -> None:
         """Point the parameters at their NaN placeholders (on-demand buffers, once freed)."""
@@ -524,14 +577,16 @@ class FSDPUnit:
                 torch._foreach_mul_(copy_views + [v for v, w in zip(self.grad_views, done) if w], eng.grad_scale)
         for p in self.params:
             p.grad = None
-        accumulate = self.main_shard.grad is not None
+        accumulate = self._bound_main_grad() is not None
         if eng.strategy is ShardingStrategy.NO_SHARD:
             work = C.all_reduce(flat, eng.group, f"gradients of unit {self.name}")
-            out = flat
+            out, adopt = flat, False
         else:
-            out = torch.empty_like(self._main_grad_data) if accumulate else self._main_grad_data
+            kept = self._main_grad_data if self._main_grad_kept is not None else None
+            out = torch.empty_like(self.main_shard, dtype=eng.main_grad_dtype) if accumulate or kept is None else kept
+            adopt = not accumulate and kept is None
             work = C.reduce_scatter(out, flat, eng.group, f"gradients of unit {self.name}")
-        eng.add_pending_reduce(_PendingReduce(self, work, out, accumulate))
+        eng.add_pending_reduce(_PendingReduce(self, work, out, accumulate, adopt))
 
 
 def _gaps(layout: FlatLayout, absent: Sequence[bool]) -> List[Tuple[int, int]]:
@@ -558,10 +613,12 @@ def _gaps(layout: FlatLayout, absent: Sequence[bool]) -> List[Tuple[int, int]]:
 
 
 class _PendingReduce:
-    __slots__ = ("unit", "work", "out", "accumulate")
+    __slots__ = ("unit", "work", "out", "accumulate", "adopt")
 
-    def __init__(self, unit: FSDPUnit, work: Optional[dist.Work], out: torch.Tensor, accumulate: bool) -> None:
-        self.unit, self.work, self.out, self.accumulate = unit, work, out, accumulate
+    def __init__(self, unit: FSDPUnit, work: Optional[dist.Work], out: torch.Tensor, accumulate: bool,
+                 adopt: bool) -> None:
+        #: ``adopt``: ``out`` was allocated for this reduction and becomes the unit's new main gradient
+        self.unit, self.work, self.out, self.accumulate, self.adopt = unit, work, out, accumulate, adopt
 
     def retire(self) -> None:
         """Wait for the collective and fold its result into the unit's fp32 main gradient."""
@@ -569,11 +626,15 @@ class _PendingReduce:
             self.work.wait()
         unit = self.unit
         with torch.no_grad():
+            grad, data = unit.main_grad, unit._main_grad_data
             if self.accumulate:
-                unit._main_grad_data.add_(self.out)
-            elif self.out is not unit._main_grad_data:
-                unit._main_grad_data.copy_(self.out)
-        unit.main_shard.grad = unit.main_grad
+                data.add_(self.out)
+            elif unit._main_grad_kept is not None:
+                if self.out is not data:
+                    data.copy_(self.out)
+            else:  # a new main gradient ([Note: main gradients live like .grad]); a buffer's bytes are copied out
+                grad = unit._new_main_grad(self.out if self.adopt else self.out.clone())
+        unit.main_shard.grad = grad
         unit.grad_buffer.free()
 
 

@@ -26,7 +26,9 @@ The decisions an eager step takes from host state, and how a static step fixes e
   step after ``optimizer.zero_grad()``.
 - ``retire`` binds ``main_shard.grad = main_grad``; a replay runs no Python, so :func:`end_static_step`
   binds the units that capture bound (:func:`grads_bound`) and unbinds the others, exactly as an eager step
-  would leave them, whatever ``zero_grad(set_to_none=True)`` did in between.
+  would leave them, whatever ``zero_grad(set_to_none=True)`` did in between. The main gradients the
+  capture created (in the graph's pool) must outlive every ``zero_grad``: :func:`keep_main_grads`, right
+  after capture ([Note: main gradients live like .grad], ``_unit.py``).
 - Slot owners, unit states, pending collectives: after a replay they are reset to "nothing valid, nothing
   in flight", which is always safe for the next eager step (at worst it gathers a unit once more).
 
@@ -53,6 +55,7 @@ __all__ = [
     "begin_static_step",
     "end_static_step",
     "grads_bound",
+    "keep_main_grads",
     "mark_params_stale",
     "recording_phases",
 ]
@@ -116,7 +119,19 @@ def begin_static_step(engine: "MegatronFSDP", *, replace_grads: bool = True) -> 
 
 def grads_bound(engine: "MegatronFSDP") -> FrozenSet[str]:
     """Names of the units whose ``main_shard.grad`` is bound to their main gradient (those a step reduced)."""
-    return frozenset(u.name for u in engine.all_units() if u.main_shard.grad is u.main_grad)
+    return frozenset(u.name for u in engine.all_units()
+                     if u.main_shard.grad is not None and u.main_shard.grad is u.main_grad)
+
+
+def keep_main_grads(engine: "MegatronFSDP") -> None:
+    """Hold the units' current main gradients from now on: a captured step writes them at fixed addresses.
+
+    Call right after capturing a training step. Until then a main gradient lives like ``.grad`` (freed by
+    ``zero_grad(set_to_none=True)``, made anew by the next step, see [Note: main gradients live like .grad]);
+    after it every reduction, eager or replayed, writes into the kept one, which :func:`end_static_step` binds.
+    """
+    for u in engine.all_units():
+        u.keep_main_grad()
 
 
 def end_static_step(engine: "MegatronFSDP", *, bound: Iterable[str]) -> None:

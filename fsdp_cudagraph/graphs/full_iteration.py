@@ -436,6 +436,8 @@ class FullIterationCudaGraph:
             else:
                 graph, (out, trace) = None, self._run_protocol(slot, static_batch, log)
             bound = static_step.grads_bound(self.engine) if train else bindings
+            if train:
+                static_step.keep_main_grads(self.engine)  # the graph writes them at these addresses from now on
         except BaseException as exc:
             # nothing of the failed capture runs; drop its host state without waiting on captured work
             static_step.end_static_step(self.engine, bound=frozenset() if train else bindings)

@@ -586,17 +586,20 @@ def _memory_breakdown(order: List[_Callable], graph_bytes: int, reserved0: int) 
     writes it at a fixed address; TE returns a clone of it, torch the buffer). Eagerly the activations are
     alive at the peak too, but a layer's parameter gradients live only from its backward to its unit's
     reduce-scatter: the static ones, every graphed layer's at once, are what graphs add on top of the eager
-    peak (with the static inputs and pool fragmentation).
+    peak (with the static inputs and pool fragmentation). Weights of TE modules with
+    ``fuse_wgrad_accumulation=True`` have none: their backward graph writes into the engine's gradient buffer.
     """
     if not torch.cuda.is_available():
         return {}
     inputs = sum(_nbytes(t) for c in order for t in (c.sample_args or ()))
     seen, grads = set(), 0
     for c in order:
-        for p in c.module.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                grads += _nbytes(p)
+        for m in c.module.modules():
+            fused = bool(getattr(m, "fuse_wgrad_accumulation", False))
+            for p in m.parameters(recurse=False):
+                if p.requires_grad and id(p) not in seen and not (fused and p.dim() >= 2):
+                    seen.add(id(p))
+                    grads += _nbytes(p)
     return {"static_input_bytes": inputs, "param_grad_bytes": grads,
             "other_bytes": graph_bytes - grads,
             "reserved_growth_bytes": torch.cuda.memory_reserved() - reserved0}

@@ -1,0 +1,123 @@
+"""What is allocated at the moment of the peak: our eager step against FSDP2's, allocator trace by site.
+
+Runs the suite's columns (``bench_full_iteration.run_ours`` / ``run_fsdp2``: same model, data, optimizer and
+loop as ``bench_partial_graphs.py --suite full``) for a few steps each, in a fresh state of the caching
+allocator, while ``torch.cuda.memory._record_memory_history`` records every allocation and free with its
+Python stack. It then replays the trace to the instant of the largest allocated total, and sums the blocks
+live at that instant by the first frame that belongs to the project, TE, FSDP2, the optimizer or autograd.
+The rows say which step and phase the peak falls in (the last stack seen before it) and what it is made of.
+
+    python benchmarks/peak_composition.py [--config compute] [--columns eager fsdp2] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+from typing import Any, Dict, List, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+MARKERS = ("megatron_fsdp/", "fsdp_cudagraph/", "torch/distributed/fsdp/", "transformer_engine/", "torch/optim/",
+           "torch/autograd/", "torch/nn/", "benchmarks/")
+
+
+def _site(frames: List[Dict[str, Any]]) -> str:
+    for fr in frames or []:
+        fn = fr.get("filename", "")
+        if any(m in fn for m in MARKERS):
+            short = fn[fn.rfind("/", 0, fn.rfind("/")) + 1:]
+            return f"{short}:{fr.get('line')} {fr.get('name')}"
+    return "no Python stack (C++: cuBLAS/TE workspaces, NCCL)"
+
+
+def peak_composition(trace: List[Dict[str, Any]]) -> Tuple[int, Dict[str, int], str]:
+    """(peak bytes, live bytes by site at the peak, the site of the allocation that made the peak)."""
+    live: Dict[int, Tuple[int, str]] = {}
+    total = best = 0
+    best_live: Dict[int, Tuple[int, str]] = {}
+    best_site = ""
+    for ev in trace:
+        action = ev.get("action")
+        if action == "alloc":
+            site = _site(ev.get("frames"))
+            live[ev["addr"]] = (ev["size"], site)
+            total += ev["size"]
+            if total > best:
+                best, best_live, best_site = total, dict(live), site
+        elif action == "free_completed" and ev["addr"] in live:
+            total -= live.pop(ev["addr"])[0]
+    by_site: Dict[str, int] = collections.defaultdict(int)
+    for size, site in best_live.values():
+        by_site[site] += size
+    return best, dict(by_site), best_site
+
+
+def run_column(column: str, cfg_name: str, fuse: bool, steps: int, device: torch.device) -> Dict[str, Any]:
+    import dataclasses
+
+    import bench_full_iteration as bfi
+    from fsdp_cudagraph.apps.model import GPTConfig
+
+    fields, mbs = bfi.CONFIGS[cfg_name]
+    cfg = GPTConfig(**fields, use_te=bfi.HAS_TE)
+    args = argparse.Namespace(steps=steps, skip=1, capture_step=2, te=bfi.HAS_TE, fuse_wgrad=fuse)
+    bfi._fresh()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        if column.startswith("fsdp2"):
+            row = bfi.run_fsdp2(cfg, mbs, args, device, graphed=column == "fsdp2_graph")
+        else:
+            ours = dataclasses.replace(cfg, fuse_wgrad=True) if bfi.HAS_TE and fuse else cfg
+            row = bfi.run_ours(column, ours, mbs, args, device)
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snap["device_traces"][device.index or 0]
+    peak, by_site, at = peak_composition(trace)
+    return {"column": column, "config": cfg_name, "fuse_wgrad": fuse, "max_memory_allocated_gib": row["peak_memory_gib"],
+            "base_gib": base / 2**30, "trace_peak_gib": peak / 2**30, "peak_made_by": at, "events": len(trace),
+            "sites_gib": {k: v / 2**30 for k, v in sorted(by_site.items(), key=lambda kv: -kv[1])},
+            "step_ms": row.get("step_ms")}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="compute", choices=["launch", "compute"])
+    p.add_argument("--columns", nargs="+", default=["eager", "fsdp2"])
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--fuse-wgrad", choices=["on", "off"], default="on")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("peak_composition needs a CUDA GPU; nothing to run here.")
+        return 2
+    from fsdp_cudagraph.apps.train import init_distributed
+
+    dev = init_distributed(default_port=29519)
+    torch.cuda.set_stream(torch.cuda.default_stream(dev))
+    rows = [run_column(c, args.config, args.fuse_wgrad == "on", args.steps, dev) for c in args.columns]
+    for r in rows:
+        print(f"\n{r['column']} ({r['config']}): max_memory_allocated {r['max_memory_allocated_gib']:.3f} GiB, trace peak "
+              f"{r['trace_peak_gib']:.3f} GiB above {r['base_gib']:.3f}; the peak was made by {r['peak_made_by']}")
+        print("| GiB live at the peak | allocated at |\n| --- | --- |")
+        for site, gib in list(r["sites_gib"].items())[:14]:
+            print(f"| {gib:.3f} | {site} |")
+    if args.out and dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
