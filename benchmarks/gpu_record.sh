@@ -67,10 +67,11 @@ case "$stage" in
     step timeout 300 python3 benchmarks/profile_step.py --out "$OUT/profile-compute.json" "$@" > "$OUT/profile.log" 2>&1
     tail -30 "$OUT/profile.log" ;;
   peak)
-    for c in compute launch; do
-      step timeout 300 python3 benchmarks/peak_composition.py --config $c --out "$OUT/peak-$c.json" > "$OUT/peak-$c.log" 2>&1
-      grep -v Warning "$OUT/peak-$c.log" | tail -34
-    done ;;
+    step timeout 200 python3 benchmarks/peak_composition.py --config compute --columns eager fsdp2 --out "$OUT/peak-compute.json" > "$OUT/peak-compute.log" 2>&1
+    step timeout 200 python3 benchmarks/peak_composition.py --config launch --columns eager full_iteration fsdp2 --out "$OUT/peak-launch.json" > "$OUT/peak-launch.log" 2>&1
+    step timeout 200 python3 benchmarks/peak_composition.py --config demo --columns eager partial full_iteration --steps 6 --out "$OUT/peak-demo.json" > "$OUT/peak-demo.log" 2>&1
+    step env CUBLAS_WORKSPACE_CONFIG=:16:8 timeout 200 python3 benchmarks/peak_composition.py --config demo --columns eager partial full_iteration --steps 6 --out "$OUT/peak-demo-ws16.json" > "$OUT/peak-demo-ws16.log" 2>&1
+    for c in compute launch demo demo-ws16; do grep -E "^(eager|partial|full_iteration|fsdp2) " "$OUT/peak-$c.log"; done ;;
   memory)
     for f in on off; do
       step timeout 200 python3 benchmarks/graph_memory_snapshot.py --fuse-wgrad $f --out "$OUT/graph-memory-fuse-$f.json" > "$OUT/graph-memory-fuse-$f.log" 2>&1

@@ -3,11 +3,15 @@
 Runs the suite's columns (``bench_full_iteration.run_ours`` / ``run_fsdp2``: same model, data, optimizer and
 loop as ``bench_partial_graphs.py --suite full``) for a few steps each, in a fresh state of the caching
 allocator, while ``torch.cuda.memory._record_memory_history`` records every allocation and free with its
-Python stack. It then replays the trace to the instant of the largest allocated total, and sums the blocks
-live at that instant by the first frame that belongs to the project, TE, FSDP2, the optimizer or autograd.
+Python stack. It then replays the trace (up to the run's closing ``full_state_dict``, which comes after the
+measured steps) to the instant of the largest allocated total, and sums the blocks live at that instant by the first frame that belongs to the project, TE, FSDP2, the optimizer or autograd.
 The rows say which step and phase the peak falls in (the last stack seen before it) and what it is made of.
 
-    python benchmarks/peak_composition.py [--config compute] [--columns eager fsdp2] [--out PATH]
+    python benchmarks/peak_composition.py [--config compute|launch|demo] [--columns eager fsdp2] [--out PATH]
+
+Columns: those of ``bench_full_iteration`` (eager, partial, full_iteration, fsdp2, ...). The record also carries
+``CUBLAS_WORKSPACE_CONFIG``: cuBLAS keeps one workspace per stream it runs on (32 MiB each on Hopper by default),
+which on a small model is most of what graphs add (their warmup and capture streams).
 """
 
 from __future__ import annotations
@@ -24,6 +28,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+# the suite's configs, and the demo's model (fsdp_cudagraph.apps.demo; 2 rows per rank, one rank here)
+DEMO = dict(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, seq_len=64, moe_every=2)
+
+
+def _configs() -> Dict[str, Tuple[Dict[str, Any], int]]:
+    import bench_full_iteration as bfi
+
+    return dict(bfi.CONFIGS, demo=(DEMO, 2))
+
 
 MARKERS = ("megatron_fsdp/", "fsdp_cudagraph/", "torch/distributed/fsdp/", "transformer_engine/", "torch/optim/",
            "torch/autograd/", "torch/nn/", "benchmarks/")
@@ -46,6 +60,8 @@ def peak_composition(trace: List[Dict[str, Any]]) -> Tuple[int, Dict[str, int], 
     best_site = ""
     for ev in trace:
         action = ev.get("action")
+        if action == "alloc" and any(fr.get("name") == "full_state_dict" for fr in ev.get("frames") or []):
+            break  # the run's closing state gather (for the alignment record), after the measured steps
         if action == "alloc":
             site = _site(ev.get("frames"))
             live[ev["addr"]] = (ev["size"], site)
@@ -66,7 +82,7 @@ def run_column(column: str, cfg_name: str, fuse: bool, steps: int, device: torch
     import bench_full_iteration as bfi
     from fsdp_cudagraph.apps.model import GPTConfig
 
-    fields, mbs = bfi.CONFIGS[cfg_name]
+    fields, mbs = _configs()[cfg_name]
     cfg = GPTConfig(**fields, use_te=bfi.HAS_TE)
     args = argparse.Namespace(steps=steps, skip=1, capture_step=2, te=bfi.HAS_TE, fuse_wgrad=fuse)
     bfi._fresh()
@@ -87,12 +103,12 @@ def run_column(column: str, cfg_name: str, fuse: bool, steps: int, device: torch
     return {"column": column, "config": cfg_name, "fuse_wgrad": fuse, "max_memory_allocated_gib": row["peak_memory_gib"],
             "base_gib": base / 2**30, "trace_peak_gib": peak / 2**30, "peak_made_by": at, "events": len(trace),
             "sites_gib": {k: v / 2**30 for k, v in sorted(by_site.items(), key=lambda kv: -kv[1])},
-            "step_ms": row.get("step_ms")}
+            "step_ms": row.get("step_ms"), "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="compute", choices=["launch", "compute"])
+    p.add_argument("--config", default="compute", choices=["launch", "compute", "demo"])
     p.add_argument("--columns", nargs="+", default=["eager", "fsdp2"])
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--fuse-wgrad", choices=["on", "off"], default="on")
