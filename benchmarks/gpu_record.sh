@@ -8,6 +8,7 @@
 # align   the partial-graph alignment matrix (python -m fsdp_cudagraph.apps.align) on 1 GPU
 # profile benchmarks/profile_step.py: the compute step's kernel time by category, ours vs FSDP2
 # memory  graph memory on the demo's model: benchmarks/graph_memory_snapshot.py (fused wgrad on and off), the demo
+# multi   on 2+ GPUs: pytest -m gpu -k 2gpu (every 2-GPU record) and the demo on 2 ranks
 # peak    benchmarks/peak_composition.py: what is allocated at the peak, our eager step vs FSDP2 (compute, launch)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -66,6 +67,13 @@ case "$stage" in
   profile)
     step timeout 300 python3 benchmarks/profile_step.py --out "$OUT/profile-compute.json" "$@" > "$OUT/profile.log" 2>&1
     tail -30 "$OUT/profile.log" ;;
+  multi)
+    # the 2-GPU tests (alignment matrix, README loop, engine parity and DCP, full-iteration, HF, inference,
+    # offload; each a torchrun of 2 processes), then the demo on 2 ranks; results kept under $OUT/records
+    step env FSDP_CUDAGRAPH_RESULTS="$OUT/records" timeout ${MULTI_PYTEST_S:-400} python3 -m pytest -m gpu -k 2gpu -q -p no:cacheprovider --durations=0 > "$OUT/pytest-2gpu.log" 2>&1
+    tail -25 "$OUT/pytest-2gpu.log"
+    step timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m fsdp_cudagraph.apps.demo > "$OUT/demo-2gpu.log" 2>&1
+    tail -4 "$OUT/demo-2gpu.log" ;;
   peak)
     step timeout 200 python3 benchmarks/peak_composition.py --config compute --columns eager fsdp2 --out "$OUT/peak-compute.json" > "$OUT/peak-compute.log" 2>&1
     step timeout 200 python3 benchmarks/peak_composition.py --config launch --columns eager full_iteration fsdp2 --out "$OUT/peak-launch.json" > "$OUT/peak-launch.log" 2>&1
