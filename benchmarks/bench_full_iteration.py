@@ -157,6 +157,9 @@ def run_columns(name: str, columns: List[str], rows: Dict[str, Any], args: argpa
     t0 = time.time()
     for column in columns:
         _fresh()
+        # what earlier columns left allocated (library workspaces of their streams, caches): inside this column's
+        # peak, not made by it; benchmarks/peak_composition.py separates the two
+        start_gib = torch.cuda.memory_allocated(device) / 2**30
         try:
             if column.startswith("fsdp2"):
                 row = run_fsdp2(cfg, mbs, args, device, graphed=column == "fsdp2_graph")
@@ -169,6 +172,7 @@ def run_columns(name: str, columns: List[str], rows: Dict[str, Any], args: argpa
             if dist.get_rank() == 0:
                 traceback.print_exc()
         _slowest_rank(row, device)
+        row["start_gib"] = start_gib
         rows[column] = row
         if dist.get_rank() == 0:
             shown = f"{row['step_ms']:8.2f} ms  peak {row['peak_memory_gib']:.2f} GiB" if "step_ms" in row else \

@@ -31,8 +31,9 @@ def _check(res: dict, world: int) -> None:
     assert res["world_size"] == world and res["all_ok"]
     rows = res["rows"]
     models = 2 if HAS_TE else 1
-    # + shape change with evaluation, delete(), clipping, activation checkpointing
-    assert len(rows) == models * STRATEGIES * 2 + 4
+    # per model and strategy: accumulation 1 and 2, each with the optimizer eager and graphed; then shape change
+    # with evaluation, delete(), clipping, activation checkpointing
+    assert len(rows) == models * STRATEGIES * 2 * 2 + 4
     bad = [(r["model"], r["strategy"], r["grad_accum"], r["first_mismatch_step"]) for r in rows if not r["equal"]]
     assert not bad, bad
     # the graphed runs really replayed: capture at step 3 of 20, 17 replays (minus fallbacks and deletes)
