@@ -234,7 +234,7 @@ class FSDPUnit:
         return None if g is None else getattr(g, "_megatron_fsdp_data", g)
 
     def _new_main_grad(self, data: torch.Tensor) -> torch.Tensor:
-        """Make ``data`` the unit's main gradient (weakly held; kept if the unit keeps its main gradient)."""
+        """Make ``data`` the unit's main gradient, held weakly; returns the tensor to bind as ``main_shard.grad``."""
         from ._clip import guard_local_norms  # a leaf module; imported here to keep _unit's imports short
 
         eng = self.engine
