@@ -202,6 +202,8 @@ class MegatronFSDP(nn.Module):
         self._pending: "collections.deque[_PendingReduce]" = collections.deque()
         #: gradient slot -> the unit whose TE modules write into it during its backward ([Note: fused weight gradients])
         self.grad_slot_holder: Dict[int, FSDPUnit] = {}
+        #: Live captured steps that write the units' kept main gradients ([Note: main gradients live like .grad]).
+        self.main_grad_keepers = 0
         #: A graph layer's capture (warmup and capture passes) is running: backwards reduce nothing.
         self.graph_maker_running = False
         self._forward_order: List[FSDPUnit] = []

@@ -215,8 +215,9 @@ class FSDPUnit:
     # shard; FSDP2 frees its sharded gradients the same way). ``zero_grad(set_to_none=False)`` zeroes it in
     # place and keeps it bound: the next reduction adds into it. A captured step (full-iteration graph) writes
     # its main gradients at fixed addresses, so after capture :meth:`keep_main_grad` holds them strongly and
-    # every later reduction, eager or replayed, writes into those. Allocated inside the capture, they come
-    # from the graph's pool, where the step's activations were freed before the backward wrote them.
+    # every later reduction, eager or replayed, writes into those, until the last such graph is deleted
+    # (graph_contract.release_main_grads). Allocated inside the capture, they come from the graph's pool,
+    # where the step's activations were freed before the backward wrote them.
     @property
     def main_grad(self) -> Optional[torch.Tensor]:
         """The fp32 main gradient as the optimizer sees it (``main_shard.grad`` when bound), or None.
@@ -249,6 +250,13 @@ class FSDPUnit:
         """Hold the current main gradient strongly: every later reduction writes into it (a graph reads it)."""
         if self._main_grad_kept is None:
             self._main_grad_kept = self.main_grad
+
+    def release_main_grad(self) -> None:
+        """Back to weak: the kept main gradient lives on while bound, and the next step after it is unbound
+        makes a new one."""
+        kept, self._main_grad_kept = self._main_grad_kept, None
+        if kept is not None:
+            self._main_grad_ref = weakref.ref(kept)
 
     def _bound_main_grad(self) -> Optional[torch.Tensor]:
         """``main_shard.grad`` if bound (the engine's main gradient), None if unbound; raises for a stranger."""

@@ -56,6 +56,7 @@ __all__ = [
     "end_static_step",
     "grads_bound",
     "keep_main_grads",
+    "release_main_grads",
     "mark_params_stale",
     "recording_phases",
 ]
@@ -132,6 +133,22 @@ def keep_main_grads(engine: "MegatronFSDP") -> None:
     """
     for u in engine.all_units():
         u.keep_main_grad()
+    engine.main_grad_keepers += 1
+
+
+def release_main_grads(engine: "MegatronFSDP") -> None:
+    """The captured step that :func:`keep_main_grads` was called for is gone (its graph deleted).
+
+    When no other captured step keeps them, the main gradients live like ``.grad`` again, so the graph's pool
+    can be given back once they are unbound.
+    """
+    if engine.main_grad_keepers <= 0:
+        raise RuntimeError("release_main_grads() without a matching keep_main_grads(); call it once per captured "
+                           "training step whose graph is deleted")
+    engine.main_grad_keepers -= 1
+    if engine.main_grad_keepers == 0:
+        for u in engine.all_units():
+            u.release_main_grad()
 
 
 def end_static_step(engine: "MegatronFSDP", *, bound: Iterable[str]) -> None:

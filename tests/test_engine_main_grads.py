@@ -7,7 +7,8 @@ On 1 and 2 Gloo ranks, every strategy:
   stays bound, is zeroed in place and added into;
 - a ``main_shard.grad`` the engine did not create raises at the next reduction, naming the unit and the fix;
 - a full-iteration graph (protocol backend) keeps the main gradients it captured: every replay binds the same
-  tensors, whatever ``zero_grad(set_to_none=True)`` did in between.
+  tensors, whatever ``zero_grad(set_to_none=True)`` did in between; a second graph on the same model writes the
+  same ones; deleting one graph keeps them for the other, deleting both lets ``zero_grad`` free them again.
 """
 
 from __future__ import annotations
@@ -107,18 +108,44 @@ def test_a_foreign_main_shard_grad_raises():
         assert "zero_grad()" in msg, msg
 
 
-def _replay_job(rank: int, world: int) -> Dict[str, Any]:
-    cfg, model, opt = _build("optim_grads_params")
-    g = FullIterationCudaGraph(model, lambda m, x, y: loss_fn(m(x), y),
-                               CudaGraphConfig(cuda_graph_impl="full_iteration", cuda_graph_warmup_steps=1))
-    bound: List[List[int]] = []
-    for step in range(4):
+def _graph(model) -> FullIterationCudaGraph:
+    return FullIterationCudaGraph(model, lambda m, x, y: loss_fn(m(x), y),
+                                  CudaGraphConfig(cuda_graph_impl="full_iteration", cuda_graph_warmup_steps=1))
+
+
+def _train_graphed(g, model, opt, cfg, steps, rank: int, world: int) -> List[List[int]]:
+    bound = []
+    for step in steps:
         g.step([_batch(cfg, step, rank, world)])
         bound.append([id(u.main_shard.grad) for u in model.all_units() if u.grad_numel])
         opt.step()
         opt.zero_grad(set_to_none=True)
         gc.collect()
-    return {"bound": bound, "counters": dict(g.counters)}
+    return bound
+
+
+def _freed_after_a_step(model, opt, cfg, rank: int, world: int) -> bool:
+    x, y = _batch(cfg, 9, rank, world)
+    loss_fn(model(x), y).backward()
+    refs = [weakref.ref(u._main_grad_data) for u in model.all_units() if u.grad_numel]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    return all(r() is None for r in refs)
+
+
+def _replay_job(rank: int, world: int) -> Dict[str, Any]:
+    cfg, model, opt = _build("optim_grads_params")
+    first, second = _graph(model), _graph(model)
+    out: Dict[str, Any] = {"bound": _train_graphed(first, model, opt, cfg, range(4), rank, world),
+                           "counters": dict(first.counters)}
+    out["second"] = _train_graphed(second, model, opt, cfg, range(4, 7), rank, world)  # captured at its 2nd step
+    first.delete()  # the second graph still writes the kept main gradients
+    out["after_first_deleted"] = _train_graphed(second, model, opt, cfg, range(7, 9), rank, world)
+    out["kept_while_second_lives"] = not _freed_after_a_step(model, opt, cfg, rank, world)
+    second.delete()
+    out["freed_after_both_deleted"] = _freed_after_a_step(model, opt, cfg, rank, world)
+    return out
 
 
 def test_a_full_iteration_graph_keeps_the_main_grads_it_captured():
@@ -126,3 +153,6 @@ def test_a_full_iteration_graph_keeps_the_main_grads_it_captured():
         b = out["bound"]  # step 0 eager, step 1 captured (and replayed), 2-3 replays
         assert out["counters"]["train_replays"] == 3, out["counters"]  # the capture step replays too
         assert b[1] == b[2] == b[3], f"rank {rank}: a replay bound other main gradients than capture: {b}"
+        assert out["second"][1:] == [b[1]] * 2 and out["after_first_deleted"] == [b[1]] * 2, out
+        assert out["kept_while_second_lives"], f"rank {rank}: deleting one graph released what another still writes"
+        assert out["freed_after_both_deleted"], f"rank {rank}: main gradients stayed kept after every graph was deleted"

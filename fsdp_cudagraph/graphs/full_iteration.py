@@ -284,6 +284,8 @@ class FullIterationCudaGraph:
         if self.backend == "cuda":
             torch.cuda.synchronize(self.device)
         self._opt.reset()
+        if self._train.captured:
+            static_step.release_main_grads(self.engine)  # kept for this graph since its capture
         for slot in (self._train, self._eval):
             graph, slot.graph = slot.graph, None
             reset = getattr(graph, "reset", None)
@@ -436,8 +438,6 @@ class FullIterationCudaGraph:
             else:
                 graph, (out, trace) = None, self._run_protocol(slot, static_batch, log)
             bound = static_step.grads_bound(self.engine) if train else bindings
-            if train:
-                static_step.keep_main_grads(self.engine)  # the graph writes them at these addresses from now on
         except BaseException as exc:
             # nothing of the failed capture runs; drop its host state without waiting on captured work
             static_step.end_static_step(self.engine, bound=frozenset() if train else bindings)
@@ -450,6 +450,8 @@ class FullIterationCudaGraph:
         self._agree_across_ranks(log, what)
         slot.graph, slot.output, slot.trace, slot.collectives = graph, out, trace, log
         slot.static_leaves, slot.static_batch, slot.signature, slot.bound = static_leaves, static_batch, sig, bound
+        if train:
+            static_step.keep_main_grads(self.engine)  # the graph writes them at these addresses; delete() releases
         slot.captured = True
         mem = torch.cuda.memory_allocated(self.device) - mem0 if self.backend == "cuda" else 0
         slot.report = FullIterationReport(slot.kind, self.backend, time.perf_counter() - t0, mem, len(static_batch),
