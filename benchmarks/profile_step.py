@@ -2,7 +2,8 @@
 
 Runs the compute config of ``bench_full_iteration`` (4 TE layers, hidden 4096, seq 2048, micro-batch 1) as a
 user's loop on the default stream, three ways one after the other in one process: ``ours`` (megatron_fsdp
-ZeRO-3, double buffer, bf16 compute, fused Adam), ``ours_partial`` (the same with whole-layer graphs, TE's graph
+ZeRO-3, double buffer, bf16 compute, fused Adam; with TE, fused weight gradients unless ``--fuse-wgrad off``),
+``ours_partial`` (the same with whole-layer graphs, TE's graph
 maker, captured before step 3) and ``fsdp2`` (``torch.distributed.fsdp.fully_shard`` per layer and at the root,
 bf16 parameters, fp32 reduction, fused Adam). For each: the median step time over ``--steps`` after ``--skip``
 (CUDA events, no profiler), then ``--profile-steps`` steps under ``torch.profiler``, whose CUDA kernels are
@@ -19,6 +20,7 @@ Needs a CUDA GPU; TE is used when importable (the plain-torch GPT otherwise, and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import re
@@ -208,6 +210,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--skip", type=int, default=5)
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--foreach", dest="fused", action="store_false", help="torch's foreach Adam instead of fused")
+    p.add_argument("--fuse-wgrad", choices=["on", "off"], default="on",
+                   help="with TE: our columns write weight gradients straight into the engine's buffer (as --suite full)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -229,10 +233,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     n = param_count(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                     ffn_hidden_size=cfg.ffn_hidden_size, seq_len=cfg.seq_len)
     flops = model_flops_per_step(cfg, mbs * cfg.seq_len)
-    rows = {c: _run(c, cfg, args, device) for c in args.columns}
+    # our columns with TE's fused weight-gradient accumulation, as the suite's (FSDP2 offers no main_grad)
+    ours = dataclasses.replace(cfg, fuse_wgrad=True) if HAS_TE and args.fuse_wgrad == "on" else cfg
+    rows = {c: _run(c, ours if c.startswith("ours") else cfg, args, device) for c in args.columns}
     matmul, copy = matmul_peak_tflops(device), copy_bandwidth_gbps(device)
     floor = floor_ms(flops=flops, bytes_moved=optimizer_bytes(n), matmul_tflops=matmul, copy_gbps=copy)
-    result = {"config": {**fields, "micro_batch_size": mbs, "use_te": HAS_TE, "fused_adam": args.fused},
+    result = {"config": {**fields, "micro_batch_size": mbs, "use_te": HAS_TE, "fused_adam": args.fused,
+                         "fuse_wgrad": ours.fuse_wgrad},
               "params": n, "flops_per_step": flops, "matmul_tflops": matmul, "copy_gbps": copy, "floor": floor,
               "columns": rows, "versions": versions(), "command": " ".join(sys.argv)}
     print(format_table(result))
