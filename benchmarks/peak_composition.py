@@ -4,8 +4,10 @@ Runs the suite's columns (``bench_full_iteration.run_ours`` / ``run_fsdp2``: sam
 loop as ``bench_partial_graphs.py --suite full``) for a few steps each, in a fresh state of the caching
 allocator, while ``torch.cuda.memory._record_memory_history`` records every allocation and free with its
 Python stack. It then replays the trace (up to the run's closing ``full_state_dict``, which comes after the
-measured steps) to the instant of the largest allocated total, and sums the blocks live at that instant by the first frame that belongs to the project, TE, FSDP2, the optimizer or autograd.
-The rows say which step and phase the peak falls in (the last stack seen before it) and what it is made of.
+measured steps) to the instant of the largest allocated total, and sums the blocks live at that instant by the
+first frame that belongs to the project, TE, FSDP2, the optimizer or autograd. Each row also names the
+allocation that made the peak, which says where in the step it falls. Blocks allocated before the column
+started (``base_gib``: what earlier columns left) are in ``max_memory_allocated`` but not in the trace.
 
     python benchmarks/peak_composition.py [--config compute|launch|demo] [--columns eager fsdp2] [--out PATH]
 
