@@ -201,6 +201,9 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
         default = torch.cuda.default_stream(device)
         default.wait_stream(torch.cuda.current_stream(device))
         torch.cuda.set_stream(default)
+        # the run's own peak: not an earlier run's in this process (what that run left allocated still counts)
+        gc.collect()
+        torch.cuda.reset_peak_memory_stats(device)
     model = build_model(spec, device)
     opt = make_adam(model.optimizer_parameters(), spec.optimizer, lr=spec.lr)
     graphs = None
