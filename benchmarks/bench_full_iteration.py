@@ -147,13 +147,20 @@ def _slowest_rank(row: Dict[str, Any], device: torch.device) -> None:
     row["tokens_per_s"] = row["tokens_per_step"] / (row["step_ms"] * 1e-3)
 
 
+def ours_config(cfg: GPTConfig, fuse_wgrad: bool) -> GPTConfig:
+    """The model of our columns: with TE's fused weight-gradient accumulation when asked and TE is used.
+
+    FSDP2's columns keep ``cfg`` (FSDP2 offers no ``main_grad``).
+    """
+    return dataclasses.replace(cfg, fuse_wgrad=True) if cfg.use_te and fuse_wgrad else cfg
+
+
 def run_columns(name: str, columns: List[str], rows: Dict[str, Any], args: argparse.Namespace,
                 device: torch.device) -> None:
     fields, mbs = CONFIGS[name]
     cfg = GPTConfig(**fields, use_te=args.te)
-    # Our columns with TE's fused weight-gradient accumulation when asked (FSDP2 offers no main_grad); the
-    # column "eager_unfused" is our eager step without it, for comparison.
-    ours = dataclasses.replace(cfg, fuse_wgrad=True) if args.te and getattr(args, "fuse_wgrad", False) else cfg
+    # The column "eager_unfused" is our eager step without fusing, for comparison.
+    ours = ours_config(cfg, getattr(args, "fuse_wgrad", False))
     t0 = time.time()
     for column in columns:
         _fresh()

@@ -93,7 +93,7 @@ def memory_breakdown(args: argparse.Namespace, device: torch.device, use_te: boo
     out: Dict[str, Any] = {}
     for name in ("launch", "compute"):
         fields, mbs = bfi.CONFIGS[name]
-        cfg = GPTConfig(**fields, use_te=use_te, fuse_wgrad=use_te and args.fuse_wgrad == "on")
+        cfg = bfi.ours_config(GPTConfig(**fields, use_te=use_te), args.fuse_wgrad == "on")
         rows = pair(cfg, scopes=[None, []], args=args, device=device, label=f"mem-{name}", mbs=mbs)
         eager, graphed = rows
         out[name] = {"eager_peak_gib": eager["peak_memory_gib"], "partial_peak_gib": graphed["peak_memory_gib"],

@@ -19,7 +19,7 @@ import gc
 import json
 import os
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,18 +30,20 @@ MARKERS = ("fsdp_cudagraph/", "megatron_fsdp/", "transformer_engine/", "torch/cu
            "torch/autograd/", "torch/nn/")
 
 
+def frame_site(frames: Optional[List[Dict[str, Any]]], markers: Sequence[str]) -> Optional[str]:
+    """``dir/file.py:line function`` of the innermost allocator-stack frame in a file matching ``markers``."""
+    for fr in frames or []:
+        fn = fr.get("filename", "")
+        if any(m in fn for m in markers):
+            short = fn[fn.rfind("/", 0, fn.rfind("/")) + 1:]
+            return f"{short}:{fr.get('line')} {fr.get('name')}"
+    return None
+
+
 def _where(block: Dict[str, Any], segment: Dict[str, Any]) -> str:
     pool = segment.get("segment_pool_id")
     in_pool = pool is not None and tuple(pool) != (0, 0)
-    frames = block.get("frames") or []
-    site = "no stack"
-    for fr in frames:
-        fn = fr.get("filename", "")
-        if any(m in fn for m in MARKERS):
-            short = fn[fn.rfind("/", 0, fn.rfind("/")) + 1:]
-            site = f"{short}:{fr.get('line')} {fr.get('name')}"
-            break
-    return ("graph pool | " if in_pool else "") + site
+    return ("graph pool | " if in_pool else "") + (frame_site(block.get("frames"), MARKERS) or "no stack")
 
 
 def snapshot_by_site() -> Dict[str, int]:

@@ -31,6 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from graph_memory_snapshot import frame_site  # noqa: E402
+
 # the suite's configs, and the demo's model (fsdp_cudagraph.apps.demo; 2 rows per rank, one rank here)
 DEMO = dict(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, seq_len=64, moe_every=2)
 
@@ -46,12 +48,7 @@ MARKERS = ("megatron_fsdp/", "fsdp_cudagraph/", "torch/distributed/fsdp/", "tran
 
 
 def _site(frames: List[Dict[str, Any]]) -> str:
-    for fr in frames or []:
-        fn = fr.get("filename", "")
-        if any(m in fn for m in MARKERS):
-            short = fn[fn.rfind("/", 0, fn.rfind("/")) + 1:]
-            return f"{short}:{fr.get('line')} {fr.get('name')}"
-    return "no Python stack (C++: cuBLAS/TE workspaces, NCCL)"
+    return frame_site(frames, MARKERS) or "no Python stack (C++: cuBLAS/TE workspaces, NCCL)"
 
 
 def peak_composition(trace: List[Dict[str, Any]]) -> Tuple[int, Dict[str, int], str]:
@@ -79,8 +76,6 @@ def peak_composition(trace: List[Dict[str, Any]]) -> Tuple[int, Dict[str, int], 
 
 
 def run_column(column: str, cfg_name: str, fuse: bool, steps: int, device: torch.device) -> Dict[str, Any]:
-    import dataclasses
-
     import bench_full_iteration as bfi
     from fsdp_cudagraph.apps.model import GPTConfig
 
@@ -95,8 +90,7 @@ def run_column(column: str, cfg_name: str, fuse: bool, steps: int, device: torch
         if column.startswith("fsdp2"):
             row = bfi.run_fsdp2(cfg, mbs, args, device, graphed=column == "fsdp2_graph")
         else:
-            ours = dataclasses.replace(cfg, fuse_wgrad=True) if bfi.HAS_TE and fuse else cfg
-            row = bfi.run_ours(column, ours, mbs, args, device)
+            row = bfi.run_ours(column, bfi.ours_config(cfg, fuse), mbs, args, device)
         snap = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)

@@ -20,7 +20,6 @@ Needs a CUDA GPU; TE is used when importable (the plain-torch GPT otherwise, and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import os
 import re
@@ -221,7 +220,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from _flops import copy_bandwidth_gbps, matmul_peak_tflops, model_flops_per_step
     from _perf_goals import floor_ms, optimizer_bytes, param_count
-    from bench_full_iteration import CONFIGS
+    from bench_full_iteration import CONFIGS, ours_config
     from fsdp_cudagraph.apps.align import versions, write_record
     from fsdp_cudagraph.apps.model import GPTConfig
     from fsdp_cudagraph.apps.train import init_distributed
@@ -233,8 +232,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     n = param_count(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                     ffn_hidden_size=cfg.ffn_hidden_size, seq_len=cfg.seq_len)
     flops = model_flops_per_step(cfg, mbs * cfg.seq_len)
-    # our columns with TE's fused weight-gradient accumulation, as the suite's (FSDP2 offers no main_grad)
-    ours = dataclasses.replace(cfg, fuse_wgrad=True) if HAS_TE and args.fuse_wgrad == "on" else cfg
+    ours = ours_config(cfg, args.fuse_wgrad == "on")  # as the suite's columns
     rows = {c: _run(c, ours if c.startswith("ours") else cfg, args, device) for c in args.columns}
     matmul, copy = matmul_peak_tflops(device), copy_bandwidth_gbps(device)
     floor = floor_ms(flops=flops, bytes_moved=optimizer_bytes(n), matmul_tflops=matmul, copy_gbps=copy)

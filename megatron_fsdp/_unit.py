@@ -563,8 +563,18 @@ class FSDPUnit:
         self.open_grad_buffer()
         flat = gbuf.tensor[: self.grad_numel]
         done = written or [False] * len(grads)  # already in the buffer ([Note: fused weight gradients])
-        copy_views = [v for v, g, w in zip(self.grad_views, grads, done) if g is not None and not w]
-        copies = [g for g, w in zip(grads, done) if g is not None and not w]
+        copy_views: List[torch.Tensor] = []
+        copies: List[torch.Tensor] = []
+        written_views: List[torch.Tensor] = []
+        added: List[Tuple[torch.Tensor, torch.Tensor]] = []  # a written weight's ordinary gradient, from another use
+        for v, g, w in zip(self.grad_views, grads, done):
+            if w:
+                written_views.append(v)
+                if g is not None:
+                    added.append((v, g))
+            elif g is not None:
+                copy_views.append(v)
+                copies.append(g)
         with torch.no_grad():
             # [Note: the gradient fold] Copy (and cast) each gradient into its view, zero what no gradient
             # covers (absent gradients, the alignment gaps: a slot holds other units' bytes), then pre-scale
@@ -575,14 +585,13 @@ class FSDPUnit:
             # gradient, through another use, has it added).
             if copies:
                 torch._foreach_copy_(copy_views, copies)
-            for v, g, w in zip(self.grad_views, grads, done):
-                if w and g is not None:
-                    v.add_(g)
+            for v, g in added:
+                v.add_(g)
             holes = self._grad_holes(gbuf, [g is None and not w for g, w in zip(grads, done)])
             if holes:
                 torch._foreach_zero_(holes)
             if eng.grad_scale != 1.0:
-                torch._foreach_mul_(copy_views + [v for v, w in zip(self.grad_views, done) if w], eng.grad_scale)
+                torch._foreach_mul_(copy_views + written_views, eng.grad_scale)
         for p in self.params:
             p.grad = None
         accumulate = self._bound_main_grad() is not None
