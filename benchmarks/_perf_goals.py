@@ -133,8 +133,15 @@ GOALS: List[Goal] = [
 def _value(columns: Dict[str, Dict[str, Any]], floor: Optional[float], name: str, kind: str) -> Optional[float]:
     if name == "floor":
         return floor if kind == "ms" else None
-    row = columns.get(name) or {}
-    return row.get("step_ms" if kind == "ms" else "peak_memory_gib")
+    return _measure(columns.get(name) or {}, kind)
+
+
+def _measure(row: Dict[str, Any], kind: str) -> Optional[float]:
+    """A column's step time, or its own peak (bench_full_iteration's [Note: a column's own peak]) where the
+    row has one, else its peak as measured."""
+    if kind == "ms":
+        return row.get("step_ms")
+    return row.get("own_peak_gib", row.get("peak_memory_gib"))
 
 
 def evaluate(configs: Dict[str, Dict[str, Any]], goals: Sequence[Goal] = GOALS) -> Dict[str, Any]:
@@ -152,7 +159,7 @@ def evaluate(configs: Dict[str, Dict[str, Any]], goals: Sequence[Goal] = GOALS) 
         spreads = {c: relative_spread(r["step_ms_all"][cfg.get("skip", 0):]) for c, r in cols.items()
                    if r.get("step_ms_all")}
         repeat_ms = repeat_noise(eager.get("step_ms"), again.get("step_ms"))
-        noise_mem = repeat_noise(eager.get("peak_memory_gib"), again.get("peak_memory_gib"))
+        noise_mem = repeat_noise(_measure(eager, "mem"), _measure(again, "mem"))
         multiples = {c: r["step_ms"] / floor for c, r in cols.items() if "step_ms" in r and floor}
         out["configs"][name] = {"repeat_noise_ms": repeat_ms, "spread": spreads, "noise_mem": noise_mem,
                                 "floor_ms": floor, "floor_multiple": multiples}
@@ -190,6 +197,11 @@ def format_table(configs: Dict[str, Dict[str, Any]], ev: Dict[str, Any], columns
         lines.append(f"| {name} | x floor ({cfg.get('floor_ms') or 0:.2f} ms) | "
                      + " | ".join(f"{mult[c]:.2f}" if c in mult else "-" for c in columns) + " |")
         lines.append(f"| {name} | peak GiB | " + " | ".join(cell(c, "{:.2f}", "peak_memory_gib") for c in columns) + " |")
+        if any("own_peak_gib" in r for r in cols.values()):
+            own = [cols.get(c) for c in columns]
+            lines.append(f"| {name} | own peak GiB | " + " | ".join(
+                "-" if r is None else "failed" if _measure(r, "mem") is None else f"{_measure(r, 'mem'):.2f}"
+                for r in own) + " |")
     lines += ["", "| config | goal | ratio | goal | noise | verdict |", "| --- | --- | --- | --- | --- | --- |"]
     for r in ev["goals"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"

@@ -9,6 +9,10 @@
 # profile benchmarks/profile_step.py: the compute step's kernel time by category, ours vs FSDP2
 # memory  graph memory on the demo's model: benchmarks/graph_memory_snapshot.py (fused wgrad on and off), the demo
 # multi   on 2+ GPUs: pytest -m gpu -k 2gpu (every 2-GPU record) and the demo on 2 ranks
+# engines2 on 2 GPUs: engines_align.py (fsdp2, megatron_fsdp, nvidia) and the alignment checker per engine,
+#         each on 2 ranks (nvidia needs megatron-core: PYTHONPATH=/tmp/site)
+# scaling the perf suite on 1 GPU and on 2, bench_peers --engine all on 1 and on 2 (Megatron-FSDP from .whl),
+#         the demo on 1 GPU; benchmarks/scaling.py makes the 1 -> 2 table from the JSON
 # peak    benchmarks/peak_composition.py: what is allocated at the peak, our eager step vs FSDP2 (compute, launch)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -74,6 +78,25 @@ case "$stage" in
     tail -25 "$OUT/pytest-2gpu.log"
     step timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m fsdp_cudagraph.apps.demo > "$OUT/demo-2gpu.log" 2>&1
     tail -4 "$OUT/demo-2gpu.log" ;;
+  engines2)
+    step timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/engines_align.py \
+      --engines fsdp2 megatron_fsdp nvidia --out "$OUT/engines-align-2gpu.json" > "$OUT/engines-2gpu.log" 2>&1
+    tail -12 "$OUT/engines-2gpu.log"
+    for e in fsdp2 nvidia; do
+      step timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m fsdp_cudagraph.check \
+        --engine $e --model tests.test_check_engines:dense_gpt_factory --json "$OUT/check-$e-2gpu.json" > "$OUT/check-$e-2gpu.log" 2>&1
+      tail -3 "$OUT/check-$e-2gpu.log"
+    done ;;
+  scaling)
+    step env CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_partial_graphs.py --suite full --out "$OUT/perf_goals-1gpu.json" > "$OUT/perf-1gpu.log" 2>&1
+    step timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/bench_partial_graphs.py --suite full --out "$OUT/perf_goals-2gpu.json" > "$OUT/perf-2gpu.log" 2>&1
+    grep -E "^\| (compute|launch) \|" "$OUT/perf-1gpu.log" "$OUT/perf-2gpu.log" | tail -40
+    for n in 1 2; do
+      step timeout 200 python3 benchmarks/bench_peers.py --engine all --wheel-dir .whl --nproc-per-node $n --vocab 1024 --out "$OUT/peers-${n}gpu.json" > "$OUT/peers-${n}gpu.log" 2>&1
+      tail -8 "$OUT/peers-${n}gpu.log"
+    done
+    step env CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m fsdp_cudagraph.apps.demo > "$OUT/demo-1gpu.log" 2>&1
+    tail -6 "$OUT/demo-1gpu.log" ;;
   peak)
     step timeout 200 python3 benchmarks/peak_composition.py --config compute --columns eager fsdp2 --out "$OUT/peak-compute.json" > "$OUT/peak-compute.log" 2>&1
     step timeout 200 python3 benchmarks/peak_composition.py --config launch --columns eager full_iteration fsdp2 --out "$OUT/peak-launch.json" > "$OUT/peak-launch.log" 2>&1

@@ -96,3 +96,15 @@ def test_engine_parity_nccl_2gpu(tmp_path):
     res = json.loads(out.read_text())
     bad = {k: v["max_rel_loss_diff"] for k, v in res.items() if k != "reference" and not v["ok"]}
     assert not bad, bad
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
+def test_dcp_across_world_sizes_2gpu(tmp_path):
+    """Saved at 2 GPUs, loaded (every tensor equal) and saved again at 1, resumed at 2 bit for bit (NCCL)."""
+    script = os.path.join(ROOT, "tests", "gpu_dcp_worlds.py")
+    for phase, nproc in (("save", 2), ("resave", 1), ("resume", 2)):
+        res = run_json(launcher(nproc, [script]) + ["--phase", phase, "--dir", str(tmp_path)], tmp_path / f"{phase}.json",
+                       name=f"dcp-worlds-{phase}-{nproc}gpu.json", tail=4000)
+        assert res["ok"] and res["world_size"] == nproc, res

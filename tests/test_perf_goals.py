@@ -117,6 +117,23 @@ def test_evaluate_memory_and_missing_columns():
     assert "| compute | step ms | 30.00 | failed |" in table and "MISSING" in table
 
 
+def test_memory_goals_compare_each_column_own_peak():
+    # bench_full_iteration's [Note: a column's own peak]: a full-iteration column that started with 0.1 GiB of an
+    # earlier column's workspaces peaks at 1.08 GiB (1.08x eager: FAIL); its own peak, 0.98 GiB, passes.
+    launch_fi = dict(_col(6.0, 1.08), own_peak_gib=0.98)
+    configs = _configs()
+    configs["launch"]["columns"]["full_iteration"] = launch_fi
+    row = next(r for r in g.evaluate(configs)["goals"]
+               if r["name"] == "full-iteration peak / eager peak" and r["config"] == "launch")
+    assert row["verdict"] == "PASS" and row["ratio"] == pytest.approx(0.98)
+    configs["launch"]["columns"]["full_iteration"] = dict(launch_fi, own_peak_gib=1.08)
+    row = next(r for r in g.evaluate(configs)["goals"]
+               if r["name"] == "full-iteration peak / eager peak" and r["config"] == "launch")
+    assert row["verdict"] == "FAIL"
+    table = g.format_table(configs, g.evaluate(configs), ["eager", "full_iteration"])
+    assert "| launch | own peak GiB | 1.00 | 1.08 |" in table
+
+
 def test_the_benchmark_says_it_needs_a_gpu():
     import torch
 
