@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib.util
+import importlib
 import json
 import os
 import statistics
@@ -104,20 +104,28 @@ def git_commit() -> str:
         return "unknown"
 
 
-def load_model_code() -> Any:
-    """fsdp_cudagraph/runtime/te.py and model.py by path, under a stand-in package: same code, no package import."""
-    pkg = "_bench_peers_fsdpcg"
-    src = os.path.join(REPO, "fsdp_cudagraph")
-    mod = types.ModuleType(pkg)
-    mod.__path__ = [src]
-    sys.modules[pkg] = mod
-    for name in ("_te", "model"):
-        spec = importlib.util.spec_from_file_location(f"{pkg}.{name}", os.path.join(src, f"{name}.py"))
-        m = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = m
-        spec.loader.exec_module(m)
-        setattr(mod, name, m)
-    return mod
+def load_model_code(isolated: bool) -> Any:
+    """The reference GPT (``fsdp_cudagraph/apps/model.py``) and TE probe (``fsdp_cudagraph/runtime/te.py``).
+
+    ``isolated`` (the Megatron-FSDP process, which must not import our ``megatron_fsdp``): the two files are
+    loaded from the repository by path, under stand-in ``fsdp_cudagraph`` and ``fsdp_cudagraph.runtime``
+    packages whose ``__init__`` never runs, so the package's imports (our engine among them) stay out of the
+    process. Otherwise a plain import.
+    """
+    if isolated:
+        if "fsdp_cudagraph" in sys.modules:
+            raise RuntimeError("bench_peers: fsdp_cudagraph is already imported; the isolated engine process must "
+                               "load the model before anything imports the package")
+        src = os.path.join(REPO, "fsdp_cudagraph")
+        for name, path in (("fsdp_cudagraph", src), ("fsdp_cudagraph.runtime", os.path.join(src, "runtime")),
+                           ("fsdp_cudagraph.apps", os.path.join(src, "apps"))):
+            stand_in = types.ModuleType(name)
+            stand_in.__path__ = [path]
+            sys.modules[name] = stand_in
+    else:
+        sys.path.insert(0, REPO)
+    return types.SimpleNamespace(_te=importlib.import_module("fsdp_cudagraph.runtime.te"),
+                                 model=importlib.import_module("fsdp_cudagraph.apps.model"))
 
 
 # ------------------------------------------------------------------ engines (one per process)
@@ -246,7 +254,7 @@ def worker(args: argparse.Namespace) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
-    code = load_model_code()
+    code = load_model_code(isolated=args.engine == "mfsdp")
     use_te = (code._te.HAS_TE and cuda) if args.use_te is None else args.use_te
     if use_te and not (cuda and code._te.HAS_TE):
         sys.exit(f"bench_peers: --use-te needs CUDA and TE: {code._te.TE_REASON or 'on CPU'}")

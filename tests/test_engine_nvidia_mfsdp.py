@@ -69,9 +69,11 @@ class Recorder:
 
     def __init__(self, model: nn.Module) -> None:
         self.calls: List[Tuple[Any, ...]] = []
+        self.prefetches: List[bool] = []
         self.bucket = {p: i for i, (_, p) in enumerate(model.named_parameters())}
 
     def gather(self, params, prefetch=True, prefetch_order=None, wait_bucket_ready=True, bwd=False):
+        self.prefetches.append(prefetch)
         self.calls.append(("gather", tuple(sorted(self.bucket[p] for p in params)), bwd, prefetch_order.name))
 
     def release_bucket(self, bucket_id, bwd, lazy=False):
@@ -466,6 +468,52 @@ def test_reset_waits_releases_and_installs_compute_parameters():
     assert all(p is e.raw_param[n] for n, p in e.module.named_parameters())
     assert e.module.layers[0]._training_state == nv.TrainingState.IDLE
     assert e.module.layers[1]._training_state == nv.TrainingState.PRE_BACKWARD
+
+
+@needs_mcore
+def test_one_unit_at_a_time_gathers_without_prefetch_and_restores_the_entry_point():
+    # [Note: the engine contract] item 8. NVIDIA's own handlers, run as PyTorch's graph maker needs them (a unit's
+    # pre-forward and pre-backward together): prefetch=False inside, NVIDIA's default (True) before and after.
+    e, rec = build_engine(Net())
+    adapter = adapter_for(e)
+    unit = e.module.layers[1]
+    plan = adapter.hook_plan(saved_hooks(unit))
+    entry = e.__dict__["all_gather_and_wait_parameters_ready"]
+
+    def run_pre_handlers():
+        for m in unit.modules():  # idle, as at a step's start (a pre-forward after pre-backward never prefetches)
+            m._training_state = nv.TrainingState.IDLE
+        for key in ("forward_pre_hooks", "backward_pre_hooks"):
+            for fn in plan.capture_time[key].values():
+                fn(unit)
+
+    run_pre_handlers()
+    with adapter.one_unit_at_a_time():
+        run_pre_handlers()
+    run_pre_handlers()
+    assert rec.prefetches == [True, True, False, False, True, True], rec.prefetches
+    assert e.__dict__["all_gather_and_wait_parameters_ready"] is entry
+    with pytest.raises(ValueError, match="boom"), adapter.one_unit_at_a_time():  # restored on an error too
+        raise ValueError("boom")
+    assert e.__dict__["all_gather_and_wait_parameters_ready"] is entry
+
+
+@needs_mcore
+def test_reset_after_a_refused_gather_keeps_the_refusal_visible():
+    # The pinned allocator refuses inside NVIDIA's async_bucket_gather, after the pipeline marked the bucket
+    # COMMUNICATING and before it recorded an event: the pipeline's reset() then died in a KeyError (2 x H100,
+    # torch backend) and hid the refusal. reset() now puts such a bucket back to EMPTY; a real gather stays.
+    e, _ = build_engine(Net())
+    status = nv_buffers.BucketStatus
+    seen = {}
+    pipeline = types.SimpleNamespace(
+        bucket_status={(1, False): status.COMMUNICATING, (2, False): status.COMMUNICATING, (3, False): status.READY_TO_USE},
+        param_gather_event_map={(2, False): ("event", None)})
+    pipeline.reset = lambda: seen.update(pipeline.bucket_status)
+    e.all_gather_pipeline = pipeline
+    e.grad_reduce_pipeline = types.SimpleNamespace(wait_for_previous_grad_reduce=lambda n: None)
+    adapter_for(e).reset()
+    assert seen == {(1, False): status.EMPTY, (2, False): status.COMMUNICATING, (3, False): status.READY_TO_USE}
 
 
 # -- through the graph layer ---------------------------------------------------------------------------------------

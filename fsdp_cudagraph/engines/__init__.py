@@ -35,6 +35,13 @@ An FSDP engine drives its communication from module hooks. A per-layer graph nee
    ``prepare_capture``, the ones its forward reads. The graph layer checks after every capture-time
    pre-forward that the registered parameters are the ones it captured with, and refuses the capture
    otherwise (the graph would compute gradients that reach no parameter).
+7. **Replays the engine must hear of.** ``replay_notice`` (below).
+8. **A capture one unit at a time.** TE's graph maker runs every forward in order, then every backward in
+   reverse, as an eager step does. PyTorch's runs one unit's forward and backward back to back, so the
+   graph layer runs that unit's pre-forward and pre-backward handlers together. ``one_unit_at_a_time``
+   is entered around such a capture. An engine whose handlers prefetch the next unit turns prefetching off
+   inside it. Otherwise the pre-backward handler prefetches the unit before this one while the pre-forward
+   handler's prefetch still holds a buffer. NVIDIA's double buffer then has no free slot.
 """
 
 from __future__ import annotations
@@ -226,6 +233,12 @@ class EngineAdapter(abc.ABC):
         their gradients into its buffer) cannot learn it from a replay, which runs no Python.
         """
         return None
+
+    # -- 8. a capture one unit at a time ----------------------------------------------------------
+    def one_unit_at_a_time(self) -> ContextManager[None]:
+        """Entered around PyTorch's graph maker, which captures one unit's forward and backward together:
+        the engine's handlers gather only the unit they are called for inside it (the default: nothing to do)."""
+        return contextlib.nullcontext()
 
 
 _ENGINES: List[type] = []

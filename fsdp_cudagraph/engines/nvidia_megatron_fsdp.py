@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import sys
 import threading
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -262,6 +263,19 @@ def _te_form(fn: Callable[..., Any], kind: str) -> Callable[[nn.Module], None]:
 
 
 # -- the double buffer ----------------------------------------------------------------------------------
+def _forget_refused_gathers(pipeline: Any) -> None:
+    """Put back to EMPTY each bucket NVIDIA's all-gather pipeline marked COMMUNICATING without starting a
+    gather (no event recorded): what a refused pinned allocation leaves, since the pipeline marks the bucket
+    before it asks for memory. The pipeline's own ``reset`` would wait on the missing event (KeyError) and
+    hide the refusal's message; nothing was allocated or sent for such a bucket."""
+    status, events = getattr(pipeline, "bucket_status", None), getattr(pipeline, "param_gather_event_map", None)
+    if not isinstance(status, dict) or not isinstance(events, dict):
+        return
+    for key, value in list(status.items()):
+        if getattr(value, "name", None) == "COMMUNICATING" and key not in events:
+            status[key] = type(value).EMPTY
+
+
 _PIN_ATTR = "_fsdp_cudagraph_unpinned_allocate"
 
 
@@ -585,6 +599,7 @@ class NvidiaMegatronFSDPEngine(EngineAdapter):
             reduce.wait_for_previous_grad_reduce(0)
         gather = getattr(e, "all_gather_pipeline", None)
         if gather is not None:
+            _forget_refused_gathers(gather)
             gather.reset()
         e._replace_param_with_raw_if_needed()
         states = getattr(sys.modules.get(type(e).__module__), "TrainingState", None)
@@ -592,3 +607,34 @@ class NvidiaMegatronFSDPEngine(EngineAdapter):
             for unit in self.unit_modules():
                 if getattr(unit, "_training_state", None) == states.FORWARD:
                     unit._training_state = states.IDLE
+
+    @contextlib.contextmanager
+    def one_unit_at_a_time(self) -> Iterator[None]:
+        """NVIDIA's handlers all-gather without prefetching inside ([Note: the engine contract] item 8).
+
+        Its pre-forward handler prefetches the next unit and its pre-backward handler the one before. Run
+        together for unit k, as PyTorch's graph maker needs, they would hold units k-1, k and k+1: three
+        buckets for the double buffer's two slots (on 2 H100s the pinned allocator refused unit k-1). The
+        entry point the closures call through ``self`` is shadowed on the instance with one that passes
+        ``prefetch=False``, and restored on exit.
+        """
+        e, name = self.engine, "all_gather_and_wait_parameters_ready"
+        gather = getattr(e, name, None)
+        if gather is None or "prefetch" not in inspect.signature(gather).parameters:
+            yield
+            return
+        signature, own = inspect.signature(gather), e.__dict__.get(name)
+
+        def without_prefetch(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            bound.arguments["prefetch"] = False
+            return gather(*bound.args, **bound.kwargs)
+
+        e.__dict__[name] = without_prefetch
+        try:
+            yield
+        finally:
+            if own is None:
+                e.__dict__.pop(name, None)
+            else:
+                e.__dict__[name] = own

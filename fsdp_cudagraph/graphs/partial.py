@@ -379,21 +379,23 @@ class PartialCudaGraphs:
                 groups[-1].append(c)
             else:
                 groups.append([c])
-        for group in groups:
-            for key in ("forward_pre_hooks", "backward_pre_hooks"):
-                for c in group:
-                    _graph_maker.run_hooks(c.plan[key], c.module)
-            with te_capture_flag():  # TE modules inside must stay graph-safe, as under TE's own graph maker
-                torch.cuda.make_graphed_callables(
-                    tuple(wrappers[c] for c in group),
-                    tuple(c.sample_args for c in group),
-                    num_warmup_iters=self.config.cuda_graph_num_warmup_iters,
-                    allow_unused_input=True,
-                    **self._pool_kwargs(group),
-                )
-            for key in ("forward_hooks", "backward_hooks"):
-                for c in group:
-                    _graph_maker.run_hooks(c.plan[key], c.module)
+        # [Note: the engine contract] item 8: the engine's handlers gather only the unit being captured.
+        with self.engine.one_unit_at_a_time() if self.engine is not None else contextlib.nullcontext():
+            for group in groups:
+                for key in ("forward_pre_hooks", "backward_pre_hooks"):
+                    for c in group:
+                        _graph_maker.run_hooks(c.plan[key], c.module)
+                with te_capture_flag():  # TE modules inside must stay graph-safe, as under TE's own graph maker
+                    torch.cuda.make_graphed_callables(
+                        tuple(wrappers[c] for c in group),
+                        tuple(c.sample_args for c in group),
+                        num_warmup_iters=self.config.cuda_graph_num_warmup_iters,
+                        allow_unused_input=True,
+                        **self._pool_kwargs(group),
+                    )
+                for key in ("forward_hooks", "backward_hooks"):
+                    for c in group:
+                        _graph_maker.run_hooks(c.plan[key], c.module)
         for c in order:
             self._install(c, wrappers[c], wrappers[c].forward)
 
