@@ -17,6 +17,10 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "bench_offload.py")
 NO_GPU = "needs a CUDA GPU: CUDA graphs, pinned-memory copies and NCCL only exist there (torch.cuda.is_available() == False)"
 
 
+#: The smallest share of the planned offload that eager training must save (see _check).
+MIN_EAGER_SAVED_OVER_OFFLOADED = 0.35
+
+
 def _run(tmp_path, nproc: int, *flags: str) -> dict:
     out = tmp_path / f"offload-{nproc}{'-'.join(f.strip('-') for f in flags)}.json"
     return run_json(launcher(nproc, [SCRIPT]) + list(flags), out)
@@ -29,9 +33,11 @@ def _check(res: dict) -> None:
         assert v["bit_exact_eager"] and v["bit_exact_graphed"], (model, v)
         assert r["rows"]["eager/offload"]["planned_offload_gib"] > 0
         # By accounting about 1 - 2/8: of the 8 groups (4 layers x attn, mlp) one reloaded and one prefetched
-        # group are resident at the backward peak, beside gradients. 0.5 is that estimate's margin, not a
-        # measured one yet: replace it with the first GPU record's ratio and its spread.
-        assert v["eager_saved_over_offloaded"] >= 0.5, (model, v)
+        # group are resident at the backward peak, beside gradients. Measured (--quick, SDPA math): torch 0.627
+        # on 2 H100s (S8 and S9 alike), TE 0.448 on 2 H100s (S9: 0.098 of 0.219 GiB; the small TE model's fixed
+        # buffers weigh more); 0.79-0.86 at full size on 1 H100. A run whose offloading frees nothing scores
+        # about 0 (the torch backend's graphed rows: 0.07), so the bound sits at 0.35, under the lowest measured.
+        assert v["eager_saved_over_offloaded"] >= MIN_EAGER_SAVED_OVER_OFFLOADED, (model, v)
         if model == "te":
             # TE captures every callable into one pool, so what offloading frees is reused by later layers
             # (S2.5: 1.34 of 1.75 GiB offloaded saved). PyTorch's graph maker gives each unit a pool of its own:

@@ -239,3 +239,35 @@ def test_profile_busy_time_is_the_union_and_idle_the_rest():
     assert (s["busy_ms"], s["span_ms"], s["idle_ms"]) == (0.011, 0.015, 0.004)
     with pytest.raises(ValueError, match="0 kernels"):
         ps.summarize_kernels([], steps=1)
+
+
+# --- benchmarks/scaling.py: the 1 -> N table from the suite's JSON ------------------------------------------------
+
+
+def _suite_file(world: int, eager_ms: float, peak: float, own=None) -> dict:
+    col = {"step_ms": eager_ms, "tokens_per_s": 1000.0 * world, "peak_memory_gib": peak}
+    if own is not None:
+        col["own_peak_gib"] = own
+    return {"world_size": world, "suites": {"full": {"compute": {"columns": {"eager": col, "fsdp2": {"error": "x"}},
+                                                                 "floor": {"floor_ms": 20.0 / world}}}}}
+
+
+def test_scaling_rows_and_table(tmp_path, capsys):
+    import json
+
+    import scaling
+
+    rows = scaling.suite_rows([_suite_file(2, 33.0, 9.0, own=8.5), _suite_file(1, 30.0, 14.0)])
+    assert [(r["config"], r["column"]) for r in rows] == [("compute", "eager")]  # a failed column is left out
+    r = rows[0]
+    assert [p["world_size"] for p in r["runs"]] == [1, 2] and r["step_vs_smallest"] == pytest.approx([1.0, 1.1])
+    assert [p["peak_gib"] for p in r["runs"]] == [14.0, 8.5]  # own peak where the file has it
+    assert [p["tokens_per_s_per_gpu"] for p in r["runs"]] == [1000.0, 1000.0]
+    assert "| compute | eager | 30.00 | 33.00 | 1.100 | 1000 | 1000 | 14.00 | 8.50 | 20.00 | 10.00 |" in scaling.table(rows)
+    paths = []
+    for w in (1, 2):
+        paths.append(tmp_path / f"s{w}.json")
+        paths[-1].write_text(json.dumps(_suite_file(w, 30.0, 10.0)))
+    with pytest.raises(SystemExit, match="same world size"):
+        scaling.main([str(paths[0]), str(paths[0])])
+    assert scaling.main([str(p) for p in paths]) == 0 and "| compute | eager |" in capsys.readouterr().out
