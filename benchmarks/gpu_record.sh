@@ -6,7 +6,7 @@
 # perf    bench_partial_graphs --suite full (issue 22's regression check)
 # engines benchmarks/engines_align.py alone (all engines; nvidia needs megatron-core, e.g. PYTHONPATH=/tmp/site)
 # align   the partial-graph alignment matrix (python -m fsdp_cudagraph.apps.align) on 1 GPU
-# profile benchmarks/profile_step.py: the compute step's kernel time by category, ours vs FSDP2
+# profile benchmarks/profile_step.py: the compute step's kernel time by category, ours vs FSDP2 (NPROC=2: 2 GPUs)
 # memory  graph memory on the demo's model: benchmarks/graph_memory_snapshot.py (fused wgrad on and off), the demo
 # multi   on 2+ GPUs: pytest -m gpu -k 2gpu (every 2-GPU record) and the demo on 2 ranks
 # engines2 on 2 GPUs: engines_align.py (fsdp2, megatron_fsdp, nvidia) and the alignment checker per engine,
@@ -75,7 +75,9 @@ case "$stage" in
     step python3 -m fsdp_cudagraph.apps.align --out "$OUT/align-1gpu.json" "$@" > "$OUT/align.log" 2>&1
     tail -3 "$OUT/align.log" ;;
   profile)
-    step timeout 300 python3 benchmarks/profile_step.py --out "$OUT/profile-compute.json" "$@" > "$OUT/profile.log" 2>&1
+    # NPROC=2: rank 0's kernels on 2 GPUs, with the collective time no other kernel overlapped
+    step timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node ${NPROC:-1} benchmarks/profile_step.py \
+      --out "$OUT/profile-compute-${NPROC:-1}gpu.json" "$@" > "$OUT/profile.log" 2>&1
     tail -30 "$OUT/profile.log" ;;
   multi)
     # the 2-GPU tests (alignment matrix, README loop, engine parity and DCP, full-iteration, HF, inference,

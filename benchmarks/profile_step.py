@@ -13,6 +13,7 @@ summed per category (:func:`categorize`) and whose busy time is the union of the
 rate for the model's FLOPs, measured copy bandwidth for the optimizer and cast bytes).
 
     python benchmarks/profile_step.py --out benchmarks/results/profile-compute.json
+    torchrun --nproc-per-node 2 benchmarks/profile_step.py --out profile-compute-2gpu.json   # rank 0's kernels
 
 Needs a CUDA GPU; TE is used when importable (the plain-torch GPT otherwise, and the JSON says so).
 """
@@ -71,9 +72,18 @@ def busy_us(intervals: Sequence[Tuple[float, float]]) -> float:
     return total
 
 
+def exposed_us(kernels: Sequence[Tuple[str, float, float]], category: str = "collective") -> float:
+    """Time when a kernel of ``category`` ran and no other kernel did: the part of that category the step waits
+    for instead of hiding under compute (on 2+ GPUs, the communication the overlap did not hide)."""
+    mine = [(s, e) for n, s, e in kernels if categorize(n) == category]
+    others = [(s, e) for n, s, e in kernels if categorize(n) != category]
+    return busy_us(mine + others) - busy_us(others)
+
+
 def summarize_kernels(kernels: Sequence[Tuple[str, float, float]], steps: int) -> Dict[str, Any]:
     """Per step: kernel milliseconds per category, busy ms (union), the span from first start to last end, idle
-    (span - busy), and the ten kernels that took longest in all."""
+    (span - busy), collective time not overlapped by any other kernel (``exposed_collective_ms``), and the ten
+    kernels that took longest in all."""
     if not kernels or steps < 1:
         raise ValueError(f"{len(kernels)} kernels over {steps} steps: need at least one of each (was the profiler "
                          "given CUDA activity?)")
@@ -92,6 +102,7 @@ def summarize_kernels(kernels: Sequence[Tuple[str, float, float]], steps: int) -
         "busy_ms": busy / steps / 1e3,
         "span_ms": span / steps / 1e3,
         "idle_ms": (span - busy) / steps / 1e3,
+        "exposed_collective_ms": exposed_us(kernels) / steps / 1e3,
         "top_kernels_ms": [(k[:160], v / steps / 1e3) for k, v in top],
     }
 
@@ -235,14 +246,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     ours = ours_config(cfg, args.fuse_wgrad == "on")  # as the suite's columns
     rows = {c: _run(c, ours if c.startswith("ours") else cfg, args, device) for c in args.columns}
     matmul, copy = matmul_peak_tflops(device), copy_bandwidth_gbps(device)
-    floor = floor_ms(flops=flops, bytes_moved=optimizer_bytes(n), matmul_tflops=matmul, copy_gbps=copy)
+    world = dist.get_world_size()  # ZeRO-3: each rank updates 1/world of the parameters
+    floor = floor_ms(flops=flops, bytes_moved=optimizer_bytes(n, world), matmul_tflops=matmul, copy_gbps=copy)
     result = {"config": {**fields, "micro_batch_size": mbs, "use_te": HAS_TE, "fused_adam": args.fused,
                          "fuse_wgrad": ours.fuse_wgrad},
-              "params": n, "flops_per_step": flops, "matmul_tflops": matmul, "copy_gbps": copy, "floor": floor,
+              "params": n, "world_size": world, "flops_per_step": flops, "matmul_tflops": matmul, "copy_gbps": copy, "floor": floor,
               "columns": rows, "versions": versions(), "command": " ".join(sys.argv)}
-    print(format_table(result))
-    if args.out:
-        write_record(args.out, result)
+    if dist.get_rank() == 0:  # the kernels are rank 0's; every rank runs the same step
+        print(format_table(result))
+        if args.out:
+            write_record(args.out, result)
     dist.destroy_process_group()
     return 0
 
@@ -266,11 +279,13 @@ def format_table(result: Dict[str, Any]) -> str:
         row(k, lambda r, k=k: f"{r['profile']['category_ms'].get(k, 0.0):.2f}")
     row("GPU busy (union)", lambda r: f"{r['profile']['busy_ms']:.2f}")
     row("GPU idle", lambda r: f"{r['profile']['idle_ms']:.2f}")
+    row("collective not overlapped", lambda r: f"{r['profile'].get('exposed_collective_ms', 0.0):.2f}")
     row("peak allocated GiB", lambda r: f"{r['peak_memory_gib']:.2f}")
     f = result["floor"]
     lines.append(f"\nfloor {f['floor_ms']:.2f} ms = matmul {f['matmul_ms']:.2f} ms ({result['flops_per_step'] / 1e12:.2f} "
                  f"TFLOP at {result['matmul_tflops']:.0f} TFLOP/s) + optimizer/cast {f['optimizer_ms']:.2f} ms "
-                 f"({result['params'] / 1e6:.1f} M params x 38 B at {result['copy_gbps']:.0f} GB/s)")
+                 f"({result['params'] / 1e6:.1f} M params / {result.get('world_size', 1)} rank(s) x 38 B at "
+                 f"{result['copy_gbps']:.0f} GB/s)")
     return "\n".join(lines)
 
 

@@ -237,6 +237,9 @@ def test_profile_busy_time_is_the_union_and_idle_the_rest():
     # per step: matmul 10 us, collective 7 us, optimizer 10 us; busy 22 of a 30 us span
     assert s["category_ms"] == {"matmul": 0.005, "optimizer": 0.005, "collective": 0.0035}
     assert (s["busy_ms"], s["span_ms"], s["idle_ms"]) == (0.011, 0.015, 0.004)
+    # the collective ran 5..12, the matmul until 10: 2 us of it (1 us per step) hid under nothing
+    assert s["exposed_collective_ms"] == 0.001
+    assert ps.exposed_us([("ncclAllGather", 0, 4), ("nvjet_a", 0, 4)]) == 0  # fully overlapped
     with pytest.raises(ValueError, match="0 kernels"):
         ps.summarize_kernels([], steps=1)
 
