@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch  # noqa: E402
 from megatron_fsdp import fully_shard  # noqa: E402
+from tests.gpu_utils import init_script_ranks  # noqa: E402
 
 SAVE_AT, TOTAL, GLOBAL_BATCH = 3, 6, 4
 CFG = GPTConfig(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, seq_len=64, moe_every=2)
@@ -102,19 +103,7 @@ def main() -> int:
     p.add_argument("--out", required=True, help="JSON written by rank 0")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: Gloo, to check the script")
     args = p.parse_args()
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29513"), ("RANK", "0"), ("WORLD_SIZE", "1"),
-                       ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)  # plain `python` runs one rank
-    if args.device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo")
+    device = init_script_ranks(args.device, port=29513)
     rank, world = dist.get_rank(), dist.get_world_size()
     rec: Dict[str, Any] = {"phase": args.phase, "world_size": world,
                            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

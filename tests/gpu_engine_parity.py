@@ -45,6 +45,7 @@ import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch  # noqa: E402
 from megatron_fsdp import fully_shard  # noqa: E402
+from tests.gpu_utils import init_script_ranks  # noqa: E402
 
 STEPS, LR, MOMENTUM, PER_RANK_BATCH = 10, 0.3, 0.9, 2
 FP32_ATOL, FP32_REL_L2, FP32_LOSS_RTOL = 2e-6, 1e-5, 5e-6
@@ -161,20 +162,7 @@ def main() -> int:
     parser.add_argument("out", help="JSON file to write (rank 0)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("WORLD_SIZE", "1"),
-                       ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)  # plain `python` runs one rank
-    if args.device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        local = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo")
+    device = init_script_ranks(args.device, port=29511)
     world = dist.get_world_size()
     cfg = GPTConfig(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, seq_len=64, moe_every=2)
     out: Dict[str, Any] = {}

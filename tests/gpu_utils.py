@@ -65,3 +65,25 @@ def run_json(cmd: Sequence[str], out: str, *, name: str = "", tail: int = 6000) 
     assert proc.returncode == 0, proc.stdout[-tail:] + proc.stderr[-tail:]
     with open(out) as f:
         return json.load(f)
+
+
+def init_script_ranks(device: str, port: int):
+    """Start-up of a test script run by ``torchrun`` (or plain ``python``: one rank): the process group on NCCL
+    (``device="cuda"``, TF32 off) or Gloo (``"cpu"``, one thread), and this rank's device."""
+    import torch
+    import torch.distributed as dist
+
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                       ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)  # plain `python` runs one rank
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=dev)
+        return dev
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
