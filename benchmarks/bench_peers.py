@@ -108,8 +108,8 @@ def load_model_code(isolated: bool) -> Any:
     """The reference GPT (``fsdp_cudagraph/apps/model.py``) and TE probe (``fsdp_cudagraph/runtime/te.py``).
 
     ``isolated`` (the Megatron-FSDP process, which must not import our ``megatron_fsdp``): the two files are
-    loaded from the repository by path, under stand-in ``fsdp_cudagraph`` and ``fsdp_cudagraph.runtime``
-    packages whose ``__init__`` never runs, so the package's imports (our engine among them) stay out of the
+    loaded from the repository by path, under stand-in ``fsdp_cudagraph``, ``fsdp_cudagraph.runtime`` and
+    ``fsdp_cudagraph.apps`` packages whose ``__init__`` never runs, so the package's imports (our engine among them) stay out of the
     process. Otherwise a plain import.
     """
     if isolated:
@@ -344,6 +344,7 @@ def worker(args: argparse.Namespace) -> int:
             json.dump(result, f, indent=1)
         print(f"[{args.engine}] median {median:.2f} ms/step, {result['tokens_per_s']:.0f} tokens/s, peak "
               f"{result['peak_memory_gib']:.3f} GiB, loss {loss_t[0].item():.4f} -> {loss_t[-1].item():.4f}")
+    dist.barrier()  # no rank tears Gloo down while rank 0 still writes (that aborted rank 1 at exit on CPU)
     dist.destroy_process_group()
     return 0
 

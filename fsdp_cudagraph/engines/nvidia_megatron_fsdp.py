@@ -620,10 +620,11 @@ class NvidiaMegatronFSDPEngine(EngineAdapter):
         """
         e, name = self.engine, "all_gather_and_wait_parameters_ready"
         gather = getattr(e, name, None)
-        if gather is None or "prefetch" not in inspect.signature(gather).parameters:
+        signature = inspect.signature(gather) if gather is not None else None
+        if signature is None or "prefetch" not in signature.parameters:
             yield
             return
-        signature, own = inspect.signature(gather), e.__dict__.get(name)
+        own = e.__dict__.get(name)
 
         def without_prefetch(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
