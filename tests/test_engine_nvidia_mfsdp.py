@@ -510,10 +510,13 @@ def test_reset_after_a_refused_gather_keeps_the_refusal_visible():
         bucket_status={(1, False): status.COMMUNICATING, (2, False): status.COMMUNICATING, (3, False): status.READY_TO_USE},
         param_gather_event_map={(2, False): ("event", None)})
     pipeline.reset = lambda: seen.update(pipeline.bucket_status)
+    freed = []
+    pipeline.get_fsdp_buffer = lambda b, bwd: types.SimpleNamespace(free_bucket_storage=lambda: freed.append((b, bwd)))
     e.all_gather_pipeline = pipeline
     e.grad_reduce_pipeline = types.SimpleNamespace(wait_for_previous_grad_reduce=lambda n: None)
     adapter_for(e).reset()
     assert seen == {(1, False): status.EMPTY, (2, False): status.COMMUNICATING, (3, False): status.READY_TO_USE}
+    assert freed == [(1, False)]  # memory fetched before a refused collective goes back; a real gather keeps its
 
 
 # -- through the graph layer ---------------------------------------------------------------------------------------

@@ -265,14 +265,21 @@ def _te_form(fn: Callable[..., Any], kind: str) -> Callable[[nn.Module], None]:
 # -- the double buffer ----------------------------------------------------------------------------------
 def _forget_refused_gathers(pipeline: Any) -> None:
     """Put back to EMPTY each bucket NVIDIA's all-gather pipeline marked COMMUNICATING without starting a
-    gather (no event recorded): what a refused pinned allocation leaves, since the pipeline marks the bucket
-    before it asks for memory. The pipeline's own ``reset`` would wait on the missing event (KeyError) and
-    hide the refusal's message; nothing was allocated or sent for such a bucket."""
+    gather (no event recorded), and free whatever memory it got.
+
+    A refused pinned allocation leaves such a bucket, because the pipeline marks the bucket before it asks for
+    memory. So does a collective refused inside a capture guard, after the memory was fetched. The pipeline's
+    own ``reset`` would wait on the missing event (KeyError) and hide the refusal's message. Every allocator
+    of NVIDIA's engine frees a bucket it does not hold as a no-op.
+    """
     status, events = getattr(pipeline, "bucket_status", None), getattr(pipeline, "param_gather_event_map", None)
     if not isinstance(status, dict) or not isinstance(events, dict):
         return
     for key, value in list(status.items()):
         if getattr(value, "name", None) == "COMMUNICATING" and key not in events:
+            if hasattr(pipeline, "get_fsdp_buffer"):
+                bucket_id, transpose = key
+                pipeline.get_fsdp_buffer(bucket_id, transpose).free_bucket_storage()
             status[key] = type(value).EMPTY
 
 
