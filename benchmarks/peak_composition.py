@@ -10,6 +10,7 @@ allocation that made the peak, which says where in the step it falls. Blocks all
 started (``base_gib``: what earlier columns left) are in ``max_memory_allocated`` but not in the trace.
 
     python benchmarks/peak_composition.py [--config compute|launch|demo] [--columns eager fsdp2] [--out PATH]
+    torchrun --nproc-per-node 2 benchmarks/peak_composition.py ...   # rank 0's trace on 2 GPUs
 
 Columns: those of ``bench_full_iteration`` (eager, partial, full_iteration, fsdp2, ...). The record also carries
 ``CUBLAS_WORKSPACE_CONFIG``: cuBLAS keeps one workspace per stream it runs on (32 MiB each on Hopper by default),
@@ -118,7 +119,7 @@ def main() -> int:
     dev = init_distributed(default_port=29519)
     torch.cuda.set_stream(torch.cuda.default_stream(dev))
     rows = [run_column(c, args.config, args.fuse_wgrad == "on", args.steps, dev) for c in args.columns]
-    for r in rows:
+    for r in rows if dist.get_rank() == 0 else []:  # under torchrun: rank 0's trace (every rank runs one step)
         print(f"\n{r['column']} ({r['config']}): max_memory_allocated {r['max_memory_allocated_gib']:.3f} GiB, trace peak "
               f"{r['trace_peak_gib']:.3f} GiB above {r['base_gib']:.3f}; the peak was made by {r['peak_made_by']}")
         print("| GiB live at the peak | allocated at |\n| --- | --- |")
