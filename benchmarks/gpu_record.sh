@@ -13,8 +13,8 @@
 #         each on 2 ranks (nvidia needs megatron-core: PYTHONPATH=/tmp/site)
 # scaling the perf suite on 1 GPU and on 2, bench_peers --engine all on 1 and on 2 (Megatron-FSDP from .whl),
 #         the demo on 1 GPU; then, here: python benchmarks/scaling.py perf_goals-1gpu.json perf_goals-2gpu.json
-# peak2   peak_composition on 2 GPUs, compute config (eager vs FSDP2)
 # peak    benchmarks/peak_composition.py: what is allocated at the peak, our eager step vs FSDP2 (compute, launch)
+#         (NPROC=2: on 2 GPUs)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -109,16 +109,13 @@ case "$stage" in
     done
     step env CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m fsdp_cudagraph.apps.demo > "$OUT/demo-1gpu.log" 2>&1
     tail -6 "$OUT/demo-1gpu.log" ;;
-  peak2)
-    # on 2 GPUs (rank 0's allocator trace): what is live at our eager peak and FSDP2's, compute config
-    step timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/peak_composition.py \
-      --config compute --columns eager fsdp2 --out "$OUT/peak-compute-2gpu.json" > "$OUT/peak-compute-2gpu.log" 2>&1
-    grep -E "^(eager|fsdp2) |^\| [0-9]" "$OUT/peak-compute-2gpu.log" | head -40 ;;
   peak)
-    step timeout 200 python3 benchmarks/peak_composition.py --config compute --columns eager fsdp2 --out "$OUT/peak-compute.json" > "$OUT/peak-compute.log" 2>&1
-    step timeout 200 python3 benchmarks/peak_composition.py --config launch --columns eager full_iteration fsdp2 --out "$OUT/peak-launch.json" > "$OUT/peak-launch.log" 2>&1
-    step timeout 200 python3 benchmarks/peak_composition.py --config demo --columns eager partial full_iteration --steps 6 --out "$OUT/peak-demo.json" > "$OUT/peak-demo.log" 2>&1
-    step env CUBLAS_WORKSPACE_CONFIG=:16:8 timeout 200 python3 benchmarks/peak_composition.py --config demo --columns eager partial full_iteration --steps 6 --out "$OUT/peak-demo-ws16.json" > "$OUT/peak-demo-ws16.log" 2>&1
+    # NPROC=2: on 2 GPUs (rank 0's allocator trace)
+    pc="python3 -m torch.distributed.run --standalone --nproc-per-node ${NPROC:-1} benchmarks/peak_composition.py"
+    step timeout 200 $pc --config compute --columns eager fsdp2 --out "$OUT/peak-compute.json" > "$OUT/peak-compute.log" 2>&1
+    step timeout 200 $pc --config launch --columns eager full_iteration fsdp2 --out "$OUT/peak-launch.json" > "$OUT/peak-launch.log" 2>&1
+    step timeout 200 $pc --config demo --columns eager partial full_iteration --steps 6 --out "$OUT/peak-demo.json" > "$OUT/peak-demo.log" 2>&1
+    step env CUBLAS_WORKSPACE_CONFIG=:16:8 timeout 200 $pc --config demo --columns eager partial full_iteration --steps 6 --out "$OUT/peak-demo-ws16.json" > "$OUT/peak-demo-ws16.log" 2>&1
     for c in compute launch demo demo-ws16; do grep -E "^(eager|partial|full_iteration|fsdp2) " "$OUT/peak-$c.log"; done ;;
   memory)
     for f in on off; do

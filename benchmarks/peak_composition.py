@@ -119,7 +119,7 @@ def main() -> int:
     dev = init_distributed(default_port=29519)
     torch.cuda.set_stream(torch.cuda.default_stream(dev))
     rows = [run_column(c, args.config, args.fuse_wgrad == "on", args.steps, dev) for c in args.columns]
-    for r in rows if dist.get_rank() == 0 else []:  # under torchrun: rank 0's trace (every rank runs one step)
+    for r in rows if dist.get_rank() == 0 else []:  # under torchrun: rank 0's trace (every rank runs the same steps)
         print(f"\n{r['column']} ({r['config']}): max_memory_allocated {r['max_memory_allocated_gib']:.3f} GiB, trace peak "
               f"{r['trace_peak_gib']:.3f} GiB above {r['base_gib']:.3f}; the peak was made by {r['peak_made_by']}")
         print("| GiB live at the peak | allocated at |\n| --- | --- |")

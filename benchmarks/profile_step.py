@@ -72,29 +72,26 @@ def busy_us(intervals: Sequence[Tuple[float, float]]) -> float:
     return total
 
 
-def exposed_us(kernels: Sequence[Tuple[str, float, float]], category: str = "collective") -> float:
-    """Time when a kernel of ``category`` ran and no other kernel did: the part of that category the step waits
-    for instead of hiding under compute (on 2+ GPUs, the communication the overlap did not hide)."""
-    mine = [(s, e) for n, s, e in kernels if categorize(n) == category]
-    others = [(s, e) for n, s, e in kernels if categorize(n) != category]
-    return busy_us(mine + others) - busy_us(others)
-
-
 def summarize_kernels(kernels: Sequence[Tuple[str, float, float]], steps: int) -> Dict[str, Any]:
     """Per step: kernel milliseconds per category, busy ms (union), the span from first start to last end, idle
-    (span - busy), collective time not overlapped by any other kernel (``exposed_collective_ms``), and the ten
-    kernels that took longest in all."""
+    (span - busy), collective time when no other kernel ran (``exposed_collective_ms``: on 2+ GPUs, the
+    communication the step waits for instead of hiding it under compute), and the ten kernels that took
+    longest in all."""
     if not kernels or steps < 1:
         raise ValueError(f"{len(kernels)} kernels over {steps} steps: need at least one of each (was the profiler "
                          "given CUDA activity?)")
     per_cat: Dict[str, float] = {}
     per_kernel: Dict[str, float] = {}
+    not_collective: List[Tuple[float, float]] = []
     for name, start, end in kernels:
         cat = categorize(name)
         per_cat[cat] = per_cat.get(cat, 0.0) + (end - start)
         per_kernel[name] = per_kernel.get(name, 0.0) + (end - start)
+        if cat != "collective":
+            not_collective.append((start, end))
     span = max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)
     busy = busy_us([(s, e) for _, s, e in kernels])
+    exposed = busy - busy_us(not_collective)
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:10]
     return {
         "steps": steps,
@@ -102,7 +99,7 @@ def summarize_kernels(kernels: Sequence[Tuple[str, float, float]], steps: int) -
         "busy_ms": busy / steps / 1e3,
         "span_ms": span / steps / 1e3,
         "idle_ms": (span - busy) / steps / 1e3,
-        "exposed_collective_ms": exposed_us(kernels) / steps / 1e3,
+        "exposed_collective_ms": exposed / steps / 1e3,
         "top_kernels_ms": [(k[:160], v / steps / 1e3) for k, v in top],
     }
 
