@@ -13,6 +13,9 @@
 #         each on 2 ranks (nvidia needs megatron-core: PYTHONPATH=/tmp/site)
 # scaling the perf suite on 1 GPU and on 2, bench_peers --engine all on 1 and on 2 (Megatron-FSDP from .whl),
 #         the demo on 1 GPU; then, here: python benchmarks/scaling.py perf_goals-1gpu.json perf_goals-2gpu.json
+# avg     on NPROC GPUs (default 2): NCCL's AVG against the pre-scaled SUM (tests/gpu_nccl_average.py), the
+#         compute profile with AVG and again with the pre-scale (--prescale, our eager column only), what is
+#         live at the compute peak (ours vs FSDP2), then the perf suite on NPROC GPUs and on 1
 # peak    benchmarks/peak_composition.py: what is allocated at the peak, our eager step vs FSDP2 (compute, launch)
 #         (NPROC=2: on 2 GPUs)
 set -u
@@ -126,5 +129,18 @@ case "$stage" in
     tail -6 "$OUT/demo.log"
     step timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m fsdp_cudagraph.apps.demo --no-fuse-wgrad > "$OUT/demo-unfused.log" 2>&1
     tail -3 "$OUT/demo-unfused.log" ;;
+  avg)
+    n=${NPROC:-2}; run="python3 -m torch.distributed.run --standalone --nproc-per-node $n"
+    step timeout 120 $run tests/gpu_nccl_average.py --out "$OUT/nccl-average-${n}gpu.json" > "$OUT/nccl-average.log" 2>&1
+    tail -3 "$OUT/nccl-average.log"
+    step timeout 200 $run benchmarks/profile_step.py --out "$OUT/profile-compute-${n}gpu.json" > "$OUT/profile.log" 2>&1
+    tail -32 "$OUT/profile.log"
+    step timeout 150 $run benchmarks/profile_step.py --columns ours --prescale --out "$OUT/profile-compute-${n}gpu-prescale.json" > "$OUT/profile-prescale.log" 2>&1
+    tail -24 "$OUT/profile-prescale.log"
+    step timeout 150 $run benchmarks/peak_composition.py --config compute --columns eager fsdp2 --out "$OUT/peak-compute-${n}gpu.json" > "$OUT/peak-compute.log" 2>&1
+    grep -E "^(eager|fsdp2) " "$OUT/peak-compute.log"
+    step timeout 200 $run benchmarks/bench_partial_graphs.py --suite full --out "$OUT/perf_goals-${n}gpu.json" > "$OUT/perf-${n}gpu.log" 2>&1
+    step env CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_partial_graphs.py --suite full --out "$OUT/perf_goals-1gpu.json" > "$OUT/perf-1gpu.log" 2>&1
+    grep -E "^\| (compute|launch) \|" "$OUT/perf-1gpu.log" "$OUT/perf-${n}gpu.log" | tail -40 ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

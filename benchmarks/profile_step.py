@@ -21,6 +21,7 @@ Needs a CUDA GPU; TE is used when importable (the plain-torch GPT otherwise, and
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
 import os
 import re
@@ -93,6 +94,7 @@ def summarize_kernels(kernels: Sequence[Tuple[str, float, float]], steps: int) -
     busy = busy_us([(s, e) for _, s, e in kernels])
     exposed = busy - busy_us(not_collective)
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:10]
+    collective = [(s, e) for name, s, e in kernels if categorize(name) == "collective"]
     return {
         "steps": steps,
         "category_ms": {k: v / steps / 1e3 for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
@@ -100,8 +102,70 @@ def summarize_kernels(kernels: Sequence[Tuple[str, float, float]], steps: int) -
         "span_ms": span / steps / 1e3,
         "idle_ms": (span - busy) / steps / 1e3,
         "exposed_collective_ms": exposed / steps / 1e3,
+        "collectives": _collective_rows(kernels, not_collective, steps),
+        "matmul_under_collective": _matmul_slowdown(kernels, collective, steps),
         "top_kernels_ms": [(k[:160], v / steps / 1e3) for k, v in top],
     }
+
+
+def _merged(intervals: Sequence[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    out: List[Tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _overlap(start: float, end: float, merged: Sequence[Tuple[float, float]]) -> float:
+    """Length of ``[start, end)`` covered by the sorted, disjoint ``merged`` intervals."""
+    i = bisect.bisect_right(merged, (start, float("inf"))) - 1
+    total, i = 0.0, max(i, 0)
+    while i < len(merged) and merged[i][0] < end:
+        total += max(0.0, min(end, merged[i][1]) - max(start, merged[i][0]))
+        i += 1
+    return total
+
+
+def _collective_rows(kernels: Sequence[Tuple[str, float, float]], not_collective: Sequence[Tuple[float, float]],
+                     steps: int) -> Dict[str, Dict[str, float]]:
+    """Per collective kernel name (all-gather, reduce-scatter, ...): calls, milliseconds per step, and of those
+    the milliseconds no other kernel overlapped (what the step waited for)."""
+    merged = _merged(not_collective)
+    rows: Dict[str, Dict[str, float]] = {}
+    for name, start, end in kernels:
+        if categorize(name) != "collective":
+            continue
+        key = re.sub(r"\(.*", "", name)[:80]
+        r = rows.setdefault(key, {"calls": 0.0, "ms": 0.0, "exposed_ms": 0.0})
+        r["calls"] += 1 / steps
+        r["ms"] += (end - start) / steps / 1e3
+        r["exposed_ms"] += ((end - start) - _overlap(start, end, merged)) / steps / 1e3
+    return rows
+
+
+def _matmul_slowdown(kernels: Sequence[Tuple[str, float, float]], collective: Sequence[Tuple[float, float]],
+                     steps: int) -> Dict[str, float]:
+    """Matmul time spent while a collective ran, and what it cost: each matmul kernel that overlapped a
+    collective against the median duration of the same kernel (by name) when none ran. NCCL's kernels hold
+    SMs and memory bandwidth, so a GEMM beside them runs slower; ``extra_ms`` is that cost per step (kernels
+    that never ran alone are left out of it)."""
+    merged = _merged(collective)
+    alone: Dict[str, List[float]] = {}
+    beside: List[Tuple[str, float]] = []
+    under_ms = 0.0
+    for name, start, end in kernels:
+        if categorize(name) != "matmul":
+            continue
+        if merged and _overlap(start, end, merged) > 0:
+            beside.append((name, end - start))
+            under_ms += end - start
+        else:
+            alone.setdefault(name, []).append(end - start)
+    extra = sum(d - statistics.median(alone[n]) for n, d in beside if n in alone)
+    return {"matmul_ms_beside_collective": under_ms / steps / 1e3, "extra_ms": extra / steps / 1e3,
+            "kernels_beside": len(beside) / steps}
 
 
 # ---------------------------------------------------------------------------------------------------- GPU part
@@ -162,6 +226,8 @@ def _run(column: str, cfg: Any, args: argparse.Namespace, device: torch.device) 
         model = fully_shard(gpt, fsdp_unit_modules=[gpt.unit_class], sharding_strategy="optim_grads_params",
                             compute_dtype=torch.bfloat16, fsdp_double_buffer=True,
                             fsdp_db_use_persist_buf_on_alloc_fail=True)
+        if args.prescale and model.reduce_average:  # A/B: the fold's scale pass and SUM, as before NCCL's AVG
+            model.reduce_average, model.grad_scale = False, 1.0 / model.world_size
         opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-4, fused=args.fused)
         if column == "ours_partial":
             config = CudaGraphConfig(cuda_graph_impl="transformer_engine" if cfg.use_te else "local",
@@ -209,6 +275,40 @@ def _run(column: str, cfg: Any, args: argparse.Namespace, device: torch.device) 
     return out
 
 
+def collective_rates(cfg: Any, device: torch.device, reps: int = 10) -> Dict[str, Dict[str, float]]:
+    """One transformer layer's collectives alone on the idle GPUs (median ms of ``reps`` after a warm-up, and
+    GB/s of what each rank sends): the bf16 all-gather of its parameters, and the reduce-scatter of its
+    gradients in fp32 (the engine's default) and bf16. Their sum over the step's units, against the step, is
+    what the communication costs when nothing hides it."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    numel = (4 * h * h + 2 * h * f) // world * world  # the layer's matmul weights, a multiple of world
+    out: Dict[str, Dict[str, float]] = {}
+    for name, dtype, gather in (("all_gather_bf16", torch.bfloat16, True), ("reduce_scatter_fp32", torch.float32, False),
+                                ("reduce_scatter_bf16", torch.bfloat16, False)):
+        full = torch.ones(numel, dtype=dtype, device=device)
+        shard = torch.ones(numel // world, dtype=dtype, device=device)
+        times = []
+        for i in range(reps + 2):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            if gather:
+                dist.all_gather_into_tensor(full, shard)
+            else:
+                dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG)
+            e.record()
+            torch.cuda.synchronize(device)
+            if i >= 2:
+                times.append(s.elapsed_time(e))
+        ms = statistics.median(times)
+        sent = full.numel() * full.element_size() * (world - 1) / world
+        out[name] = {"numel": numel, "ms": ms, "gbps_sent_per_rank": sent / ms / 1e6}
+        del full, shard
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--columns", nargs="+", default=["ours", "ours_partial", "fsdp2"],
@@ -219,6 +319,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--foreach", dest="fused", action="store_false", help="torch's foreach Adam instead of fused")
     p.add_argument("--fuse-wgrad", choices=["on", "off"], default="on",
                    help="with TE: our columns write weight gradients straight into the engine's buffer (as --suite full)")
+    p.add_argument("--prescale", action="store_true",
+                   help="our columns pre-scale gradients and SUM instead of NCCL's AVG (the engine before it; A/B)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -245,7 +347,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     matmul, copy = matmul_peak_tflops(device), copy_bandwidth_gbps(device)
     world = dist.get_world_size()  # ZeRO-3: each rank updates 1/world of the parameters
     floor = floor_ms(flops=flops, bytes_moved=optimizer_bytes(n, world), matmul_tflops=matmul, copy_gbps=copy)
-    result = {"config": {**fields, "micro_batch_size": mbs, "use_te": HAS_TE, "fused_adam": args.fused,
+    rates = collective_rates(cfg, device) if world > 1 else None
+    result = {"collective_rates": rates, "prescale": args.prescale, "config": {**fields, "micro_batch_size": mbs, "use_te": HAS_TE, "fused_adam": args.fused,
                          "fuse_wgrad": ours.fuse_wgrad},
               "params": n, "world_size": world, "flops_per_step": flops, "matmul_tflops": matmul, "copy_gbps": copy, "floor": floor,
               "columns": rows, "versions": versions(), "command": " ".join(sys.argv)}
@@ -277,12 +380,19 @@ def format_table(result: Dict[str, Any]) -> str:
     row("GPU busy (union)", lambda r: f"{r['profile']['busy_ms']:.2f}")
     row("GPU idle", lambda r: f"{r['profile']['idle_ms']:.2f}")
     row("collective not overlapped", lambda r: f"{r['profile'].get('exposed_collective_ms', 0.0):.2f}")
+    row("matmul beside a collective", lambda r: f"{r['profile'].get('matmul_under_collective', {}).get('matmul_ms_beside_collective', 0.0):.2f}")
+    row("its slowdown vs alone", lambda r: f"{r['profile'].get('matmul_under_collective', {}).get('extra_ms', 0.0):.2f}")
     row("peak allocated GiB", lambda r: f"{r['peak_memory_gib']:.2f}")
     f = result["floor"]
     lines.append(f"\nfloor {f['floor_ms']:.2f} ms = matmul {f['matmul_ms']:.2f} ms ({result['flops_per_step'] / 1e12:.2f} "
                  f"TFLOP at {result['matmul_tflops']:.0f} TFLOP/s) + optimizer/cast {f['optimizer_ms']:.2f} ms "
                  f"({result['params'] / 1e6:.1f} M params / {result.get('world_size', 1)} rank(s) x 38 B at "
                  f"{result['copy_gbps']:.0f} GB/s)")
+    for c in cols:
+        for name, r in result["columns"][c]["profile"].get("collectives", {}).items():
+            lines.append(f"{c}: {name}: {r['calls']:.0f} calls, {r['ms']:.2f} ms, not overlapped {r['exposed_ms']:.2f} ms")
+    for name, r in (result.get("collective_rates") or {}).items():
+        lines.append(f"one layer alone: {name} {r['ms']:.3f} ms ({r['gbps_sent_per_rank']:.0f} GB/s sent per rank)")
     return "\n".join(lines)
 
 

@@ -28,14 +28,18 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     return _all_gather_single(output, shard, group=group, async_op=True)
 
 
-def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, what: str) -> Optional[dist.Work]:
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, what: str, *,
+                   average: bool = False) -> Optional[dist.Work]:
+    """SUM, or with ``average`` the backend's AVG (NCCL only; see [Note: averaging in the collective])."""
     check_not_capturing(f"reduce-scatter of {what}", collective=True)
-    return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    return _reduce_scatter_single(output, full, op=op, group=group, async_op=True)
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, what: str) -> Optional[dist.Work]:
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, what: str, *, average: bool = False) -> Optional[dist.Work]:
     check_not_capturing(f"all-reduce of {what}", collective=True)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
 
 def broadcast(tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup, what: str) -> None:

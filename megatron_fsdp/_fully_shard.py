@@ -122,6 +122,26 @@ def _matches(module: nn.Module, specs: Sequence[UnitSpec]) -> bool:
     return False
 
 
+
+def reduce_by_average(backend: str, world_size: int, grad_dtype: torch.dtype) -> bool:
+    """Whether the gradient collectives average (``ReduceOp.AVG``) instead of summing pre-scaled gradients.
+
+    [Note: averaging in the collective] The engine reduces the mean of the ranks' gradients. Summing
+    gradients that the fold multiplied by ``1/world`` costs a pass over every unsharded gradient (read and
+    write, in the buffer's dtype) before each reduction. NCCL's AVG on floating-point data is that same
+    pre-multiplication, done as the collective loads each rank's input (``ncclDevPreMulSum`` with the scalar
+    ``1/nranks`` rounded to the data's dtype), so no pass is needed. The bits are those of the pre-scale when
+    the factor rounds the same in both: fp32 and fp64 (torch multiplies fp32 by ``float(1/world)`` too), and
+    fp16 or bf16 only when ``world`` is a power of two (an exact factor; otherwise NCCL would round it to the
+    half type while torch multiplies in fp32). Other cases keep the pre-scale. One rank needs neither; Gloo
+    has no AVG for these collectives.
+    """
+    if world_size == 1 or backend != "nccl":
+        return False
+    if grad_dtype in (torch.float32, torch.float64):
+        return True
+    return grad_dtype in (torch.float16, torch.bfloat16) and world_size & (world_size - 1) == 0
+
 class MegatronFSDP(nn.Module):
     """A fully-sharded data-parallel wrapper (see :func:`fully_shard`)."""
 
@@ -156,7 +176,6 @@ class MegatronFSDP(nn.Module):
                 f"process_group does not contain global rank {dist.get_rank()}; pass the data-parallel group "
                 "this rank belongs to"
             )
-        self.grad_scale = 1.0 / self.world_size
         self.prefetch = prefetch
         self.fsdp_double_buffer = fsdp_double_buffer
         self.fsdp_db_use_persist_buf_on_alloc_fail = fsdp_db_use_persist_buf_on_alloc_fail
@@ -184,6 +203,10 @@ class MegatronFSDP(nn.Module):
             )
         self.main_param_dtype = torch.float32
         self.main_grad_dtype = main_grad_dtype
+        #: the gradient collectives average, and the fold skips its scale pass ([Note: averaging in the collective])
+        self.reduce_average = reduce_by_average(backend, self.world_size, main_grad_dtype)
+        #: what the gradient fold multiplies by before a SUM collective (1.0: no scale pass)
+        self.grad_scale = 1.0 if self.reduce_average else 1.0 / self.world_size
         # Default from a floating-point parameter: a stray integer parameter is then reported by name below,
         # not as a compute_dtype the caller never passed.
         first_float = next((p.dtype for p in params if p.dtype.is_floating_point), params[0].dtype)

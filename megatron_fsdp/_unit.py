@@ -578,7 +578,8 @@ class FSDPUnit:
         with torch.no_grad():
             # [Note: the gradient fold] Copy (and cast) each gradient into its view, zero what no gradient
             # covers (absent gradients, the alignment gaps: a slot holds other units' bytes), then pre-scale
-            # by 1/world_size so that the SUM collective yields the mean over ranks. The same bits as zeroing
+            # by 1/world_size so that the SUM collective yields the mean over ranks (unless the collective
+            # averages: [Note: averaging in the collective]). The same bits as zeroing
             # the buffer and adding alpha * grad (0 + round(alpha * g) == round(g * alpha)) in 6 bytes per bf16
             # gradient instead of 14 (a zero pass and a mixed-dtype add), and no scale pass on one rank.
             # Gradients TE already wrote into the buffer are kept (a weight that also got an ordinary
@@ -596,13 +597,13 @@ class FSDPUnit:
             p.grad = None
         accumulate = self._bound_main_grad() is not None
         if eng.strategy is ShardingStrategy.NO_SHARD:
-            work = C.all_reduce(flat, eng.group, f"gradients of unit {self.name}")
+            work = C.all_reduce(flat, eng.group, f"gradients of unit {self.name}", average=eng.reduce_average)
             out, adopt = flat, False
         else:
             kept = self._main_grad_data if self._main_grad_kept is not None else None
             out = torch.empty_like(self.main_shard, dtype=eng.main_grad_dtype) if accumulate or kept is None else kept
             adopt = not accumulate and kept is None
-            work = C.reduce_scatter(out, flat, eng.group, f"gradients of unit {self.name}")
+            work = C.reduce_scatter(out, flat, eng.group, f"gradients of unit {self.name}", average=eng.reduce_average)
         eng.add_pending_reduce(_PendingReduce(self, work, out, accumulate, adopt))
 
 

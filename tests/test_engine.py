@@ -238,13 +238,13 @@ def _capture_addresses(model: MegatronFSDP, cfg: GPTConfig, rank: int, world: in
         current.setdefault(("all_gather", what), set()).add(output.data_ptr())
         return originals[0](output, shard_, group, what)
 
-    def reduce_scatter(output, full, group, what):
+    def reduce_scatter(output, full, group, what, **kw):
         current.setdefault(("reduce", what), set()).add(full.data_ptr())
-        return originals[1](output, full, group, what)
+        return originals[1](output, full, group, what, **kw)
 
-    def all_reduce(tensor, group, what):
+    def all_reduce(tensor, group, what, **kw):
         current.setdefault(("reduce", what), set()).add(tensor.data_ptr())
-        return originals[2](tensor, group, what)
+        return originals[2](tensor, group, what, **kw)
 
     optimizer = sgd(model.optimizer_parameters())
     collectives.all_gather, collectives.reduce_scatter, collectives.all_reduce = all_gather, reduce_scatter, all_reduce

@@ -101,6 +101,16 @@ def test_engine_parity_nccl_2gpu(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
+def test_nccl_average_equals_prescaled_sum_2gpu(tmp_path):
+    """NCCL's AVG gives the pre-scaled SUM's bits (fp32, bf16), and the engine trains bit-identically either way."""
+    script = os.path.join(ROOT, "tests", "gpu_nccl_average.py")
+    res = run_json(launcher(2, [script]), tmp_path / "avg.json", name="nccl-average-2gpu.json", tail=4000)
+    assert res["ok"] and res["world_size"] == 2, res
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
 def test_dcp_across_world_sizes_2gpu(tmp_path):
     """Saved at 2 GPUs, loaded (every tensor equal) and saved again at 1, resumed at 2 bit for bit (NCCL)."""
     script = os.path.join(ROOT, "tests", "gpu_dcp_worlds.py")

@@ -245,6 +245,20 @@ def test_profile_busy_time_is_the_union_and_idle_the_rest():
         ps.summarize_kernels([], steps=1)
 
 
+def test_profile_names_each_collective_and_what_it_costs_the_matmuls_beside_it():
+    import profile_step as ps
+
+    kernels = [("nvjet_a", 0, 10), ("nvjet_a", 20, 34), ("nvjet_a", 40, 50),
+               ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(x)", 22, 38), ("ncclDevKernel_AllGather_RING_LL(y)", 60, 64)]
+    s = ps.summarize_kernels(kernels, steps=1)
+    rs, ag = s["collectives"]["ncclDevKernel_ReduceScatter_Sum_f32_RING_LL"], s["collectives"]["ncclDevKernel_AllGather_RING_LL"]
+    assert rs == {"calls": 1, "ms": 0.016, "exposed_ms": 0.004}  # 34..38 ran alone
+    assert ag == {"calls": 1, "ms": 0.004, "exposed_ms": 0.004}
+    # the matmul beside the reduce-scatter took 14 us, the same kernel alone 10 us: 4 us of slowdown
+    assert s["matmul_under_collective"] == {"matmul_ms_beside_collective": 0.014, "extra_ms": 0.004, "kernels_beside": 1}
+    assert ps._overlap(5, 25, [(0, 10), (12, 14), (20, 30)]) == 5 + 2 + 5
+
+
 # --- benchmarks/scaling.py: the 1 -> N table from the suite's JSON ------------------------------------------------
 
 
