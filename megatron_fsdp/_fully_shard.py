@@ -361,6 +361,7 @@ class MegatronFSDP(nn.Module):
         n_gslots = 2 if fused and self.world_size > 1 else 1
         slots_g = [torch.zeros(self.slot_numel, dtype=gdt, device=dev) for _ in range(n_gslots)] if db_units else []
         slot_of = {id(u): i % 2 for i, u in enumerate(db_units)}  # [Note: fixed slots] parity of plan order
+        root_gslot = self._root_grad_slot(db_units, n_gslots)
         with torch.no_grad():
             for u in all_units:
                 flat = torch.zeros(u.numel, dtype=torch.float32, device=dev)
@@ -377,10 +378,31 @@ class MegatronFSDP(nn.Module):
                     pbuf = _Buffer("persistent" if resident else "dynamic", torch.zeros(u.numel, dtype=cdt, device=dev))
                 if s is not None and self.strategy is not ShardingStrategy.OPTIM:
                     gbuf = _Buffer("slot", slots_g[s % n_gslots], s % n_gslots)
+                elif u is self.root_unit and root_gslot is not None:
+                    gbuf = _Buffer("slot", slots_g[root_gslot], root_gslot)
                 else:
                     gkeep = self.fsdp_double_buffer or self.strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM)
                     gbuf = _Buffer("persistent" if gkeep else "dynamic", torch.zeros(u.grad_numel, dtype=gdt, device=dev))
                 u.init_storage(flat, pbuf, gbuf)
+
+    def _root_grad_slot(self, db_units: List[FSDPUnit], n_gslots: int) -> Optional[int]:
+        """The gradient slot the root unit borrows, or None for a buffer of its own.
+
+        [Note: the root's gradients in a slot] The root's parameters (embeddings, output layer, final norm)
+        fold and reduce once per backward, in its post-backward at the very end, when every unit's backward is
+        over. A buffer of its own would hold ``grad_numel`` main-gradient elements for the whole run (64 MiB of
+        fp32 in the compute config, which is what the eager peak exceeded FSDP2's by on 2 GPUs); a slot is
+        free then: it takes the slot the first unit of plan order (whose backward ran just before) does not
+        use, retiring that slot's earlier reduction like any unit. Not when a TE module of the root writes its
+        weight gradient during the backward (fused weight-gradient accumulation): it would hold the slot from
+        its first GEMM, while the units still need it.
+        """
+        root = self.root_unit
+        if root is None or not db_units or self.strategy is ShardingStrategy.OPTIM or not root.grad_numel:
+            return None
+        if root.grad_numel > self.slot_numel or (root.fused is not None and root.fused.any_fused()):
+            return None
+        return 1 % n_gslots
 
     def _register_hooks(self) -> None:
         for u in self.units:

@@ -536,6 +536,14 @@ class FSDPUnit:
         may take the slot until this unit's post-backward (a unit nested in this one would).
         """
         gbuf = self.grad_buffer
+        if hold and self.is_root and gbuf.kind == "slot":
+            raise RuntimeError(
+                f"[rank {self.engine.rank}] megatron_fsdp: a TE module of the root unit writes its weight gradient "
+                f"during the backward (fuse_wgrad_accumulation=True), but when fully_shard ran none did, so the root "
+                f"borrows gradient slot {gbuf.slot} for its end-of-backward reduction ([Note: the root's gradients in "
+                "a slot]) and cannot hold it through the backward. Set fuse_wgrad_accumulation before fully_shard "
+                "(or make that module part of a unit)"
+            )
         if gbuf.kind == "slot":
             holders = self.engine.grad_slot_holder
             holder = holders.get(gbuf.slot)
