@@ -16,6 +16,7 @@
 # avg     on NPROC GPUs (default 2): NCCL's AVG against the pre-scaled SUM (tests/gpu_nccl_average.py), the
 #         compute profile with AVG and again with the pre-scale (--prescale, our eager column only), what is
 #         live at the compute peak (ours vs FSDP2), then the perf suite on NPROC GPUs and on 1
+# suites  the end of avg alone: the compute peak's composition on NPROC GPUs, the perf suite on NPROC and on 1
 # peak    benchmarks/peak_composition.py: what is allocated at the peak, our eager step vs FSDP2 (compute, launch)
 #         (NPROC=2: on 2 GPUs)
 set -u
@@ -136,7 +137,9 @@ case "$stage" in
     step timeout 200 $run benchmarks/profile_step.py --out "$OUT/profile-compute-${n}gpu.json" > "$OUT/profile.log" 2>&1
     tail -32 "$OUT/profile.log"
     step timeout 150 $run benchmarks/profile_step.py --columns ours --prescale --out "$OUT/profile-compute-${n}gpu-prescale.json" > "$OUT/profile-prescale.log" 2>&1
-    tail -24 "$OUT/profile-prescale.log"
+    tail -24 "$OUT/profile-prescale.log" ;&
+  suites)  # also the end of avg
+    n=${NPROC:-2}; run="python3 -m torch.distributed.run --standalone --nproc-per-node $n"
     step timeout 150 $run benchmarks/peak_composition.py --config compute --columns eager fsdp2 --out "$OUT/peak-compute-${n}gpu.json" > "$OUT/peak-compute.log" 2>&1
     grep -E "^(eager|fsdp2) " "$OUT/peak-compute.log"
     step timeout 200 $run benchmarks/bench_partial_graphs.py --suite full --out "$OUT/perf_goals-${n}gpu.json" > "$OUT/perf-${n}gpu.log" 2>&1
