@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -64,10 +64,11 @@ def _summary(step_ms: List[float], skip: int, tokens: int) -> Dict[str, Any]:
     return {"step_ms": ms, "step_ms_all": step_ms, "tokens_per_step": tokens, "tokens_per_s": tokens / (ms * 1e-3)}
 
 
-def run_ours(column: str, cfg: GPTConfig, mbs: int, args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+def run_ours(column: str, cfg: GPTConfig, mbs: int, args: argparse.Namespace, device: torch.device,
+             reduce_dtype: Optional[torch.dtype] = None) -> Dict[str, Any]:
     mode = {"eager": "eager", "partial": "partial"}.get(column, "full_iteration")
     spec = FullRunSpec(model=cfg, mode=mode, steps=args.steps, micro_batch_size=mbs, capture_step=args.capture_step,
-                       lr=1e-4, partial_backend="te" if cfg.use_te else "torch",
+                       lr=1e-4, partial_backend="te" if cfg.use_te else "torch", reduce_dtype=reduce_dtype,
                        capturable_optimizer=column == "full_iteration+opt", graph_optimizer=column == "full_iteration+opt")
     r = run_full(spec, device)
     out = _summary(r.step_ms, args.skip, mbs * cfg.seq_len * dist.get_world_size())
@@ -182,7 +183,8 @@ def run_columns(name: str, columns: List[str], rows: Dict[str, Any], args: argpa
                 device: torch.device) -> None:
     fields, mbs = CONFIGS[name]
     cfg = GPTConfig(**fields, use_te=args.te)
-    # The column "eager_unfused" is our eager step without fusing, for comparison.
+    # The column "eager_unfused" is our eager step without fusing, "eager_bf16_reduce" with gradients reduced in
+    # bf16 (fully_shard(reduce_dtype=torch.bfloat16); fp32 main gradients), for comparison: no goal reads them.
     ours = ours_config(cfg, getattr(args, "fuse_wgrad", False))
     warm_libraries(cfg.use_te, device)
     t0 = time.time()
@@ -196,6 +198,8 @@ def run_columns(name: str, columns: List[str], rows: Dict[str, Any], args: argpa
                 row = run_fsdp2(cfg, mbs, args, device, graphed=column == "fsdp2_graph")
             elif column == "eager_unfused":
                 row = run_ours("eager", cfg, mbs, args, device)
+            elif column == "eager_bf16_reduce":
+                row = run_ours("eager", ours, mbs, args, device, reduce_dtype=torch.bfloat16)
             else:
                 row = run_ours(column, ours, mbs, args, device)
         except Exception as exc:  # noqa: BLE001 - one failing column is recorded, the table goes on

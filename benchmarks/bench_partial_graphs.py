@@ -158,7 +158,7 @@ def goal_check(full: Dict[str, Any], fargs: argparse.Namespace, device: torch.de
         gc.collect()
         torch.cuda.empty_cache()
     ev = goals.evaluate(configs)
-    columns = [c for c in bfi.COLUMNS + ["eager_repeat", "eager_unfused"] if any(c in v["columns"] for v in configs.values())]
+    columns = [c for c in bfi.COLUMNS + ["eager_repeat", "eager_unfused", "eager_bf16_reduce"] if any(c in v["columns"] for v in configs.values())]
     adam = "\n".join(f"{name}: Adam step over {res['floor']['params'] // world:,} fp32 parameters: floor "
                      f"{res['adam_ms']['floor_ms']:.2f} ms, foreach {res['adam_ms']['foreach_ms']:.2f} ms, fused "
                      f"{res['adam_ms']['fused_ms']:.2f} ms" for name, res in full.items())
@@ -205,7 +205,8 @@ def main() -> int:
     p.add_argument("--fuse-wgrad", choices=["on", "off"], default="on",
                    help="TE backend: our columns use TE's fused weight-gradient accumulation into the engine's fp32 "
                         "gradient buffer (fuse_wgrad_accumulation=True; FSDP2 cannot); the full suite also runs our "
-                        "eager step without it (column eager_unfused)")
+                        "eager step without it (column eager_unfused); with or without it, the full suite also "
+                        "runs our eager step with gradients reduced in bf16 (column eager_bf16_reduce, no goal)")
     p.add_argument("--profile", action="store_true",
                    help="also profile steps 15.. of the launch-bound model, eager and graphed (whole layers)")
     args = p.parse_args()
@@ -266,9 +267,9 @@ def main() -> int:
                                    fuse_wgrad=args.fuse_wgrad == "on")
         full = bfi.run_all(["launch", "compute"], fargs, device)
         repeat_eager(full, fargs, device)
-        if fargs.fuse_wgrad and use_te:
-            for name in full:
-                bfi.run_columns(name, ["eager_unfused"], full[name]["columns"], fargs, device)
+        for name in full:
+            extra = (["eager_unfused"] if fargs.fuse_wgrad and use_te else []) + ["eager_bf16_reduce"]
+            bfi.run_columns(name, extra, full[name]["columns"], fargs, device)
         result["suites"]["memory"] = memory_breakdown(args, device, use_te)
         for name in full:
             rows = full[name]["columns"]

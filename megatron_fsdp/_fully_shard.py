@@ -34,6 +34,7 @@ def fully_shard(
     process_group: Optional[dist.ProcessGroup] = None,
     compute_dtype: Optional[torch.dtype] = None,
     main_grad_dtype: torch.dtype = torch.float32,
+    reduce_dtype: Optional[torch.dtype] = None,
     fsdp_double_buffer: bool = False,
     fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
     fsdp_double_buffer_numel: Optional[int] = None,
@@ -51,7 +52,12 @@ def fully_shard(
         compute_dtype: dtype of the parameters that forward and backward see (e.g. ``torch.bfloat16``);
             default: the parameters' own dtype. Main parameters and optimizer state stay fp32. When given, the
             root forward's floating-point tensor inputs are cast to it too (integer and bool inputs are not).
-        main_grad_dtype: dtype of the unsharded gradient buffers and of the main gradients (fp32).
+        main_grad_dtype: dtype of the main gradients, the sharded gradients the optimizer reads (fp32).
+        reduce_dtype: dtype of the unsharded gradient buffers and of the reduction over ranks; default
+            ``main_grad_dtype``. ``torch.bfloat16`` halves the gradient buffers and the reduce-scatter's bytes;
+            each reduced shard is then cast into the fp32 main gradient, so accumulation over micro-batches and
+            the optimizer stay fp32 ([Note: reducing in another dtype]). Not bit-identical to an fp32
+            reduction: the gradients are rounded to bf16 before the ranks' sum, and the sum is rounded too.
         fsdp_double_buffer: unshard buffers of units live in two fixed slots (units alternate between them
             by forward-order parity) and unsharded-gradient buffers in one, so every unit always uses the
             same addresses (what CUDA-graph replay needs).
@@ -84,6 +90,7 @@ def fully_shard(
         process_group=process_group,
         compute_dtype=compute_dtype,
         main_grad_dtype=main_grad_dtype,
+        reduce_dtype=reduce_dtype,
         fsdp_double_buffer=fsdp_double_buffer,
         fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
         fsdp_double_buffer_numel=fsdp_double_buffer_numel,
@@ -154,6 +161,7 @@ class MegatronFSDP(nn.Module):
         process_group: Optional[dist.ProcessGroup],
         compute_dtype: Optional[torch.dtype],
         main_grad_dtype: torch.dtype,
+        reduce_dtype: Optional[torch.dtype],
         fsdp_double_buffer: bool,
         fsdp_db_use_persist_buf_on_alloc_fail: bool,
         fsdp_double_buffer_numel: Optional[int],
@@ -203,8 +211,10 @@ class MegatronFSDP(nn.Module):
             )
         self.main_param_dtype = torch.float32
         self.main_grad_dtype = main_grad_dtype
+        #: dtype of the unsharded gradient buffers and the collectives ([Note: reducing in another dtype])
+        self.reduce_dtype = reduce_dtype or main_grad_dtype
         #: the gradient collectives average, and the fold skips its scale pass ([Note: averaging in the collective])
-        self.reduce_average = reduce_by_average(backend, self.world_size, main_grad_dtype)
+        self.reduce_average = reduce_by_average(backend, self.world_size, self.reduce_dtype)
         #: what the gradient fold multiplies by before a SUM collective (1.0: no scale pass)
         self.grad_scale = 1.0 if self.reduce_average else 1.0 / self.world_size
         # Default from a floating-point parameter: a stray integer parameter is then reported by name below,
@@ -215,7 +225,8 @@ class MegatronFSDP(nn.Module):
         #: kwargs, nested), as FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) does: fp32 activations
         #: would not meet bf16 weights otherwise. Integer and bool tensors (tokens, masks) are left alone.
         self._cast_inputs = compute_dtype is not None
-        for what, dt in (("compute_dtype", self.compute_dtype), ("main_grad_dtype", main_grad_dtype)):
+        for what, dt in (("compute_dtype", self.compute_dtype), ("main_grad_dtype", main_grad_dtype),
+                         ("reduce_dtype", self.reduce_dtype)):
             if not dt.is_floating_point:
                 raise ValueError(f"{what}={dt} is not a floating-point dtype; pass e.g. torch.bfloat16 or torch.float32")
 
@@ -331,7 +342,7 @@ class MegatronFSDP(nn.Module):
                 )
 
     def _build_storage(self, slot_numel: Optional[int]) -> None:
-        dev, cdt, gdt = self.device, self.compute_dtype, self.main_grad_dtype
+        dev, cdt, gdt = self.device, self.compute_dtype, self.reduce_dtype
         all_units = self.units + ([self.root_unit] if self.root_unit is not None else [])
         db_units: List[FSDPUnit] = []
         if self.fsdp_double_buffer:

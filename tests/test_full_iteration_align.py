@@ -33,6 +33,9 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
                                                          eval_steps=(1, 3, 4, 5), short_steps=(4,)), cpu),
         "graphed_first": run_row(dataclasses.replace(base, sharding_strategy="no_shard"), cpu, graphed_first=True),
         "perturbed": run_row(base, cpu, perturb_step=3),
+        # gradients reduced in bf16 into fp32 main gradients, micro-batches, the optimizer in the graph
+        "zero3_bf16_reduce": run_row(dataclasses.replace(base, grad_accum=2, graph_optimizer=True,
+                                                         reduce_dtype=torch.bfloat16), cpu),
     }
 
 
@@ -42,7 +45,7 @@ def rows() -> List[Dict[str, Any]]:
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("name", ["no_shard_1", "zero3_2_opt_graph", "graphed_first"])
+@pytest.mark.parametrize("name", ["no_shard_1", "zero3_2_opt_graph", "graphed_first", "zero3_bf16_reduce"])
 def test_rows_are_bit_exact_with_gradients_compared(rows, name):
     for rank, r in enumerate(rows):
         row = r[name]

@@ -32,8 +32,9 @@ def _check(res: dict, world: int) -> None:
     rows = res["rows"]
     models = 2 if HAS_TE else 1
     # per model and strategy: accumulation 1 and 2, each with the optimizer eager and graphed; then shape change
-    # with evaluation, delete(), clipping, activation checkpointing
-    assert len(rows) == models * STRATEGIES * 2 * 2 + 4
+    # with evaluation, delete(), clipping, activation checkpointing; per model, gradients reduced in bf16
+    assert len(rows) == models * STRATEGIES * 2 * 2 + 4 + models
+    assert sum(r["reduce_dtype"] == "torch.bfloat16" for r in rows) == models
     bad = [(r["model"], r["strategy"], r["grad_accum"], r["first_mismatch_step"]) for r in rows if not r["equal"]]
     assert not bad, bad
     # the graphed runs really replayed: capture at step 3 of 20, 17 replays (minus fallbacks and deletes)

@@ -73,9 +73,9 @@ def matrix(backend: str, *, quick: bool) -> List[Dict[str, Any]]:
     rows: List[Dict[str, Any]] = []
 
     def row(scope: List[str], what: str, strategy: str = ZERO3, grad_accum: int = 1, user_hooks: bool = False,
-            **model: Any) -> None:
+            reduce_dtype: Optional[torch.dtype] = None, **model: Any) -> None:
         rows.append(dict(scope=scope, what=what, strategy=strategy, grad_accum=grad_accum, user_hooks=user_hooks,
-                         model=model))
+                         model=model, **({"reduce_dtype": reduce_dtype} if reduce_dtype else {})))
 
     seqs = (100,) if quick else (64, 100, 128, 512)
     for seq in seqs:
@@ -95,6 +95,7 @@ def matrix(backend: str, *, quick: bool) -> List[Dict[str, Any]]:
     for scope in (["attn", "moe_router", "moe_preprocess"], ["moe_router"], ["mlp"]):
         row(scope, "scope")
     row(["attn", "mlp"], "gradient accumulation 2", grad_accum=2)
+    row(["attn", "mlp"], "reduce in bf16, gradient accumulation 2", grad_accum=2, reduce_dtype=torch.bfloat16)
     if HAS_TE:
         for seq in (100, 128):
             row([], f"TE TransformerLayer units, seq {seq}", seq_len=seq, unit="te_layer", use_te=True)
@@ -105,6 +106,7 @@ def matrix(backend: str, *, quick: bool) -> List[Dict[str, Any]]:
         row(["attn", "mlp"], "fused wgrad", **fused)
         row(["attn"], "fused wgrad, MLP eager", **fused)
         row(["attn", "mlp"], "fused wgrad, gradient accumulation 2", grad_accum=2, **fused)
+        row(["attn", "mlp"], "fused wgrad, reduce in bf16", grad_accum=2, reduce_dtype=torch.bfloat16, **fused)
         for strategy in STRATEGIES[:3]:
             row([], f"fused wgrad, strategy {strategy}", strategy=strategy, **fused)
         row([], "fused wgrad, TE TransformerLayer units", unit="te_layer", **fused)
@@ -163,16 +165,17 @@ def compare(eager: Any, graphed: Any, device: torch.device) -> Dict[str, Any]:
 def run_row(*, scope: List[str], strategy: str, backend: str, grad_accum: int, steps: int, capture_step: int,
             device: torch.device, perturb_step: Optional[int] = None, what: str = "", user_hooks: bool = False,
             model: Optional[Dict[str, Any]] = None, eager_matches_graph_attention: bool = True,
-            spec_overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+            spec_overrides: Optional[Dict[str, Any]] = None, reduce_dtype: Optional[torch.dtype] = None) -> Dict[str, Any]:
     model = dict(model or {})
     spec = RunSpec(model=model_config(backend, **model), steps=steps, sharding_strategy=strategy, backend=backend,
-                   grad_accum=grad_accum, capture_step=capture_step, user_hooks=user_hooks,
+                   grad_accum=grad_accum, capture_step=capture_step, user_hooks=user_hooks, reduce_dtype=reduce_dtype,
                    attention_as_graphed=scope if eager_matches_graph_attention else None, **(spec_overrides or {}))
     eager = run_training(spec, device)
     graphed_spec = RunSpec(**{**spec.__dict__, "cuda_graph_modules": scope, "perturb_step": perturb_step,
                               "attention_as_graphed": None})
     graphed = run_training(graphed_spec, device)
     row = {"what": what, "scope": scope, "strategy": strategy, "backend": backend, "grad_accum": grad_accum,
+           "reduce_dtype": str(reduce_dtype) if reduce_dtype else None,
            "model": {k: v for k, v in dataclasses.asdict(spec.model).items() if k != "ffn_hidden_size"}}
     row.update(compare(eager, graphed, device))
     return row
@@ -301,7 +304,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                           "optimizer": args.optimizer}, **case)
         except Exception as exc:  # noqa: BLE001 - a row that raises is a failed row, reported with the rest
             logger.exception("row %s failed", case)
-            row = {**{k: v for k, v in case.items() if k != "model"}, "backend": backend, "equal": False,
+            row = {**{k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in case.items() if k != "model"},
+                   "backend": backend, "equal": False,
                    "error": f"{type(exc).__name__}: {str(exc)[:500]}", "first_mismatch_step": None,
                    "eager_step_ms_median": float("nan"), "graphed_step_ms_median": float("nan")}
         rows.append(row)

@@ -72,6 +72,8 @@ class FullRunSpec:
     grad_accum: int = 1
     sharding_strategy: str = "optim_grads_params"
     compute_dtype: torch.dtype = torch.bfloat16
+    #: fully_shard's reduce_dtype (None: reduce in the fp32 main gradients' dtype)
+    reduce_dtype: Optional[torch.dtype] = None
     capture_step: int = 3
     #: Adam(capturable=True, lr=device tensor): what an optimizer graph needs; use it in both runs of a row
     capturable_optimizer: bool = False
@@ -154,7 +156,8 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
         for i in range(len(gpt.layers)):
             gpt.layers[i] = checkpoint_wrapper(gpt.layers[i], preserve_rng_state=False)
     model = fully_shard(gpt, fsdp_unit_modules=[unit_class], sharding_strategy=spec.sharding_strategy,
-                        compute_dtype=spec.compute_dtype, fsdp_double_buffer=spec.double_buffer,
+                        compute_dtype=spec.compute_dtype, reduce_dtype=spec.reduce_dtype,
+                        fsdp_double_buffer=spec.double_buffer,
                         fsdp_db_use_persist_buf_on_alloc_fail=spec.double_buffer, prefetch=spec.prefetch)
     lr: Any = torch.tensor(spec.lr, device=device) if spec.capturable_optimizer else spec.lr
     opt = make_adam(model.optimizer_parameters(), spec.optimizer, lr=lr, capturable=spec.capturable_optimizer)
@@ -294,6 +297,7 @@ def run_row(spec: FullRunSpec, device: torch.device, *, graphed_first: bool = Fa
            "grad_accum": spec.grad_accum, "graph_optimizer": spec.graph_optimizer, "max_norm": spec.max_norm,
            "activation_checkpointing": spec.activation_checkpointing,
            "short_steps": list(spec.short_steps), "eval_steps": list(spec.eval_steps), "delete_step": spec.delete_step,
+           "reduce_dtype": str(spec.reduce_dtype) if spec.reduce_dtype else None,
            **{k: v for k, v in graphed_overrides.items() if k != "forward_step"}}
     row.update(compare(eager, graphed, device))
     return row
@@ -405,6 +409,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     specs.append(FullRunSpec(**extra, grad_accum=2, capturable_optimizer=True, graph_optimizer=True, max_norm=0.5))
     # activation checkpointing: each layer's forward (and its gather) runs again inside the captured backward
     specs.append(FullRunSpec(**extra, grad_accum=2, activation_checkpointing=True))
+    # gradients reduced in bf16 into fp32 main gradients ([Note: reducing in another dtype]), each model
+    for m in models:
+        specs.append(FullRunSpec(model=model_config(m == "te"), steps=args.steps, capture_step=args.capture_step,
+                                 grad_accum=2, capturable_optimizer=True, graph_optimizer=True,
+                                 reduce_dtype=torch.bfloat16))
     # gradients of the warmup steps, the capture and the first replay, compared too (see record_grad_steps)
     specs = [dataclasses.replace(sp, record_grad_steps=args.capture_step + 2, optimizer=args.optimizer) for sp in specs]
     # Determinism control: each model's first eager run, twice. A row can only be bit-exact if eager is

@@ -82,6 +82,8 @@ class RunSpec:
     grad_accum: int = 1
     sharding_strategy: str = "optim_grads_params"
     compute_dtype: torch.dtype = torch.bfloat16
+    #: fully_shard's reduce_dtype: the gradient buffers and the reduction (None: the fp32 main gradients')
+    reduce_dtype: Optional[torch.dtype] = None
     cuda_graph_modules: Optional[Sequence[str]] = None
     backend: str = "te"
     capture_step: int = 3
@@ -150,6 +152,7 @@ def build_model(spec: RunSpec, device: torch.device) -> MegatronFSDP:
         fsdp_unit_modules=[model.unit_class],
         sharding_strategy=spec.sharding_strategy,
         compute_dtype=spec.compute_dtype,
+        reduce_dtype=spec.reduce_dtype,
         fsdp_double_buffer=True,
         fsdp_db_use_persist_buf_on_alloc_fail=True,
         prefetch=spec.prefetch,

@@ -1,0 +1,156 @@
+"""Reducing gradients in bf16 while the main gradients stay fp32 (``fully_shard(reduce_dtype=...)``,
+[Note: reducing in another dtype] in ``megatron_fsdp/_unit.py``), on Gloo.
+
+- The bits: on 1 and 2 ranks, every strategy that reduce-scatters, the first step's fp32 main gradient of every unit
+  equals, ``torch.equal``, what the rule says: each rank's fold output (the fp32 run's collective input,
+  recorded) rounded to bf16, summed over the ranks in bf16, this rank's shard cast to fp32.
+- The storage: gradient buffers (slots included) are bf16, half the fp32 run's bytes; main gradients and Adam
+  state are fp32.
+- Micro-batches accumulate in fp32: after a second backward the main gradient is the first one plus the
+  second's reduced bf16 shard (by the same rule), added in fp32.
+- A non-floating ``reduce_dtype`` is refused with the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_fsdp import _collectives, fully_shard
+from tests.dist_utils import run_gloo
+
+pytestmark = pytest.mark.gloo
+
+DB = dict(fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True)
+STRATEGIES = {"optim": {}, "optim_grads": {}, "optim_grads_params": {}, "optim_grads_params+db": DB}
+
+
+class Block(nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, h: int = 16) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(6, h), nn.Linear(h, 3)
+        self.layers = nn.ModuleList(Block(h) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _batch(seed: int, rank: int, world: int):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(4 * world, 5, 6, generator=g), torch.randn(4 * world, 5, 3, generator=g)
+    return x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4]
+
+
+def _build(strategy: str, reduce_dtype):
+    torch.manual_seed(0)
+    name = strategy.split("+")[0]
+    return fully_shard(Net(), fsdp_unit_modules=[Block], sharding_strategy=name, reduce_dtype=reduce_dtype,
+                       **STRATEGIES[strategy])
+
+
+def _main_grads(model) -> Dict[str, torch.Tensor]:
+    return {u.name: u.main_shard.grad.detach().clone() for u in model.all_units() if u.grad_numel}
+
+
+def _reduced_shard(full: torch.Tensor, n: int, rank: int, world: int) -> torch.Tensor:
+    """The rule: every rank's collective input rounded to bf16, summed in bf16 in rank order; this rank's part."""
+    mine = full.to(torch.bfloat16)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    total = every[0]
+    for other in every[1:]:
+        total = total + other
+    return total[rank * n:(rank + 1) * n]
+
+
+def _job(rank: int, world: int) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    real_rs = _collectives.reduce_scatter
+    for strategy in STRATEGIES:
+        # the fp32 run, recording each unit's collective input (the fold's output) at its first backward
+        inputs: Dict[str, torch.Tensor] = {}
+
+        def record(output, full, group, what, **kw):
+            inputs.setdefault(what, full.detach().clone())
+            return real_rs(output, full, group, what, **kw)
+
+        model = _build(strategy, None)
+        _collectives.reduce_scatter = record
+        try:
+            x, y = _batch(0, rank, world)
+            nn.functional.mse_loss(model(x), y).backward()
+        finally:
+            _collectives.reduce_scatter = real_rs
+        fp32_bytes = {u.name: u.grad_buffer.tensor.untyped_storage().nbytes() for u in model.all_units()}
+
+        # the bf16-reduce run: same model, same batch
+        model = _build(strategy, torch.bfloat16)
+        x, y = _batch(0, rank, world)
+        nn.functional.mse_loss(model(x), y).backward()
+        got = _main_grads(model)
+        ok = {}
+        for u in model.all_units():
+            if u.grad_numel:
+                want = _reduced_shard(inputs[f"gradients of unit {u.name}"], u.main_shard.numel(), rank, world).float()
+                ok[u.name] = got[u.name].dtype == torch.float32 and torch.equal(got[u.name], want)
+        bf16_bytes = {u.name: u.grad_buffer.tensor.untyped_storage().nbytes() for u in model.all_units()}
+        buffer_dtypes = {str(u.grad_buffer.tensor.dtype) for u in model.all_units()}
+
+        # micro-batches: the second backward's reduced bf16 shard is added to the first's main gradient in fp32
+        inputs.clear()
+        _collectives.reduce_scatter = record
+        try:
+            x2, y2 = _batch(1, rank, world)
+            nn.functional.mse_loss(model(x2), y2).backward()
+        finally:
+            _collectives.reduce_scatter = real_rs
+        both = _main_grads(model)
+        for u in model.all_units():
+            if u.grad_numel:
+                second = _reduced_shard(inputs[f"gradients of unit {u.name}"], u.main_shard.numel(), rank, world)
+                ok[u.name + " +micro-batch"] = torch.equal(both[u.name], got[u.name] + second.float())
+        opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-2)
+        opt.step()
+        adam_dtypes = {str(v.dtype) for st in opt.state.values() for v in st.values() if v.numel() > 1}
+        out[strategy] = {"ok": ok, "buffer_dtypes": buffer_dtypes, "adam_dtypes": adam_dtypes,
+                         "bytes": (fp32_bytes, bf16_bytes)}
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bf16_reduction_follows_its_rule_and_keeps_fp32_main_grads(world):
+    for rank, res in enumerate(run_gloo(_job, world)):
+        for strategy, r in res.items():
+            assert r["ok"] and all(r["ok"].values()), (rank, strategy, r["ok"])
+            assert r["buffer_dtypes"] == {"torch.bfloat16"} and r["adam_dtypes"] == {"torch.float32"}, r
+            fp32_bytes, bf16_bytes = r["bytes"]
+            assert all(2 * bf16_bytes[k] == fp32_bytes[k] for k in fp32_bytes), (strategy, r["bytes"])
+
+
+def _bad_dtype_job(rank: int, world: int) -> str:
+    try:
+        fully_shard(Net(), fsdp_unit_modules=[Block], reduce_dtype=torch.int32)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_non_floating_reduce_dtype_is_refused():
+    msg = run_gloo(_bad_dtype_job, 1)[0]
+    assert "reduce_dtype=torch.int32" in msg and "floating-point" in msg, msg
