@@ -3,8 +3,9 @@
     python benchmarks/plot.py benchmarks/results/raw/*.json --outdir benchmarks/results
 
 Needs matplotlib (not a dependency of the package: only this script uses it). Each input file is
-recognised by its content: an alignment run (``rows``), a partial-graph benchmark (``suites``) or a peers
-benchmark (``engines``/``results``). Files it does not recognise are skipped with a note.
+recognised by its content: an alignment run (``rows``), a partial-graph benchmark (``suites``), a profile
+of the compute step (``floor`` and ``columns``: its line-by-line budget) or a peers benchmark
+(``engines``/``results``). Files it does not recognise are skipped with a note.
 """
 
 from __future__ import annotations
@@ -114,6 +115,41 @@ def plot_vs_peers(peers: Dict[str, Any], partial: Dict[str, Any], outdir: str) -
     return path
 
 
+def plot_step_budget(d: Dict[str, Any], name: str, outdir: str) -> str:
+    """A ``profile_step.py`` result: per column, where its step goes beyond the floor (``budget_lines``)."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from profile_step import budget_lines
+
+    cols = list(d["columns"])
+    labels = [label for label, _ in budget_lines(d, cols[0])]
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.55 * len(labels) * len(cols) / 2))
+    height = 0.8 / len(cols)
+    for i, c in enumerate(cols):
+        values = [ms for _, ms in budget_lines(d, c)]
+        ys = [j + i * height for j in range(len(labels))]
+        ax.barh(ys, values, height=height, label=f"{c}: {d['columns'][c]['step_ms']:.1f} ms")
+        for y, v in zip(ys, values):
+            ax.text(v + (0.1 if v >= 0 else -0.1), y, f"{v:+.2f}", va="center", ha="left" if v >= 0 else "right",
+                    fontsize=7)
+    ax.set_yticks([j + height * (len(cols) - 1) / 2 for j in range(len(labels))])
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_xlabel("ms per step beyond the floor")
+    f = d["floor"]
+    ax.set_title(f"Compute step on {d.get('world_size', 1)} GPU(s), {d['versions'].get('device', '')}:\nfloor "
+                 f"{f['floor_ms']:.2f} ms (matmul {f['matmul_ms']:.2f} + optimizer/cast {f['optimizer_ms']:.2f}), "
+                 f"commit {d['versions'].get('commit', '?')}", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path = os.path.join(outdir, f"{name}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="*")
@@ -133,6 +169,8 @@ def main() -> None:
         elif "suites" in d:
             for path in plot_suites(d, name, args.outdir):
                 print("wrote", path)
+        elif "floor" in d and "columns" in d:
+            print("wrote", plot_step_budget(d, name, args.outdir))
         else:
             print(f"skipped {f}: not an alignment or partial-graph result")
 

@@ -360,6 +360,41 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
+#: Kernel categories the floor does not count (the model's own element-wise work, run alike by every engine).
+NOT_IN_FLOOR = ("elementwise/other", "attention", "norm", "loss", "zero/fill")
+
+
+def budget_lines(result: Dict[str, Any], column: str) -> List[Tuple[str, float]]:
+    """Where the column's step goes beyond the floor, line by line (milliseconds per step); the lines sum to
+    ``step_ms - floor_ms`` exactly.
+
+    From the profiled steps: the matmuls at the rate they ran when no collective ran beside them, against the
+    floor's matmul time; what running beside a collective cost them; the collective time nothing overlapped;
+    the optimizer, cast and copy kernels against the floor's optimizer-and-cast bytes; the kernels the floor
+    leaves out (:data:`NOT_IN_FLOOR`); compute kernels that overlapped one another (the union of non-collective
+    kernels against their sum, <= 0); and the step time (CUDA events, no profiler) against the profiled GPU
+    busy time (host gaps, or the profiler's own overhead when negative).
+    """
+    row, floor = result["columns"][column], result["floor"]
+    p = row["profile"]
+    cat = p["category_ms"]
+    slowdown = p.get("matmul_under_collective", {}).get("extra_ms", 0.0)
+    exposed = p["exposed_collective_ms"]
+    non_collective = {k: v for k, v in cat.items() if k != "collective"}
+    union = p["busy_ms"] - exposed  # the time some non-collective kernel ran
+    lines = [
+        ("matmuls at their own rate, against the floor's", cat.get("matmul", 0.0) - slowdown - floor["matmul_ms"]),
+        ("matmuls slowed beside collectives", slowdown),
+        ("collectives nothing overlapped", exposed),
+        ("optimizer, casts and copies, against the floor's",
+         sum(cat.get(k, 0.0) for k in ("optimizer", "foreach", "copy/cast")) - floor["optimizer_ms"]),
+        ("element-wise, attention, norms, loss, fills (not in the floor)", sum(cat.get(k, 0.0) for k in NOT_IN_FLOOR)),
+        ("compute kernels overlapping one another", union - sum(non_collective.values())),
+        ("step (no profiler) against GPU busy (profiled)", row["step_ms"] - p["busy_ms"]),
+    ]
+    return lines
+
+
 def format_table(result: Dict[str, Any]) -> str:
     """Markdown: one row per category, one column per run, milliseconds per step; then the floor's parts."""
     cols = list(result["columns"])
@@ -391,6 +426,10 @@ def format_table(result: Dict[str, Any]) -> str:
     for c in cols:
         for name, r in result["columns"][c]["profile"].get("collectives", {}).items():
             lines.append(f"{c}: {name}: {r['calls']:.0f} calls, {r['ms']:.2f} ms, not overlapped {r['exposed_ms']:.2f} ms")
+    for c in cols:
+        lines.append(f"\n{c}: {result['columns'][c]['step_ms']:.2f} ms = floor {f['floor_ms']:.2f} ms")
+        for label, ms in budget_lines(result, c):
+            lines.append(f"  {ms:+7.2f} ms  {label}")
     for name, r in (result.get("collective_rates") or {}).items():
         lines.append(f"one layer alone: {name} {r['ms']:.3f} ms ({r['gbps_sent_per_rank']:.0f} GB/s sent per rank)")
     return "\n".join(lines)

@@ -259,6 +259,27 @@ def test_profile_names_each_collective_and_what_it_costs_the_matmuls_beside_it()
     assert ps._overlap(5, 25, [(0, 10), (12, 14), (20, 30)]) == 5 + 2 + 5
 
 
+def test_the_step_budget_sums_to_the_step_beyond_the_floor_line_by_line():
+    import profile_step as ps
+
+    kernels = [("nvjet_a", 0, 10), ("nvjet_a", 20, 34), ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(x)", 22, 38),
+               ("fused_adam", 40, 46), ("cast_kernel", 46, 48), ("gelu_kernel", 48, 50)]
+    profile = ps.summarize_kernels(kernels, steps=1)
+    result = {"floor": {"floor_ms": 0.030, "matmul_ms": 0.020, "optimizer_ms": 0.010},
+              "columns": {"ours": {"step_ms": 0.052, "profile": profile}}}
+    lines = dict(ps.budget_lines(result, "ours"))
+    # matmuls 24 us of which 4 us slowdown (the same kernel took 10 alone, 14 beside the reduce-scatter): 20 at
+    # their own rate, the floor's 20; 4 us of the reduce-scatter ran alone (34..38); Adam + cast 8 us against the
+    # floor's 10; GELU 2 us; the step (52 us) is 14 us longer than the busy 38 (0..10, 20..38, 40..50)
+    assert lines["matmuls slowed beside collectives"] == pytest.approx(0.004)
+    assert lines["matmuls at their own rate, against the floor's"] == pytest.approx(0.0)
+    assert lines["collectives nothing overlapped"] == pytest.approx(0.004)
+    assert lines["optimizer, casts and copies, against the floor's"] == pytest.approx(-0.002)
+    assert lines["element-wise, attention, norms, loss, fills (not in the floor)"] == pytest.approx(0.002)
+    assert lines["step (no profiler) against GPU busy (profiled)"] == pytest.approx(0.052 - 0.038)
+    assert sum(lines.values()) == pytest.approx(0.052 - 0.030)
+
+
 # --- benchmarks/scaling.py: the 1 -> N table from the suite's JSON ------------------------------------------------
 
 
