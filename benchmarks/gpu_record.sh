@@ -34,10 +34,14 @@ try:  # before the cuDNN query below: on the 2 x H100 of S9, importing TE after 
     import transformer_engine.pytorch  # noqa: F401  # error, while every run that imported TE first worked
 except Exception as exc:  # noqa: BLE001 - recorded, not fatal
     te_error = f"{type(exc).__name__}: {exc}"[:300]
+def cudnn():  # with TE loaded, torch refuses to report a system cuDNN other than its own (S9, S10: 9.14 vs 9.19)
+    try:
+        return torch.backends.cudnn.version() if torch.cuda.is_available() else None
+    except RuntimeError as exc:
+        return f"error: {exc}"[:300]
 v = {"commit": os.environ.get("COMMIT", "unknown"), "torch": torch.__version__, "cuda": torch.version.cuda,
      "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
-     "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
-     "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+     "cudnn": cudnn(), "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 from importlib import metadata
 for dist in ("transformer_engine", "megatron-core"):  # installed versions; the import is what the runs test
     try:
