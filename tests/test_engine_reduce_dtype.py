@@ -13,7 +13,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import contextlib
+from typing import Any, Dict, Iterator
 
 import pytest
 import torch
@@ -22,33 +23,12 @@ from torch import nn
 
 from megatron_fsdp import _collectives, fully_shard
 from tests.dist_utils import run_gloo
+from tests.test_engine_root_slot import Block, Net  # three units; the root holds the input and output layers
 
 pytestmark = pytest.mark.gloo
 
 DB = dict(fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True)
 STRATEGIES = {"optim": {}, "optim_grads": {}, "optim_grads_params": {}, "optim_grads_params+db": DB}
-
-
-class Block(nn.Module):
-    def __init__(self, h: int) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, h: int = 16) -> None:
-        super().__init__()
-        self.inp, self.head = nn.Linear(6, h), nn.Linear(h, 3)
-        self.layers = nn.ModuleList(Block(h) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
 
 
 def _batch(seed: int, rank: int, world: int):
@@ -79,24 +59,31 @@ def _reduced_shard(full: torch.Tensor, n: int, rank: int, world: int) -> torch.T
     return total[rank * n:(rank + 1) * n]
 
 
+@contextlib.contextmanager
+def _recording(inputs: Dict[str, torch.Tensor]) -> Iterator[None]:
+    """Keep each unit's collective input (the fold's output) of the backwards run inside, by unit."""
+    real = _collectives.reduce_scatter
+
+    def record(output, full, group, what, **kw):
+        inputs.setdefault(what, full.detach().clone())
+        return real(output, full, group, what, **kw)
+
+    _collectives.reduce_scatter = record
+    try:
+        yield
+    finally:
+        _collectives.reduce_scatter = real
+
+
 def _job(rank: int, world: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
-    real_rs = _collectives.reduce_scatter
     for strategy in STRATEGIES:
-        # the fp32 run, recording each unit's collective input (the fold's output) at its first backward
+        # the fp32 run, recording each unit's collective input at its first backward
         inputs: Dict[str, torch.Tensor] = {}
-
-        def record(output, full, group, what, **kw):
-            inputs.setdefault(what, full.detach().clone())
-            return real_rs(output, full, group, what, **kw)
-
         model = _build(strategy, None)
-        _collectives.reduce_scatter = record
-        try:
+        with _recording(inputs):
             x, y = _batch(0, rank, world)
             nn.functional.mse_loss(model(x), y).backward()
-        finally:
-            _collectives.reduce_scatter = real_rs
         fp32_bytes = {u.name: u.grad_buffer.tensor.untyped_storage().nbytes() for u in model.all_units()}
 
         # the bf16-reduce run: same model, same batch
@@ -114,12 +101,9 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
 
         # micro-batches: the second backward's reduced bf16 shard is added to the first's main gradient in fp32
         inputs.clear()
-        _collectives.reduce_scatter = record
-        try:
+        with _recording(inputs):
             x2, y2 = _batch(1, rank, world)
             nn.functional.mse_loss(model(x2), y2).backward()
-        finally:
-            _collectives.reduce_scatter = real_rs
         both = _main_grads(model)
         for u in model.all_units():
             if u.grad_numel:
