@@ -158,7 +158,8 @@ def goal_check(full: Dict[str, Any], fargs: argparse.Namespace, device: torch.de
         gc.collect()
         torch.cuda.empty_cache()
     ev = goals.evaluate(configs)
-    columns = [c for c in bfi.COLUMNS + ["eager_repeat", "eager_unfused", "eager_bf16_reduce"] if any(c in v["columns"] for v in configs.values())]
+    columns = [c for c in bfi.COLUMNS + ["eager_repeat", "eager_unfused", "eager_bf16_reduce"]
+               if any(c in v["columns"] for v in configs.values())]
     adam = "\n".join(f"{name}: Adam step over {res['floor']['params'] // world:,} fp32 parameters: floor "
                      f"{res['adam_ms']['floor_ms']:.2f} ms, foreach {res['adam_ms']['foreach_ms']:.2f} ms, fused "
                      f"{res['adam_ms']['fused_ms']:.2f} ms" for name, res in full.items())

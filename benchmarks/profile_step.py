@@ -348,8 +348,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     world = dist.get_world_size()  # ZeRO-3: each rank updates 1/world of the parameters
     floor = floor_ms(flops=flops, bytes_moved=optimizer_bytes(n, world), matmul_tflops=matmul, copy_gbps=copy)
     rates = collective_rates(cfg, device) if world > 1 else None
-    result = {"collective_rates": rates, "prescale": args.prescale, "config": {**fields, "micro_batch_size": mbs, "use_te": HAS_TE, "fused_adam": args.fused,
+    result = {"config": {**fields, "micro_batch_size": mbs, "use_te": HAS_TE, "fused_adam": args.fused,
                          "fuse_wgrad": ours.fuse_wgrad},
+              "collective_rates": rates, "prescale": args.prescale,
               "params": n, "world_size": world, "flops_per_step": flops, "matmul_tflops": matmul, "copy_gbps": copy, "floor": floor,
               "columns": rows, "versions": versions(), "command": " ".join(sys.argv)}
     if dist.get_rank() == 0:  # the kernels are rank 0's; every rank runs the same step

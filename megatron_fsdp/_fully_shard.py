@@ -129,7 +129,6 @@ def _matches(module: nn.Module, specs: Sequence[UnitSpec]) -> bool:
     return False
 
 
-
 def reduce_by_average(backend: str, world_size: int, grad_dtype: torch.dtype) -> bool:
     """Whether the gradient collectives average (``ReduceOp.AVG``) instead of summing pre-scaled gradients.
 
@@ -148,6 +147,7 @@ def reduce_by_average(backend: str, world_size: int, grad_dtype: torch.dtype) ->
     if grad_dtype in (torch.float32, torch.float64):
         return True
     return grad_dtype in (torch.float16, torch.bfloat16) and world_size & (world_size - 1) == 0
+
 
 class MegatronFSDP(nn.Module):
     """A fully-sharded data-parallel wrapper (see :func:`fully_shard`)."""
@@ -401,8 +401,8 @@ class MegatronFSDP(nn.Module):
 
         [Note: the root's gradients in a slot] The root's parameters (embeddings, output layer, final norm)
         fold and reduce once per backward, in its post-backward at the very end, when every unit's backward is
-        over. A buffer of its own would hold ``grad_numel`` main-gradient elements for the whole run (64 MiB of
-        fp32 in the compute config, which is what the eager peak exceeded FSDP2's by on 2 GPUs); a slot is
+        over. A buffer of its own would hold ``grad_numel`` elements for the whole run (64 MiB of fp32 in the
+        compute config; the 2-GPU eager peak exceeded FSDP2's by about that much, S10); a slot is
         free then: it takes the slot the first unit of plan order (whose backward ran just before) does not
         use, retiring that slot's earlier reduction like any unit. Not when a TE module of the root writes its
         weight gradient during the backward (fused weight-gradient accumulation): it would hold the slot from
