@@ -138,3 +138,16 @@ def _bad_dtype_job(rank: int, world: int) -> str:
 def test_a_non_floating_reduce_dtype_is_refused():
     msg = run_gloo(_bad_dtype_job, 1)[0]
     assert "reduce_dtype=torch.int32" in msg and "floating-point" in msg, msg
+
+
+def test_the_demo_reduces_in_bf16_when_asked():
+    """The main job's option (``apps.demo --reduce-dtype bf16``) on 2 Gloo ranks: it says so, and its eager and
+    graphed (protocol backend on CPU) columns stay bit-identical."""
+    import subprocess
+
+    from tests.gpu_utils import ROOT, gpu_env, launcher
+
+    cmd = launcher(2, ["-m", "fsdp_cudagraph.apps.demo"]) + ["--reduce-dtype", "bf16", "--steps", "5"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=gpu_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "gradients reduced in bf16" in proc.stdout and "losses bit-identical: True" in proc.stdout, proc.stdout

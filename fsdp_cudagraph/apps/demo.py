@@ -1,6 +1,7 @@
 """Demo: train a tiny GPT under megatron_fsdp on 2 processes, eagerly and with partial CUDA graphs.
 
     torchrun --standalone --nproc-per-node 2 -m fsdp_cudagraph.apps.demo [--steps 12] [--scope attn mlp]
+        [--reduce-dtype bf16]
 
 On GPUs (NCCL, bf16) it trains twice with the same seeds, eagerly and with per-layer graphs captured at
 step 3 (TransformerEngine if installed, else PyTorch's graphs), and prints both loss columns side by side
@@ -36,6 +37,9 @@ def main() -> None:
     p.add_argument("--no-fuse-wgrad", action="store_true",
                    help="with TE: keep TE's weight gradients as ordinary .grad (by default TE writes them straight "
                         "into the engine's fp32 gradient buffer, fuse_wgrad_accumulation=True)")
+    p.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="dtype of the gradient buffers and of the reduction over ranks (fully_shard's reduce_dtype); "
+                        "main gradients and the optimizer stay fp32")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     cuda = torch.cuda.is_available()
@@ -56,11 +60,13 @@ def main() -> None:
     # two columns can be compared bit for bit; see fsdp_cudagraph/runtime/attention.py.
     spec = RunSpec(model=cfg, steps=args.steps, sharding_strategy=args.strategy, backend=backend,
                    compute_dtype=torch.bfloat16 if cuda else torch.float32, capture_step=3,
-                   attention_as_graphed=list(args.scope))
+                   attention_as_graphed=list(args.scope),
+                   reduce_dtype=torch.bfloat16 if args.reduce_dtype == "bf16" else None)
     if rank == 0:
         print(f"megatron_fsdp demo: {world} ranks on {device.type} ({dist.get_backend()}), strategy {args.strategy}, "
               f"{cfg.num_layers} layers (every 2nd MoE), graph scope {args.scope or 'whole layers'}, backend {backend}"
-              + (", fused weight gradients" if cfg.fuse_wgrad else ""))
+              + (", fused weight gradients" if cfg.fuse_wgrad else "")
+              + (", gradients reduced in bf16" if spec.reduce_dtype is not None else ""))
         if not cuda:
             print("No CUDA GPU here: CUDA graphs need one. The 'graphed' column runs the same capture schedule and "
                   "hook rerouting on the CPU protocol backend (no graphs, no speed-up).")
