@@ -129,6 +129,22 @@ def _matches(module: nn.Module, specs: Sequence[UnitSpec]) -> bool:
     return False
 
 
+def backend_for(group: dist.ProcessGroup, device: torch.device) -> str:
+    """The backend that carries ``device``'s tensors in ``group``: ``"nccl"`` or ``"gloo"`` (or another name).
+
+    ``init_process_group()`` without a backend makes both and reports ``"undefined"``; a backend string such as
+    ``"cpu:gloo,cuda:nccl"`` names one per device type. Either way CUDA tensors go to NCCL and CPU ones to
+    Gloo, which is what the engine's collectives need to know.
+    """
+    name = dist.get_backend(group)
+    if name == "undefined":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if ":" in name:
+        per_device = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+        return per_device.get(device.type, name)
+    return name
+
+
 def reduce_by_average(backend: str, world_size: int, grad_dtype: torch.dtype) -> bool:
     """Whether the gradient collectives average (``ReduceOp.AVG``) instead of summing pre-scaled gradients.
 
@@ -203,7 +219,8 @@ class MegatronFSDP(nn.Module):
                     f"parameter {n} is on {p.device} but {params[0].device} holds the first parameter; move the "
                     "whole model to one device before fully_shard"
                 )
-        backend = dist.get_backend(self.group)
+        #: the backend of this model's device in the group ("nccl" on CUDA, "gloo" on CPU; see backend_for)
+        self.backend = backend = backend_for(self.group, self.device)
         if (backend == "nccl") != (self.device.type == "cuda"):
             raise ValueError(
                 f"the process group's backend is {backend!r} but the model is on {self.device}; use 'nccl' with "

@@ -4,6 +4,8 @@
 - ``reduce_by_average`` picks AVG only where it gives the pre-scale's bits: NCCL, more than one rank, fp32/fp64
   gradients at any world size, fp16/bf16 at a power-of-two world size;
 - on Gloo (no AVG) the engine keeps the pre-scale;
+- the backend is that of the model's device, also for a group made without a named backend (``"undefined"``)
+  or with one per device type (``"cpu:gloo,cuda:nccl"``);
 - the wiring, on 2 Gloo ranks with the collectives replaced by a stand-in for NCCL's AVG (each rank's input
   multiplied by ``1/world`` as it is loaded, then summed): the fold passes the unscaled gradients, the
   collective averages, and training is ``torch.equal`` to the pre-scale path, every strategy. Averaging twice
@@ -14,6 +16,7 @@ The NCCL side (AVG equals the pre-scaled SUM bit for bit on 2 GPUs) is ``test_gp
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List
 
 import pytest
@@ -22,7 +25,7 @@ import torch.distributed as dist
 
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
 from megatron_fsdp import _collectives, fully_shard
-from megatron_fsdp._fully_shard import reduce_by_average
+from megatron_fsdp._fully_shard import backend_for, reduce_by_average
 from tests.dist_utils import run_gloo
 
 STRATEGIES = ["no_shard", "optim_grads", "optim_grads_params"]
@@ -42,6 +45,45 @@ MODEL = dict(vocab_size=64, hidden_size=32, num_layers=2, seq_len=16, moe_every=
 ])
 def test_reduce_by_average(backend, world, dtype, expected):
     assert reduce_by_average(backend, world, dtype) is expected
+
+
+@pytest.mark.parametrize("reported,device,expected", [
+    ("nccl", "cuda", "nccl"), ("gloo", "cpu", "gloo"),
+    ("undefined", "cuda", "nccl"), ("undefined", "cpu", "gloo"),  # init_process_group() without a backend
+    ("cpu:gloo,cuda:nccl", "cuda", "nccl"), ("cpu:gloo,cuda:nccl", "cpu", "gloo"),
+])
+def test_the_backend_of_the_models_device(monkeypatch, reported, device, expected):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: reported)
+    assert backend_for(None, torch.device(device)) == expected
+
+
+_UNDEFINED = """
+import os, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1")
+dist.init_process_group()  # no backend named: torch makes Gloo (and NCCL where it can) and reports 'undefined'
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
+from megatron_fsdp import fully_shard
+cfg = GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, seq_len=16, moe_every=0)
+model = fully_shard(GPT(cfg), fsdp_unit_modules=[TransformerBlock])
+x, y = synthetic_batch(0, 2, cfg, torch.device("cpu"))
+loss_fn(model(x), y).backward()
+print(dist.get_backend(), model.backend, all(u.main_shard.grad is not None for u in model.all_units() if u.grad_numel))
+dist.destroy_process_group()
+"""
+
+
+def test_a_process_group_without_a_named_backend_trains():
+    import subprocess
+    import sys
+
+    from tests.dist_utils import _free_port
+    from tests.gpu_utils import ROOT
+
+    env = dict(os.environ, PORT=str(_free_port()), PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _UNDEFINED], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-3:] == ["undefined", "gloo", "True"], proc.stdout
 
 
 def _train(rank: int, world: int, strategy: str, emulate_avg: bool) -> Dict[str, Any]:

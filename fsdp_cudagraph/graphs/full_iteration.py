@@ -497,7 +497,7 @@ class FullIterationCudaGraph:
         return out, trace
 
     def _barrier(self) -> None:
-        if dist.get_backend(self.engine.group) == "nccl":
+        if self.engine.backend == "nccl":
             dist.barrier(group=self.engine.group, device_ids=[self.device.index])
         else:
             dist.barrier(group=self.engine.group)
