@@ -58,19 +58,20 @@ def categorize(kernel: str) -> str:
     return OTHER
 
 
+def _merged(intervals: Sequence[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as sorted, disjoint intervals (touching ones joined)."""
+    out: List[Tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
 def busy_us(intervals: Sequence[Tuple[float, float]]) -> float:
     """Length of the union of ``(start, end)`` intervals: the time at least one kernel ran."""
-    total, cur_start, cur_end = 0.0, None, None
-    for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
+    return sum(end - start for start, end in _merged(intervals))
 
 
 def summarize_kernels(kernels: Sequence[Tuple[str, float, float]], steps: int) -> Dict[str, Any]:
@@ -83,18 +84,18 @@ def summarize_kernels(kernels: Sequence[Tuple[str, float, float]], steps: int) -
                          "given CUDA activity?)")
     per_cat: Dict[str, float] = {}
     per_kernel: Dict[str, float] = {}
-    not_collective: List[Tuple[float, float]] = []
+    by_cat: Dict[str, List[Tuple[str, float, float]]] = {}
     for name, start, end in kernels:
         cat = categorize(name)
         per_cat[cat] = per_cat.get(cat, 0.0) + (end - start)
         per_kernel[name] = per_kernel.get(name, 0.0) + (end - start)
-        if cat != "collective":
-            not_collective.append((start, end))
+        by_cat.setdefault(cat, []).append((name, start, end))
+    collectives = by_cat.get("collective", [])
+    compute = _merged([(s, e) for cat, ks in by_cat.items() if cat != "collective" for _, s, e in ks])
     span = max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)
     busy = busy_us([(s, e) for _, s, e in kernels])
-    exposed = busy - busy_us(not_collective)
+    exposed = busy - sum(e - s for s, e in compute)
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:10]
-    collective = [(s, e) for name, s, e in kernels if categorize(name) == "collective"]
     return {
         "steps": steps,
         "category_ms": {k: v / steps / 1e3 for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
@@ -102,20 +103,10 @@ def summarize_kernels(kernels: Sequence[Tuple[str, float, float]], steps: int) -
         "span_ms": span / steps / 1e3,
         "idle_ms": (span - busy) / steps / 1e3,
         "exposed_collective_ms": exposed / steps / 1e3,
-        "collectives": _collective_rows(kernels, not_collective, steps),
-        "matmul_under_collective": _matmul_slowdown(kernels, collective, steps),
+        "collectives": _collective_rows(collectives, compute, steps),
+        "matmul_under_collective": _matmul_slowdown(by_cat.get("matmul", []), collectives, steps),
         "top_kernels_ms": [(k[:160], v / steps / 1e3) for k, v in top],
     }
-
-
-def _merged(intervals: Sequence[Tuple[float, float]]) -> List[Tuple[float, float]]:
-    out: List[Tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
 
 
 def _overlap(start: float, end: float, merged: Sequence[Tuple[float, float]]) -> float:
@@ -128,36 +119,31 @@ def _overlap(start: float, end: float, merged: Sequence[Tuple[float, float]]) ->
     return total
 
 
-def _collective_rows(kernels: Sequence[Tuple[str, float, float]], not_collective: Sequence[Tuple[float, float]],
+def _collective_rows(collectives: Sequence[Tuple[str, float, float]], compute: Sequence[Tuple[float, float]],
                      steps: int) -> Dict[str, Dict[str, float]]:
     """Per collective kernel name (all-gather, reduce-scatter, ...): calls, milliseconds per step, and of those
-    the milliseconds no other kernel overlapped (what the step waited for)."""
-    merged = _merged(not_collective)
+    the milliseconds no other kernel overlapped (``compute``: the merged intervals of every other kernel)."""
     rows: Dict[str, Dict[str, float]] = {}
-    for name, start, end in kernels:
-        if categorize(name) != "collective":
-            continue
+    for name, start, end in collectives:
         key = re.sub(r"\(.*", "", name)[:80]
         r = rows.setdefault(key, {"calls": 0.0, "ms": 0.0, "exposed_ms": 0.0})
         r["calls"] += 1 / steps
         r["ms"] += (end - start) / steps / 1e3
-        r["exposed_ms"] += ((end - start) - _overlap(start, end, merged)) / steps / 1e3
+        r["exposed_ms"] += ((end - start) - _overlap(start, end, compute)) / steps / 1e3
     return rows
 
 
-def _matmul_slowdown(kernels: Sequence[Tuple[str, float, float]], collective: Sequence[Tuple[float, float]],
+def _matmul_slowdown(matmuls: Sequence[Tuple[str, float, float]], collectives: Sequence[Tuple[str, float, float]],
                      steps: int) -> Dict[str, float]:
     """Matmul time spent while a collective ran, and what it cost: each matmul kernel that overlapped a
     collective against the median duration of the same kernel (by name) when none ran. NCCL's kernels hold
     SMs and memory bandwidth, so a GEMM beside them runs slower; ``extra_ms`` is that cost per step (kernels
     that never ran alone are left out of it)."""
-    merged = _merged(collective)
+    merged = _merged([(s, e) for _, s, e in collectives])
     alone: Dict[str, List[float]] = {}
     beside: List[Tuple[str, float]] = []
     under_ms = 0.0
-    for name, start, end in kernels:
-        if categorize(name) != "matmul":
-            continue
+    for name, start, end in matmuls:
         if merged and _overlap(start, end, merged) > 0:
             beside.append((name, end - start))
             under_ms += end - start
@@ -226,8 +212,8 @@ def _run(column: str, cfg: Any, args: argparse.Namespace, device: torch.device) 
         model = fully_shard(gpt, fsdp_unit_modules=[gpt.unit_class], sharding_strategy="optim_grads_params",
                             compute_dtype=torch.bfloat16, fsdp_double_buffer=True,
                             fsdp_db_use_persist_buf_on_alloc_fail=True)
-        if args.prescale and model.reduce_average:  # A/B: the fold's scale pass and SUM, as before NCCL's AVG
-            model.reduce_average, model.grad_scale = False, 1.0 / model.world_size
+        if args.prescale:  # A/B: the fold's scale pass and SUM, as before NCCL's AVG
+            model.reduce_average = False
         opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-4, fused=args.fused)
         if column == "ours_partial":
             config = CudaGraphConfig(cuda_graph_impl="transformer_engine" if cfg.use_te else "local",

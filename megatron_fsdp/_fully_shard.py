@@ -232,8 +232,6 @@ class MegatronFSDP(nn.Module):
         self.reduce_dtype = reduce_dtype or main_grad_dtype
         #: the gradient collectives average, and the fold skips its scale pass ([Note: averaging in the collective])
         self.reduce_average = reduce_by_average(backend, self.world_size, self.reduce_dtype)
-        #: what the gradient fold multiplies by before a SUM collective (1.0: no scale pass)
-        self.grad_scale = 1.0 if self.reduce_average else 1.0 / self.world_size
         # Default from a floating-point parameter: a stray integer parameter is then reported by name below,
         # not as a compute_dtype the caller never passed.
         first_float = next((p.dtype for p in params if p.dtype.is_floating_point), params[0].dtype)
@@ -412,6 +410,11 @@ class MegatronFSDP(nn.Module):
                     gkeep = self.fsdp_double_buffer or self.strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM)
                     gbuf = _Buffer("persistent" if gkeep else "dynamic", torch.zeros(u.grad_numel, dtype=gdt, device=dev))
                 u.init_storage(flat, pbuf, gbuf)
+
+    @property
+    def grad_scale(self) -> float:
+        """What the gradient fold multiplies by before a summing collective (1.0: no scale pass)."""
+        return 1.0 if self.reduce_average else 1.0 / self.world_size
 
     def _root_grad_slot(self, db_units: List[FSDPUnit], n_gslots: int) -> Optional[int]:
         """The gradient slot the root unit borrows, or None for a buffer of its own.

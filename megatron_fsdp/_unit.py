@@ -607,17 +607,17 @@ class FSDPUnit:
         if eng.strategy is ShardingStrategy.NO_SHARD:
             work = C.all_reduce(flat, eng.group, f"gradients of unit {self.name}", average=eng.reduce_average)
             out, adopt = flat, False
-        elif eng.reduce_dtype != eng.main_grad_dtype:
-            # [Note: reducing in another dtype] The buffer and the collective are in reduce_dtype (e.g. bf16); the
-            # reduced shard lands in a reduce_dtype tensor of its own, and retire() casts it into the fp32 main
-            # gradient: a new one, the kept one (graphs), or added into the bound one (micro-batches), so that
-            # accumulation and the optimizer stay in main_grad_dtype.
-            out, adopt = torch.empty_like(self.main_shard, dtype=eng.reduce_dtype), False
-            work = C.reduce_scatter(out, flat, eng.group, f"gradients of unit {self.name}", average=eng.reduce_average)
         else:
-            kept = self._main_grad_data if self._main_grad_kept is not None else None
-            out = torch.empty_like(self.main_shard, dtype=eng.main_grad_dtype) if accumulate or kept is None else kept
-            adopt = not accumulate and kept is None
+            if eng.reduce_dtype != eng.main_grad_dtype:
+                # [Note: reducing in another dtype] The buffer and the collective are in reduce_dtype (e.g. bf16);
+                # the reduced shard lands in a reduce_dtype tensor of its own, and retire() casts it into the fp32
+                # main gradient: a new one, the kept one (graphs), or added into the bound one (micro-batches), so
+                # that accumulation and the optimizer stay in main_grad_dtype.
+                out, adopt = torch.empty_like(self.main_shard, dtype=eng.reduce_dtype), False
+            else:
+                kept = self._main_grad_data if self._main_grad_kept is not None else None
+                out = torch.empty_like(self.main_shard, dtype=eng.main_grad_dtype) if accumulate or kept is None else kept
+                adopt = not accumulate and kept is None
             work = C.reduce_scatter(out, flat, eng.group, f"gradients of unit {self.name}", average=eng.reduce_average)
         eng.add_pending_reduce(_PendingReduce(self, work, out, accumulate, adopt))
 

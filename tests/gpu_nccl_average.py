@@ -71,7 +71,7 @@ def train(strategy: str, average: bool, device: torch.device):
                         compute_dtype=torch.bfloat16)
     picked = model.reduce_average
     if not average:
-        model.reduce_average, model.grad_scale = False, 1.0 / dist.get_world_size()
+        model.reduce_average = False  # the fold pre-scales again
     opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-3)
     world, rank, losses = dist.get_world_size(), dist.get_rank(), []
     for step in range(4):

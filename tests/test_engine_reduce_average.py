@@ -93,7 +93,7 @@ def _train(rank: int, world: int, strategy: str, emulate_avg: bool) -> Dict[str,
                         fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True)
     assert not model.reduce_average and model.grad_scale == 1.0 / world  # Gloo keeps the pre-scale
     if emulate_avg:
-        model.reduce_average, model.grad_scale = True, 1.0  # what the engine picks on NCCL
+        model.reduce_average = True  # what the engine picks on NCCL (the fold's scale follows)
     opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-2)
     for step in range(3):
         x, y = synthetic_batch(step, 2 * world, cfg, torch.device("cpu"))
