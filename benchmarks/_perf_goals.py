@@ -2,7 +2,7 @@
 
 ``bench_partial_graphs.py --suite full`` measures two device rates (bf16 matmul FLOP/s, device copy bytes/s),
 times the columns of ``bench_full_iteration`` and hands both to :func:`evaluate`, which this module keeps free
-of CUDA so that ``tests/test_perf_goals.py`` checks it on CPU.
+of CUDA so that ``tests/apps/test_perf_goals.py`` checks it on CPU.
 
 [Note: the floor of a step]
 A step cannot be faster than its matmuls at the device's measured matmul rate plus its memory-bound optimizer

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fsdp_cudagraph.runtime.te import HAS_TE  # noqa: E402
+from fsdp_cudagraph.capture.te import HAS_TE  # noqa: E402
 from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
 from fsdp_cudagraph.apps.full_iteration_align import FullRunSpec, run_full  # noqa: E402
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
@@ -279,7 +279,7 @@ def main() -> int:
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_full_iteration needs a CUDA GPU (it times CUDA graphs); nothing to run here. The CPU schedule "
-              "is tested by tests/test_full_iteration.py and tests/test_full_iteration_align.py.")
+              "is tested by tests/graphs/test_full_iteration.py and tests/apps/test_full_iteration_align.py.")
         return 0
     if args.te and not HAS_TE:
         sys.exit("bench_full_iteration: --te needs TransformerEngine; run with --no-te")

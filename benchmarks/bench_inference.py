@@ -14,7 +14,7 @@ Sections (each compares ``inference_cuda_graph_scope`` none / layer / block on t
             after the capture: training losses, final parameters and training-graph replays against the same
             run without evaluation (torch.equal), graphed against eager evaluation losses
 
-Run (1 GPU; 2 GPUs when lent; ``--quick`` is the reduced run of tests/test_inference_gpu.py)::
+Run (1 GPU; 2 GPUs when lent; ``--quick`` is the reduced run of tests/gpu/test_inference.py)::
 
     python benchmarks/bench_inference.py --out benchmarks/results/raw/inference-1gpu.json
     python benchmarks/bench_inference.py --cpu-smoke      # the logic on CPU (Gloo, protocol backends), no graphs
@@ -39,7 +39,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph import CudaGraphConfig, InferenceCudaGraphs, PartialCudaGraphs  # noqa: E402
-from fsdp_cudagraph.runtime.buckets import Buckets, pad_to  # noqa: E402
+from fsdp_cudagraph.capture.buckets import Buckets, pad_to  # noqa: E402
 from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
 from fsdp_cudagraph.apps.generate import GreedyGenerator, greedy_reference  # noqa: E402
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402

@@ -11,7 +11,7 @@ eager and graphed rows are comparable too.
 
     python benchmarks/bench_offload.py --out benchmarks/results/offload-1gpu.json
     torchrun --nproc-per-node 2 benchmarks/bench_offload.py --out benchmarks/results/offload-2gpu.json
-    python benchmarks/bench_offload.py --quick --out /tmp/offload-quick.json     # what tests/test_offload_gpu.py runs
+    python benchmarks/bench_offload.py --quick --out /tmp/offload-quick.json     # what tests/gpu/test_offload.py runs
     python benchmarks/bench_offload.py --cpu-smoke --out /tmp/offload-smoke.json # the script on CPU (protocol backend)
 
 Verdicts (all ranks): ``bit_exact`` -- each offload row's per-step losses and final parameters equal the
@@ -46,7 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, match_graph_attention  # noqa: E402
 from fsdp_cudagraph.offload.offloader import ActivationOffloader  # noqa: E402
-from fsdp_cudagraph.runtime.te import HAS_TE  # noqa: E402
+from fsdp_cudagraph.capture.te import HAS_TE  # noqa: E402
 from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
 from fsdp_cudagraph.apps.train import use_deterministic_kernels  # noqa: E402

@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_full_ite
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fsdp_cudagraph.runtime.te import HAS_TE  # noqa: E402
+from fsdp_cudagraph.capture.te import HAS_TE  # noqa: E402
 from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
 from fsdp_cudagraph.apps.model import GPTConfig  # noqa: E402
 from fsdp_cudagraph.apps.train import RunSpec, run_training  # noqa: E402
@@ -214,7 +214,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_partial_graphs needs a CUDA GPU (it times CUDA graphs and measures the device's matmul rate "
               "and bandwidth); no GPU is visible, so nothing was measured (exit 2). The floor and verdict "
-              "arithmetic is tested on CPU by tests/test_perf_goals.py.", file=sys.stderr)
+              "arithmetic is tested on CPU by tests/apps/test_perf_goals.py.", file=sys.stderr)
         return 2
     if args.backend == "te" and not HAS_TE:
         sys.exit("bench_partial_graphs: --backend te needs TransformerEngine; pass --backend torch")

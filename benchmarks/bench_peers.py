@@ -105,10 +105,10 @@ def git_commit() -> str:
 
 
 def load_model_code(isolated: bool) -> Any:
-    """The reference GPT (``fsdp_cudagraph/apps/model.py``) and TE probe (``fsdp_cudagraph/runtime/te.py``).
+    """The reference GPT (``fsdp_cudagraph/apps/model.py``) and TE probe (``fsdp_cudagraph/capture/te.py``).
 
     ``isolated`` (the Megatron-FSDP process, which must not import our ``megatron_fsdp``): the two files are
-    loaded from the repository by path, under stand-in ``fsdp_cudagraph``, ``fsdp_cudagraph.runtime`` and
+    loaded from the repository by path, under stand-in ``fsdp_cudagraph``, ``fsdp_cudagraph.capture`` and
     ``fsdp_cudagraph.apps`` packages whose ``__init__`` never runs, so the package's imports (our engine among them) stay out of the
     process. Otherwise a plain import.
     """
@@ -117,14 +117,14 @@ def load_model_code(isolated: bool) -> Any:
             raise RuntimeError("bench_peers: fsdp_cudagraph is already imported; the isolated engine process must "
                                "load the model before anything imports the package")
         src = os.path.join(REPO, "fsdp_cudagraph")
-        for name, path in (("fsdp_cudagraph", src), ("fsdp_cudagraph.runtime", os.path.join(src, "runtime")),
+        for name, path in (("fsdp_cudagraph", src), ("fsdp_cudagraph.capture", os.path.join(src, "runtime")),
                            ("fsdp_cudagraph.apps", os.path.join(src, "apps"))):
             stand_in = types.ModuleType(name)
             stand_in.__path__ = [path]
             sys.modules[name] = stand_in
     else:
         sys.path.insert(0, REPO)
-    return types.SimpleNamespace(_te=importlib.import_module("fsdp_cudagraph.runtime.te"),
+    return types.SimpleNamespace(_te=importlib.import_module("fsdp_cudagraph.capture.te"),
                                  model=importlib.import_module("fsdp_cudagraph.apps.model"))
 
 

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON, require_te  # noqa: E402
+from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON, require_te  # noqa: E402
 from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
 from fsdp_cudagraph.apps.train import RunSpec, init_distributed, run_training, use_deterministic_kernels  # noqa: E402

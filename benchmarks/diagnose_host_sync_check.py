@@ -1,7 +1,7 @@
 """Does the full-iteration host-sync check (a TorchDispatchMode that only looks) change what a step computes?
 
 The open full-iteration row (TE model, ``no_shard``, one micro-batch, eager Adam) differs from eager at the
-step that runs under :class:`~fsdp_cudagraph.runtime.capture_safety.CaptureSafetyCheck`, and is equal with
+step that runs under :class:`~fsdp_cudagraph.capture.capture_safety.CaptureSafetyCheck`, and is equal with
 ``--no-host-sync-check``. This script trains the row's model two steps, then runs the third step's forward
 and backward three times on the same parameters: plain, plain again (a determinism control) and under the
 check, and compares every module's output and every main gradient with ``torch.equal``; a profiler lists
@@ -30,7 +30,7 @@ def _pass(model, batch, loss_fn, modules, check):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from fsdp_cudagraph.runtime.capture_safety import CaptureSafetyCheck
+    from fsdp_cudagraph.capture.capture_safety import CaptureSafetyCheck
 
     outs = {}
     hooks = []
@@ -73,7 +73,7 @@ def torch_equal(x, y):
 def run(strategy: str, steps_before: int = 2):
     import torch
 
-    from fsdp_cudagraph.runtime.attention import AttentionBackendMatcher
+    from fsdp_cudagraph.capture.attention import AttentionBackendMatcher
     from fsdp_cudagraph.apps.full_iteration_align import model_config
     from fsdp_cudagraph.apps.model import GPT, loss_fn
     from fsdp_cudagraph.apps.train import init_distributed, rank_batches, use_deterministic_kernels

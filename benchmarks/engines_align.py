@@ -44,10 +44,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 ENGINES = ("fsdp2", "megatron_fsdp", "nvidia")
 def nvidia_unavailable() -> Optional[str]:
     """Why ``--engines nvidia`` cannot run here (None: it can): the alignment checker's own answer
-    (``fsdp_cudagraph.testing.engines``), which imports megatron-core only when asked."""
+    (``fsdp_cudagraph.checker.engines``), which imports megatron-core only when asked."""
     import torch
 
-    from fsdp_cudagraph.testing.engines import ENGINES as CHECKER_ENGINES, NVIDIA_PIP
+    from fsdp_cudagraph.checker.engines import ENGINES as CHECKER_ENGINES, NVIDIA_PIP
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     why = CHECKER_ENGINES["nvidia"].unavailable(device)
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
 
     from fsdp_cudagraph.apps.align import versions, write_record
     from fsdp_cudagraph.apps.train import init_distributed, use_deterministic_kernels
-    from fsdp_cudagraph.runtime.te import HAS_TE
+    from fsdp_cudagraph.capture.te import HAS_TE
 
     use_deterministic_kernels()
     init_distributed(default_port=29533)

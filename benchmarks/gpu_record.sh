@@ -13,7 +13,7 @@
 #         each on 2 ranks (nvidia needs megatron-core: PYTHONPATH=/tmp/site)
 # scaling the perf suite on 1 GPU and on 2, bench_peers --engine all on 1 and on 2 (Megatron-FSDP from .whl),
 #         the demo on 1 GPU; then, here: python benchmarks/scaling.py perf_goals-1gpu.json perf_goals-2gpu.json
-# avg     on NPROC GPUs (default 2): NCCL's AVG against the pre-scaled SUM (tests/gpu_nccl_average.py), the
+# avg     on NPROC GPUs (default 2): NCCL's AVG against the pre-scaled SUM (tests/gpu/nccl_average.py), the
 #         compute profile with AVG and again with the pre-scale (--prescale, our eager column only), what is
 #         live at the compute peak (ours vs FSDP2), then the perf suite on NPROC GPUs and on 1
 # suites  the end of avg alone: the compute peak's composition on NPROC GPUs, the perf suite on NPROC and on 1
@@ -23,7 +23,7 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD NCCL_NVLS_ENABLE=0
-# the records' "commit" (fsdp_cudagraph.testing.records.versions): the device's copy of .git can name an older
+# the records' "commit" (fsdp_cudagraph.checker.records.versions): the device's copy of .git can name an older
 # HEAD than the tree that runs (S9: 17c334a in JSON written by 3a60ccd)
 [ -n "${COMMIT:-}" ] && export GIT_COMMIT=${GIT_COMMIT:-$COMMIT}
 versions() {
@@ -104,7 +104,7 @@ case "$stage" in
     tail -12 "$OUT/engines-2gpu.log"
     for e in fsdp2 nvidia; do
       step timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m fsdp_cudagraph.check \
-        --engine $e --model tests.test_check_engines:dense_gpt_factory --json "$OUT/check-$e-2gpu.json" > "$OUT/check-$e-2gpu.log" 2>&1
+        --engine $e --model tests.apps.test_check_engines:dense_gpt_factory --json "$OUT/check-$e-2gpu.json" > "$OUT/check-$e-2gpu.log" 2>&1
       tail -3 "$OUT/check-$e-2gpu.log"
     done ;;
   scaling)
@@ -136,7 +136,7 @@ case "$stage" in
     tail -3 "$OUT/demo-unfused.log" ;;
   avg)
     n=${NPROC:-2}; run="python3 -m torch.distributed.run --standalone --nproc-per-node $n"
-    step timeout 120 $run tests/gpu_nccl_average.py --out "$OUT/nccl-average-${n}gpu.json" > "$OUT/nccl-average.log" 2>&1
+    step timeout 120 $run tests/gpu/nccl_average.py --out "$OUT/nccl-average-${n}gpu.json" > "$OUT/nccl-average.log" 2>&1
     tail -3 "$OUT/nccl-average.log"
     step timeout 200 $run benchmarks/profile_step.py --out "$OUT/profile-compute-${n}gpu.json" > "$OUT/profile.log" 2>&1
     tail -32 "$OUT/profile.log"

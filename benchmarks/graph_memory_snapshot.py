@@ -60,7 +60,7 @@ def run(graphed: bool, fuse: bool, dev: torch.device) -> Dict[str, Any]:
 
     from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
     from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch
-    from fsdp_cudagraph.runtime.te import HAS_TE
+    from fsdp_cudagraph.capture.te import HAS_TE
 
     cfg = GPTConfig(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, seq_len=64, moe_every=2,
                     use_te=HAS_TE, fuse_wgrad=HAS_TE and fuse)

@@ -41,7 +41,7 @@ import torch.distributed as dist  # noqa: E402
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, check_alignment  # noqa: E402
 from fsdp_cudagraph.apps import hf_models  # noqa: E402
 from fsdp_cudagraph.apps import align
-from fsdp_cudagraph.runtime.te import HAS_TE  # noqa: E402
+from fsdp_cudagraph.capture.te import HAS_TE  # noqa: E402
 from fsdp_cudagraph.apps.train import use_deterministic_kernels  # noqa: E402
 from megatron_fsdp import fully_shard  # noqa: E402
 

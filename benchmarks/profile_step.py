@@ -320,7 +320,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from fsdp_cudagraph.apps.align import versions, write_record
     from fsdp_cudagraph.apps.model import GPTConfig
     from fsdp_cudagraph.apps.train import init_distributed
-    from fsdp_cudagraph.runtime.te import HAS_TE
+    from fsdp_cudagraph.capture.te import HAS_TE
 
     device = init_distributed(default_port=29533)
     fields, mbs = CONFIGS["compute"]

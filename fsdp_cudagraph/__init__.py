@@ -12,11 +12,11 @@ from fsdp_cudagraph.graphs.length_buckets import BucketReplayConflictWarning, Le
 from fsdp_cudagraph.graphs.partial import BACKENDS, CaptureReport, PartialCudaGraphs, match_graph_attention
 from fsdp_cudagraph.hooks import extract_hooks, hooks_snapshot, restore_hooks
 from fsdp_cudagraph.offload.offloader import ActivationOffloader
-from fsdp_cudagraph.runtime.args import SignatureChangedWarning
-from fsdp_cudagraph.runtime.attention import ATTENTION_POLICIES, AttentionBackendMatcher
-from fsdp_cudagraph.runtime.capture_safety import HostSyncError
-from fsdp_cudagraph.runtime.streams import use_side_stream
-from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON, TE_VERSION
+from fsdp_cudagraph.capture.args import SignatureChangedWarning
+from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher
+from fsdp_cudagraph.capture.capture_safety import HostSyncError
+from fsdp_cudagraph.capture.streams import use_side_stream
+from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON, TE_VERSION
 from fsdp_cudagraph.config import (
     CudaGraphConfig,
     CudaGraphImpl,
@@ -71,7 +71,7 @@ _CHECK_NAMES = ("check_alignment", "ModelSpec", "AlignmentReport")
 def __getattr__(name: str):
     # The checker loads on first use, so that `python -m fsdp_cudagraph.check` runs a module not yet imported.
     if name in _CHECK_NAMES:
-        from fsdp_cudagraph.testing import check
+        from fsdp_cudagraph.checker import check
 
         return getattr(check, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,7 +27,7 @@ from typing import Any, List, NamedTuple, Optional, Type, Union
 
 import torch
 
-from fsdp_cudagraph.runtime import te as _te
+from fsdp_cudagraph.capture import te as _te
 
 logger = logging.getLogger(__name__)
 

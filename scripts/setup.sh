@@ -23,8 +23,8 @@ else
   [ -x $VENV/bin/python ] || python3 -m venv $VENV
   PY=$VENV/bin/python
   $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "${CONSTRAINTS[@]}" "torch==2.13.0"
-  $PY -m pip install -q "${CONSTRAINTS[@]}" -e ".[dev,hf]"   # hf: transformers for tests/test_hf.py (about 12 s)
-  # NVIDIA Megatron-FSDP (megatron-core's bundled copy) for tests/test_engine_nvidia_mfsdp.py: its hook registration
+  $PY -m pip install -q "${CONSTRAINTS[@]}" -e ".[dev,hf]"   # hf: transformers for tests/apps/test_hf.py (about 12 s)
+  # NVIDIA Megatron-FSDP (megatron-core's bundled copy) for tests/adapters/test_nvidia.py: its hook registration
   # runs without CUDA. Optional: where no wheel fits this Python, those tests skip with the reason.
   $PY -c "import megatron.core" 2>/dev/null || $PY -m pip install -q "${CONSTRAINTS[@]}" "megatron-core>=0.16.1" \
     || echo "megatron-core could not be installed: the NVIDIA Megatron-FSDP tests will skip"

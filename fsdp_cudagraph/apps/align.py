@@ -8,7 +8,7 @@ multiples of 128 (64, 100, 128, 512), head dims 32/64/128, TE's own ``Transforme
 (sequence-first), plain-torch layers under the TE backend, all four sharding strategies, gradient
 accumulation, user forward hooks and full backward hooks on graphed modules, and tuple outputs with tensor
 keyword arguments. The eager run uses ``match_graph_attention`` for the row's scope (TE attention picks the
-backend a graph would; see ``runtime/attention.py``).
+backend a graph would; see ``capture/attention.py``).
 
 Negative controls show the comparison can fail: double buffering off is refused by validation, a hook left
 on a captured module is refused, a parameter moved after capture is caught before replay, a one-token data
@@ -48,8 +48,8 @@ import torch.distributed as dist
 
 from fsdp_cudagraph.apps.model import GPTConfig
 from fsdp_cudagraph.apps.train import RunSpec, add_optimizer_argument, init_distributed, run_training, use_deterministic_kernels
-from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON
-from fsdp_cudagraph.testing.records import versions, write_record  # noqa: F401 - re-exported for the suites and benchmarks
+from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON
+from fsdp_cudagraph.checker.records import versions, write_record  # noqa: F401 - re-exported for the suites and benchmarks
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from fsdp_cudagraph.apps.model import GPTConfig
 from fsdp_cudagraph.apps.train import RunSpec, run_training, use_deterministic_kernels
-from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON
+from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON
 
 
 def main() -> None:
@@ -57,7 +57,7 @@ def main() -> None:
     cfg = GPTConfig(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, seq_len=64, moe_every=2,
                     use_te=backend == "te", fuse_wgrad=backend == "te" and not args.no_fuse_wgrad)
     # The eager run's TE attention picks the backend the graphs will use (match_graph_attention), so that the
-    # two columns can be compared bit for bit; see fsdp_cudagraph/runtime/attention.py.
+    # two columns can be compared bit for bit; see fsdp_cudagraph/capture/attention.py.
     spec = RunSpec(model=cfg, steps=args.steps, sharding_strategy=args.strategy, backend=backend,
                    compute_dtype=torch.bfloat16 if cuda else torch.float32, capture_step=3,
                    attention_as_graphed=list(args.scope),

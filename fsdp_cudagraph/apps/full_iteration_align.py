@@ -49,9 +49,9 @@ from fsdp_cudagraph.apps.train import add_optimizer_argument, init_distributed, 
 from fsdp_cudagraph.config import CudaGraphConfig
 from fsdp_cudagraph.graphs.full_iteration import FullIterationCudaGraph, FullIterationReport
 from fsdp_cudagraph.graphs.partial import PartialCudaGraphs
-from fsdp_cudagraph.runtime.attention import AttentionBackendMatcher
-from fsdp_cudagraph.runtime.capture_safety import HostSyncError
-from fsdp_cudagraph.runtime.te import HAS_TE, TE_REASON
+from fsdp_cudagraph.capture.attention import AttentionBackendMatcher
+from fsdp_cudagraph.capture.capture_safety import HostSyncError
+from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON
 
 __all__ = ["FullRunSpec", "FullRunResult", "run_full", "main"]
 
@@ -384,7 +384,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("fsdp_cudagraph.apps.full_iteration_align needs a CUDA GPU; the CPU schedule is tested by "
-              "tests/test_full_iteration.py. Nothing to run here.")
+              "tests/graphs/test_full_iteration.py. Nothing to run here.")
         return 0
     use_deterministic_kernels()
     device = init_distributed(default_port=29514)

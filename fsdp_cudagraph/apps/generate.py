@@ -41,7 +41,7 @@ from megatron_fsdp import MegatronFSDP
 from fsdp_cudagraph.apps.model import GPT
 from fsdp_cudagraph.config import CudaGraphConfig
 from fsdp_cudagraph.graphs.inference import InferenceCudaGraphs
-from fsdp_cudagraph.runtime.buckets import Buckets
+from fsdp_cudagraph.capture.buckets import Buckets
 
 __all__ = ["StaticKVCache", "DecodeLayer", "DecodeStep", "GreedyGenerator", "greedy_reference"]
 

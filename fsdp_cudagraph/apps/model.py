@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_cudagraph.runtime.te import require_te
+from fsdp_cudagraph.capture.te import require_te
 
 __all__ = ["GPTConfig", "GPT", "TransformerBlock", "SelfAttention", "MLP", "MoEBlock", "Router", "MoEPreprocess", "Experts", "loss_fn", "synthetic_batch"]
 

@@ -25,7 +25,7 @@ from megatron_fsdp import MegatronFSDP, fully_shard
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch
 from fsdp_cudagraph.config import CudaGraphConfig
 from fsdp_cudagraph.graphs.partial import CaptureReport, PartialCudaGraphs, match_graph_attention, select_modules
-from fsdp_cudagraph.testing.records import exit_process  # noqa: F401 - re-exported for the entry points
+from fsdp_cudagraph.checker.records import exit_process  # noqa: F401 - re-exported for the entry points
 
 __all__ = ["RunSpec", "RunResult", "build_model", "graph_config", "run_training", "use_deterministic_kernels",
            "init_distributed", "rank_batches"]
@@ -138,7 +138,7 @@ def make_adam(params: Any, name: str, **kwargs: Any) -> torch.optim.Adam:
     """``torch.optim.Adam`` over ``params`` as ``name`` says: ``adam_fused`` (one fused kernel; over the engine's
     few flat fp32 shards 9.3 ms against 22.7 ms foreach for an 822 M-parameter rank on an H100) or ``adam``
     (torch's foreach implementation). Fused Adam moves no version counter; the engine's optimizer step
-    post-hook refreshes the weights anyway (``megatron_fsdp/_guards.py``, tests/test_engine_optimizers.py)."""
+    post-hook refreshes the weights anyway (``megatron_fsdp/_guards.py``, tests/engine/test_optimizers.py)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer={name!r} is not one of {OPTIMIZERS}")
     return torch.optim.Adam(params, fused=name == "adam_fused" or None, **kwargs)

@@ -44,7 +44,7 @@ from megatron_fsdp import MegatronFSDP, fully_shard
 
 from fsdp_cudagraph.config import CudaGraphConfig
 from fsdp_cudagraph.graphs.length_buckets import LengthArg, LengthBucketGraphs, block_diagonal_mask, segment_ids_from_cu_seqlens
-from fsdp_cudagraph.runtime.buckets import Buckets, pad_to, unpad
+from fsdp_cudagraph.capture.buckets import Buckets, pad_to, unpad
 
 __all__ = ["VisionConfig", "VisionBlock", "VisionEncoder", "synthetic_images", "VisionRunSpec", "VisionResult",
            "run_vision", "LENGTH_ARGS"]

@@ -292,7 +292,7 @@ def unavailable_engines() -> Dict[str, str]:
 
 def _load(name: str) -> None:
     # importlib, not an import statement: an engine module imports this contract, and the contract must not
-    # import it back (tests/test_layout.py forbids the circle). A missing dependency disables one engine only.
+    # import it back (tests/unit/test_layout.py forbids the circle). A missing dependency disables one engine only.
     try:
         importlib.import_module(f"{__name__}.{name}")
     except ImportError as exc:

@@ -32,7 +32,7 @@ sentinel attributes, closures local to that method (``__qualname__`` ``MegatronF
   the bucket's reduce-scatter). TE's graph maker runs its warmup and capture backwards with
   ``torch.autograd.backward``, so these would fire there (on an H100 they waited on an event inside the
   capture: ``CUDA error: invalid argument``); the graph layer parks every captured parameter's hooks while a
-  graph maker runs ([Note: post-accumulate-grad hooks at capture], runtime/graph_maker.py) and they
+  graph maker runs ([Note: post-accumulate-grad hooks at capture], capture/graph_maker.py) and they
   fire at each replay. State-dict
   hooks are not module hooks.
 

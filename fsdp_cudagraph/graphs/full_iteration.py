@@ -81,10 +81,10 @@ from megatron_fsdp import graph_contract as static_step
 
 from fsdp_cudagraph.config import CudaGraphConfig, CudaGraphImpl
 from fsdp_cudagraph.graphs.optimizer import FullIterationReport, OptimizerGraph
-from fsdp_cudagraph.runtime import args as _args
-from fsdp_cudagraph.runtime import streams as _streams
-from fsdp_cudagraph.runtime.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
-from fsdp_cudagraph.runtime.capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
+from fsdp_cudagraph.capture import args as _args
+from fsdp_cudagraph.capture import streams as _streams
+from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
+from fsdp_cudagraph.capture.capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
 
 __all__ = ["FullIterationCudaGraph", "FullIterationReport", "FULL_ITERATION_BACKENDS"]
 
@@ -152,7 +152,7 @@ class FullIterationCudaGraph:
             capture; [Note: the host-sync rehearsal]). ``False`` skips the rehearsal (the capture's own
             sync-debug check still runs).
 
-    Streams: on CUDA, building it moves this thread off the legacy default stream (see ``runtime/streams.py``): build
+    Streams: on CUDA, building it moves this thread off the legacy default stream (see ``capture/streams.py``): build
     it before the first training step. Every call then runs on the thread's current stream, the capture too.
 
     Hazards: the returned losses are fresh tensors, but tensors inside the graph (activations, the graph's

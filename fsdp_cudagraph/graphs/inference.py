@@ -70,11 +70,11 @@ from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard, simulat
 from megatron_fsdp import graph_contract as static_step
 
 from fsdp_cudagraph.config import CudaGraphConfig, InferenceCudaGraphScope
-from fsdp_cudagraph.runtime import args as _args
-from fsdp_cudagraph.runtime import streams as _streams
-from fsdp_cudagraph.runtime.attention import te_capture_flag
-from fsdp_cudagraph.runtime.buckets import Buckets, pad_to, unpad
-from fsdp_cudagraph.runtime.capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
+from fsdp_cudagraph.capture import args as _args
+from fsdp_cudagraph.capture import streams as _streams
+from fsdp_cudagraph.capture.attention import te_capture_flag
+from fsdp_cudagraph.capture.buckets import Buckets, pad_to, unpad
+from fsdp_cudagraph.capture.capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
 
 __all__ = ["InferenceCudaGraphs", "InferenceCapture", "INFERENCE_BACKENDS", "GraphLimitWarning"]
 
@@ -154,7 +154,7 @@ class InferenceCudaGraphs:
     Python side effects inside a graphed forward (a hook on a submodule of a layer, a counter) happen at
     capture only; a ``block`` graph of a sharded model on several ranks holds collectives, so every rank must
     call it together (the padded batch is agreed across ranks per call, other shapes must match).
-    Streams: on CUDA, building it moves this thread off the legacy default stream (``runtime/streams.py``).
+    Streams: on CUDA, building it moves this thread off the legacy default stream (``capture/streams.py``).
     """
 
     def __init__(self, model: nn.Module, config: CudaGraphConfig, *, batch_buckets: Buckets,
@@ -164,7 +164,7 @@ class InferenceCudaGraphs:
         if not isinstance(config, CudaGraphConfig):
             raise TypeError(f"config must be a CudaGraphConfig, got {type(config).__name__}")
         if not isinstance(batch_buckets, Buckets) or (seq_buckets is not None and not isinstance(seq_buckets, Buckets)):
-            raise TypeError("batch_buckets (and seq_buckets) must be fsdp_cudagraph.runtime.buckets.Buckets, e.g. "
+            raise TypeError("batch_buckets (and seq_buckets) must be fsdp_cudagraph.capture.buckets.Buckets, e.g. "
                             "Buckets.powers_of_two(8)")
         if isinstance(max_graph_sets, bool) or not isinstance(max_graph_sets, int) or max_graph_sets < 1:
             raise ValueError(f"max_graph_sets={max_graph_sets!r} must be an int >= 1")

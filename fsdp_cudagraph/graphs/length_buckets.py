@@ -16,7 +16,7 @@ length changes every step (Qwen3-VL concatenates all images of a sample, batch 1
 pads everything to one maximum length and replaces the per-image ``cu_seqlens`` by a mask over the whole
 padded sequence; that wastes compute on short inputs and lets every image attend to every other one. Here:
 
-- Buckets. ``Buckets`` (``runtime/buckets.py``) holds ascending lengths; a call of length ``n`` is padded to the
+- Buckets. ``Buckets`` (``capture/buckets.py``) holds ascending lengths; a call of length ``n`` is padded to the
   smallest bucket ``>= n`` along each *length argument*'s dimension (``LengthArg(dim, pad_value)``), and every
   tensor of the output is cut back to ``n`` along ``output_dim``. A call already at a bucket length is not
   copied, so a model may pad once before its layers (as the PR does) and every layer replays without copies.
@@ -72,9 +72,9 @@ from torch import nn
 from fsdp_cudagraph.config import CudaGraphConfig
 from fsdp_cudagraph.engines import adapter_for
 from fsdp_cudagraph.graphs.partial import BACKENDS, CaptureReport, PartialCudaGraphs, select_modules
-from fsdp_cudagraph.runtime import args as _args
-from fsdp_cudagraph.runtime import streams as _streams
-from fsdp_cudagraph.runtime.buckets import Buckets, pad_to
+from fsdp_cudagraph.capture import args as _args
+from fsdp_cudagraph.capture import streams as _streams
+from fsdp_cudagraph.capture.buckets import Buckets, pad_to
 
 __all__ = [
     "LengthBucketGraphs",

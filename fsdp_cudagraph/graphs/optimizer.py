@@ -26,8 +26,8 @@ import torch
 from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard
 from megatron_fsdp import graph_contract as static_step
 
-from fsdp_cudagraph.runtime import streams as _streams
-from fsdp_cudagraph.runtime.capture_safety import sync_debug_errors, translate_capture_error
+from fsdp_cudagraph.capture import streams as _streams
+from fsdp_cudagraph.capture.capture_safety import sync_debug_errors, translate_capture_error
 
 __all__ = ["OptimizerGraph", "FullIterationReport"]
 

@@ -43,11 +43,11 @@ from fsdp_cudagraph.config import CudaGraphConfig, module_tag
 from fsdp_cudagraph.engines import EngineAdapter, adapter_for
 from fsdp_cudagraph.hooks import HOOK_DICTS, HOOK_KEYS, ExtractedHooks, extract_hooks, restore_hooks
 from fsdp_cudagraph.offload import offloader as _offload
-from fsdp_cudagraph.runtime import args as _args
-from fsdp_cudagraph.runtime import graph_maker as _graph_maker
-from fsdp_cudagraph.runtime import streams as _streams
-from fsdp_cudagraph.runtime.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
-from fsdp_cudagraph.runtime.te import require_te
+from fsdp_cudagraph.capture import args as _args
+from fsdp_cudagraph.capture import graph_maker as _graph_maker
+from fsdp_cudagraph.capture import streams as _streams
+from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
+from fsdp_cudagraph.capture.te import require_te
 
 __all__ = ["PartialCudaGraphs", "CaptureReport", "BACKENDS", "select_modules", "match_graph_attention"]
 
@@ -100,7 +100,7 @@ class _Callable:
     #: The module's own instance-level ``forward`` before capture (when ``had_forward_attr``): graph makers
     #: replace it, and delete() or a failed capture must put it back.
     own_forward: Any = None
-    #: The recorded call's signature (structure, constants, tensor metadata; see ``runtime/args.py``). The graph's
+    #: The recorded call's signature (structure, constants, tensor metadata; see ``capture/args.py``). The graph's
     #: inputs are its tensor leaves, ``sample_args``; ``sample_kwargs`` stays empty.
     signature: Any = None
 
@@ -156,7 +156,7 @@ class PartialCudaGraphs:
         backend: ``te``, ``torch`` or ``protocol``; default from ``config.cuda_graph_impl``
             (``transformer_engine`` -> te, ``local`` -> torch).
         attention_backend: what to do when TE attention inside a graphed callable would pick another backend
-            under capture than eagerly (see [Note: attention backends under capture] in ``runtime/attention.py``):
+            under capture than eagerly (see [Note: attention backends under capture] in ``capture/attention.py``):
             ``match_graph`` (default) makes the eager steps use the graph's backend from now on, ``warn``
             keeps TE's eager choice and warns at capture, ``error`` refuses the capture.
         clone_param_grads: TE backend: return clones of the graph's parameter gradients (TE's default) rather
@@ -166,7 +166,7 @@ class PartialCudaGraphs:
             unit's post-backward (the torch backend never clones).
 
     Streams: building it moves this thread off the legacy default CUDA stream (backends ``te`` and
-    ``torch``; see [Note: the default stream and graph capture] in ``runtime/streams.py``), so build it before the
+    ``torch``; see [Note: the default stream and graph capture] in ``capture/streams.py``), so build it before the
     first training step: the eager steps before capture must run on a stream a capture can join.
     """
 
@@ -449,7 +449,7 @@ class PartialCudaGraphs:
         """Extra graph-maker arguments for one capture call: none here; length buckets pass a shared ``pool``."""
         return {}
 
-    # ------------------------------------------------------------------ calls with constants (see runtime/args.py)
+    # ------------------------------------------------------------------ calls with constants (see capture/args.py)
     def _wrappers(self, order: List[_Callable]) -> Dict[_Callable, _args.CallWrapper]:
         """What each backend captures: a module taking the recorded call's tensors, constants bound."""
         return {c: _args.CallWrapper(c.module, c.name, c.signature, c.module.forward) for c in order}
@@ -509,7 +509,7 @@ class PartialCudaGraphs:
 
         The modules end exactly as they were before this object existed; to capture again, build a new
         :class:`PartialCudaGraphs` and run at least one eager step before its ``capture()``. The thread stays
-        on the side stream it was moved to (so that capturing again works; see ``runtime/streams.py``).
+        on the side stream it was moved to (so that capturing again works; see ``capture/streams.py``).
         """
         for h in self._checks + self._recorders:
             h.remove()

@@ -1,0 +1,21 @@
+"""The scripts the 2-GPU tests launch, run on Gloo (CPU) with the same phases, so that they cannot rot between
+GPU sessions: tests/gpu/dcp_worlds.py (a DCP checkpoint across world sizes, resumed bit for bit)."""
+
+import os
+
+import pytest
+
+from tests.gpu_utils import ROOT, launcher, run_json
+
+SCRIPT = os.path.join(ROOT, "tests", "gpu", "dcp_worlds.py")
+
+
+@pytest.mark.gloo
+def test_dcp_worlds_script_on_gloo(tmp_path):
+    results = {}
+    for phase, nproc in (("save", 2), ("resave", 1), ("resume", 2)):
+        cmd = launcher(nproc, [SCRIPT]) + ["--phase", phase, "--dir", str(tmp_path), "--device", "cpu"]
+        results[phase] = run_json(cmd, tmp_path / f"{phase}.json")
+        assert results[phase]["ok"] and results[phase]["world_size"] == nproc, results[phase]
+    assert results["resume"]["losses"] == results["save"]["losses"]  # the uninterrupted run's, bit for bit
+    assert results["resave"]["saved_at_world"] == 2 and not results["resave"]["differing"]
