@@ -83,8 +83,9 @@ from fsdp_cudagraph.config import CudaGraphConfig, CudaGraphImpl
 from fsdp_cudagraph.graphs.optimizer import FullIterationReport, OptimizerGraph
 from fsdp_cudagraph.capture import args as _args
 from fsdp_cudagraph.capture import streams as _streams
-from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
-from fsdp_cudagraph.capture.capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
+from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message
+from fsdp_cudagraph.capture import recipe as _recipe
+from fsdp_cudagraph.capture.capture_safety import CaptureSafetyCheck
 
 __all__ = ["FullIterationCudaGraph", "FullIterationReport", "FULL_ITERATION_BACKENDS"]
 
@@ -442,9 +443,7 @@ class FullIterationCudaGraph:
             # nothing of the failed capture runs; drop its host state without waiting on captured work
             static_step.end_static_step(self.engine, bound=frozenset() if train else bindings)
             slot.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-            translated = translate_capture_error(exc, phase=what)
-            if translated is not None and translated is not exc:
-                raise translated from exc
+            _recipe.raise_translated(exc, what)
             raise
         static_step.end_static_step(self.engine, bound=bound)  # host state as after a replay: nothing ran yet
         self._agree_across_ranks(log, what)
@@ -477,15 +476,10 @@ class FullIterationCudaGraph:
     def _capture_cuda(self, slot: _Slot, static_batch: Any, log: List[str]) -> Tuple[Any, Any, None]:
         torch.cuda.synchronize(self.device)
         self._barrier()  # ranks capture together (nothing runs during capture; this keeps logs readable)
-        graph = torch.cuda.CUDAGraph()
-        for gen in self.generators:
-            graph.register_generator_state(gen)
-        stream = torch.cuda.current_stream(self.device)
-        with _streams.stale_stream_override(), capture_guard(CaptureGuardMode.ALLOW_COLLECTIVES, collective_log=log), \
-                te_capture_flag():
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                with sync_debug_errors():
-                    out = self._body(slot)(static_batch)
+        graph, out = _recipe.capture_graph(
+            lambda: self._body(slot)(static_batch), device=self.device, phase=_KINDS[slot.kind],
+            guard=lambda: capture_guard(CaptureGuardMode.ALLOW_COLLECTIVES, collective_log=log),
+            generators=self.generators)
         return graph, out, None
 
     def _run_protocol(self, slot: _Slot, static_batch: Any, log: List[str]) -> Tuple[Any, list]:

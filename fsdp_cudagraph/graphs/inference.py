@@ -72,9 +72,9 @@ from megatron_fsdp import graph_contract as static_step
 from fsdp_cudagraph.config import CudaGraphConfig, InferenceCudaGraphScope
 from fsdp_cudagraph.capture import args as _args
 from fsdp_cudagraph.capture import streams as _streams
-from fsdp_cudagraph.capture.attention import te_capture_flag
 from fsdp_cudagraph.capture.buckets import Buckets, pad_to, unpad
-from fsdp_cudagraph.capture.capture_safety import CaptureSafetyCheck, sync_debug_errors, translate_capture_error
+from fsdp_cudagraph.capture import recipe as _recipe
+from fsdp_cudagraph.capture.capture_safety import CaptureSafetyCheck
 
 __all__ = ["InferenceCudaGraphs", "InferenceCapture", "INFERENCE_BACKENDS", "GraphLimitWarning"]
 
@@ -486,18 +486,14 @@ class InferenceCudaGraphs:
             if static:
                 static_step.begin_static_step(engine, replace_grads=False)
             if self.backend == "cuda":
-                g.graph = torch.cuda.CUDAGraph()
-                with capture_guard(mode, collective_log=g.collectives), te_capture_flag():
-                    with torch.cuda.graph(g.graph, pool=self._pool, capture_error_mode="thread_local"):
-                        with sync_debug_errors():
-                            g.static_out, g.out_sig = body()
+                g.graph, (g.static_out, g.out_sig) = _recipe.capture_graph(
+                    body, device=self.device, phase=what, pool=self._pool,
+                    guard=lambda: capture_guard(mode, collective_log=g.collectives))
             else:
                 with simulated_capture(), capture_guard(mode, collective_log=g.collectives):
                     g.static_out, g.out_sig = body()
         except BaseException as exc:
-            translated = translate_capture_error(exc, phase=what)
-            if translated is not None and translated is not exc:
-                raise translated from exc
+            _recipe.raise_translated(exc, what)
             raise
         finally:
             if static:  # as after a replay; a failed capture ran nothing that counts

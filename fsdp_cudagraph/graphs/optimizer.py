@@ -26,8 +26,7 @@ import torch
 from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard
 from megatron_fsdp import graph_contract as static_step
 
-from fsdp_cudagraph.capture import streams as _streams
-from fsdp_cudagraph.capture.capture_safety import sync_debug_errors, translate_capture_error
+from fsdp_cudagraph.capture import recipe as _recipe
 
 __all__ = ["OptimizerGraph", "FullIterationReport"]
 
@@ -125,19 +124,10 @@ class OptimizerGraph:
         if self.backend == "cuda":
             device = self.engine.device
             torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                # clipping all-reduces the ranks' norms: a collective inside this graph too
-                with _streams.stale_stream_override(), capture_guard(CaptureGuardMode.ALLOW_COLLECTIVES, collective_log=log):
-                    with torch.cuda.graph(graph, stream=torch.cuda.current_stream(device), capture_error_mode="thread_local"):
-                        with sync_debug_errors():
-                            self.norm = self._clip_and_step(optimizer, max_norm)
-            except BaseException as exc:
-                translated = translate_capture_error(exc, phase=_PHASE)
-                if translated is not None and translated is not exc:
-                    raise translated from exc
-                raise
-            self.graph = graph
+            # clipping all-reduces the ranks' norms: a collective inside this graph too
+            self.graph, self.norm = _recipe.capture_graph(
+                lambda: self._clip_and_step(optimizer, max_norm), device=device, phase=_PHASE,
+                guard=lambda: capture_guard(CaptureGuardMode.ALLOW_COLLECTIVES, collective_log=log))
             self.agree(log, _PHASE)
         self.captured = True
         n = sum(g is not None for g in self.grads)

@@ -1,0 +1,96 @@
+"""The one raw capture recipe of the whole-step graph kinds: ``capture_graph(body, ...) -> torch.cuda.CUDAGraph``.
+
+Full-iteration train/eval graphs, the optimizer graph and inference graphs each capture a Python callable
+into one ``torch.cuda.CUDAGraph``. They used to spell the recipe out three times and the copies had drifted;
+[Note: one capture recipe] says which differences were needs (kept as arguments) and which were drift
+(removed). Per-layer graphs (``graphs/partial.py``) do not come here: their graph makers (TE's or
+PyTorch's ``make_graphed_callables``) own their capture; their schedules are in ``capture/schedules.py``.
+
+Knows no engine: the engine's capture guard comes in as a context-manager factory (``guard``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Optional, Sequence
+
+import torch
+
+from fsdp_cudagraph.capture import streams as _streams
+from fsdp_cudagraph.capture.attention import te_capture_flag
+from fsdp_cudagraph.capture.capture_safety import sync_debug_errors, translate_capture_error
+
+__all__ = ["capture_graph", "raise_translated"]
+
+
+def capture_graph(body: Callable[[], Any], *, device: torch.device, phase: str,
+                  guard: Optional[Callable[[], ContextManager[Any]]] = None, pool: Any = None,
+                  generators: Sequence[torch.Generator] = (), te_flag: bool = True,
+                  sync_debug: bool = True) -> "tuple[torch.cuda.CUDAGraph, Any]":
+    """Capture ``body()`` into a new CUDA graph; returns ``(graph, what body returned)``.
+
+    Args:
+        body: the work to capture, called once, inside the capture.
+        device: the CUDA device; the capture runs on this thread's current stream of it (see the Note).
+        phase: what is being captured, in words ("the training step"): error messages name it.
+        guard: the engine's capture guard, a factory of a context manager entered around the capture
+            (e.g. ``lambda: capture_guard(ALLOW_COLLECTIVES, collective_log=log)``); None: no guard.
+        pool: a memory pool shared with other graphs (``torch.cuda.graph_pool_handle()``), or None.
+        generators: CUDA generators besides the default one that ``body`` draws from, registered with
+            the graph so that each replay advances them as an eager run would.
+        te_flag: raise TransformerEngine's capture flag (a no-op without TE).
+        sync_debug: ``torch.cuda.set_sync_debug_mode("error")`` inside the capture, so that a host sync
+            is named instead of freezing its capture-time value.
+
+    Errors: a failure inside the capture is translated by :func:`capture_safety.translate_capture_error`
+    (the cause and the fix, for ``phase``) and raised from the original. Nothing is retried.
+
+    [Note: one capture recipe]
+    The three former copies (full-iteration, inference, optimizer) differed in three ways:
+    - Stream. Full-iteration and optimizer captured on the thread's current stream (a side stream since
+      the graph object was built, ``capture/streams.py``) under ``stale_stream_override``; inference
+      passed no stream, so torch captured on a private stream of its own. That was drift, not a need:
+      the inference object moves the thread to a side stream as the others do, capturing there keeps
+      the capture ordered with the eager work queued before it, and the override is inert for work
+      without autograd. Every capture now runs on the current stream with the override on.
+    - TE's capture flag. Full-iteration and inference raised it, the optimizer did not. Drift: TE modules
+      read the flag to stay graph-safe, and a step without TE modules never reads it (the flag is a
+      no-op without TE). Raised by default everywhere; ``te_flag=False`` is kept for a caller that
+      must capture TE modules in their eager mode.
+    - Pool and generators. Needs: inference shares one pool across its graphs (``pool``), the training
+      step registers the user's extra generators (``generators``); both stay arguments.
+    Error translation was done by each caller around more than the capture (warmup, the protocol
+    backend); it is done here for the capture, and callers that translate a wider block call
+    :func:`raise_translated`, which leaves an error translated here as it is.
+    """
+    graph = torch.cuda.CUDAGraph()
+    for gen in generators:
+        graph.register_generator_state(gen)
+    stream = torch.cuda.current_stream(device)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_streams.stale_stream_override())
+            if guard is not None:
+                stack.enter_context(guard())
+            if te_flag:
+                stack.enter_context(te_capture_flag())
+            stack.enter_context(torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"))
+            stack.enter_context(sync_debug_errors(sync_debug))
+            out = body()
+    except BaseException as exc:
+        raise_translated(exc, phase)
+        raise
+    return graph, out
+
+
+def raise_translated(exc: BaseException, phase: str) -> None:
+    """Raise the translation of a capture error ``exc`` (from ``exc``) when there is one; else return.
+
+    Idempotent: an error this function raised is not translated again by a caller's wider ``except``.
+    """
+    if getattr(exc, "_fsdp_cudagraph_translated", False):
+        return
+    translated = translate_capture_error(exc, phase=phase)
+    if translated is not None and translated is not exc:
+        translated._fsdp_cudagraph_translated = True  # type: ignore[attr-defined]
+        raise translated from exc
