@@ -32,22 +32,21 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from megatron_fsdp import simulated_capture
-
 from fsdp_cudagraph.config import CudaGraphConfig, module_tag
-from fsdp_cudagraph.engines import EngineAdapter, adapter_for
+from fsdp_cudagraph.engines.contract import EngineAdapter
+from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.hooks import HOOK_DICTS, HOOK_KEYS, ExtractedHooks, extract_hooks, restore_hooks
 from fsdp_cudagraph.offload import offloader as _offload
 from fsdp_cudagraph.capture import args as _args
-from fsdp_cudagraph.capture import graph_maker as _graph_maker
+from fsdp_cudagraph.capture import schedules as _schedules
+from fsdp_cudagraph.capture import state as _capture_state
 from fsdp_cudagraph.capture import streams as _streams
-from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message, te_capture_flag
-from fsdp_cudagraph.capture.te import require_te
+from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message
 
 __all__ = ["PartialCudaGraphs", "CaptureReport", "BACKENDS", "select_modules", "match_graph_attention"]
 
@@ -96,6 +95,8 @@ class _Callable:
     param_ptrs: Tuple[int, ...] = ()
     #: (name, address) of every tensor a replay reads or writes by address (the engine's replay_tensors).
     replay_ptrs: Tuple[Tuple[str, int], ...] = ()
+    #: The engine's replay probe (resolved at capture): the addresses of replay_ptrs as they are now, in O(1).
+    probe: Optional[Callable[[], Tuple[int, ...]]] = None
     had_forward_attr: bool = False
     #: The module's own instance-level ``forward`` before capture (when ``had_forward_attr``): graph makers
     #: replace it, and delete() or a failed capture must put it back.
@@ -245,8 +246,7 @@ class PartialCudaGraphs:
         if self.captured:
             raise RuntimeError("capture() was already called; delete() these graphs and build a new PartialCudaGraphs "
                                "to capture again")
-        if self.backend != "protocol":
-            self.config.check_runtime()
+        if self.backend != "protocol":  # (the machine was checked when this object was built)
             hazard = _streams.legacy_stream_hazard(steps_before_side_stream=self._steps_before_side_stream)
             if hazard is not None:
                 raise RuntimeError(f"fsdp_cudagraph: cannot capture: {hazard}")
@@ -295,9 +295,8 @@ class PartialCudaGraphs:
                 self.engine.prepare_capture(list({id(c.unit): c.unit for c in order if c.unit is not None}.values()))
             for c in order:
                 c.capture_params = tuple(c.module.parameters())
-            runner = {"te": self._capture_te, "torch": self._capture_torch, "protocol": self._capture_protocol}[self.backend]
-            with _streams.stale_stream_override(), _offload.graph_maker(self.offload), _graph_maker.parked_grad_hooks(order):
-                runner(order)
+            with _streams.stale_stream_override(), _offload.graph_maker(self.offload), _schedules.parked_grad_hooks(order):
+                self._run_schedule(order)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
         except BaseException:
@@ -323,6 +322,10 @@ class PartialCudaGraphs:
             c.params = tuple(c.module.parameters()) if self.engine is None else ()
             c.param_ptrs = tuple(p.data_ptr() for p in c.params)
             c.replay_ptrs = self._replay_ptrs(c)
+            c.probe = self.engine.replay_probe(c.module) if self.engine is not None else None
+            if c.probe is not None and c.probe() != tuple(ptr for _, ptr in c.replay_ptrs):
+                raise RuntimeError(f"fsdp_cudagraph: the {self.engine.name} adapter's replay_probe({c.name}) disagrees "
+                                   "with its replay_tensors (same tensors, same order); fix the adapter")
             self._checks.append(c.module.register_forward_pre_hook(self._address_check(c)))
         self._order = order
         self.captured = True
@@ -351,81 +354,22 @@ class PartialCudaGraphs:
             last.plan["backward_pre_hooks"].update(plan["backward_pre_hooks"])
             first.plan["backward_hooks"].update(plan["backward_hooks"])
 
-    def _capture_te(self, order: List[_Callable]) -> None:
-        te = require_te("cuda_graph_impl='transformer_engine'")
+    def _run_schedule(self, order: List[_Callable]) -> None:
+        """The backend's schedule (``capture/schedules.py``) over ``order``, installing each result."""
         wrappers = self._wrappers(order)
-        te.make_graphed_callables(
-            tuple(wrappers[c] for c in order),
-            tuple(c.sample_args for c in order),
-            num_warmup_iters=self.config.cuda_graph_num_warmup_iters,
-            allow_unused_input=True,
-            sample_kwargs=tuple({} for _ in order),
-            clone_param_grads_on_return=self.clone_param_grads,
-            # one entry per callable, in order; TE passes the wrapper, the hooks act on the original module
-            capture_time_hooks=[self._te_hooks(c) for c in order],
-            **_offload.te_warmup_hooks(self.offload),  # offloading off during warmup, on for capture
-            **self._pool_kwargs(order),
-        )
-        for c in order:
-            self._install(c, wrappers[c], wrappers[c].forward)
-
-    def _capture_torch(self, order: List[_Callable]) -> None:
-        # torch's graph maker takes no capture-time hooks and warms up and captures in one call, so run
-        # one call per FSDP unit with that unit's handlers around it: unsharded before, reduced after.
-        wrappers = self._wrappers(order)
-        groups: List[List[_Callable]] = []
-        for c in order:
-            if groups and c.unit is not None and groups[-1][0].unit is c.unit:
-                groups[-1].append(c)
-            else:
-                groups.append([c])
-        # [Note: the engine contract] item 8: the engine's handlers gather only the unit being captured.
-        with self.engine.one_unit_at_a_time() if self.engine is not None else contextlib.nullcontext():
-            for group in groups:
-                for key in ("forward_pre_hooks", "backward_pre_hooks"):
-                    for c in group:
-                        _graph_maker.run_hooks(c.plan[key], c.module)
-                with te_capture_flag():  # TE modules inside must stay graph-safe, as under TE's own graph maker
-                    torch.cuda.make_graphed_callables(
-                        tuple(wrappers[c] for c in group),
-                        tuple(c.sample_args for c in group),
-                        num_warmup_iters=self.config.cuda_graph_num_warmup_iters,
-                        allow_unused_input=True,
-                        **self._pool_kwargs(group),
-                    )
-                for key in ("forward_hooks", "backward_hooks"):
-                    for c in group:
-                        _graph_maker.run_hooks(c.plan[key], c.module)
-        for c in order:
-            self._install(c, wrappers[c], wrappers[c].forward)
-
-    def _capture_protocol(self, order: List[_Callable]) -> None:
-        # TE's schedule: per warmup iteration all forwards in order then all backwards in reverse, then the
-        # capture pass the same way, each pass inside the (simulated) capture context and every hook outside.
-        _graph_maker.check_graph_maker_preconditions(order)
-        wrappers = self._wrappers(order)
-        for it in range(self.config.cuda_graph_num_warmup_iters + 1):
-            capturing = it == self.config.cuda_graph_num_warmup_iters
-            outs = []
-            for c in order:
-                _graph_maker.run_hooks(c.plan["forward_pre_hooks"], c.module)
-                self._check_params(c)
-                with self._simulated_capture() if capturing else contextlib.nullcontext():
-                    outs.append(wrappers[c](*c.sample_args))
-                _graph_maker.run_hooks(c.plan["forward_hooks"], c.module)
-            for c, out in zip(reversed(order), reversed(outs)):
-                _graph_maker.run_hooks(c.plan["backward_pre_hooks"], c.module)
-                with self._simulated_capture() if capturing else contextlib.nullcontext():
-                    _graph_maker.te_backward(c, out)
-                _graph_maker.run_hooks(c.plan["backward_hooks"], c.module)
-        for c in order:
-            self._install(c, wrappers[c], _ProtocolReplay(wrappers[c]))
-
-    def _te_hooks(self, c: _Callable) -> Dict[str, Dict[int, Any]]:
-        """What TE is handed for ``c``: its planned hooks on ``c.module``, then the parameter check."""
-        hooks = _graph_maker.on_module(c.plan, c.module)
-        hooks["forward_pre_hooks"][_PARAMS_GUARD] = lambda _given: self._check_params(c)
-        return hooks
+        n = self.config.cuda_graph_num_warmup_iters
+        if self.backend == "torch":
+            # [Note: the engine contract] item 8: the engine's handlers gather only the unit being captured.
+            scope = self.engine.one_unit_at_a_time if self.engine is not None else contextlib.nullcontext
+            return _schedules.capture_torch(order, wrappers, num_warmup_iters=n, install=self._install,
+                                            pool_for=self._pool_kwargs, unit_scope=scope)
+        hooks = [_schedules.capture_time_hooks(c, guard=lambda c=c: self._check_params(c)) for c in order]
+        if self.backend == "te":
+            return _schedules.capture_te(order, wrappers, hooks, num_warmup_iters=n, install=self._install,
+                                         clone_param_grads=self.clone_param_grads, pool_for=self._pool_kwargs,
+                                         extra=_offload.te_warmup_hooks(self.offload))  # offloading on for capture only
+        _schedules.capture_protocol(order, wrappers, hooks, num_warmup_iters=n, install=self._install,
+                                    region=self._simulated_capture, replay=_ProtocolReplay)
 
     def _check_params(self, c: _Callable) -> None:
         """After the capture-time pre-forward: the module's parameters are still the ones the graph maker took."""
@@ -440,10 +384,13 @@ class PartialCudaGraphs:
                 f"the optimizer sees. The engine adapter of {engine} must register, in prepare_capture(), the "
                 "parameters its forward reads (see [Note: the engine contract], item 6)")
 
-    def _simulated_capture(self) -> Any:
-        # The engine's guard; with no engine, still the process-wide simulated-capture flag that offloading reads
-        # (megatron_fsdp's public is_capturing/simulated_capture: the one capture state of the CPU protocol).
-        return self.engine.simulated_capture() if self.engine is not None else simulated_capture()
+    @contextlib.contextmanager
+    def _simulated_capture(self) -> Iterator[None]:
+        # Our capture flag (offloading reads it) and, under an engine, the engine's guard ([Note: the engine
+        # contract], item 4).
+        with _capture_state.simulated_capture(), (
+                self.engine.simulated_capture() if self.engine is not None else contextlib.nullcontext()):
+            yield
 
     def _pool_kwargs(self, callables: List[_Callable]) -> Dict[str, Any]:
         """Extra graph-maker arguments for one capture call: none here; length buckets pass a shared ``pool``."""
@@ -480,13 +427,16 @@ class PartialCudaGraphs:
         data_ptr = torch.Tensor.data_ptr
         hint = self.engine.address_hint if self.engine is not None else ""
 
+        probe, probed = c.probe, tuple(ptr for _, ptr in c.replay_ptrs)
+
         def check(module: nn.Module, args: Tuple[Any, ...]) -> None:
-            # The hot path is one tuple comparison per replay; names are looked up only to report.
+            # The hot path is one tuple comparison per replay, its addresses read by the probe resolved at capture
+            # (no model walk: flat in depth); names are looked up only to report.
             moved = None
             if c.params and tuple(map(data_ptr, c.params)) != c.param_ptrs:
                 moved = [(f"parameter {n}", ptr, p.data_ptr())
                          for (n, p), ptr in zip(module.named_parameters(), c.param_ptrs) if p.data_ptr() != ptr]
-            elif c.replay_ptrs:
+            elif probe is not None and probe() != probed:
                 now = self._replay_ptrs(c)
                 if now != c.replay_ptrs:
                     moved = [(n if n.startswith("gradient") else f"parameter {n}", ptr, new)
@@ -569,10 +519,6 @@ def _restore_forward(c: _Callable) -> None:
         c.module.__dict__["forward"] = c.own_forward
     else:
         c.module.__dict__.pop("forward", None)
-
-
-#: The key of the parameter guard in a callable's capture-time pre-forward hooks (hook ids are >= 0).
-_PARAMS_GUARD = -1
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -1,6 +1,6 @@
 """The FSDP2 engine adapter (fsdp_cudagraph.engines.fsdp2) driven in TE's capture schedule on 2 Gloo ranks.
 
-The schedule is the protocol backend's (``_capture_protocol``): per warmup iteration and in the capture pass,
+The schedule is the protocol backend's (``capture.schedules.run_te_schedule``): per warmup iteration and in the capture pass,
 all forwards in order then all backwards in reverse, every capture-time hook outside the (simulated) capture
 region, the module's own hooks taken off during capture and put back after. The tests speak to the engine only
 through ``fsdp_cudagraph.engines`` (``adapter_for`` and the contract), so they stay valid when PartialCudaGraphs
@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_cudagraph.engines import HOOK_KEYS, adapter_for
+from fsdp_cudagraph.capture import schedules
+from fsdp_cudagraph.engines import HOOK_DICTS, HOOK_KEYS, adapter_for
 from fsdp_cudagraph.engines import fsdp2
 from fsdp_cudagraph.engines.fsdp2 import keep_unsharded_storage, release_unsharded_storage
+from fsdp_cudagraph.hooks import extract_hooks, hooks_snapshot, restore_hooks
 from tests.dist_utils import run_gloo
 
 WORLD = 2
@@ -30,8 +32,6 @@ NUM_WARMUP = 2
 HIDDEN = 8
 ROWS = 4  # per rank
 
-_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
 class Net(nn.Module):
@@ -66,10 +66,6 @@ def batch(step: int, rank: int) -> torch.Tensor:
     return torch.randn(WORLD * ROWS, HIDDEN, generator=g)[rank * ROWS:(rank + 1) * ROWS]
 
 
-def snapshot(module: nn.Module) -> Dict[str, List]:
-    return {name: list(getattr(module, name).items()) for name in _DICTS + _FLAGS}
-
-
 class Recorder:
     """Counts the capture-time hook calls and the collectives, and where each collective ran."""
 
@@ -81,82 +77,54 @@ class Recorder:
 
 
 def drive_schedule(adapter, layers: List[nn.Module], rec: Recorder, *, fail_capture_forward: bool = False) -> None:
-    """TE's capture schedule as the protocol backend runs it, on ``layers`` (each one callable)."""
-    saved = []
-    for layer in layers:  # phase 1: copy and clear (restore copies nobody else touches)
-        copy = {name: collections.OrderedDict(getattr(layer, name)) for name in _DICTS + _FLAGS}
-        for name in _DICTS + _FLAGS:
-            getattr(layer, name).clear()
-        saved.append(copy)
+    """TE's capture schedule as the protocol backend runs it (``capture.schedules.run_te_schedule``), on
+    ``layers`` (each one callable), their hooks taken off by phase 1 and planned by the adapter (phase 2)."""
+    extracted = []
     try:
-        plans = []
-        for i, (layer, copy) in enumerate(zip(layers, saved)):
-            plan = adapter.hook_plan(copy)
-            assert not plan.unknown, plan.unknown
-            plans.append({k: {hid: counted(fn, rec, (i, k)) for hid, fn in plan.capture_time[k].items()}
-                          for k in HOOK_KEYS})
+        for layer in layers:
+            extracted.append(extract_hooks(layer, hook_plan=adapter.hook_plan))
+            assert not extracted[-1].unknown, extracted[-1].unknown
+        plans = [{k: {hid: counted(fn, rec, (i, k), layer) for hid, fn in ex.capture_time[k].items()} for k in HOOK_KEYS}
+                 for i, (ex, layer) in enumerate(zip(extracted, layers))]
         g = torch.Generator().manual_seed(7)
         sample = [torch.randn(ROWS, HIDDEN, generator=g).requires_grad_() for _ in layers]
-        for it in range(NUM_WARMUP + 1):
-            capturing = it == NUM_WARMUP
-            outs = []
-            for i, layer in enumerate(layers):
-                run(plans[i]["forward_pre_hooks"], layer)
-                with region(adapter, rec, capturing):
-                    if capturing and fail_capture_forward and i == 1:
-                        raise ValueError("captured forward failed")
-                    outs.append(layer(sample[i]))
-                run(plans[i]["forward_hooks"], layer)
-            for i in reversed(range(len(layers))):
-                run(plans[i]["backward_pre_hooks"], layers[i])
-                with region(adapter, rec, capturing):
-                    grads(layers[i], sample[i], outs[i])
-                run(plans[i]["backward_hooks"], layers[i])
+        callables: List[Any] = list(layers)
+        if fail_capture_forward:
+            callables[1] = failing_in_capture(layers[1], rec)
+        # As TE's graph maker: autograd.backward into .grad of the static input and the parameters the layer
+        # holds at its backward (FSDP2 swaps them in at its pre-backward), cleared and restored.
+        schedules.run_te_schedule(callables, [(x,) for x in sample], plans, num_warmup_iters=NUM_WARMUP,
+                                  region=lambda: region(adapter, rec),
+                                  grad_inputs=lambda i: [p for p in layers[i].parameters() if p.requires_grad])
     finally:
-        for layer, copy in zip(layers, saved):
-            for name, content in copy.items():
-                live = getattr(layer, name)
-                live.clear()
-                live.update(content)
+        for ex in extracted:
+            restore_hooks(ex)
         adapter.reset()
 
 
-def counted(fn, rec: Recorder, key: tuple):
-    def run_counted(module: nn.Module) -> None:
+def counted(fn, rec: Recorder, key: tuple, layer: nn.Module):
+    def run_counted(_given: Any) -> None:  # on the layer, whatever callable the schedule passes
         rec.calls[key] += 1
-        return fn(module)
+        return fn(layer)
     return run_counted
 
 
-def run(hooks: Dict[int, Any], module: nn.Module) -> None:
-    for fn in hooks.values():
-        assert fn(module) is None
+def failing_in_capture(layer: nn.Module, rec: Recorder):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if rec.in_capture:
+            raise ValueError("captured forward failed")
+        return layer(x)
+    return forward
 
 
 @contextlib.contextmanager
-def region(adapter, rec: Recorder, capturing: bool):
-    if not capturing:
-        yield
-        return
+def region(adapter, rec: Recorder):
     rec.in_capture = True
     try:
         with adapter.simulated_capture():
             yield
     finally:
         rec.in_capture = False
-
-
-def grads(layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
-    # As TE's graph maker: autograd.backward into .grad of the static input and parameters, cleared and restored.
-    inputs = [x] + [p for p in layer.parameters() if p.requires_grad]
-    saved = [t.grad for t in inputs]
-    for t in inputs:
-        t.grad = None
-    try:
-        torch.autograd.backward([out], grad_tensors=[torch.ones_like(out)])
-    finally:
-        for t, gr in zip(inputs, saved):
-            t.grad = gr
 
 
 @contextlib.contextmanager
@@ -197,10 +165,10 @@ def train(rank: int, *, schedule: bool, rec: Optional[Recorder] = None, **settin
         if schedule and step == SCHEDULE_AT:
             layers = list(model.layers)
             assert adapter.unit_modules() == layers
-            before = [snapshot(m) for m in layers]
+            before = [hooks_snapshot(m) for m in layers]
             with count_collectives(rec):
                 drive_schedule(adapter, layers, rec)
-            assert [snapshot(m) for m in layers] == before
+            assert [hooks_snapshot(m) for m in layers] == before
             opt.zero_grad()  # warmup and capture gradients are not the step's (the graph layer discards them too)
         loss = model(batch(step, rank)).pow(2).mean()
         loss.backward()
@@ -239,16 +207,16 @@ def job(rank: int, world: int) -> Dict[str, Any]:
 
     # (d) hooks restored exactly when the captured forward raises, and FSDP2 still trains after.
     layers = list(model.layers)
-    before_hooks = [snapshot(m) for m in layers]
+    before_hooks = [hooks_snapshot(m) for m in layers]
     try:
         drive_schedule(adapter, layers, Recorder(), fail_capture_forward=True)
         report["failed_capture"] = None
     except ValueError as exc:
         report["failed_capture"] = str(exc)
-    report["hooks_restored_after_failure"] = [snapshot(m) for m in layers] == before_hooks
+    report["hooks_restored_after_failure"] = [hooks_snapshot(m) for m in layers] == before_hooks
     report["same_hook_objects"] = all(
-        a[d][j][1] is b[d][j][1] for a, b in zip(before_hooks, [snapshot(m) for m in layers])
-        for d in _DICTS for j in range(len(a[d])))
+        a[d][j][1] is b[d][j][1] for a, b in zip(before_hooks, [hooks_snapshot(m) for m in layers])
+        for d in HOOK_DICTS for j in range(len(a[d])))
     loss = model(batch(1, rank)).sum()
     loss.backward()
     report["trains_after_failure"] = bool(torch.isfinite(loss.detach()))

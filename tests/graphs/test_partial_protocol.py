@@ -373,7 +373,7 @@ class _CallingWrapper(_REAL_WRAPPER):
         self.eager_forward, self._names, self.training = module.__call__, [], module.training
 
 
-_REAL_PRECONDITIONS = capture_mod._graph_maker.check_graph_maker_preconditions
+_REAL_PRECONDITIONS = capture_mod._schedules.check_graph_maker_preconditions
 
 
 class _FailingReplay(capture_mod._ProtocolReplay):
@@ -420,12 +420,12 @@ def _failures_job(rank: int, world: int) -> Dict[str, Any]:
         out["neg_precondition"] = _error(graphs.capture)
         # ...so, to show the engine's refusal, stand in for a graph maker that does not check.
         # (and for a wrapper that calls the module through __call__, so that its hooks run in the region)
-        capture_mod._graph_maker.check_graph_maker_preconditions = lambda order: None
+        capture_mod._schedules.check_graph_maker_preconditions = lambda order: None
         capture_mod._args.CallWrapper = _CallingWrapper
         out["neg_error"] = _error(graphs.capture)
     finally:
         capture_mod.extract_hooks = _REAL_EXTRACT
-        capture_mod._graph_maker.check_graph_maker_preconditions = _REAL_PRECONDITIONS
+        capture_mod._schedules.check_graph_maker_preconditions = _REAL_PRECONDITIONS
         capture_mod._args.CallWrapper = _REAL_WRAPPER
     out["neg_trace"] = model.trace
     model.trace = None

@@ -17,7 +17,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-import fsdp_cudagraph.graphs.partial as capture_mod
+from fsdp_cudagraph.capture import schedules
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch
 from megatron_fsdp import TrainingState, fully_shard, simulated_capture
@@ -58,49 +58,24 @@ class StubTE:
             if set(h) - set(HOOK_KINDS):
                 raise ValueError(f"Found unexpected keys in capture_time_hooks ({set(h) - set(HOOK_KINDS)}).")
 
-        def run(i: int, kind: str) -> None:
-            for fn in capture_time_hooks[i].get(kind, {}).values():
-                assert fn(modules[i]) is None
-
         def expect(i: int, states: tuple, when: str) -> None:
             unit = self._unit(modules[i])
             if not unit.is_root and unit.state not in states:
                 raise OutOfStep(f"callable {i}: its unit {unit.name} is {unit.state.name} {when}; the hooks TE was "
                                 "handed for this callable do not belong to it")
 
-        for it in range(num_warmup_iters + 1):
-            capturing = it == num_warmup_iters
-            outs = []
-            for i, m in enumerate(modules):
-                run(i, "forward_pre_hooks")
-                expect(i, (TrainingState.FORWARD,), "at its forward")
-                with simulated_capture() if capturing else _null():
-                    outs.append(m(*sample_args[i], **sample_kwargs[i]))
-                run(i, "forward_hooks")
-            for i in reversed(range(len(modules))):
-                run(i, "backward_pre_hooks")
-                expect(i, (TrainingState.BACKWARD,), "at its backward")
-                out = outs[i]
-                flat = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if torch.is_tensor(o) and o.requires_grad]
-                inputs = [a for a in sample_args[i] if torch.is_tensor(a) and a.requires_grad]
-                inputs += [p for p in modules[i].parameters() if p.requires_grad]
-                saved = [t.grad for t in inputs]
-                for t in inputs:
-                    t.grad = None
-                with simulated_capture() if capturing else _null():
-                    torch.autograd.backward(flat, grad_tensors=[torch.ones_like(o) for o in flat])
-                for t, g in zip(inputs, saved):
-                    t.grad = g
-                run(i, "backward_hooks")
+        # TE's schedule is the protocol backend's driver; the unit's state is checked after each callable's
+        # pre-forward and pre-backward hooks (a check appended as the last hook of those keys).
+        checked = []
+        for i, h in enumerate(capture_time_hooks):
+            h = {k: dict(v) for k, v in h.items()}
+            h.setdefault("forward_pre_hooks", {})[-2] = lambda _m, i=i: expect(i, (TrainingState.FORWARD,), "at its forward")
+            h.setdefault("backward_pre_hooks", {})[-2] = lambda _m, i=i: expect(i, (TrainingState.BACKWARD,), "at its backward")
+            checked.append(h)
+        schedules.run_te_schedule(modules, sample_args, checked, num_warmup_iters=num_warmup_iters,
+                                  region=simulated_capture, sample_kwargs=sample_kwargs,
+                                  grad_inputs=lambda i: [p for p in modules[i].parameters()])
         return modules
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _train(scope: List[str], *, graphed: bool, reverse_hooks: bool = False) -> Dict[str, Any]:
@@ -112,18 +87,19 @@ def _train(scope: List[str], *, graphed: bool, reverse_hooks: bool = False) -> D
     stub = StubTE(model)
     graphs = None
     if graphed:
-        capture_mod.require_te = lambda what: stub
+        schedules.require_te = lambda what: stub
         CudaGraphConfig.check_runtime = lambda self: None
         if reverse_hooks:
-            real = PartialCudaGraphs._capture_te
+            real = schedules.capture_te
 
-            def reversed_capture(self: Any, order: Any) -> None:
-                plans = [c.plan for c in order]
+            def reversed_capture(order: Any, wrappers: Any, hooks: Any, **kwargs: Any) -> None:
+                plans = [c.plan for c in order]  # each callable's plan handed to another one, in reverse
                 for c, plan in zip(order, reversed(plans)):
                     c.plan = plan
-                real(self, order)
+                hooks = [schedules.capture_time_hooks(c) for c in order]
+                real(order, wrappers, hooks, **kwargs)
 
-            PartialCudaGraphs._capture_te = reversed_capture
+            schedules.capture_te = reversed_capture
         graphs = PartialCudaGraphs(model, CudaGraphConfig(cuda_graph_impl="transformer_engine", cuda_graph_modules=scope,
                                                           use_megatron_fsdp=True, fsdp_double_buffer=True,
                                                           fsdp_db_use_persist_buf_on_alloc_fail=True), backend="te")

@@ -1,0 +1,222 @@
+"""Capture schedules of per-layer graphs, one function per backend: ``te``, ``torch`` and ``protocol``.
+
+Each schedule captures an ``order`` of callables and hands every result to ``install``; what it needs from
+its graph kind comes in as arguments (``install``, ``pool_for``, the capture-time hooks, the capture region),
+never as ``self``, so partial graphs and length buckets share them without a subclass.
+
+A callable here is read only through ``name``, ``module``, ``unit``, ``plan``, ``sample_args`` and
+``capture_params`` (``graphs.partial._Callable``). ``plan`` holds capture-time hooks in TE's form
+(``{key: {hook_id: fn(module) -> None}}``); :func:`capture_time_hooks` turns it into what TE is handed,
+once per callable and capture.
+
+:func:`run_te_schedule` is the one driver of TE's warmup/capture schedule without graphs: the ``protocol``
+backend runs it, and the CPU tests that stand in for TE or drive an engine through TE's schedule run it
+too, instead of copies of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from fsdp_cudagraph.capture.attention import te_capture_flag
+from fsdp_cudagraph.capture.te import require_te
+from fsdp_cudagraph.hooks import HOOK_DICTS
+
+__all__ = ["parked_grad_hooks", "run_hooks", "capture_time_hooks", "check_graph_maker_preconditions", "te_backward",
+           "run_te_schedule", "capture_te", "capture_torch", "capture_protocol", "unit_groups", "PARAMS_GUARD"]
+
+#: Hooks in TE's form, per key: ``{hook_id: fn(module) -> None}``.
+HookDicts = Mapping[str, Mapping[int, Callable[[Any], None]]]
+#: The install step of a graph kind: ``install(callable, wrapper, graphed)``.
+Install = Callable[[Any, Any, Any], None]
+#: Extra graph-maker arguments for one capture call of these callables (e.g. ``{"pool": handle}``), or {}.
+PoolFor = Callable[[List[Any]], Dict[str, Any]]
+
+#: The key of the parameter guard in a callable's capture-time pre-forward hooks (hook ids are >= 0).
+PARAMS_GUARD = -1
+
+
+@contextlib.contextmanager
+def parked_grad_hooks(order: Sequence[Any]) -> Iterator[None]:
+    """[Note: post-accumulate-grad hooks at capture]
+    TE's graph maker runs warmup and capture backwards with ``torch.autograd.backward`` (``.grad`` of the inputs
+    and parameters cleared before, restored after), so AccumulateGrad runs and so do the parameters'
+    post-accumulate-grad hooks: on warmup gradients computed from uninitialised output gradients, and inside the
+    capture. An engine that reduces from such a hook (NVIDIA Megatron-FSDP: main_grad accumulation, bucket
+    waits) would take warmup gradients into its buffers and wait on events inside the capture (on an H100:
+    ``CUDA error: invalid argument``). While a graph maker runs, the hooks of the captured parameters are parked
+    (their dict emptied in place, so handles stay valid) and put back afterwards; they fire at every replay,
+    where AccumulateGrad runs outside the graph.
+    """
+    parked: List[Tuple[Dict[Any, Any], Dict[Any, Any]]] = []
+    seen: set = set()
+    for c in order:
+        for p in c.capture_params:
+            hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+            if hooks and id(hooks) not in seen:
+                seen.add(id(hooks))
+                parked.append((hooks, dict(hooks)))
+                hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, saved in parked:
+            hooks.clear()
+            hooks.update(saved)
+
+
+def run_hooks(hooks: Mapping[int, Callable[[Any], None]], module: Any) -> None:
+    """Run capture-time hooks in order, as TE does: each takes the module and must return None."""
+    for fn in hooks.values():
+        if fn(module) is not None:
+            raise RuntimeError("capture-time hooks must return None")
+
+
+def capture_time_hooks(c: Any, guard: Optional[Callable[[], None]] = None) -> Dict[str, Dict[int, Callable[[Any], None]]]:
+    """What a graph maker is handed for ``c``: its planned hooks, acting on ``c.module`` whatever module the
+    graph maker passes them (TE passes the wrapper it captures), then ``guard`` after the pre-forward hooks."""
+    module = c.module
+    hooks = {k: {hid: (lambda _given, fn=fn: fn(module)) for hid, fn in plan.items()} for k, plan in c.plan.items()}
+    if guard is not None:
+        hooks.setdefault("forward_pre_hooks", {})[PARAMS_GUARD] = lambda _given: guard()
+    return hooks
+
+
+def check_graph_maker_preconditions(order: Sequence[Any]) -> None:
+    """What TE's and PyTorch's graph makers check before any work: no hook left on a captured module."""
+    for c in order:
+        left = {d: len(getattr(c.module, d)) for d in HOOK_DICTS if getattr(c.module, d)}
+        if left:
+            raise RuntimeError(
+                f"graphed callable {c.name} still has hooks {left} when passed to the graph maker; modules must not "
+                "have hooks registered at the time they are passed (capture-time hooks run outside the capture)"
+            )
+
+
+def te_backward(out: Any, inputs: Sequence[torch.Tensor]) -> None:
+    """Backward as TE's graph maker runs it: ``torch.autograd.backward`` of ``out`` (ones as output gradients)
+    into ``.grad`` of ``inputs`` (the graph's inputs that require grad), cleared before and restored after;
+    not ``torch.autograd.grad``."""
+    outs = [o for o in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not outs:
+        return
+    inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    saved = [t.grad for t in inputs]
+    for t in inputs:
+        t.grad = None
+    try:
+        torch.autograd.backward(outs, grad_tensors=[torch.ones_like(o) for o in outs])
+    finally:
+        for t, g in zip(inputs, saved):
+            t.grad = g
+
+
+def run_te_schedule(callables: Sequence[Callable[..., Any]], sample_args: Sequence[Sequence[Any]],
+                    hooks: Sequence[HookDicts], *, num_warmup_iters: int, region: Callable[[], ContextManager[Any]],
+                    sample_kwargs: Optional[Sequence[Mapping[str, Any]]] = None,
+                    grad_inputs: Optional[Callable[[int], Sequence[torch.Tensor]]] = None) -> None:
+    """TE's ``make_graphed_callables`` schedule without graphs.
+
+    Per warmup iteration, then once more for the capture pass: every callable's forward in order, then every
+    backward in reverse order. Each forward and backward runs between its callable's capture-time hooks
+    (``hooks[i]``, called with ``callables[i]``): ``forward_pre_hooks``, forward, ``forward_hooks``;
+    ``backward_pre_hooks``, backward, ``backward_hooks``. In the capture pass the forwards and backwards (never
+    the hooks) run inside ``region()`` (the engine's simulated capture). Backward is :func:`te_backward` into
+    the static inputs and ``grad_inputs(i)`` (default: the callable's parameters when the schedule started,
+    which TE makes the graph's inputs).
+    """
+    kwargs = list(sample_kwargs) if sample_kwargs is not None else [{} for _ in callables]
+    if grad_inputs is None:
+        taken = [tuple(f.parameters()) if isinstance(f, nn.Module) else () for f in callables]
+        grad_inputs = taken.__getitem__
+    for it in range(num_warmup_iters + 1):
+        capturing = it == num_warmup_iters
+        outs = []
+        for i, f in enumerate(callables):
+            run_hooks(hooks[i].get("forward_pre_hooks", {}), f)
+            with region() if capturing else contextlib.nullcontext():
+                outs.append(f(*sample_args[i], **kwargs[i]))
+            run_hooks(hooks[i].get("forward_hooks", {}), f)
+        for i in reversed(range(len(callables))):
+            run_hooks(hooks[i].get("backward_pre_hooks", {}), callables[i])
+            inputs = list(sample_args[i]) + list(kwargs[i].values()) + list(grad_inputs(i))
+            with region() if capturing else contextlib.nullcontext():
+                te_backward(outs[i], inputs)
+            run_hooks(hooks[i].get("backward_hooks", {}), callables[i])
+
+
+def unit_groups(order: Sequence[Any]) -> List[List[Any]]:
+    """Consecutive callables of one engine unit, in order (a callable without a unit is a group of its own)."""
+    groups: List[List[Any]] = []
+    for c in order:
+        if groups and c.unit is not None and groups[-1][0].unit is c.unit:
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return groups
+
+
+def capture_te(order: List[Any], wrappers: Mapping[Any, Any], hooks: Sequence[HookDicts], *, num_warmup_iters: int,
+               clone_param_grads: bool, install: Install, pool_for: PoolFor,
+               extra: Optional[Mapping[str, Any]] = None) -> None:
+    """TE backend: one ``make_graphed_callables`` call for every callable, ``hooks[i]`` as its capture-time hooks.
+
+    ``extra``: more keyword arguments for TE (the offloader's warmup hooks).
+    """
+    te = require_te("cuda_graph_impl='transformer_engine'")
+    te.make_graphed_callables(
+        tuple(wrappers[c] for c in order),
+        tuple(c.sample_args for c in order),
+        num_warmup_iters=num_warmup_iters,
+        allow_unused_input=True,
+        sample_kwargs=tuple({} for _ in order),
+        clone_param_grads_on_return=clone_param_grads,
+        capture_time_hooks=list(hooks),  # one entry per callable, in order
+        **dict(extra or {}),
+        **pool_for(order),
+    )
+    for c in order:
+        install(c, wrappers[c], wrappers[c].forward)
+
+
+def capture_torch(order: List[Any], wrappers: Mapping[Any, Any], *, num_warmup_iters: int, install: Install,
+                  pool_for: PoolFor, unit_scope: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
+    """torch backend: ``torch.cuda.make_graphed_callables`` takes no capture-time hooks and warms up and captures
+    in one call, so one call per engine unit (:func:`unit_groups`) with that unit's hooks around it: unsharded
+    before, reduced after. ``unit_scope``: the engine's "one unit at a time" mode ([Note: the engine
+    contract] item 8), entered around all calls."""
+    with unit_scope():
+        for group in unit_groups(order):
+            for key in ("forward_pre_hooks", "backward_pre_hooks"):
+                for c in group:
+                    run_hooks(c.plan[key], c.module)
+            with te_capture_flag():  # TE modules inside must stay graph-safe, as under TE's own graph maker
+                torch.cuda.make_graphed_callables(
+                    tuple(wrappers[c] for c in group),
+                    tuple(c.sample_args for c in group),
+                    num_warmup_iters=num_warmup_iters,
+                    allow_unused_input=True,
+                    **pool_for(group),
+                )
+            for key in ("forward_hooks", "backward_hooks"):
+                for c in group:
+                    run_hooks(c.plan[key], c.module)
+    for c in order:
+        install(c, wrappers[c], wrappers[c].forward)
+
+
+def capture_protocol(order: List[Any], wrappers: Mapping[Any, Any], hooks: Sequence[HookDicts], *,
+                     num_warmup_iters: int, install: Install, region: Callable[[], ContextManager[Any]],
+                     replay: Callable[[Any], Any]) -> None:
+    """protocol backend: TE's schedule (:func:`run_te_schedule`) with the hooks TE would be handed, no graphs;
+    ``replay(wrapper)`` is what stands in for each graph."""
+    check_graph_maker_preconditions(order)
+    run_te_schedule([wrappers[c] for c in order], [c.sample_args for c in order], hooks,
+                    num_warmup_iters=num_warmup_iters, region=region,
+                    grad_inputs=lambda i: order[i].capture_params)
+    for c in order:
+        install(c, wrappers[c], replay(wrappers[c]))
