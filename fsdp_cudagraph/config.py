@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CudaGraphImpl", "CudaGraphModule", "InferenceCudaGraphScope", "CudaGraphConfig", "MigratedOptions",
+    "BACKENDS", "WHOLE_STEP_BACKENDS",
     "parse_cuda_graph_impl", "parse_cuda_graph_module", "parse_cuda_graph_modules", "module_tag",
     "parse_inference_cuda_graph_scope", "migrate_deprecated_options", "add_cuda_graph_args", "config_from_args",
 ]
@@ -81,6 +82,15 @@ class _LegacyScope(_StrEnum):
 
 
 _PER_LAYER_IMPLS = (CudaGraphImpl.LOCAL, CudaGraphImpl.TRANSFORMER_ENGINE)
+
+#: [Note: backends] The one vocabulary of who captures, for every graph kind's ``backend=`` argument:
+#: ``te``: TransformerEngine's ``make_graphed_callables`` (per-layer kinds only); ``torch``: PyTorch's graphs
+#: (``torch.cuda.make_graphed_callables`` per layer, ``torch.cuda.graph`` for a whole step); ``protocol``: the
+#: same schedule without graphs, on CPU. Per-layer kinds (PartialCudaGraphs, LengthBucketGraphs) take all three,
+#: whole-step kinds (FullIterationCudaGraph, InferenceCudaGraphs) the last two. ``cuda_graph_impl`` maps to it
+#: through :attr:`CudaGraphConfig.backend`. (Whole-step kinds spelled ``torch`` as ``cuda`` before.)
+BACKENDS = ("te", "torch", "protocol")
+WHOLE_STEP_BACKENDS = ("torch", "protocol")
 
 
 def _valid(*enum_classes: Type[_StrEnum]) -> str:
@@ -471,7 +481,8 @@ class CudaGraphConfig:
 
     @property
     def backend(self) -> Optional[str]:
-        """``"te"`` for TE's capture, ``"torch"`` for the local one, ``None`` when nothing is graphed per layer."""
+        """``"te"`` for TE's capture, ``"torch"`` for the local one, ``None`` when nothing is graphed per layer
+        (the vocabulary of [Note: backends])."""
         return {CudaGraphImpl.TRANSFORMER_ENGINE: "te", CudaGraphImpl.LOCAL: "torch"}.get(self.cuda_graph_impl)
 
     def check_runtime(self) -> None:

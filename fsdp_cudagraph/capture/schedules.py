@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from fsdp_cudagraph.capture.attention import te_capture_flag
-from fsdp_cudagraph.capture.te import require_te
 from fsdp_cudagraph.hooks import HOOK_DICTS
 
 __all__ = ["parked_grad_hooks", "run_hooks", "capture_time_hooks", "check_graph_maker_preconditions", "te_backward",
@@ -160,14 +159,14 @@ def unit_groups(order: Sequence[Any]) -> List[List[Any]]:
     return groups
 
 
-def capture_te(order: List[Any], wrappers: Mapping[Any, Any], hooks: Sequence[HookDicts], *, num_warmup_iters: int,
-               clone_param_grads: bool, install: Install, pool_for: PoolFor,
+def capture_te(order: List[Any], wrappers: Mapping[Any, Any], hooks: Sequence[HookDicts], *, te: Any,
+               num_warmup_iters: int, clone_param_grads: bool, install: Install, pool_for: PoolFor,
                extra: Optional[Mapping[str, Any]] = None) -> None:
     """TE backend: one ``make_graphed_callables`` call for every callable, ``hooks[i]`` as its capture-time hooks.
 
-    ``extra``: more keyword arguments for TE (the offloader's warmup hooks).
+    ``te``: ``transformer_engine.pytorch`` (``capture.te.require_te``); ``extra``: more keyword arguments for TE
+    (the offloader's warmup hooks).
     """
-    te = require_te("cuda_graph_impl='transformer_engine'")
     te.make_graphed_callables(
         tuple(wrappers[c] for c in order),
         tuple(c.sample_args for c in order),

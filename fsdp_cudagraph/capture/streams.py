@@ -54,15 +54,21 @@ def _device_index(device: Optional[torch.device]) -> int:
 
 
 def graph_backend(backend: Optional[str], device: torch.device, allowed: Sequence[str]) -> str:
-    """``backend`` checked against ``allowed`` ('cuda': real graphs, 'protocol': the CPU schedule), or, when
-    None, the one the model's ``device`` runs: 'cuda' on a CUDA device, else 'protocol'."""
+    """``backend`` checked against ``allowed`` (a subset of ``config.BACKENDS``, see [Note: backends]), or, when
+    None, the one the model's ``device`` runs: 'torch' (real graphs) on a CUDA device, else 'protocol'."""
     if backend is None:
-        backend = "cuda" if device.type == "cuda" else "protocol"
+        backend = "torch" if device.type == "cuda" else "protocol"
     if backend not in allowed:
-        raise ValueError(f"backend={backend!r} is not one of {tuple(allowed)}; pass 'cuda' for real graphs, "
-                         "'protocol' for the CPU schedule, or None to choose by the model's device")
-    if backend == "cuda" and device.type != "cuda":
-        raise ValueError(f"backend='cuda' needs a model on a CUDA device, this one is on {device}; "
+        if backend == "cuda":
+            hint = "'cuda' is now spelled 'torch' (PyTorch's CUDA graphs); pass backend='torch'"
+        elif backend == "te":
+            hint = ("TransformerEngine captures per-layer graphs only (PartialCudaGraphs, LengthBucketGraphs); "
+                    "pass 'torch' for PyTorch's CUDA graphs")
+        else:
+            hint = "pass 'torch' for real graphs, 'protocol' for the CPU schedule, or None to choose by the model's device"
+        raise ValueError(f"backend={backend!r} is not one of {tuple(allowed)}; {hint}")
+    if backend in ("te", "torch") and device.type != "cuda":
+        raise ValueError(f"backend={backend!r} needs a model on a CUDA device, this one is on {device}; "
                          "use backend='protocol' on CPU")
     return backend
 

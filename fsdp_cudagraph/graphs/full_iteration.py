@@ -76,12 +76,14 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tup
 import torch
 import torch.distributed as dist
 
-from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard, simulated_capture
-from megatron_fsdp import graph_contract as static_step
+from torch import nn
 
-from fsdp_cudagraph.config import CudaGraphConfig, CudaGraphImpl
+from fsdp_cudagraph.config import WHOLE_STEP_BACKENDS, CudaGraphConfig, CudaGraphImpl
+from fsdp_cudagraph.engines.contract import PER_LAYER_BUFFERS
+from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.graphs.optimizer import FullIterationReport, OptimizerGraph
 from fsdp_cudagraph.capture import args as _args
+from fsdp_cudagraph.capture import state as _capture_state
 from fsdp_cudagraph.capture import streams as _streams
 from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message
 from fsdp_cudagraph.capture import recipe as _recipe
@@ -91,9 +93,10 @@ __all__ = ["FullIterationCudaGraph", "FullIterationReport", "FULL_ITERATION_BACK
 
 logger = logging.getLogger(__name__)
 
-#: cuda: torch.cuda.graph, NCCL inside the graph; protocol: the same schedule without graphs (runs on CPU),
-#: each "replay" re-runs the step under the capture guard and must issue what the capture issued.
-FULL_ITERATION_BACKENDS = ("cuda", "protocol")
+#: torch: torch.cuda.graph, NCCL inside the graph; protocol: the same schedule without graphs (runs on CPU),
+#: each "replay" re-runs the step under the capture guard and must issue what the capture issued
+#: ([Note: backends] in config.py).
+FULL_ITERATION_BACKENDS = WHOLE_STEP_BACKENDS
 _KINDS = {"train": "the training step", "eval": "the evaluation step", "optimizer": "the optimizer step"}
 
 
@@ -121,7 +124,7 @@ class _Slot:
     report: Optional[FullIterationReport] = None
 
 
-def _call_step(fn: Callable[..., Any], model: MegatronFSDP, micro_batch: Any) -> Any:
+def _call_step(fn: Callable[..., Any], model: nn.Module, micro_batch: Any) -> Any:
     if isinstance(micro_batch, dict):
         return fn(model, **micro_batch)
     if isinstance(micro_batch, (tuple, list)):
@@ -144,7 +147,7 @@ class FullIterationCudaGraph:
         eval_step: ``eval_step(model, *micro_batch) -> tensor`` for :meth:`evaluate` (default
             ``forward_step``), run under ``torch.no_grad()``.
         graph_optimizer: capture :meth:`optimizer_step` in a second graph after its warmup steps.
-        backend: ``cuda`` (default on a CUDA model) or ``protocol`` (default on CPU: no graphs, the same
+        backend: ``torch`` (default on a CUDA model) or ``protocol`` (default on CPU: no graphs, the same
             schedule, every "replay" checked against the capture).
         generators: extra CUDA generators the step draws from (the default generator is always handled).
         attention_backend: TE attention policy, as for :class:`PartialCudaGraphs` (``match_graph``: the eager
@@ -164,7 +167,7 @@ class FullIterationCudaGraph:
 
     def __init__(
         self,
-        model: MegatronFSDP,
+        model: nn.Module,
         forward_step: Callable[..., torch.Tensor],
         config: Optional[CudaGraphConfig] = None,
         *,
@@ -176,47 +179,52 @@ class FullIterationCudaGraph:
         host_sync_check: bool = True,
     ) -> None:
         self.host_sync_check = host_sync_check
-        if not isinstance(model, MegatronFSDP):
+        engine = adapter_for(model)  # refuses an engine's inner module, naming the object to pass
+        if engine is None:
             raise TypeError(f"FullIterationCudaGraph needs a megatron_fsdp.MegatronFSDP model (from fully_shard), got "
                             f"{type(model).__name__}; wrap the model with megatron_fsdp.fully_shard first")
+        if not engine.supports_static_step():
+            raise engine.no_static_step("FullIterationCudaGraph")
         if not callable(forward_step) or (eval_step is not None and not callable(eval_step)):
             raise TypeError("forward_step (and eval_step) must be callables: fn(model, *micro_batch) -> tensor")
         config = config if config is not None else CudaGraphConfig(cuda_graph_impl="full_iteration")
         if config.cuda_graph_impl != CudaGraphImpl.FULL_ITERATION:
             raise ValueError(f"FullIterationCudaGraph got cuda_graph_impl='{config.cuda_graph_impl}'; pass a config with "
                              "cuda_graph_impl='full_iteration', or use PartialCudaGraphs for per-layer graphs")
-        backend = _streams.graph_backend(backend, model.device, FULL_ITERATION_BACKENDS)
+        backend = _streams.graph_backend(backend, engine.device, FULL_ITERATION_BACKENDS)
         if attention_backend not in ATTENTION_POLICIES:
             raise ValueError(f"attention_backend={attention_backend!r} is not one of {ATTENTION_POLICIES}; 'match_graph' "
                              "runs the eager steps with the attention backend the graph will use")
-        if generators and backend == "cuda" and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
+        if generators and backend == "torch" and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
             raise NotImplementedError(f"generators= needs CUDAGraph.register_generator_state, missing in torch "
                                       f"{torch.__version__}")
-        if backend == "cuda":
+        if backend == "torch":
             config.check_runtime()
-        static_step.require_static_buffers(model, what="FullIterationCudaGraph")
-        self.engine = model
+        engine.require_fixed_buffers("FullIterationCudaGraph", PER_LAYER_BUFFERS)  # [Note: fixed addresses]
+        #: The model the step functions are given; every question to its engine goes through ``engine``.
+        self.model = model
+        self.engine = engine
         self.forward_step = forward_step
         self.eval_step = eval_step if eval_step is not None else forward_step
         self.config = config
         self.backend = backend
-        self.device = model.device
+        self.device = engine.device
         self.graph_optimizer = graph_optimizer
         self.generators = tuple(generators)
         self.attention_backend = attention_backend
         warmup = config.cuda_graph_warmup_steps
         self._train = _Slot("train", warmup)
         self._eval = _Slot("eval", warmup)
-        self._opt = OptimizerGraph(model, backend=backend, warmup=warmup, enabled=graph_optimizer,
+        self._opt = OptimizerGraph(engine, backend=backend, warmup=warmup, enabled=graph_optimizer,
                                    agree=self._agree_across_ranks)
         self.deleted = False
         self._steps_before_side_stream = 0
         self._attention: Optional[AttentionBackendMatcher] = None
-        if backend == "cuda":
+        if backend == "torch":
             if _streams.on_legacy_default_stream(self.device):
-                self._steps_before_side_stream = getattr(model, "num_forward_calls", 0)
+                self._steps_before_side_stream = engine.num_forward_calls
                 _streams.use_side_stream(self.device)
-            self._attention = AttentionBackendMatcher({"model": model.module}, force=attention_backend == "match_graph")
+            self._attention = AttentionBackendMatcher({"model": engine.root}, force=attention_backend == "match_graph")
 
     # ------------------------------------------------------------------ public API
     @property
@@ -282,11 +290,11 @@ class FullIterationCudaGraph:
         """
         if self.deleted:
             return
-        if self.backend == "cuda":
+        if self.backend == "torch":
             torch.cuda.synchronize(self.device)
         self._opt.reset()
         if self._train.captured:
-            static_step.release_main_grads(self.engine)  # kept for this graph since its capture
+            self.engine.release_main_grads()  # kept for this graph since its capture
         for slot in (self._train, self._eval):
             graph, slot.graph = slot.graph, None
             reset = getattr(graph, "reset", None)
@@ -295,13 +303,13 @@ class FullIterationCudaGraph:
             slot.captured = False
         for slot in (self._train, self._eval):
             slot.static_leaves, slot.static_batch, slot.output = [], None, None
-        static_step.quiesce(self.engine)
-        static_step.mark_params_stale(self.engine)
+        self.engine.quiesce()
+        self.engine.mark_params_stale()
         if self._attention is not None:
             self._attention.uninstall()
         self.deleted = True
         gc.collect()
-        if self.backend == "cuda":
+        if self.backend == "torch":
             torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ one call of a graph
@@ -320,7 +328,7 @@ class FullIterationCudaGraph:
         if not isinstance(micro_batches, (list, tuple)) or not micro_batches:
             raise TypeError(f"micro_batches must be a non-empty list or tuple of micro-batches, got "
                             f"{type(micro_batches).__name__}; pass [(inputs, targets), ...] (one entry per micro-batch)")
-        leaves, sig = _args.flatten(((list(micro_batches), self.engine.training), {}))
+        leaves, sig = _args.flatten(((list(micro_batches), self.model.training), {}))
         for i, t in enumerate(leaves):
             if t.requires_grad:
                 raise ValueError(f"input tensor {i} of the micro-batches requires grad; a graph's inputs are copied into "
@@ -350,7 +358,7 @@ class FullIterationCudaGraph:
     def _train_body(self, micro_batches: Sequence[Any]) -> torch.Tensor:
         losses = []
         for i, mb in enumerate(micro_batches):
-            loss = _call_step(self.forward_step, self.engine, mb)
+            loss = _call_step(self.forward_step, self.model, mb)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
                 raise TypeError(f"forward_step must return the micro-batch's loss, a one-element tensor that requires "
                                 f"grad; micro-batch {i} gave {type(loss).__name__} "
@@ -361,7 +369,7 @@ class FullIterationCudaGraph:
 
     def _eval_body(self, micro_batches: Sequence[Any]) -> Tuple[torch.Tensor, ...]:
         with torch.no_grad():
-            outs = tuple(_call_step(self.eval_step, self.engine, mb) for mb in micro_batches)
+            outs = tuple(_call_step(self.eval_step, self.model, mb) for mb in micro_batches)
         bad = [i for i, o in enumerate(outs) if not isinstance(o, torch.Tensor)]
         if bad:
             raise TypeError(f"eval_step must return a tensor per micro-batch; micro-batches {bad} did not")
@@ -370,7 +378,7 @@ class FullIterationCudaGraph:
     def _eager(self, slot: _Slot, micro_batches: Sequence[Any], *, check: bool) -> Any:
         if check:
             self._rehearse(slot, micro_batches)
-        static_step.begin_static_step(self.engine, replace_grads=slot.kind == "train")
+        self.engine.begin_static_step(replace_grads=slot.kind == "train")
         return self._body(slot)(micro_batches)
 
     def _rehearse(self, slot: _Slot, micro_batches: Sequence[Any]) -> None:
@@ -391,7 +399,7 @@ class FullIterationCudaGraph:
         cuda_state = torch.cuda.get_rng_state(self.device) if cuda else None
         extra = [g.get_state() for g in self.generators]
         try:
-            static_step.begin_static_step(self.engine, replace_grads=slot.kind == "train")
+            self.engine.begin_static_step(replace_grads=slot.kind == "train")
             with CaptureSafetyCheck(self.device, _KINDS[slot.kind]):
                 self._body(slot)(micro_batches)
         finally:
@@ -421,7 +429,7 @@ class FullIterationCudaGraph:
     # ------------------------------------------------------------------ capture
     def _capture(self, slot: _Slot, leaves: List[torch.Tensor], sig: Any) -> None:
         what = _KINDS[slot.kind]
-        if self.backend == "cuda":
+        if self.backend == "torch":
             self._check_capturable()
         train = slot.kind == "train"
         t0 = time.perf_counter()
@@ -429,30 +437,30 @@ class FullIterationCudaGraph:
         for s, t in zip(static_leaves, leaves):
             s.copy_(t)
         static_batch = _args.rebuild(sig, static_leaves)[0][0]
-        bindings = static_step.grads_bound(self.engine)
-        static_step.begin_static_step(self.engine, replace_grads=train)
+        bindings = self.engine.grads_bound()
+        self.engine.begin_static_step(replace_grads=train)
         log: List[str] = []
-        mem0 = torch.cuda.memory_allocated(self.device) if self.backend == "cuda" else 0
+        mem0 = torch.cuda.memory_allocated(self.device) if self.backend == "torch" else 0
         try:
-            if self.backend == "cuda":
+            if self.backend == "torch":
                 graph, out, trace = self._capture_cuda(slot, static_batch, log)
             else:
                 graph, (out, trace) = None, self._run_protocol(slot, static_batch, log)
-            bound = static_step.grads_bound(self.engine) if train else bindings
+            bound = self.engine.grads_bound() if train else bindings
         except BaseException as exc:
             # nothing of the failed capture runs; drop its host state without waiting on captured work
-            static_step.end_static_step(self.engine, bound=frozenset() if train else bindings)
+            self.engine.end_static_step(bound=frozenset() if train else bindings)
             slot.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             _recipe.raise_translated(exc, what)
             raise
-        static_step.end_static_step(self.engine, bound=bound)  # host state as after a replay: nothing ran yet
+        self.engine.end_static_step(bound=bound)  # host state as after a replay: nothing ran yet
         self._agree_across_ranks(log, what)
         slot.graph, slot.output, slot.trace, slot.collectives = graph, out, trace, log
         slot.static_leaves, slot.static_batch, slot.signature, slot.bound = static_leaves, static_batch, sig, bound
         if train:
-            static_step.keep_main_grads(self.engine)  # the graph writes them at these addresses; delete() releases
+            self.engine.keep_main_grads()  # the graph writes them at these addresses; delete() releases
         slot.captured = True
-        mem = torch.cuda.memory_allocated(self.device) - mem0 if self.backend == "cuda" else 0
+        mem = torch.cuda.memory_allocated(self.device) - mem0 if self.backend == "torch" else 0
         slot.report = FullIterationReport(slot.kind, self.backend, time.perf_counter() - t0, mem, len(static_batch),
                                           list(log), sorted(bound) if train else [])
         logger.info("fsdp_cudagraph: captured %s (%s backend, %d micro-batches, %d collectives) in %.2f s",
@@ -478,23 +486,24 @@ class FullIterationCudaGraph:
         self._barrier()  # ranks capture together (nothing runs during capture; this keeps logs readable)
         graph, out = _recipe.capture_graph(
             lambda: self._body(slot)(static_batch), device=self.device, phase=_KINDS[slot.kind],
-            guard=lambda: capture_guard(CaptureGuardMode.ALLOW_COLLECTIVES, collective_log=log),
+            guard=lambda: self.engine.static_capture_guard(allow_collectives=True, collective_log=log),
             generators=self.generators)
         return graph, out, None
 
     def _run_protocol(self, slot: _Slot, static_batch: Any, log: List[str]) -> Tuple[Any, list]:
         """One capture or replay on the protocol backend: the step under simulated capture, phases recorded."""
-        with static_step.recording_phases(self.engine) as trace, simulated_capture(), \
-                capture_guard(CaptureGuardMode.ALLOW_COLLECTIVES, collective_log=log), \
+        with self.engine.recording_phases() as trace, _capture_state.simulated_capture(), \
+                self.engine.simulated_capture(), \
+                self.engine.static_capture_guard(allow_collectives=True, collective_log=log), \
                 CaptureSafetyCheck(self.device, _KINDS[slot.kind]):
             out = self._body(slot)(static_batch)
         return out, trace
 
     def _barrier(self) -> None:
-        if self.engine.backend == "nccl":
-            dist.barrier(group=self.engine.group, device_ids=[self.device.index])
+        if self.engine.collective_backend == "nccl":
+            dist.barrier(group=self.engine.process_group, device_ids=[self.device.index])
         else:
-            dist.barrier(group=self.engine.group)
+            dist.barrier(group=self.engine.process_group)
 
     def _agree_across_ranks(self, log: List[str], what: str) -> None:
         """Every rank must have captured the same collectives, in the same order (else replays deadlock)."""
@@ -502,7 +511,7 @@ class FullIterationCudaGraph:
             return
         mine = (hashlib.sha1("\n".join(log).encode()).hexdigest(), len(log))
         everyone: List[Any] = [None] * self.engine.world_size
-        dist.all_gather_object(everyone, mine, group=self.engine.group)
+        dist.all_gather_object(everyone, mine, group=self.engine.process_group)
         if len(set(everyone)) > 1:
             raise RuntimeError(
                 f"[rank {self.engine.rank}] fsdp_cudagraph: the ranks captured different collectives for {what} (counts "
@@ -512,15 +521,15 @@ class FullIterationCudaGraph:
     # ------------------------------------------------------------------ replay
     def _replay(self, slot: _Slot, leaves: List[torch.Tensor]) -> Any:
         engine = self.engine
-        static_step.quiesce(engine)  # an eager collective still in flight would race with the graph
+        engine.quiesce()  # an eager collective still in flight would race with the graph
         for s, t in zip(slot.static_leaves, leaves):
             s.copy_(t)
-        bound = slot.bound if slot.kind == "train" else static_step.grads_bound(engine)
-        if self.backend == "cuda":
+        bound = slot.bound if slot.kind == "train" else engine.grads_bound()
+        if self.backend == "torch":
             slot.graph.replay()
         else:
             self._protocol_replay(slot)
-        static_step.end_static_step(engine, bound=bound)
+        engine.end_static_step(bound=bound)
         slot.replays += 1
         if slot.kind == "train":
             return slot.output.clone()
@@ -528,10 +537,10 @@ class FullIterationCudaGraph:
 
     def _protocol_replay(self, slot: _Slot) -> None:
         """Re-run the step from the capture's starting state; it must issue exactly what the capture issued."""
-        static_step.begin_static_step(self.engine, replace_grads=slot.kind == "train")
+        self.engine.begin_static_step(replace_grads=slot.kind == "train")
         log: List[str] = []
         out, trace = self._run_protocol(slot, slot.static_batch, log)
-        bound = static_step.grads_bound(self.engine)
+        bound = self.engine.grads_bound()
         if log != slot.collectives or trace != slot.trace or (slot.kind == "train" and bound != slot.bound):
             first = next((i for i, (a, b) in enumerate(zip(log, slot.collectives)) if a != b), min(len(log), len(slot.collectives)))
             raise RuntimeError(

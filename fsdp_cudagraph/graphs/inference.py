@@ -69,7 +69,7 @@ from torch import nn
 from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard, simulated_capture
 from megatron_fsdp import graph_contract as static_step
 
-from fsdp_cudagraph.config import CudaGraphConfig, InferenceCudaGraphScope
+from fsdp_cudagraph.config import WHOLE_STEP_BACKENDS, CudaGraphConfig, InferenceCudaGraphScope
 from fsdp_cudagraph.capture import args as _args
 from fsdp_cudagraph.capture import streams as _streams
 from fsdp_cudagraph.capture.buckets import Buckets, pad_to, unpad
@@ -80,9 +80,10 @@ __all__ = ["InferenceCudaGraphs", "InferenceCapture", "INFERENCE_BACKENDS", "Gra
 
 logger = logging.getLogger(__name__)
 
-#: cuda: torch.cuda.graph; protocol: the same schedule without graphs (CPU): "capture" and every "replay" run
-#: the captured function under the engine's (simulated) capture guard, and a replay must issue what the capture did.
-INFERENCE_BACKENDS = ("cuda", "protocol")
+#: torch: torch.cuda.graph; protocol: the same schedule without graphs (CPU): "capture" and every "replay" run
+#: the captured function under the engine's (simulated) capture guard, and a replay must issue what the capture did
+#: ([Note: backends] in config.py).
+INFERENCE_BACKENDS = WHOLE_STEP_BACKENDS
 
 
 class GraphLimitWarning(UserWarning):
@@ -144,7 +145,7 @@ class InferenceCudaGraphs:
         causal: declare that position ``i``'s outputs never depend on positions after ``i``.
         layer_modules: classes (or class names) of the layers for ``layer`` scope; default the FSDP units, or
             the model's ``unit_class`` (the reference GPT's blocks).
-        backend: ``cuda`` (default for a CUDA model) or ``protocol`` (default on CPU; no graphs).
+        backend: ``torch`` (default for a CUDA model) or ``protocol`` (default on CPU; no graphs).
         pad_value: the value padded rows are filled with (a valid token id for token inputs).
         max_graph_sets: distinct padded call shapes that get graphs; further shapes run eagerly.
 
@@ -202,7 +203,7 @@ class InferenceCudaGraphs:
         self.captures: List[InferenceCapture] = []
         self.counters = {"graphed_calls": 0, "eager_calls": 0, "captures": 0, "replays": 0}
         self.deleted = False
-        if self.backend == "cuda" and self.scope is not InferenceCudaGraphScope.NONE:
+        if self.backend == "torch" and self.scope is not InferenceCudaGraphScope.NONE:
             config.check_runtime()
             self._pool = torch.cuda.graph_pool_handle()
             _streams.use_side_stream(self.device)
@@ -280,7 +281,7 @@ class InferenceCudaGraphs:
         """
         if self.deleted:
             return
-        if self.backend == "cuda":
+        if self.backend == "torch":
             torch.cuda.synchronize(self.device)
         for g in self._all_graphs():
             reset = getattr(g.graph, "reset", None)
@@ -294,7 +295,7 @@ class InferenceCudaGraphs:
         self._pool = None
         self.deleted = True
         gc.collect()
-        if self.backend == "cuda":
+        if self.backend == "torch":
             torch.cuda.empty_cache()
 
     @property
@@ -474,7 +475,7 @@ class InferenceCudaGraphs:
         engine = self.engine
         bound = static_step.grads_bound(engine) if static else frozenset()
         t0 = time.perf_counter()
-        mem0 = torch.cuda.memory_allocated(self.device) if self.backend == "cuda" else 0
+        mem0 = torch.cuda.memory_allocated(self.device) if self.backend == "torch" else 0
         mode = CaptureGuardMode.ALLOW_COLLECTIVES if static else CaptureGuardMode.REFUSE
         try:
             for i in range(self.config.cuda_graph_num_warmup_iters):
@@ -485,7 +486,7 @@ class InferenceCudaGraphs:
                     body()
             if static:
                 static_step.begin_static_step(engine, replace_grads=False)
-            if self.backend == "cuda":
+            if self.backend == "torch":
                 g.graph, (g.static_out, g.out_sig) = _recipe.capture_graph(
                     body, device=self.device, phase=what, pool=self._pool,
                     guard=lambda: capture_guard(mode, collective_log=g.collectives))
@@ -499,7 +500,7 @@ class InferenceCudaGraphs:
             if static:  # as after a replay; a failed capture ran nothing that counts
                 static_step.end_static_step(engine, bound=bound)
         g.params, g.param_ptrs = params, tuple(map(_data_ptr, params))
-        mem = torch.cuda.memory_allocated(self.device) - mem0 if self.backend == "cuda" else 0
+        mem = torch.cuda.memory_allocated(self.device) - mem0 if self.backend == "torch" else 0
         shape = ", ".join(str(tuple(t.shape)) for t in leaves)
         self.captures.append(InferenceCapture(name, shape, time.perf_counter() - t0, mem, list(g.collectives)))
         self.counters["captures"] += 1
@@ -522,7 +523,7 @@ class InferenceCudaGraphs:
             if t is not s:
                 s.copy_(t)
         try:
-            if self.backend == "cuda":
+            if self.backend == "torch":
                 g.graph.replay()
             else:
                 self._protocol_replay(g)

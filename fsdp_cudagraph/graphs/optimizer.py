@@ -23,8 +23,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard
-from megatron_fsdp import graph_contract as static_step
+from fsdp_cudagraph.engines.contract import EngineAdapter
 
 from fsdp_cudagraph.capture import recipe as _recipe
 
@@ -59,7 +58,7 @@ class OptimizerGraph:
     On the ``protocol`` backend every "replay" runs the step eagerly after the same checks.
     """
 
-    def __init__(self, engine: MegatronFSDP, *, backend: str, warmup: int, enabled: bool,
+    def __init__(self, engine: EngineAdapter, *, backend: str, warmup: int, enabled: bool,
                  agree: Callable[[List[str], str], None]) -> None:
         self.engine = engine
         self.backend = backend
@@ -81,9 +80,10 @@ class OptimizerGraph:
         if self.optimizer is not None and self.optimizer is not optimizer:
             raise ValueError("optimizer_step() got another optimizer than before; one FullIterationCudaGraph graphs one "
                              "optimizer (build the optimizer once, before training)")
-        if max_norm is not None and not hasattr(self.engine, "clip_grad_norm_"):
-            raise NotImplementedError("optimizer_step(max_norm=...) needs megatron_fsdp's clip_grad_norm_, which this "
-                                      "engine version lacks")
+        if max_norm is not None and self.engine.clip_grad_norm() is None:
+            raise NotImplementedError(f"optimizer_step(max_norm=...) needs the engine's global-norm clipping, which "
+                                      f"{self.engine.name} does not offer; clip in forward_step's caller, or pass "
+                                      "max_norm=None")
         self.optimizer = optimizer
         if not self.enabled or not self.captured and self.warmup_left > 0:
             if self.enabled:
@@ -104,13 +104,13 @@ class OptimizerGraph:
         self.norm = None
 
     def _clip_and_step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float]) -> Optional[torch.Tensor]:
-        norm = self.engine.clip_grad_norm_(max_norm) if max_norm is not None else None
+        norm = self.engine.clip_grad_norm()(max_norm) if max_norm is not None else None
         optimizer.step()
         return norm
 
     def _capture(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float]) -> None:
         for i, group in enumerate(optimizer.param_groups):
-            if self.backend == "cuda" and group.get("capturable") is False:
+            if self.backend == "torch" and group.get("capturable") is False:
                 raise ValueError(
                     f"optimizer param group {i} has capturable=False; a graphed optimizer step needs "
                     f"torch.optim.{type(optimizer).__name__}(..., capturable=True) (with lr as a device tensor to "
@@ -121,13 +121,13 @@ class OptimizerGraph:
         self.max_norm = max_norm
         t0 = time.perf_counter()
         log: List[str] = []
-        if self.backend == "cuda":
+        if self.backend == "torch":
             device = self.engine.device
             torch.cuda.synchronize(device)
             # clipping all-reduces the ranks' norms: a collective inside this graph too
             self.graph, self.norm = _recipe.capture_graph(
                 lambda: self._clip_and_step(optimizer, max_norm), device=device, phase=_PHASE,
-                guard=lambda: capture_guard(CaptureGuardMode.ALLOW_COLLECTIVES, collective_log=log))
+                guard=lambda: self.engine.static_capture_guard(allow_collectives=True, collective_log=log))
             self.agree(log, _PHASE)
         self.captured = True
         n = sum(g is not None for g in self.grads)
@@ -155,13 +155,13 @@ class OptimizerGraph:
                     "optimizer_step(): a parameter's .grad is not the tensor the optimizer graph reads (it was "
                     f"{'unbound' if p.grad is None else 'replaced'} since capture); the graph would step with stale "
                     "gradients. Call step() before optimizer_step(), and optimizer.zero_grad() only after it")
-        if self.backend == "cuda":
+        if self.backend == "torch":
             self.graph.replay()
             norm = self.norm
         else:
             norm = self._clip_and_step(optimizer, max_norm)
         self.replays += 1
-        static_step.mark_params_stale(self.engine)  # a replay changes the main shards behind their version counters
+        self.engine.mark_params_stale()  # a replay changes the main shards behind their version counters
         return norm.clone() if norm is not None else None
 
 

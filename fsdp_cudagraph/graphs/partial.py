@@ -37,7 +37,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from fsdp_cudagraph.config import CudaGraphConfig, module_tag
+# te: TE's make_graphed_callables; torch: torch.cuda.make_graphed_callables; protocol: the same warmup/capture
+# schedule and hook calls without graphs (runs on CPU). [Note: backends] in config.py.
+from fsdp_cudagraph.config import BACKENDS, CudaGraphConfig, module_tag
 from fsdp_cudagraph.engines.contract import EngineAdapter
 from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.hooks import HOOK_DICTS, HOOK_KEYS, ExtractedHooks, extract_hooks, restore_hooks
@@ -47,14 +49,12 @@ from fsdp_cudagraph.capture import schedules as _schedules
 from fsdp_cudagraph.capture import state as _capture_state
 from fsdp_cudagraph.capture import streams as _streams
 from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message
+from fsdp_cudagraph.capture.te import require_te
 
 __all__ = ["PartialCudaGraphs", "CaptureReport", "BACKENDS", "select_modules", "match_graph_attention"]
 
 logger = logging.getLogger(__name__)
 
-#: te: TransformerEngine make_graphed_callables; torch: torch.cuda.make_graphed_callables;
-#: protocol: the same warmup/capture schedule and hook calls without graphs (runs on CPU).
-BACKENDS = ("te", "torch", "protocol")
 
 
 @dataclass
@@ -365,7 +365,8 @@ class PartialCudaGraphs:
                                             pool_for=self._pool_kwargs, unit_scope=scope)
         hooks = [_schedules.capture_time_hooks(c, guard=lambda c=c: self._check_params(c)) for c in order]
         if self.backend == "te":
-            return _schedules.capture_te(order, wrappers, hooks, num_warmup_iters=n, install=self._install,
+            return _schedules.capture_te(order, wrappers, hooks, te=require_te("cuda_graph_impl='transformer_engine'"),
+                                         num_warmup_iters=n, install=self._install,
                                          clone_param_grads=self.clone_param_grads, pool_for=self._pool_kwargs,
                                          extra=_offload.te_warmup_hooks(self.offload))  # offloading on for capture only
         _schedules.capture_protocol(order, wrappers, hooks, num_warmup_iters=n, install=self._install,

@@ -195,7 +195,9 @@ def test_config_refusals_name_both_inputs(kwargs, names):
 
 def test_construction_refusals():
     model = _gpt()
-    with pytest.raises(ValueError, match="backend='cuda' needs a model on a CUDA device"):
+    with pytest.raises(ValueError, match="backend='torch' needs a model on a CUDA device"):
+        InferenceCudaGraphs(model, _cfg(), batch_buckets=Buckets([4]), backend="torch")
+    with pytest.raises(ValueError, match="'cuda' is now spelled 'torch'"):
         InferenceCudaGraphs(model, _cfg(), batch_buckets=Buckets([4]), backend="cuda")
     with pytest.raises(ValueError, match="unwrapped Sequential: name the layer classes with layer_modules"):
         InferenceCudaGraphs(nn.Sequential(nn.Linear(4, 4)), _cfg(), batch_buckets=Buckets([4]))

@@ -17,6 +17,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+import fsdp_cudagraph.graphs.partial as capture_mod
 from fsdp_cudagraph.capture import schedules
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch
@@ -87,7 +88,7 @@ def _train(scope: List[str], *, graphed: bool, reverse_hooks: bool = False) -> D
     stub = StubTE(model)
     graphs = None
     if graphed:
-        schedules.require_te = lambda what: stub
+        capture_mod.require_te = lambda what: stub
         CudaGraphConfig.check_runtime = lambda self: None
         if reverse_hooks:
             real = schedules.capture_te

@@ -332,12 +332,16 @@ def test_protocol_backend_leaves_streams_alone(fake_cuda):
 
 def test_graph_backend_choice_and_refusals():
     graph_backend = streams_mod.graph_backend
-    allowed = ("cuda", "protocol")
+    allowed = ("torch", "protocol")
     assert graph_backend(None, torch.device("cpu"), allowed) == "protocol"
-    assert graph_backend(None, torch.device("cuda", 0), allowed) == "cuda"
+    assert graph_backend(None, torch.device("cuda", 0), allowed) == "torch"
     assert graph_backend("protocol", torch.device("cuda", 0), allowed) == "protocol"
-    with pytest.raises(ValueError, match=r"backend='te' is not one of \('cuda', 'protocol'\); pass 'cuda'"):
+    with pytest.raises(ValueError, match=r"backend='te' is not one of \('torch', 'protocol'\); TransformerEngine "
+                                         r"captures per-layer graphs only"):
         graph_backend("te", torch.device("cpu"), allowed)
-    with pytest.raises(ValueError, match=r"backend='cuda' needs a model on a CUDA device, this one is on cpu; use "
+    with pytest.raises(ValueError, match=r"backend='cuda' is not one of \('torch', 'protocol'\); 'cuda' is now "
+                                         r"spelled 'torch'"):
+        graph_backend("cuda", torch.device("cuda", 0), allowed)
+    with pytest.raises(ValueError, match=r"backend='torch' needs a model on a CUDA device, this one is on cpu; use "
                                          r"backend='protocol' on CPU"):
-        graph_backend("cuda", torch.device("cpu"), allowed)
+        graph_backend("torch", torch.device("cpu"), allowed)
