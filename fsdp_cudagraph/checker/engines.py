@@ -16,9 +16,8 @@ Engines:
   (address-stable ZeRO-3); ``compute_dtype`` is its compute dtype, main parameters stay fp32.
 - ``fsdp2``: PyTorch's ``torch.distributed.fsdp.fully_shard`` on every unit module, then the root, with
   ``keep_unsharded_storage`` (see docs/engines.md). ``compute_dtype`` is the dtype the model is cast to
-  before sharding: parameters, gradients and optimizer state in that dtype. FSDP2's own mixed precision
-  (``MixedPrecisionPolicy(param_dtype=...)``) casts inputs and outputs in its hooks, which a per-layer graph
-  would skip, so the FSDP2 adapter refuses it (``check_partial_graphs``) and the checker does not use it.
+  before sharding: parameters, gradients and optimizer state in that dtype. The checker does not apply
+  FSDP2's own ``MixedPrecisionPolicy`` (the adapter accepts it: docs/engines.md, "PyTorch FSDP2").
 - ``nvidia``: NVIDIA Megatron-FSDP through megatron-core's bundled copy
   (``megatron.core.distributed.fsdp.src.megatron_fsdp``), ZeRO-3 with ``fsdp_double_buffer`` and, where the
   version has it (0.6.1), ``fsdp_db_use_persist_buf_on_alloc_fail``; the module is cast to ``compute_dtype``
@@ -166,8 +165,8 @@ def _build_fsdp2(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_opt
         model=model, root=model, optimizer=make_optimizer([p for _, p in named]),
         named_parameters=lambda: named,
         final_parameters=lambda: {n: _cpu(p.full_tensor()) for n, p in model.named_parameters()},
-        precision=(f"parameters, gradients and optimizer state in {dtype} (model cast before fully_shard; FSDP2 "
-                   f"MixedPrecisionPolicy casts in hooks and is refused by the adapter), "
+        precision=(f"parameters, gradients and optimizer state in {dtype} (model cast before fully_shard, no "
+                   f"MixedPrecisionPolicy), "
                    f"reshard_after_forward={reshard}, keep_unsharded_storage"),
     )
 

@@ -218,7 +218,21 @@ class FSDP2Engine(EngineAdapter):
         return plan
 
     def _capture_time(self, state, fname: str) -> Dict[str, Any]:
-        """The eager hook's effect on FSDP2's state without its autograd registrations (see module docstring)."""
+        """The eager hook's effect on FSDP2's state without its autograd registrations (see module docstring).
+
+        [Note: FSDP2 mixed precision under partial graphs]
+        A ``MixedPrecisionPolicy`` acts in three places, none of them inside a graphed forward: ``_pre_forward``
+        casts the unit's floating-point inputs to ``param_dtype``, the all-gather casts the fp32 shards to
+        ``param_dtype`` into the unsharded parameters, ``_post_forward`` casts the outputs to ``output_dtype``,
+        and ``post_backward`` casts the unsharded gradients to ``reduce_dtype`` before the reduce-scatter. At
+        replay the eager hooks are back on the module and wrap the graphed forward as they wrap the eager one,
+        so the casts run as autograd ops around the replay. At capture the withheld hooks need not cast: the
+        graph layer records the sample args from a forward-pre hook registered after FSDP2's (which FSDP2
+        prepends), so they are already the cast inputs, and the capture-time unshard below gathers in
+        ``param_dtype`` as eager does. The unsharded ``param_dtype`` parameter views ``all_gather_outputs``,
+        the storage ``keep_unsharded_storage`` keeps; the graph's parameter gradients accumulate into its
+        ``.grad`` in ``param_dtype``, and the capture-time ``post_backward`` casts them as eager does.
+        """
         _, _, TS = _internals()
         if fname == "_pre_forward":
             def forward_pre(module: nn.Module) -> None:
@@ -303,13 +317,7 @@ class FSDP2Engine(EngineAdapter):
                     f"[rank {self.rank}] fsdp_cudagraph: FSDP2 unit {name} uses CPUOffloadPolicy: its sharded "
                     "parameters and gradients live on the host and are copied in hooks a graph cannot replay. "
                     "Drop offload_policy for per-layer graphs")
-            mp = g.mp_policy
-            if mp.param_dtype is not None or mp.output_dtype is not None or (
-                    mp.reduce_dtype is not None and mp.reduce_dtype != g.fsdp_params[0].sharded_param.dtype):
-                raise NotImplementedError(
-                    f"[rank {self.rank}] fsdp_cudagraph: FSDP2 unit {name} has mixed precision {mp}: its hooks "
-                    "cast inputs and outputs, casts a per-layer graph would skip. Use MixedPrecisionPolicy() "
-                    "(no casts) and keep the model in its training dtype")
+            # Any MixedPrecisionPolicy is accepted: see [Note: FSDP2 mixed precision under partial graphs].
 
     def replay_tensors(self, module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
         out: List[Tuple[str, torch.Tensor]] = []
