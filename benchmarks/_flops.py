@@ -4,10 +4,12 @@ bench_full_iteration share (its own module, so that neither benchmark imports th
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 import torch
 
+from _common import cuda_time_ms
 from fsdp_cudagraph.apps.model import GPTConfig
 
 __all__ = ["matmul_peak_tflops", "copy_bandwidth_gbps", "adam_step_ms", "model_flops_per_step"]
@@ -17,16 +19,7 @@ def matmul_peak_tflops(device: torch.device) -> float:
     """Measured bf16 matmul rate (8192^3, random data, median of 10 after warmup)."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        a @ b
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
+    times = cuda_time_ms(lambda: a @ b, warmup=3, iters=10)
     return 2 * 8192**3 / (statistics.median(times) * 1e-3) / 1e12
 
 
@@ -35,16 +28,7 @@ def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
     buffers, median of 10 after warmup): the rate memory-bound kernels such as Adam's can reach."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
+    times = cuda_time_ms(functools.partial(dst.copy_, src), warmup=3, iters=10)
     del src, dst
     return 2 * nbytes / (statistics.median(times) * 1e-3) / 1e9
 
@@ -57,16 +41,7 @@ def adam_step_ms(device: torch.device, numel: int, *, fused: bool) -> float:
     p = torch.nn.Parameter(torch.zeros(numel, dtype=torch.float32, device=device))
     p.grad = torch.full_like(p, 1e-3)
     opt = torch.optim.Adam([p], lr=1e-4, fused=fused, foreach=None if fused else True)
-    for _ in range(2):
-        opt.step()
-    times = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        opt.step()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
+    times = cuda_time_ms(opt.step, warmup=2, iters=5)
     del opt, p
     return statistics.median(times)
 

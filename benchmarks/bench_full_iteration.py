@@ -28,21 +28,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import os
 import statistics
 import sys
 import time
 import traceback
 from typing import Any, Dict, List, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
+import _common  # noqa: F401 - first: the repository root on sys.path
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph.capture.te import HAS_TE  # noqa: E402
-from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
+from _common import init_process_group, record_fields, write_record  # noqa: E402
 from fsdp_cudagraph.apps.full_iteration_align import FullRunSpec, run_full  # noqa: E402
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
 
@@ -283,22 +280,14 @@ def main() -> int:
         return 0
     if args.te and not HAS_TE:
         sys.exit("bench_full_iteration: --te needs TransformerEngine; run with --no-te")
-    for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
-        os.environ.setdefault(k, v)
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29515")
-    device = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=device)
+    device = init_process_group(cuda=True, default_port=29515)
     t0 = time.time()
     results = run_all(args.configs, args, device)
     if dist.get_rank() == 0:
         print(table(results))
         for name, res in results.items():
             print(name, {k: round(v, 3) for k, v in res["ratios"].items()})
-        record = {"benchmark": "bench_full_iteration", "command": " ".join([sys.executable] + sys.argv),
-                  "world_size": dist.get_world_size(), "versions": versions(), "steps": args.steps,
+        record = {"benchmark": "bench_full_iteration", **record_fields(), "steps": args.steps,
                   "skip": args.skip, "capture_step": args.capture_step, "results": results,
                   "seconds": time.time() - t0}
         write_record(args.out, record)

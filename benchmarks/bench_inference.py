@@ -27,20 +27,18 @@ Times come from CUDA events after ``--warmup`` calls, medians over ``--iters`` c
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+import _common  # noqa: F401 - first: the repository root on sys.path
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph import CudaGraphConfig, InferenceCudaGraphs, PartialCudaGraphs  # noqa: E402
 from fsdp_cudagraph.capture.buckets import Buckets, pad_to  # noqa: E402
-from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
+from _common import cuda_time_ms, init_process_group, record_fields, write_record  # noqa: E402
 from fsdp_cudagraph.apps.generate import GreedyGenerator, greedy_reference  # noqa: E402
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
 from fsdp_cudagraph.apps.train import RunSpec, build_model, graph_config, use_deterministic_kernels  # noqa: E402
@@ -63,15 +61,7 @@ def _time(fn: Callable[[], Any], warmup: int, iters: int, cuda: bool) -> List[fl
             fn()
             out.append((time.perf_counter() - t0) * 1e3)
         return out
-    events = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in events]
+    return cuda_time_ms(fn, warmup=0, iters=iters)
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -280,21 +270,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("bench_inference needs a CUDA GPU (it times CUDA graphs; --cpu-smoke runs its logic on CPU); "
               "nothing to run here.")
         return 0
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29514"))
-    if args.cpu_smoke:
-        dist.init_process_group("gloo")
-        device = torch.device("cpu")
-    else:
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        device = torch.device("cuda", local)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device = init_process_group(cuda=not args.cpu_smoke, default_port=29514)
+    rank = dist.get_rank()
     cfg = GPTConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                     seq_len=args.seq)
-    result: Dict[str, Any] = {"command": " ".join(sys.argv), "world_size": world, "versions": versions(),
-                              "config": vars(args)}
+    result: Dict[str, Any] = {**record_fields(), "config": vars(args)}
     if "eval" in args.sections:
         result["eval"] = eval_section(args, cfg, device)
     if "decode" in args.sections:

@@ -34,12 +34,11 @@ import time
 from typing import Any, Dict, List
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+import _common  # noqa: F401,E402 - the repository root on sys.path
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
+from _common import init_process_group, record_fields, write_record  # noqa: E402
 from fsdp_cudagraph.apps.vision import VisionConfig, VisionRunSpec, run_vision  # noqa: E402
 
 
@@ -91,17 +90,9 @@ def main() -> int:
         return 0
     if args.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29519"))
-    if cuda:
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        device = torch.device("cuda", local)
-    else:
+    if not cuda:
         args.backend, args.quick = "protocol", True
-        dist.init_process_group("gloo")
-        device = torch.device("cpu")
+    device = init_process_group(cuda=cuda, default_port=29519)
     buckets = sorted(args.buckets)
     cfg = (VisionConfig(patch_dim=588, hidden_size=256, num_layers=4, num_heads=4, max_patches_per_image=4096) if args.quick
            else VisionConfig(patch_dim=588, hidden_size=1024, num_layers=8, num_heads=16, max_patches_per_image=4096))
@@ -138,8 +129,7 @@ def main() -> int:
                   f"{r['pool_growth_bytes'] / 2**20:>8.1f}")
         print("peak memory (GiB): " + ", ".join(f"{k} {v['peak_memory_bytes'] / 2**30:.2f}" for k, v in runs.items()))
         if args.out:
-            write_record(args.out, {"command": " ".join(sys.argv), "world_size": dist.get_world_size(),
-                                    "versions": versions(), "config": dataclasses.asdict(cfg), "args": vars(args),
+            write_record(args.out, {**record_fields(), "config": dataclasses.asdict(cfg), "args": vars(args),
                                     "lengths": lengths, "rows": rows, "runs": runs})
     dist.destroy_process_group()
     return 0

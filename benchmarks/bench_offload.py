@@ -38,8 +38,8 @@ from typing import Any, Dict, List, Optional, Tuple
 for _k, _v in {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_NVLS_ENABLE": "0",
                "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
     os.environ.setdefault(_k, _v)  # before torch and TE load
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _common  # noqa: F401,E402 - the repository root on sys.path
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
@@ -47,7 +47,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, match_graph_attention  # noqa: E402
 from fsdp_cudagraph.offload.offloader import ActivationOffloader  # noqa: E402
 from fsdp_cudagraph.capture.te import HAS_TE  # noqa: E402
-from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
+from _common import init_process_group, record_fields, write_record  # noqa: E402
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
 from fsdp_cudagraph.apps.train import use_deterministic_kernels  # noqa: E402
 from megatron_fsdp import fully_shard  # noqa: E402
@@ -245,18 +245,11 @@ def main() -> int:
         return 0
     if "te" in args.models and not HAS_TE:
         sys.exit("bench_offload: --models te needs TransformerEngine; drop 'te'")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    return _main(args, torch.device("cuda", local))
+    return _main(args, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
 
 
 def _main(args: argparse.Namespace, device: torch.device, min_bytes: Optional[int] = None) -> int:
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
-    if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    device = init_process_group(cuda=device.type == "cuda", default_port=29517)
     args.min_bytes = min_bytes
     use_deterministic_kernels()
     t0 = time.time()
@@ -266,8 +259,7 @@ def _main(args: argparse.Namespace, device: torch.device, min_bytes: Optional[in
     ok = all(r["verdicts"]["bit_exact_eager"] and r["verdicts"]["bit_exact_graphed"] for r in results.values())
     if dist.get_rank() == 0:
         print(table(results))
-        record = {"benchmark": "bench_offload", "command": " ".join([sys.executable] + sys.argv),
-                  "world_size": dist.get_world_size(), "versions": versions(),
+        record = {"benchmark": "bench_offload", **record_fields(),
                   "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "config": {k: v for k, v in vars(args).items() if k != "out"}, "results": results, "all_bit_exact": ok,
                   "seconds": time.time() - t0}

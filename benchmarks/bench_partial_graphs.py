@@ -44,14 +44,13 @@ import time
 from typing import Any, Dict, List, Optional
 
 os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_full_iteration, for --suite full
 
+import _common  # noqa: F401,E402 - the repository root on sys.path
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph.capture.te import HAS_TE  # noqa: E402
-from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
+from _common import init_process_group, record_fields, write_record  # noqa: E402
 from fsdp_cudagraph.apps.model import GPTConfig  # noqa: E402
 from fsdp_cudagraph.apps.train import RunSpec, run_training  # noqa: E402
 from _flops import adam_step_ms, copy_bandwidth_gbps, matmul_peak_tflops, model_flops_per_step  # noqa: E402,F401
@@ -218,15 +217,9 @@ def main() -> int:
         return 2
     if args.backend == "te" and not HAS_TE:
         sys.exit("bench_partial_graphs: --backend te needs TransformerEngine; pass --backend torch")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29513")
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    device = torch.device("cuda", local)
+    device = init_process_group(cuda=True, default_port=29513)
     use_te = args.backend == "te"
-    result: Dict[str, Any] = {"command": " ".join(sys.argv), "world_size": dist.get_world_size(),
-                              "versions": versions(), "backend": args.backend, "suites": {}}
+    result: Dict[str, Any] = {**record_fields(), "backend": args.backend, "suites": {}}
     t0 = _T0
     failed = False
     if "launch" in args.suite:

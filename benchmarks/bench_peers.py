@@ -109,15 +109,16 @@ def load_model_code(isolated: bool) -> Any:
 
     ``isolated`` (the Megatron-FSDP process, which must not import our ``megatron_fsdp``): the two files are
     loaded from the repository by path, under stand-in ``fsdp_cudagraph``, ``fsdp_cudagraph.capture`` and
-    ``fsdp_cudagraph.apps`` packages whose ``__init__`` never runs, so the package's imports (our engine among them) stay out of the
-    process. Otherwise a plain import.
+    ``fsdp_cudagraph.apps`` packages whose ``__init__`` never runs, so the package's imports (our engine among
+    them) stay out of the process. Otherwise a plain import. (bench_peers imports no ``_common`` for this reason:
+    that would put the repository on ``sys.path``.)
     """
     if isolated:
         if "fsdp_cudagraph" in sys.modules:
             raise RuntimeError("bench_peers: fsdp_cudagraph is already imported; the isolated engine process must "
                                "load the model before anything imports the package")
         src = os.path.join(REPO, "fsdp_cudagraph")
-        for name, path in (("fsdp_cudagraph", src), ("fsdp_cudagraph.capture", os.path.join(src, "runtime")),
+        for name, path in (("fsdp_cudagraph", src), ("fsdp_cudagraph.capture", os.path.join(src, "capture")),
                            ("fsdp_cudagraph.apps", os.path.join(src, "apps"))):
             stand_in = types.ModuleType(name)
             stand_in.__path__ = [path]

@@ -25,15 +25,15 @@ from typing import Any, Dict, List
 
 os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _common  # noqa: F401,E402 - the repository root on sys.path
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON, require_te  # noqa: E402
-from fsdp_cudagraph.apps.align import versions, write_record  # noqa: E402
+from _common import init_process_group, record_fields, write_record  # noqa: E402
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
-from fsdp_cudagraph.apps.train import RunSpec, init_distributed, run_training, use_deterministic_kernels  # noqa: E402
+from fsdp_cudagraph.apps.train import RunSpec, run_training, use_deterministic_kernels  # noqa: E402
 
 SUITES = {
     "launch": dict(cfg=dict(vocab_size=1024, hidden_size=1024, num_layers=8, num_heads=16, seq_len=512), mbs=2),
@@ -87,9 +87,8 @@ def main() -> int:
         print(f"bench_replay_work needs a CUDA GPU and TE ({TE_REASON or 'no GPU'}); nothing to run here.")
         return 0
     use_deterministic_kernels()
-    device = init_distributed(default_port=29519)
-    out: Dict[str, Any] = {"command": " ".join(sys.argv), "versions": versions(), "world_size": dist.get_world_size(),
-                           "steps": args.steps, "skip": args.skip, "suites": {}}
+    device = init_process_group(cuda=True, default_port=29519)
+    out: Dict[str, Any] = {**record_fields(), "steps": args.steps, "skip": args.skip, "suites": {}}
     for suite in args.suite:
         cfg = GPTConfig(use_te=True, **SUITES[suite]["cfg"])
         mbs = SUITES[suite]["mbs"]

@@ -27,7 +27,6 @@ Exit status 1 if a row is not bit-equal or a control is not caught.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,8 +36,8 @@ os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 for _name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):  # NVLink multicast off
     os.environ.setdefault(_name, "1" if _name != "NCCL_NVLS_ENABLE" else "0")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: F401,E402 - the repository root on sys.path
 
 
 ENGINES = ("fsdp2", "megatron_fsdp", "nvidia")
@@ -304,12 +303,12 @@ def main(argv=None) -> int:
         return 0
     import torch.distributed as dist
 
-    from fsdp_cudagraph.apps.align import versions, write_record
-    from fsdp_cudagraph.apps.train import init_distributed, use_deterministic_kernels
+    from _common import init_process_group, record_fields, write_record
+    from fsdp_cudagraph.apps.train import use_deterministic_kernels
     from fsdp_cudagraph.capture.te import HAS_TE
 
     use_deterministic_kernels()
-    init_distributed(default_port=29533)
+    init_process_group(cuda=torch.cuda.is_available(), default_port=29533)
     rows, ok = [], True
     for engine in args.engines:
         why = nvidia_unavailable() if engine == "nvidia" else None
@@ -358,8 +357,7 @@ def main(argv=None) -> int:
     if dist.get_rank() == 0:
         print(f"engines alignment: {'all bit-equal, controls caught' if ok else 'FAILED'}")
         if args.out:
-            write_record(args.out, {"command": " ".join(sys.argv), "versions": versions(), "world_size":
-                                    dist.get_world_size(), "steps": args.steps, "scope": args.scope,
+            write_record(args.out, {**record_fields(), "steps": args.steps, "scope": args.scope,
                                     "seq_len": args.seq_len, "rows": rows, "all_ok": ok})
     dist.destroy_process_group()
     return 0 if ok else 1

@@ -33,14 +33,14 @@ from typing import Any, Dict, List, Optional
 # Deterministic kernels in every run (see fsdp_cudagraph.apps.train.use_deterministic_kernels), set before CUDA/TE.
 os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _common  # noqa: F401,E402 - the repository root on sys.path
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, check_alignment  # noqa: E402
 from fsdp_cudagraph.apps import hf_models  # noqa: E402
-from fsdp_cudagraph.apps import align
+from _common import init_process_group, record_fields, write_record  # noqa: E402
 from fsdp_cudagraph.capture.te import HAS_TE  # noqa: E402
 from fsdp_cudagraph.apps.train import use_deterministic_kernels  # noqa: E402
 from megatron_fsdp import fully_shard  # noqa: E402
@@ -163,7 +163,7 @@ def run_checker(device: torch.device, backend: str, rank: int) -> List[Dict[str,
 
 def versions() -> Dict[str, Any]:
     """The suites' version record (torch, CUDA, NCCL, cuDNN, TE, device, commit), plus transformers'."""
-    return {**align.versions(), "transformers": hf_models.TRANSFORMERS_VERSION}
+    return {**_common.versions(), "transformers": hf_models.TRANSFORMERS_VERSION}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -193,12 +193,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"benchmarks/hf_models.py: {hf_models.TRANSFORMERS_REASON}")
         return 1
     use_deterministic_kernels()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
-    dist.init_process_group("nccl", device_id=device)
+    device = init_process_group(cuda=True, default_port=29533)
     rank, world = dist.get_rank(), dist.get_world_size()
     backends = [b for b in args.backends if b != "te" or HAS_TE]
     shape = _shape(args)
@@ -261,10 +256,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"\n{len(rows)} rows, {sum(r['equal'] for r in rows)} bit-identical; checker cases as expected: "
               f"{sum(c['as_expected'] for c in checker)}/{len(checker)}; world {world}; {time.time() - t0:.0f} s")
         if args.out:
-            align.write_record(args.out, {"command": " ".join(sys.argv), "world_size": world, "versions": versions(),
-                                          "shape": vars(shape), "steps": args.steps, "capture_step": args.capture_step,
-                                          "skip": args.skip, "dtype": "bf16", "eager_repeat_equal": determinism,
-                                          "rows": rows, "checker": checker, "all_ok": ok})
+            write_record(args.out, {**record_fields(), "versions": versions(), "shape": vars(shape),
+                                    "steps": args.steps, "capture_step": args.capture_step, "skip": args.skip,
+                                    "dtype": "bf16", "eager_repeat_equal": determinism, "rows": rows,
+                                    "checker": checker, "all_ok": ok})
     dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1

@@ -145,7 +145,7 @@ def test_moved_parameter_is_refused_before_replay(runs):
         assert len(run["losses"]) == CAPTURE_AT
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real thing (benchmarks/gpu_record.sh)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real thing (benchmarks/tools/gpu_record.sh)")
 def test_engines_align_script_cpu_smoke(tmp_path):
     """benchmarks/engines_align.py (the GPU record of both engines) runs its rows on CPU and finds them equal."""
     import json

@@ -1,10 +1,11 @@
-"""benchmarks/peak_composition.py's trace replay: the live blocks at the largest total, by site (CPU; the GPU run
-records real allocator traces)."""
+"""benchmarks/diagnose/peak_composition.py's trace replay: the live blocks at the largest total, by site (CPU; the
+GPU run records real allocator traces)."""
 
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "diagnose"))
 
 from peak_composition import peak_composition  # noqa: E402
 

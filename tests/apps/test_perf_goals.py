@@ -11,6 +11,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "diagnose"))  # profile_step
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "tools"))  # scaling
 
 import _perf_goals as g  # noqa: E402
 
@@ -204,7 +206,7 @@ def test_goal_check_and_memory_table_glue(monkeypatch):
     assert "| compute | 10.000 | 11.500 | 1.150 | 1.500 | 3.000 | 1.500 | 1.500 | - | - |" in bpg.memory_table(mem)
 
 
-# --- benchmarks/profile_step.py: the kernel arithmetic of the profile write-up (pure functions) -----------------
+# --- benchmarks/diagnose/profile_step.py: the kernel arithmetic of the profile write-up (pure functions) -------
 
 
 def test_profile_categories_of_kernel_names_seen_on_an_h100():
@@ -280,7 +282,7 @@ def test_the_step_budget_sums_to_the_step_beyond_the_floor_line_by_line():
     assert sum(lines.values()) == pytest.approx(0.052 - 0.030)
 
 
-# --- benchmarks/scaling.py: the 1 -> N table from the suite's JSON ------------------------------------------------
+# --- benchmarks/tools/scaling.py: the 1 -> N table from the suite's JSON ------------------------------------------
 
 
 def _suite_file(world: int, eager_ms: float, peak: float, own=None) -> dict:

@@ -51,8 +51,9 @@ def _type_checking_lines(tree: ast.AST) -> Set[int]:
 def build_graph() -> Graph:
     files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
     modules = set(files)
-    # Benchmarks run as scripts from their folder and import each other by bare name (``import _flops``).
-    bare = {name.split(".", 1)[1]: name for name in modules if name.startswith("benchmarks.")}
+    # Benchmarks run as scripts and import each other by bare name (``import _flops``), across their subfolders
+    # (diagnose/, tools/) too: benchmarks/_common.py puts every folder on sys.path.
+    bare = {name.rpartition(".")[2]: name for name in modules if name.startswith("benchmarks.")}
 
     def resolve(name: str) -> str:
         if name in bare:

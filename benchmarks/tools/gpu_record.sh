@@ -1,0 +1,171 @@
+#!/usr/bin/env bash
+# The GPU record, by suite: versions, logs and JSON of each stage under $OUT (the device tool's output folder).
+#
+#   COMMIT=<sha> [NPROC=<n>] bash benchmarks/tools/gpu_record.sh <stage> [<stage> ...]
+#
+# Stages (each one call of the device tool, under its 10 minutes, except `all`; NPROC defaults to the GPUs
+# visible, and the NPROC-GPU half of a stage is skipped on one GPU):
+#   align           the partial-graph alignment matrix (python -m fsdp_cudagraph.apps.align: TE and torch
+#                   backends) on 1 GPU and on NPROC                                  -> align-{1,N}gpu.json
+#   full_iteration  the full-iteration alignment matrix on 1 GPU and on NPROC        -> fi-align-{1,N}gpu.json
+#   engines         benchmarks/engines_align.py (fsdp2, megatron_fsdp, nvidia) on 1 and NPROC, the alignment
+#                   checker (python -m fsdp_cudagraph.check) per engine on NPROC, NCCL's AVG against the
+#                   pre-scaled SUM (tests/gpu/nccl_average.py) on NPROC; nvidia needs megatron-core
+#                   (e.g. PYTHONPATH=/tmp/site)                                       -> engines-*.json, check-*.json
+#   pytest          pytest -m gpu with per-test durations (PYTEST_SELECT: a -k expression; the 2-GPU tests
+#                   take about 8 minutes with TE on 2 H100s: split with PYTEST_SELECT="2gpu and (...)")
+#   perf            the performance suite (bench_partial_graphs.py --suite full) on 1 GPU and NPROC and its
+#                   1 -> N table (tools/scaling.py); bench_peers --engine all where .whl/ holds Megatron-FSDP;
+#                   the compute step's budget (diagnose/profile_step.py) and what is live at its peak
+#                   (diagnose/peak_composition.py) on NPROC. PERF_PARTS picks parts: "suite peers profile peak"
+#   depth           host cost per graphed layer at 8, 32, 64 layers (benchmarks/bench_depth.py) -> depth.json
+#   features        offload (bench_offload.py), length buckets (bench_length_buckets.py), inference graphs
+#                   (bench_inference.py), Hugging Face models (hf_models.py), each on 1 GPU
+#   demo            scripts/demo.sh (NPROC ranks) and the demo on 1 GPU, with their wall times
+#   all             every stage above, in that order
+#
+# Write-ups: benchmarks/results/<topic>_<hw>_<date>.md cite the JSON this writes (benchmarks/README.md).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-}:$PWD NCCL_NVLS_ENABLE=0
+# The records' "commit" (fsdp_cudagraph.checker.records.versions): the device's copy of .git can name an older
+# HEAD than the tree that runs, so COMMIT, when given, wins.
+[ -n "${COMMIT:-}" ] && export GIT_COMMIT=${GIT_COMMIT:-$COMMIT}
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+N=${NPROC:-$NGPU}
+RUN_N="python3 -m torch.distributed.run --standalone --nproc-per-node $N"
+ONE="env CUDA_VISIBLE_DEVICES=0"
+
+versions() {  # the records' versions (device, torch, CUDA, NCCL, cuDNN, TE, commit) + installed packages
+  python3 - "$1" <<'PY' > "$OUT/versions-$1.json"
+import json, sys
+from importlib import metadata
+from fsdp_cudagraph.checker.records import versions  # imports TE before asking for cuDNN (see _cudnn_version)
+v = versions()
+for dist in ("transformer_engine", "megatron-core", "transformers"):
+    try:
+        v[dist] = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        v[dist] = None
+v["stage"] = sys.argv[1]
+print(json.dumps(v, indent=1))
+PY
+  cat "$OUT/versions-$1.json"
+}
+# step <log> <command...>: run, log to $OUT/<log>, record the command, its exit status and seconds.
+step() {
+  local log=$1; shift
+  echo "+ $*" | tee -a "$OUT/commands.txt"
+  local t0=$SECONDS
+  "$@" > "$OUT/$log" 2>&1
+  local rc=$?
+  echo "rc=$rc $((SECONDS - t0))s: $*" | tee -a "$OUT/commands.txt"
+  return 0
+}
+multi() { [ "$N" -gt 1 ]; }
+
+stage_align() {
+  step align-1gpu.log $ONE timeout 280 python3 -m fsdp_cudagraph.apps.align --out "$OUT/align-1gpu.json"
+  tail -3 "$OUT/align-1gpu.log"
+  if multi; then
+    step align-${N}gpu.log timeout 280 $RUN_N -m fsdp_cudagraph.apps.align --out "$OUT/align-${N}gpu.json"
+    tail -3 "$OUT/align-${N}gpu.log"
+  fi
+}
+
+stage_full_iteration() {
+  step fi-align-1gpu.log $ONE timeout 260 python3 -m fsdp_cudagraph.apps.full_iteration_align --out "$OUT/fi-align-1gpu.json"
+  tail -4 "$OUT/fi-align-1gpu.log"
+  if multi; then
+    step fi-align-${N}gpu.log timeout 300 $RUN_N -m fsdp_cudagraph.apps.full_iteration_align --out "$OUT/fi-align-${N}gpu.json"
+    tail -4 "$OUT/fi-align-${N}gpu.log"
+  fi
+}
+
+stage_engines() {
+  step engines-1gpu.log $ONE timeout 200 python3 benchmarks/engines_align.py --out "$OUT/engines-1gpu.json"
+  tail -12 "$OUT/engines-1gpu.log"
+  if multi; then
+    step engines-${N}gpu.log timeout 200 $RUN_N benchmarks/engines_align.py --out "$OUT/engines-${N}gpu.json"
+    tail -12 "$OUT/engines-${N}gpu.log"
+    for e in fsdp2 megatron_fsdp nvidia; do
+      step check-$e-${N}gpu.log timeout 100 $RUN_N -m fsdp_cudagraph.check --engine $e \
+        --model tests.apps.test_check_engines:dense_gpt_factory --json "$OUT/check-$e-${N}gpu.json"
+      tail -3 "$OUT/check-$e-${N}gpu.log"
+    done
+    step nccl-average-${N}gpu.log timeout 60 $RUN_N tests/gpu/nccl_average.py --out "$OUT/nccl-average-${N}gpu.json"
+    tail -3 "$OUT/nccl-average-${N}gpu.log"
+  fi
+}
+
+stage_pytest() {
+  step pytest-gpu.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records" timeout ${PYTEST_S:-560} python3 -m pytest -m gpu \
+    ${PYTEST_SELECT:+-k "$PYTEST_SELECT"} -q -p no:cacheprovider --durations=30
+  tail -45 "$OUT/pytest-gpu.log"
+}
+
+stage_perf() {
+  local parts=${PERF_PARTS:-suite peers profile peak}
+  if [[ " $parts " == *" suite "* ]]; then
+    step perf-1gpu.log $ONE timeout 200 python3 benchmarks/bench_partial_graphs.py --suite full --out "$OUT/perf_goals-1gpu.json"
+    local files="$OUT/perf_goals-1gpu.json"
+    if multi; then
+      step perf-${N}gpu.log timeout 240 $RUN_N benchmarks/bench_partial_graphs.py --suite full --out "$OUT/perf_goals-${N}gpu.json"
+      files="$files $OUT/perf_goals-${N}gpu.json"
+    fi
+    grep -hE "^\| (compute|launch) \|" "$OUT"/perf-*gpu.log | tail -40
+    step scaling.log python3 benchmarks/tools/scaling.py $files --out "$OUT/scaling.json"
+    cat "$OUT/scaling.log"
+  fi
+  if [[ " $parts " == *" peers "* ]] && [ -d .whl ]; then
+    for n in 1 $(multi && echo "$N"); do
+      step peers-${n}gpu.log timeout 200 python3 benchmarks/bench_peers.py --engine all --wheel-dir .whl --nproc-per-node $n \
+        --vocab 1024 --out "$OUT/peers-${n}gpu.json"
+      tail -8 "$OUT/peers-${n}gpu.log"
+    done
+  fi
+  if [[ " $parts " == *" profile "* ]]; then
+    step profile-${N}gpu.log timeout 200 $RUN_N benchmarks/diagnose/profile_step.py --out "$OUT/profile-compute-${N}gpu.json"
+    tail -32 "$OUT/profile-${N}gpu.log"
+  fi
+  if [[ " $parts " == *" peak "* ]]; then
+    step peak-compute-${N}gpu.log timeout 150 $RUN_N benchmarks/diagnose/peak_composition.py --config compute \
+      --columns eager fsdp2 --out "$OUT/peak-compute-${N}gpu.json"
+    grep -E "^(eager|fsdp2) " "$OUT/peak-compute-${N}gpu.log"
+  fi
+}
+
+stage_depth() {
+  step depth.log $ONE timeout 400 python3 benchmarks/bench_depth.py --layers 8 32 64 --out "$OUT/depth.json"
+  tail -20 "$OUT/depth.log"
+}
+
+stage_features() {
+  step offload-1gpu.log $ONE timeout 150 python3 benchmarks/bench_offload.py --out "$OUT/offload-1gpu.json"
+  tail -8 "$OUT/offload-1gpu.log"
+  step length-buckets-1gpu.log $ONE timeout 150 python3 benchmarks/bench_length_buckets.py --out "$OUT/length-buckets-1gpu.json"
+  tail -8 "$OUT/length-buckets-1gpu.log"
+  step inference-1gpu.log $ONE timeout 120 python3 benchmarks/bench_inference.py --out "$OUT/inference-1gpu.json"
+  tail -12 "$OUT/inference-1gpu.log"
+  step hf-1gpu.log $ONE timeout 150 python3 benchmarks/hf_models.py --out "$OUT/hf-1gpu.json"
+  tail -4 "$OUT/hf-1gpu.log"
+}
+
+stage_demo() {
+  step demo-${N}rank.log env NPROC=$([ "$N" -gt 0 ] && echo "$N" || echo 2) timeout 200 bash scripts/demo.sh
+  tail -8 "$OUT/demo-${N}rank.log"
+  step demo-1gpu.log $ONE timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m fsdp_cudagraph.apps.demo
+  tail -6 "$OUT/demo-1gpu.log"
+}
+
+STAGES="align full_iteration engines pytest perf depth features demo"
+[ $# -ge 1 ] || { echo "usage: bash benchmarks/tools/gpu_record.sh <stage>... (stages: $STAGES all)"; exit 2; }
+for stage in "$@"; do
+  for s in $([ "$stage" = all ] && echo "$STAGES" || echo "$stage"); do
+    case " $STAGES " in
+      *" $s "*) versions "$s"; "stage_$s" ;;
+      *) echo "unknown stage '$s'; stages: $STAGES all"; exit 2 ;;
+    esac
+  done
+done
