@@ -161,7 +161,7 @@ def warm_libraries(use_te: bool, device: torch.device) -> None:
     [Note: a column's own peak] Those workspaces live for the rest of the process, so without this the first
     column would count them in its peak and every later one would not. With it, each column starts from the
     same libraries' state plus what earlier columns left on streams of their own (graph warmup and capture
-    streams' workspaces; benchmarks/peak_composition.py shows them), and ``own_peak_gib`` (the peak minus what
+    streams' workspaces; benchmarks/diagnose/peak_composition.py shows them), and ``own_peak_gib`` (the peak minus what
     was allocated when the column started) is what the column itself needs: the quantity the memory goals
     compare. ``peak_memory_gib`` stays recorded as measured.
     """

@@ -16,9 +16,9 @@ Sections (each compares ``inference_cuda_graph_scope`` none / layer / block on t
 
 Run (1 GPU; 2 GPUs when lent; ``--quick`` is the reduced run of tests/gpu/test_inference.py)::
 
-    python benchmarks/bench_inference.py --out benchmarks/results/raw/inference-1gpu.json
+    python benchmarks/bench_inference.py --out inference-1gpu.json
     python benchmarks/bench_inference.py --cpu-smoke      # the logic on CPU (Gloo, protocol backends), no graphs
-    torchrun --standalone --nproc-per-node=2 benchmarks/bench_inference.py --out benchmarks/results/raw/inference-2gpu.json
+    torchrun --standalone --nproc-per-node=2 benchmarks/bench_inference.py --out inference-2gpu.json
 
 Times come from CUDA events after ``--warmup`` calls, medians over ``--iters`` calls. Rank 0 writes the JSON
 (device, versions, command, config, tables, checks, ``all_ok``).

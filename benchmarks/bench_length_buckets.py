@@ -14,8 +14,8 @@ Per bucket: median step time (CUDA events) over the phase's steps after ``--warm
 step, where ranks change phase at different steps), the padding overhead (padded / real patches), and the
 graphed run's capture time, graph memory and memory-pool growth. Run (1 GPU, then 2)::
 
-    python benchmarks/bench_length_buckets.py --out benchmarks/results/raw/length-buckets-1gpu.json
-    torchrun --nproc-per-node 2 benchmarks/bench_length_buckets.py --out benchmarks/results/raw/length-buckets-2gpu.json
+    python benchmarks/bench_length_buckets.py --out length-buckets-1gpu.json
+    torchrun --nproc-per-node 2 benchmarks/bench_length_buckets.py --out length-buckets-2gpu.json
 
 About a minute on one H100. ``--quick`` shrinks the model (hidden 256, 4 layers); ``--device cpu`` runs the
 script on Gloo with the protocol backend (a smoke test: CPU timings mean nothing). Kernels are not forced

@@ -17,7 +17,7 @@ Lifecycle::
         graph.optimizer_step(opt)                       # opt.step(): eagerly, or replayed from its own graph
         opt.zero_grad()
     graph.delete()                                      # graphs reset, the model stays eager (torch 2.11 keeps part of
-                                                        # the memory: benchmarks/diagnose_graph_memory.py)
+                                                        # the memory: benchmarks/diagnose/graph_memory.py)
 
 The training graph holds forward and backward over all micro-batches: the engine's casts, all-gathers and
 reduce-scatters included (the engine's capture guard is switched to ``ALLOW_COLLECTIVES`` around the

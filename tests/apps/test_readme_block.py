@@ -2,8 +2,8 @@
 
 On 2 Gloo ranks: the block runs with ``my_gpt`` (the reference GPT, whose attention and MLP classes carry
 ``cuda_graph_module`` tags), ``MyTransformerLayer``, ``device``, ``loader`` and ``loss_fn`` supplied, and
-with ``PartialCudaGraphs(model, config)`` changed to ``PartialCudaGraphs(model, config, backend="protocol")``
-as the README says for CPU. Must hold: the block as written (no change) is refused when ``PartialCudaGraphs``
+with ``PartialCudaGraphs(model, config)`` changed to ``PartialCudaGraphs(model, config, backend="protocol")``,
+the line of the README's CPU block (its second ```python block under '## Usage', which must show it). Must hold: the block as written (no change) is refused when ``PartialCudaGraphs``
 is built, before any training step, and the error names the change; with the change, its losses equal the
 same loop without graphs (``torch.equal``) at every step, and are finite.
 """
@@ -29,13 +29,18 @@ ON_CPU = 'graphs = PartialCudaGraphs(model, config, backend="protocol")'
 STEPS = 6
 
 
+def usage_blocks() -> List[str]:
+    """The ```python blocks of the README's '## Usage' section: the GPU block first, then the CPU change."""
+    text = open(README, encoding="utf-8").read()
+    section = text.split("\n## Usage", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
 def usage_block() -> str:
     """The first ```python block under the README's '## Usage' heading."""
-    text = open(README, encoding="utf-8").read()
-    section = text.split("\n## Usage", 1)[1]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match is not None, "README's Usage section has no ```python block"
-    return match.group(1)
+    blocks = usage_blocks()
+    assert blocks, "README's Usage section has no ```python block"
+    return blocks[0]
 
 
 def _names(rank: int, world: int, losses: List[torch.Tensor]) -> Dict[str, Any]:
@@ -86,6 +91,13 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs() -> List[Dict[str, Any]]:
     return run_gloo(_job, 2)
+
+
+def test_readme_shows_the_cpu_change():
+    blocks = usage_blocks()
+    assert len(blocks) >= 2 and ON_CPU in blocks[1], (
+        f"the README's CPU block (second ```python block under '## Usage') must show {ON_CPU!r}, the change "
+        "this test runs")
 
 
 def test_block_as_written_is_refused_on_cpu_naming_the_change(runs):
