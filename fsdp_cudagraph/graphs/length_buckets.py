@@ -20,9 +20,10 @@ padded sequence; that wastes compute on short inputs and lets every image attend
   smallest bucket ``>= n`` along each *length argument*'s dimension (``LengthArg(dim, pad_value)``), and every
   tensor of the output is cut back to ``n`` along ``output_dim``. A call already at a bucket length is not
   copied, so a model may pad once before its layers (as the PR does) and every layer replays without copies.
-- One graph per bucket. Each bucket is captured by a :class:`PartialCudaGraphs` of its own (the capture
-  machinery: hook extraction, the FSDP handlers run around warmup and capture, the address checks) with
-  sample args built from the recorded eager call, padded or cut to the bucket. The buckets share memory
+- One graph per bucket. One :class:`PartialCudaGraphs`, built with this object and never captured itself, is
+  the capture core (hook extraction, the FSDP handlers run around warmup and capture by the schedules of
+  ``capture/schedules.py``, the address checks); each bucket hands it its own callables, whose sample args are
+  built from the recorded eager call, padded or cut to the bucket. The buckets share memory
   pools (``torch.cuda.graph_pool_handle()``), largest bucket first so that the smaller ones fit in memory it
   already reserved: backend ``te`` uses one pool for everything (TE captures all forwards, then all backwards
   in reverse, the order of replay); backend ``torch`` captures one FSDP unit per ``make_graphed_callables``
@@ -70,10 +71,9 @@ import torch
 from torch import nn
 
 from fsdp_cudagraph.config import CudaGraphConfig
-from fsdp_cudagraph.engines import adapter_for
-from fsdp_cudagraph.graphs.partial import BACKENDS, CaptureReport, PartialCudaGraphs, select_modules
+from fsdp_cudagraph.graphs.partial import (BACKENDS, CaptureReport, PartialCudaGraphs, _Callable, _memory_breakdown,
+                                           _restore_forward)
 from fsdp_cudagraph.capture import args as _args
-from fsdp_cudagraph.capture import streams as _streams
 from fsdp_cudagraph.capture.buckets import Buckets, pad_to
 
 __all__ = [
@@ -241,37 +241,16 @@ class _Done:
 # ---------------------------------------------------------------------------------------------- per-bucket capture
 
 
-class _BucketCapture(PartialCudaGraphs):
-    """PartialCudaGraphs for one bucket: sample args given (not recorded), dispatchers kept (not installed),
-    memory pools shared with the other buckets."""
+@dataclasses.dataclass(eq=False)
+class _Bucket:
+    """One bucket's capture: its callables (sample args padded or cut to the bucket), what the schedule installed
+    for each (the capture wrapper and a per-bucket dispatcher) and each callable's pre-replay address check."""
 
-    def __init__(self, model: nn.Module, config: CudaGraphConfig, *, backend: str, bucket: int,
-                 calls: Dict[str, Tuple[Tuple[torch.Tensor, ...], Any]], order: List[str], pools: Dict[str, Any],
-                 pool_key: Dict[str, str]) -> None:
-        # TE attention matching needs the eager steps, which ran before this object existed: inert here.
-        super().__init__(model, config, backend=backend, attention_backend="warn")
-        self.bucket = bucket
-        self._pools = pools
-        self._pool_key = pool_key
-        self.dispatchers: Dict[str, _args.Dispatcher] = {}
-        self.wrappers: Dict[str, _args.CallWrapper] = {}
-        by_name = {c.name: c for c in self.callables}
-        for name, (leaves, sig) in calls.items():
-            c = by_name[name]
-            c.sample_args, c.signature, c.sample_kwargs = leaves, sig, {}
-        self._order = [by_name[n] for n in order]
-
-    def _pool_kwargs(self, callables: List[Any]) -> Dict[str, Any]:
-        key = self._pool_key[callables[0].name]
-        if key not in self._pools:
-            self._pools[key] = torch.cuda.graph_pool_handle()
-        return {"pool": self._pools[key]}
-
-    def _install(self, c: Any, wrapper: _args.CallWrapper, graphed: Any) -> None:
-        self.wrappers[c.name] = wrapper
-        self.dispatchers[c.name] = _args.Dispatcher(c.module, c.name, graphed, wrapper, wrapper.eager_forward,
-                                                    strict=self.config.cuda_graph_strict_signature,
-                                                    on_replay=self._on_replay(c))
+    bucket: int
+    callables: List[_Callable]
+    wrappers: Dict[str, _args.CallWrapper] = dataclasses.field(default_factory=dict)
+    dispatchers: Dict[str, _args.Dispatcher] = dataclasses.field(default_factory=dict)
+    checks: List[Callable[..., None]] = dataclasses.field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------- the public class
@@ -320,22 +299,24 @@ class LengthBucketGraphs:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; with backend=None set cuda_graph_impl "
                              "to 'transformer_engine' or 'local'")
+        if config.activation_offload_modules or config.activation_offload_module_patterns:
+            raise NotImplementedError("activation offloading inside length-bucketed graphs is not supported; drop "
+                                      "activation_offload_modules/activation_offload_module_patterns, or use "
+                                      "PartialCudaGraphs")
         self.model, self.config, self.buckets, self.output_dim, self.backend = model, config, buckets, output_dim, backend
-        #: The engine contract (None: a plain module): units, the address-stability refusal, the side stream.
-        self.engine = adapter_for(model)
-        if self.engine is not None:
-            self.engine.check_partial_graphs()  # one refusal for every per-layer graph kind, in the engine's words
-        root = self.engine.root if self.engine is not None else model
-        self._modules: Dict[str, nn.Module] = dict(select_modules(root, self.engine, config))
-        self._steps_before_side_stream = 0
-        if backend in ("te", "torch") and _streams.on_legacy_default_stream():
-            self._steps_before_side_stream = self.engine.num_forward_calls if self.engine is not None else 0
-            _streams.use_side_stream()
+        # The capture core, built once (the machine and engine checks, the selection, the side stream), never
+        # captured itself: capture() hands it one ordered set of callables per bucket. TE attention matching
+        # needs a PartialCudaGraphs' own recording of the eager steps: inert here ("warn").
+        self._core = PartialCudaGraphs(model, config, backend=backend, attention_backend="warn")
+        self._core.stop_recording()  # the calls are recorded below, whatever the grad mode
+        #: The engine contract (None: a plain module), as the core resolved it.
+        self.engine = self._core.engine
+        self._modules: Dict[str, nn.Module] = {c.name: c.module for c in self._core.callables}
         self._calls: Dict[str, Tuple[Tuple[torch.Tensor, ...], Any]] = {}
         self._order: List[str] = []
         self._recorders = [m.register_forward_pre_hook(self._recorder(n), with_kwargs=True)
                            for n, m in self._modules.items()]
-        self._captures: List[_BucketCapture] = []
+        self._captures: List[_Bucket] = []
         self._checks: List[Any] = []
         self._dispatchers: Dict[str, _LengthDispatcher] = {}
         self._pending: Dict[str, List[_Pending]] = {}
@@ -368,10 +349,7 @@ class LengthBucketGraphs:
         """Capture every selected callable once per bucket, largest bucket first. Undoes itself on failure."""
         if self.captured:
             raise RuntimeError("capture() was already called; delete() and build a new LengthBucketGraphs to capture again")
-        if self.backend != "protocol":
-            hazard = _streams.legacy_stream_hazard(steps_before_side_stream=self._steps_before_side_stream)
-            if hazard is not None:
-                raise RuntimeError(f"fsdp_cudagraph: cannot capture: {hazard}")
+        self._core.check_capturable()
         missing = [n for n in self._modules if n not in self._calls]
         if missing:
             raise RuntimeError(f"callables {missing[:5]} did not run in an eager step before capture, so their calls are "
@@ -390,16 +368,10 @@ class LengthBucketGraphs:
         t0 = time.perf_counter()
         try:
             for bucket in sorted(self.buckets.sizes, reverse=True):
-                calls = {n: _args.record_call(*specs[n].resize(*templates[n], bucket)) for n in order}
                 reserved0 = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
-                cap = _BucketCapture(self.model, self.config, backend=self.backend, bucket=bucket, calls=calls,
-                                     order=order, pools=pools, pool_key=pool_key)
-                self._captures.append(cap)
-                rep = cap.capture()
-                for h in cap._checks:  # one address check per callable suffices (installed below)
-                    h.remove()
-                self._check_outputs(cap, bucket)
-                self._check_addresses(self._captures[0], cap)
+                b, rep = self._capture_bucket(bucket, order, specs, templates, pools, pool_key)
+                self._check_outputs(b, bucket)
+                self._check_addresses(self._captures[0], b)
                 reserved = (torch.cuda.memory_reserved() - reserved0) if torch.cuda.is_available() else 0
                 reports.append(BucketCaptureReport(bucket, rep.capture_seconds, rep.graph_memory_bytes, reserved, rep))
                 logger.info("fsdp_cudagraph: bucket %d captured in %.3f s (graph memory %d B, pool growth %d B)",
@@ -408,10 +380,10 @@ class LengthBucketGraphs:
             self._undo()
             raise
         first = self._captures[0]
-        for c in first._order:
-            self._checks.append(c.module.register_forward_pre_hook(first._address_check(c)))
+        for c, check in zip(first.callables, first.checks):  # one address check per callable serves every bucket
+            self._checks.append(c.module.register_forward_pre_hook(check))
             d = _LengthDispatcher(self, c.name, c.module, specs[c.name], order.index(c.name), pool_key[c.name],
-                                  {cap.bucket: cap.dispatchers[c.name] for cap in self._captures},
+                                  {b.bucket: b.dispatchers[c.name] for b in self._captures},
                                   first.wrappers[c.name].eager_forward)
             self._dispatchers[c.name] = d
             c.module.forward = d
@@ -419,6 +391,38 @@ class LengthBucketGraphs:
         self.captured = True
         self.report = LengthBucketsReport(self.backend, order, reports, len(pools), time.perf_counter() - t0)
         return self.report
+
+    def _capture_bucket(self, bucket: int, order: List[str], specs: Dict[str, _LengthSpec], templates: Dict[str, Any],
+                        pools: Dict[str, Any], pool_key: Dict[str, str]) -> Tuple[_Bucket, CaptureReport]:
+        """Capture every callable for one bucket with the core's schedule: sample args from the recorded calls,
+        padded or cut to the bucket; results kept (not installed); memory pools shared across buckets."""
+        core = self._core
+        by_name = {c.name: c for c in core.callables}
+        callables = []
+        for n in order:
+            leaves, sig = _args.record_call(*specs[n].resize(*templates[n], bucket))
+            callables.append(_Callable(name=n, module=by_name[n].module, unit=by_name[n].unit, sample_args=leaves,
+                                       sample_kwargs={}, signature=sig))
+        core.check_callables(callables)
+        b = _Bucket(bucket, callables)
+
+        def install(c: _Callable, wrapper: _args.CallWrapper, graphed: Any) -> None:
+            b.wrappers[c.name] = wrapper
+            b.dispatchers[c.name] = _args.Dispatcher(c.module, c.name, graphed, wrapper, wrapper.eager_forward,
+                                                     strict=self.config.cuda_graph_strict_signature,
+                                                     on_replay=core._on_replay(c))
+
+        def pool_for(group: List[_Callable]) -> Dict[str, Any]:
+            key = pool_key[group[0].name]
+            if key not in pools:
+                pools[key] = torch.cuda.graph_pool_handle()
+            return {"pool": pools[key]}
+
+        seconds, mem, reserved0, unknown = core.capture_order(callables, install=install, pool_for=pool_for)
+        self._captures.append(b)  # captured: from here on _undo() gives its modules back
+        b.checks = [core.arm_address_check(c) for c in callables]
+        return b, CaptureReport(self.backend, list(order), seconds, mem, unknown, {},
+                                _memory_breakdown(callables, mem, reserved0))
 
     def _check_template(self, name: str, spec: _LengthSpec, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         given = [n for n, pos, _, _ in spec.items if spec._get(args, kwargs, pos, n) is not None]
@@ -428,7 +432,7 @@ class LengthBucketGraphs:
                              "varying tensor arguments")
         spec.length(args, kwargs)  # the lengths agree
 
-    def _check_outputs(self, cap: _BucketCapture, bucket: int) -> None:
+    def _check_outputs(self, cap: _Bucket, bucket: int) -> None:
         for name, w in cap.wrappers.items():
             for path, node in _args._walk(w.out_sig, "output"):
                 if node[0] == _args._TENSOR and (len(node[1]) <= self.output_dim or node[1][self.output_dim] != bucket):
@@ -437,9 +441,9 @@ class LengthBucketGraphs:
                         f"{bucket}; every output must vary in length along output_dim={self.output_dim} (it is cut "
                         "back to the call's length). Graph a callable whose outputs are per token, or set output_dim")
 
-    def _check_addresses(self, first: _BucketCapture, cap: _BucketCapture) -> None:
+    def _check_addresses(self, first: _Bucket, cap: _Bucket) -> None:
         """One address check serves every bucket: the parameters must sit where they sat for the first bucket."""
-        for c, oc in zip(first._order, cap._order):
+        for c, oc in zip(first.callables, cap.callables):
             if oc.param_ptrs != c.param_ptrs or oc.replay_ptrs != c.replay_ptrs:
                 raise RuntimeError(f"fsdp_cudagraph: the parameters (or gradient buffer) of {c.name} moved between the "
                                    f"captures of buckets {first.bucket} and {cap.bucket}; length buckets need "
@@ -514,16 +518,21 @@ class LengthBucketGraphs:
             h.remove()
         self._checks, self._recorders = [], []
         self._undo()
+        self._core.delete()
         self._dispatchers, self._pending, self._calls = {}, {}, {}
         self.captured = False
 
     def _undo(self) -> None:
-        for cap in reversed(self._captures):
+        for cap in reversed(self._captures):  # the first bucket last: its callables recorded the modules' own forward
             for w in cap.wrappers.values():
                 reset = w.__dict__.get("reset")
                 if callable(reset):
                     reset()
-            cap.delete()  # restores each module's own forward
+            for c in cap.callables:
+                _restore_forward(c)
+                for attr in ("reset", "backward_dw"):
+                    c.module.__dict__.pop(attr, None)
+                c.sample_args = None
         self._captures = []
         gc.collect()
         if torch.cuda.is_available():

@@ -246,37 +246,71 @@ class PartialCudaGraphs:
         if self.captured:
             raise RuntimeError("capture() was already called; delete() these graphs and build a new PartialCudaGraphs "
                                "to capture again")
-        if self.backend != "protocol":  # (the machine was checked when this object was built)
-            hazard = _streams.legacy_stream_hazard(steps_before_side_stream=self._steps_before_side_stream)
-            if hazard is not None:
-                raise RuntimeError(f"fsdp_cudagraph: cannot capture: {hazard}")
+        self.check_capturable()
         not_run = [c.name for c in self.callables if c.sample_args is None]
         if not_run:
             raise RuntimeError(
                 f"callables {not_run[:5]} did not run in an eager step before capture, so their sample args are "
                 "unknown; run at least one eager training step (cuda_graph_warmup_steps >= 1) before capture()"
             )
-        _args.check_recorded(self.callables)
-        # A unit under activation checkpointing re-runs its forward inside backward, where a
-        # graphed callable would replay out of the captured schedule: refused, the engine tells which units.
-        recomputed = sorted({self.engine.unit_name(c.unit) for c in self.callables if c.unit is not None
-                             and self.engine.unit_uses_recompute(c.unit)})
-        if recomputed:
-            raise NotImplementedError(
-                f"FSDP units {recomputed[:5]} run under activation checkpointing (their forward is recomputed in "
-                "backward); partial graphs of such units are not supported: graph other layers, or do not "
-                "checkpoint the graphed layers")
+        self.check_callables(self.callables)
         mismatched = self._attention.mismatches()
         if mismatched and self.attention_backend == "error":
             raise RuntimeError("fsdp_cudagraph: cannot capture: " + mismatch_message(mismatched, "error"))
         if mismatched:
             logger.warning("fsdp_cudagraph: %s", mismatch_message(mismatched, self.attention_backend))
         attention_backends = {n: dict(s) for n, s in self._attention.selections.items()}
+        self.stop_recording()
+        self._attention.remove_hooks()  # graph makers refuse modules with hooks; capture selects as captured
+        order = self._order + [c for c in self.callables if c not in self._order]
+        try:
+            seconds, mem, reserved0, unknown = self.capture_order(order, install=self._install, pool_for=lambda _: {})
+        finally:
+            self._attention.uninstall()  # replays select nothing; eager calls go back to TE's own choice
+        for c in order:
+            self._checks.append(c.module.register_forward_pre_hook(self.arm_address_check(c)))
+        self._order = order
+        self.captured = True
+        self.report = CaptureReport(self.backend, [c.name for c in order], seconds, mem, unknown, attention_backends,
+                                    _memory_breakdown(order, mem, reserved0))
+        return self.report
+
+    # ------------------------------------------------------------------ the capture core (also LengthBucketGraphs')
+    def check_capturable(self) -> None:
+        """Refuse a capture that stale legacy-stream autograd nodes would break ([Note: the default stream and
+        graph capture]); the machine itself was checked when this object was built."""
+        if self.backend != "protocol":
+            hazard = _streams.legacy_stream_hazard(steps_before_side_stream=self._steps_before_side_stream)
+            if hazard is not None:
+                raise RuntimeError(f"fsdp_cudagraph: cannot capture: {hazard}")
+
+    def check_callables(self, callables: List[_Callable]) -> None:
+        """Refuse recorded calls a graph cannot bind, and callables whose unit recomputes its forward."""
+        _args.check_recorded(callables)
+        # A unit under activation checkpointing re-runs its forward inside backward, where a
+        # graphed callable would replay out of the captured schedule: refused, the engine tells which units.
+        recomputed = sorted({self.engine.unit_name(c.unit) for c in callables if c.unit is not None
+                             and self.engine.unit_uses_recompute(c.unit)})
+        if recomputed:
+            raise NotImplementedError(
+                f"FSDP units {recomputed[:5]} run under activation checkpointing (their forward is recomputed in "
+                "backward); partial graphs of such units are not supported: graph other layers, or do not "
+                "checkpoint the graphed layers")
+
+    def stop_recording(self) -> None:
+        """Stop recording the callables' eager calls (their sample args); capture() does it, length buckets
+        (which record calls of their own) right away."""
         for h in self._recorders:
             h.remove()
         self._recorders = []
-        self._attention.remove_hooks()  # graph makers refuse modules with hooks; capture selects as captured
-        order = self._order + [c for c in self.callables if c not in self._order]
+
+    def capture_order(self, order: List[_Callable], *, install: _schedules.Install,
+                      pool_for: _schedules.PoolFor) -> Tuple[float, int, int, List[str]]:
+        """Capture ``order`` (callables whose ``sample_args`` and ``signature`` are set) with this object's
+        backend, engine and offloader, handing each result to ``install(c, wrapper, graphed)``; ``pool_for``
+        gives one graph-maker call's extra arguments. Hooks are taken off and put back exactly, and a failure
+        undoes what was installed. Returns (seconds, graph memory bytes, memory reserved before, unknown hooks).
+        """
         if self.engine is not None:
             self.engine.reset()
         for c in order:
@@ -296,7 +330,7 @@ class PartialCudaGraphs:
             for c in order:
                 c.capture_params = tuple(c.module.parameters())
             with _streams.stale_stream_override(), _offload.graph_maker(self.offload), _schedules.parked_grad_hooks(order):
-                self._run_schedule(order)
+                self._run_schedule(order, install, pool_for)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
         except BaseException:
@@ -311,28 +345,25 @@ class PartialCudaGraphs:
                     restore_hooks(c.extracted)
             if self.engine is not None:
                 self.engine.reset()
-            self._attention.uninstall()  # replays select nothing; eager calls go back to TE's own choice
         seconds = time.perf_counter() - t0
         unknown = [f"{c.name}.{d}[{hid}]={getattr(h, '__qualname__', repr(h))}" for c in order for d, hid, h in c.extracted.unknown]
         if unknown:
             logger.warning("fsdp_cudagraph: hooks kept but not run at capture time (they fire around replays): %s", unknown)
-        for c in order:
-            # Under an engine, what a replay reads by address is the engine's answer (its parameters may be
-            # swapped in by its own pre-forward hook, as FSDP2's are); a plain module's are its parameters.
-            c.params = tuple(c.module.parameters()) if self.engine is None else ()
-            c.param_ptrs = tuple(p.data_ptr() for p in c.params)
-            c.replay_ptrs = self._replay_ptrs(c)
-            c.probe = self.engine.replay_probe(c.module) if self.engine is not None else None
-            if c.probe is not None and c.probe() != tuple(ptr for _, ptr in c.replay_ptrs):
-                raise RuntimeError(f"fsdp_cudagraph: the {self.engine.name} adapter's replay_probe({c.name}) disagrees "
-                                   "with its replay_tensors (same tensors, same order); fix the adapter")
-            self._checks.append(c.module.register_forward_pre_hook(self._address_check(c)))
-        self._order = order
-        self.captured = True
         mem = (torch.cuda.memory_allocated() - mem0) if torch.cuda.is_available() else 0
-        self.report = CaptureReport(self.backend, [c.name for c in order], seconds, mem, unknown, attention_backends,
-                                    _memory_breakdown(order, mem, reserved0))
-        return self.report
+        return seconds, mem, reserved0, unknown
+
+    def arm_address_check(self, c: _Callable) -> Callable[[nn.Module, Tuple[Any, ...]], None]:
+        """Record, right after capture, the addresses a replay of ``c`` reads; return its pre-replay check."""
+        # Under an engine, what a replay reads by address is the engine's answer (its parameters may be
+        # swapped in by its own pre-forward hook, as FSDP2's are); a plain module's are its parameters.
+        c.params = tuple(c.module.parameters()) if self.engine is None else ()
+        c.param_ptrs = tuple(p.data_ptr() for p in c.params)
+        c.replay_ptrs = self._replay_ptrs(c)
+        c.probe = self.engine.replay_probe(c.module) if self.engine is not None else None
+        if c.probe is not None and c.probe() != tuple(ptr for _, ptr in c.replay_ptrs):
+            raise RuntimeError(f"fsdp_cudagraph: the {self.engine.name} adapter's replay_probe({c.name}) disagrees "
+                               "with its replay_tensors (same tensors, same order); fix the adapter")
+        return self._address_check(c)
 
     def _plan(self, order: List[_Callable]) -> None:
         """Compose each callable's capture-time hooks from its own hooks and its unit's FSDP handlers."""
@@ -354,22 +385,22 @@ class PartialCudaGraphs:
             last.plan["backward_pre_hooks"].update(plan["backward_pre_hooks"])
             first.plan["backward_hooks"].update(plan["backward_hooks"])
 
-    def _run_schedule(self, order: List[_Callable]) -> None:
+    def _run_schedule(self, order: List[_Callable], install: _schedules.Install, pool_for: _schedules.PoolFor) -> None:
         """The backend's schedule (``capture/schedules.py``) over ``order``, installing each result."""
         wrappers = self._wrappers(order)
         n = self.config.cuda_graph_num_warmup_iters
         if self.backend == "torch":
             # [Note: the engine contract] item 8: the engine's handlers gather only the unit being captured.
             scope = self.engine.one_unit_at_a_time if self.engine is not None else contextlib.nullcontext
-            return _schedules.capture_torch(order, wrappers, num_warmup_iters=n, install=self._install,
-                                            pool_for=self._pool_kwargs, unit_scope=scope)
+            return _schedules.capture_torch(order, wrappers, num_warmup_iters=n, install=install,
+                                            pool_for=pool_for, unit_scope=scope)
         hooks = [_schedules.capture_time_hooks(c, guard=lambda c=c: self._check_params(c)) for c in order]
         if self.backend == "te":
             return _schedules.capture_te(order, wrappers, hooks, te=require_te("cuda_graph_impl='transformer_engine'"),
-                                         num_warmup_iters=n, install=self._install,
-                                         clone_param_grads=self.clone_param_grads, pool_for=self._pool_kwargs,
+                                         num_warmup_iters=n, install=install,
+                                         clone_param_grads=self.clone_param_grads, pool_for=pool_for,
                                          extra=_offload.te_warmup_hooks(self.offload))  # offloading on for capture only
-        _schedules.capture_protocol(order, wrappers, hooks, num_warmup_iters=n, install=self._install,
+        _schedules.capture_protocol(order, wrappers, hooks, num_warmup_iters=n, install=install,
                                     region=self._simulated_capture, replay=_ProtocolReplay)
 
     def _check_params(self, c: _Callable) -> None:
@@ -392,10 +423,6 @@ class PartialCudaGraphs:
         with _capture_state.simulated_capture(), (
                 self.engine.simulated_capture() if self.engine is not None else contextlib.nullcontext()):
             yield
-
-    def _pool_kwargs(self, callables: List[_Callable]) -> Dict[str, Any]:
-        """Extra graph-maker arguments for one capture call: none here; length buckets pass a shared ``pool``."""
-        return {}
 
     # ------------------------------------------------------------------ calls with constants (see capture/args.py)
     def _wrappers(self, order: List[_Callable]) -> Dict[_Callable, _args.CallWrapper]:
