@@ -5,7 +5,7 @@ its graph kind comes in as arguments (``install``, ``pool_for``, the capture-tim
 never as ``self``, so partial graphs and length buckets share them without a subclass.
 
 A callable here is read only through ``name``, ``module``, ``unit``, ``plan``, ``sample_args`` and
-``capture_params`` (``graphs.partial._Callable``). ``plan`` holds capture-time hooks in TE's form
+``capture_params`` (a :class:`GraphedCallable`). ``plan`` holds capture-time hooks in TE's form
 (``{key: {hook_id: fn(module) -> None}}``); :func:`capture_time_hooks` turns it into what TE is handed,
 once per callable and capture.
 
@@ -17,16 +17,69 @@ too, instead of copies of their own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from fsdp_cudagraph.capture.attention import te_capture_flag
-from fsdp_cudagraph.hooks import HOOK_DICTS
+from fsdp_cudagraph.hooks import HOOK_DICTS, HOOK_KEYS, ExtractedHooks
 
-__all__ = ["parked_grad_hooks", "run_hooks", "capture_time_hooks", "check_graph_maker_preconditions", "te_backward",
-           "run_te_schedule", "capture_te", "capture_torch", "capture_protocol", "unit_groups", "PARAMS_GUARD"]
+__all__ = ["CaptureReport", "GraphedCallable", "parked_grad_hooks", "run_hooks", "capture_time_hooks", "check_graph_maker_preconditions", "te_backward",
+           "run_te_schedule", "capture_te", "capture_torch", "capture_protocol", "unit_groups", "PARAMS_GUARD",
+           "plan_hooks", "check_params", "ProtocolReplay", "restore_forward", "memory_breakdown"]
+
+@dataclasses.dataclass
+class CaptureReport:
+    """What a capture did."""
+
+    backend: str
+    callables: List[str]
+    capture_seconds: float
+    graph_memory_bytes: int
+    unknown_hooks: List[str] = dataclasses.field(default_factory=list)
+    #: callable name -> {"eager": TE's eager attention backend, "graph": its backend under capture,
+    #: "eager_used": what the eager steps ran}; empty without TE attention in the graphed callables.
+    attention_backends: Dict[str, Dict[str, str]] = dataclasses.field(default_factory=dict)
+    #: Where the graphs' memory sits (empty on CPU), see [Note: where graph memory goes]: ``param_grad_bytes``,
+    #: their static parameter gradients (one per parameter of every graphed callable, as the module holds it
+    #: after capture, kept for the graphs' lifetime) and ``other_bytes``, the rest of ``graph_memory_bytes``
+    #: (saved activations, static outputs, incoming-gradient buffers); ``static_input_bytes``, the recorded
+    #: sample args the graphs read their inputs from (allocated before capture, so outside
+    #: ``graph_memory_bytes``); ``reserved_growth_bytes``, what the allocator reserved during capture (pools'
+    #: free blocks included).
+    memory_breakdown: Dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(eq=False)  # identity: membership tests must never compare fields (tensors among them)
+class GraphedCallable:
+    """One graphed callable of a per-layer graph kind: what the schedules read and what capture records."""
+
+    name: str
+    module: nn.Module
+    #: The engine unit's module that owns this callable (None: no engine, or the root).
+    unit: Optional[nn.Module]
+    sample_args: Optional[Tuple[torch.Tensor, ...]] = None
+    sample_kwargs: Optional[Dict[str, torch.Tensor]] = None
+    extracted: Optional[ExtractedHooks] = None
+    plan: Dict[str, Dict[int, Any]] = dataclasses.field(default_factory=lambda: {k: {} for k in HOOK_KEYS})
+    params: Tuple[nn.Parameter, ...] = ()
+    #: ``module.parameters()`` when the graph maker is called: what TE makes the graph's inputs (contract item 6).
+    capture_params: Tuple[torch.Tensor, ...] = ()
+    param_ptrs: Tuple[int, ...] = ()
+    #: (name, address) of every tensor a replay reads or writes by address (the engine's replay_tensors).
+    replay_ptrs: Tuple[Tuple[str, int], ...] = ()
+    #: The engine's replay probe (resolved at capture): the addresses of replay_ptrs as they are now, in O(1).
+    probe: Optional[Callable[[], Tuple[int, ...]]] = None
+    had_forward_attr: bool = False
+    #: The module's own instance-level ``forward`` before capture (when ``had_forward_attr``): graph makers
+    #: replace it, and delete() or a failed capture must put it back.
+    own_forward: Any = None
+    #: The recorded call's signature (structure, constants, tensor metadata; see ``capture/args.py``). The graph's
+    #: inputs are its tensor leaves, ``sample_args``; ``sample_kwargs`` stays empty.
+    signature: Any = None
+
 
 #: Hooks in TE's form, per key: ``{hook_id: fn(module) -> None}``.
 HookDicts = Mapping[str, Mapping[int, Callable[[Any], None]]]
@@ -209,13 +262,105 @@ def capture_torch(order: List[Any], wrappers: Mapping[Any, Any], *, num_warmup_i
 
 
 def capture_protocol(order: List[Any], wrappers: Mapping[Any, Any], hooks: Sequence[HookDicts], *,
-                     num_warmup_iters: int, install: Install, region: Callable[[], ContextManager[Any]],
-                     replay: Callable[[Any], Any]) -> None:
+                     num_warmup_iters: int, install: Install, region: Callable[[], ContextManager[Any]]) -> None:
     """protocol backend: TE's schedule (:func:`run_te_schedule`) with the hooks TE would be handed, no graphs;
-    ``replay(wrapper)`` is what stands in for each graph."""
+    a :class:`ProtocolReplay` of each wrapper stands in for its graph."""
     check_graph_maker_preconditions(order)
     run_te_schedule([wrappers[c] for c in order], [c.sample_args for c in order], hooks,
                     num_warmup_iters=num_warmup_iters, region=region,
                     grad_inputs=lambda i: order[i].capture_params)
     for c in order:
-        install(c, wrappers[c], replay(wrappers[c]))
+        install(c, wrappers[c], ProtocolReplay(wrappers[c]))
+
+
+def plan_hooks(order: Sequence[Any], unit_plan: Optional[Callable[[Any], HookDicts]]) -> None:
+    """Compose each callable's capture-time hooks (``c.plan``) from its own (``c.extracted.capture_time``) and,
+    for a callable inside an engine unit, the unit's handlers: ``unit_plan(unit)``, the engine's plan of the
+    hooks on the unit's module (read once per unit and capture)."""
+    by_unit: Dict[int, List[Any]] = {}
+    for c in order:
+        c.plan = {k: dict(v) for k, v in c.extracted.capture_time.items()}
+        if c.unit is not None and c.module is not c.unit:
+            by_unit.setdefault(id(c.unit), []).append(c)
+    for group in by_unit.values():
+        assert unit_plan is not None, "a callable inside a unit needs the engine's plan"
+        plan = unit_plan(group[0].unit)
+        first, last = group[0], group[-1]
+        # [Note: one unit, several callables] The unit unshards before its first callable's forward
+        # and reshards after its last; backward runs in reverse, so it unshards before the last
+        # callable's backward and reduces after the first's. Each handler runs once per pass.
+        first.plan["forward_pre_hooks"].update(plan["forward_pre_hooks"])
+        last.plan["forward_hooks"].update(plan["forward_hooks"])
+        last.plan["backward_pre_hooks"].update(plan["backward_pre_hooks"])
+        first.plan["backward_hooks"].update(plan["backward_hooks"])
+
+
+def check_params(c: Any, engine_name: str) -> None:
+    """The parameter guard, after the capture-time pre-forward: the module's parameters are still the ones the
+    graph maker took (``c.capture_params``, the graph's inputs)."""
+    now = tuple(c.module.parameters())
+    if len(now) != len(c.capture_params) or any(a is not b for a, b in zip(now, c.capture_params)):
+        swapped = [n for (n, p), q in zip(c.module.named_parameters(), c.capture_params) if p is not q]
+        raise RuntimeError(
+            f"fsdp_cudagraph: cannot capture {c.name}: its pre-forward hooks registered other parameter "
+            f"tensors ({(swapped or ['the set of parameters'])[:3]}) than the module had when the graph "
+            "maker was called, which are the graph's inputs; a replay's gradients would reach no parameter "
+            f"the optimizer sees. The engine adapter of {engine_name} must register, in prepare_capture(), the "
+            "parameters its forward reads (see [Note: the engine contract], item 6)")
+
+
+class ProtocolReplay:
+    """The protocol backend's 'graph': the module's own forward, counted, reached through ``__call__``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        # What the graph makers capture: the module's forward as it stands (an instance override included).
+        self.forward = module.forward
+        self.replays = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.replays += 1
+        return self.forward(*args, **kwargs)
+
+    def reset(self) -> None:
+        self.replays = 0
+
+
+def restore_forward(c: Any) -> None:
+    """Undo a graph maker's ``forward`` replacement: back to the module's own override (``c.own_forward``, when
+    ``c.had_forward_attr``), or to the class's."""
+    if c.had_forward_attr:
+        c.module.__dict__["forward"] = c.own_forward
+    else:
+        c.module.__dict__.pop("forward", None)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def memory_breakdown(order: Sequence[Any], graph_bytes: int, reserved0: int) -> Dict[str, int]:
+    """[Note: where graph memory goes] Read-only arithmetic over what capture kept; it changes nothing.
+
+    Both graph makers keep, for the graphs' lifetime: each callable's static inputs (the sample args: the
+    replay copies new inputs into them), the activations its forward graph saved for its backward graph, its
+    static outputs and incoming-gradient buffers, and one static gradient per parameter (the backward graph
+    writes it at a fixed address; TE returns a clone of it, torch the buffer). Eagerly the activations are
+    alive at the peak too, but a layer's parameter gradients live only from its backward to its unit's
+    reduce-scatter: the static ones, every graphed layer's at once, are what graphs add on top of the eager
+    peak (with the static inputs and pool fragmentation). Weights of TE modules with
+    ``fuse_wgrad_accumulation=True`` have none: their backward graph writes into the engine's gradient buffer.
+    """
+    if not torch.cuda.is_available():
+        return {}
+    inputs = sum(_nbytes(t) for c in order for t in (c.sample_args or ()))
+    seen, grads = set(), 0
+    for c in order:
+        for m in c.module.modules():
+            fused = bool(getattr(m, "fuse_wgrad_accumulation", False))
+            for p in m.parameters(recurse=False):
+                if p.requires_grad and id(p) not in seen and not (fused and p.dim() >= 2):
+                    seen.add(id(p))
+                    grads += _nbytes(p)
+    return {"static_input_bytes": inputs, "param_grad_bytes": grads,
+            "other_bytes": graph_bytes - grads,
+            "reserved_growth_bytes": torch.cuda.memory_reserved() - reserved0}

@@ -70,10 +70,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from fsdp_cudagraph.config import CudaGraphConfig
-from fsdp_cudagraph.graphs.partial import (BACKENDS, CaptureReport, PartialCudaGraphs, _Callable, _memory_breakdown,
-                                           _restore_forward)
+from fsdp_cudagraph.config import BACKENDS, CudaGraphConfig
+from fsdp_cudagraph.graphs.partial import PartialCudaGraphs
 from fsdp_cudagraph.capture import args as _args
+from fsdp_cudagraph.capture import schedules as _schedules
+from fsdp_cudagraph.capture.schedules import CaptureReport, GraphedCallable
 from fsdp_cudagraph.capture.buckets import Buckets, pad_to
 
 __all__ = [
@@ -247,7 +248,7 @@ class _Bucket:
     for each (the capture wrapper and a per-bucket dispatcher) and each callable's pre-replay address check."""
 
     bucket: int
-    callables: List[_Callable]
+    callables: List[GraphedCallable]
     wrappers: Dict[str, _args.CallWrapper] = dataclasses.field(default_factory=dict)
     dispatchers: Dict[str, _args.Dispatcher] = dataclasses.field(default_factory=dict)
     checks: List[Callable[..., None]] = dataclasses.field(default_factory=list)
@@ -401,18 +402,18 @@ class LengthBucketGraphs:
         callables = []
         for n in order:
             leaves, sig = _args.record_call(*specs[n].resize(*templates[n], bucket))
-            callables.append(_Callable(name=n, module=by_name[n].module, unit=by_name[n].unit, sample_args=leaves,
+            callables.append(GraphedCallable(name=n, module=by_name[n].module, unit=by_name[n].unit, sample_args=leaves,
                                        sample_kwargs={}, signature=sig))
         core.check_callables(callables)
         b = _Bucket(bucket, callables)
 
-        def install(c: _Callable, wrapper: _args.CallWrapper, graphed: Any) -> None:
+        def install(c: GraphedCallable, wrapper: _args.CallWrapper, graphed: Any) -> None:
             b.wrappers[c.name] = wrapper
             b.dispatchers[c.name] = _args.Dispatcher(c.module, c.name, graphed, wrapper, wrapper.eager_forward,
                                                      strict=self.config.cuda_graph_strict_signature,
                                                      on_replay=core._on_replay(c))
 
-        def pool_for(group: List[_Callable]) -> Dict[str, Any]:
+        def pool_for(group: List[GraphedCallable]) -> Dict[str, Any]:
             key = pool_key[group[0].name]
             if key not in pools:
                 pools[key] = torch.cuda.graph_pool_handle()
@@ -422,7 +423,7 @@ class LengthBucketGraphs:
         self._captures.append(b)  # captured: from here on _undo() gives its modules back
         b.checks = [core.arm_address_check(c) for c in callables]
         return b, CaptureReport(self.backend, list(order), seconds, mem, unknown, {},
-                                _memory_breakdown(callables, mem, reserved0))
+                                _schedules.memory_breakdown(callables, mem, reserved0))
 
     def _check_template(self, name: str, spec: _LengthSpec, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         given = [n for n, pos, _, _ in spec.items if spec._get(args, kwargs, pos, n) is not None]
@@ -529,7 +530,7 @@ class LengthBucketGraphs:
                 if callable(reset):
                     reset()
             for c in cap.callables:
-                _restore_forward(c)
+                _schedules.restore_forward(c)
                 for attr in ("reset", "backward_dw"):
                     c.module.__dict__.pop(attr, None)
                 c.sample_args = None

@@ -31,7 +31,6 @@ import fnmatch
 import gc
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -42,10 +41,11 @@ from torch import nn
 from fsdp_cudagraph.config import BACKENDS, CudaGraphConfig, module_tag
 from fsdp_cudagraph.engines.contract import EngineAdapter
 from fsdp_cudagraph.engines.registry import adapter_for
-from fsdp_cudagraph.hooks import HOOK_DICTS, HOOK_KEYS, ExtractedHooks, extract_hooks, restore_hooks
+from fsdp_cudagraph.hooks import HOOK_DICTS, extract_hooks, restore_hooks
 from fsdp_cudagraph.offload import offloader as _offload
 from fsdp_cudagraph.capture import args as _args
 from fsdp_cudagraph.capture import schedules as _schedules
+from fsdp_cudagraph.capture.schedules import CaptureReport, GraphedCallable as _Callable
 from fsdp_cudagraph.capture import state as _capture_state
 from fsdp_cudagraph.capture import streams as _streams
 from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message
@@ -55,55 +55,6 @@ __all__ = ["PartialCudaGraphs", "CaptureReport", "BACKENDS", "select_modules", "
 
 logger = logging.getLogger(__name__)
 
-
-
-@dataclass
-class CaptureReport:
-    """What a capture did."""
-
-    backend: str
-    callables: List[str]
-    capture_seconds: float
-    graph_memory_bytes: int
-    unknown_hooks: List[str] = field(default_factory=list)
-    #: callable name -> {"eager": TE's eager attention backend, "graph": its backend under capture,
-    #: "eager_used": what the eager steps ran}; empty without TE attention in the graphed callables.
-    attention_backends: Dict[str, Dict[str, str]] = field(default_factory=dict)
-    #: Where the graphs' memory sits (empty on CPU), see [Note: where graph memory goes]: ``param_grad_bytes``,
-    #: their static parameter gradients (one per parameter of every graphed callable, as the module holds it
-    #: after capture, kept for the graphs' lifetime) and ``other_bytes``, the rest of ``graph_memory_bytes``
-    #: (saved activations, static outputs, incoming-gradient buffers); ``static_input_bytes``, the recorded
-    #: sample args the graphs read their inputs from (allocated before capture, so outside
-    #: ``graph_memory_bytes``); ``reserved_growth_bytes``, what the allocator reserved during capture (pools'
-    #: free blocks included).
-    memory_breakdown: Dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(eq=False)  # identity: membership tests must never compare fields (tensors among them)
-class _Callable:
-    name: str
-    module: nn.Module
-    #: The engine unit's module that owns this callable (None: no engine, or the root).
-    unit: Optional[nn.Module]
-    sample_args: Optional[Tuple[torch.Tensor, ...]] = None
-    sample_kwargs: Optional[Dict[str, torch.Tensor]] = None
-    extracted: Optional[ExtractedHooks] = None
-    plan: Dict[str, Dict[int, Any]] = field(default_factory=lambda: {k: {} for k in HOOK_KEYS})
-    params: Tuple[nn.Parameter, ...] = ()
-    #: ``module.parameters()`` when the graph maker is called: what TE makes the graph's inputs (contract item 6).
-    capture_params: Tuple[torch.Tensor, ...] = ()
-    param_ptrs: Tuple[int, ...] = ()
-    #: (name, address) of every tensor a replay reads or writes by address (the engine's replay_tensors).
-    replay_ptrs: Tuple[Tuple[str, int], ...] = ()
-    #: The engine's replay probe (resolved at capture): the addresses of replay_ptrs as they are now, in O(1).
-    probe: Optional[Callable[[], Tuple[int, ...]]] = None
-    had_forward_attr: bool = False
-    #: The module's own instance-level ``forward`` before capture (when ``had_forward_attr``): graph makers
-    #: replace it, and delete() or a failed capture must put it back.
-    own_forward: Any = None
-    #: The recorded call's signature (structure, constants, tensor metadata; see ``capture/args.py``). The graph's
-    #: inputs are its tensor leaves, ``sample_args``; ``sample_kwargs`` stays empty.
-    signature: Any = None
 
 
 def select_modules(root: nn.Module, engine: Any, config: CudaGraphConfig) -> List[Tuple[str, nn.Module]]:
@@ -272,7 +223,7 @@ class PartialCudaGraphs:
         self._order = order
         self.captured = True
         self.report = CaptureReport(self.backend, [c.name for c in order], seconds, mem, unknown, attention_backends,
-                                    _memory_breakdown(order, mem, reserved0))
+                                    _schedules.memory_breakdown(order, mem, reserved0))
         return self.report
 
     # ------------------------------------------------------------------ the capture core (also LengthBucketGraphs')
@@ -324,7 +275,8 @@ class PartialCudaGraphs:
             hook_plan = self.engine.hook_plan if self.engine is not None else None  # phase 2: the engine's reading
             for c in order:
                 c.extracted = extract_hooks(c.module, hook_plan=hook_plan)
-            self._plan(order)
+            _schedules.plan_hooks(order, (lambda unit: self.engine.hook_plan(
+                {name: getattr(unit, name) for name in HOOK_DICTS}).capture_time) if self.engine is not None else None)
             if self.engine is not None:
                 self.engine.prepare_capture(list({id(c.unit): c.unit for c in order if c.unit is not None}.values()))
             for c in order:
@@ -335,7 +287,7 @@ class PartialCudaGraphs:
                 torch.cuda.synchronize()
         except BaseException:
             for c in order:
-                _restore_forward(c)
+                _schedules.restore_forward(c)
                 for attr in ("reset", "backward_dw"):
                     c.module.__dict__.pop(attr, None)
             raise
@@ -365,26 +317,6 @@ class PartialCudaGraphs:
                                "with its replay_tensors (same tensors, same order); fix the adapter")
         return self._address_check(c)
 
-    def _plan(self, order: List[_Callable]) -> None:
-        """Compose each callable's capture-time hooks from its own hooks and its unit's FSDP handlers."""
-        by_unit: Dict[int, List[_Callable]] = {}
-        for c in order:
-            c.plan = {k: dict(v) for k, v in c.extracted.capture_time.items()}
-            if c.unit is not None and c.module is not c.unit:
-                by_unit.setdefault(id(c.unit), []).append(c)
-        for group in by_unit.values():
-            unit = group[0].unit
-            live = {name: getattr(unit, name) for name in HOOK_DICTS}
-            plan = self.engine.hook_plan(live).capture_time
-            first, last = group[0], group[-1]
-            # [Note: one unit, several callables] The unit unshards before its first callable's forward
-            # and reshards after its last; backward runs in reverse, so it unshards before the last
-            # callable's backward and reduces after the first's. Each handler runs once per pass.
-            first.plan["forward_pre_hooks"].update(plan["forward_pre_hooks"])
-            last.plan["forward_hooks"].update(plan["forward_hooks"])
-            last.plan["backward_pre_hooks"].update(plan["backward_pre_hooks"])
-            first.plan["backward_hooks"].update(plan["backward_hooks"])
-
     def _run_schedule(self, order: List[_Callable], install: _schedules.Install, pool_for: _schedules.PoolFor) -> None:
         """The backend's schedule (``capture/schedules.py``) over ``order``, installing each result."""
         wrappers = self._wrappers(order)
@@ -394,27 +326,15 @@ class PartialCudaGraphs:
             scope = self.engine.one_unit_at_a_time if self.engine is not None else contextlib.nullcontext
             return _schedules.capture_torch(order, wrappers, num_warmup_iters=n, install=install,
                                             pool_for=pool_for, unit_scope=scope)
-        hooks = [_schedules.capture_time_hooks(c, guard=lambda c=c: self._check_params(c)) for c in order]
+        who = self.engine.name if self.engine is not None else "the model"
+        hooks = [_schedules.capture_time_hooks(c, guard=lambda c=c: _schedules.check_params(c, who)) for c in order]
         if self.backend == "te":
             return _schedules.capture_te(order, wrappers, hooks, te=require_te("cuda_graph_impl='transformer_engine'"),
                                          num_warmup_iters=n, install=install,
                                          clone_param_grads=self.clone_param_grads, pool_for=pool_for,
                                          extra=_offload.te_warmup_hooks(self.offload))  # offloading on for capture only
         _schedules.capture_protocol(order, wrappers, hooks, num_warmup_iters=n, install=install,
-                                    region=self._simulated_capture, replay=_ProtocolReplay)
-
-    def _check_params(self, c: _Callable) -> None:
-        """After the capture-time pre-forward: the module's parameters are still the ones the graph maker took."""
-        now = tuple(c.module.parameters())
-        if len(now) != len(c.capture_params) or any(a is not b for a, b in zip(now, c.capture_params)):
-            engine = self.engine.name if self.engine is not None else "the model"
-            swapped = [n for (n, p), q in zip(c.module.named_parameters(), c.capture_params) if p is not q]
-            raise RuntimeError(
-                f"fsdp_cudagraph: cannot capture {c.name}: its pre-forward hooks registered other parameter "
-                f"tensors ({(swapped or ['the set of parameters'])[:3]}) than the module had when the graph "
-                "maker was called, which are the graph's inputs; a replay's gradients would reach no parameter "
-                f"the optimizer sees. The engine adapter of {engine} must register, in prepare_capture(), the "
-                "parameters its forward reads (see [Note: the engine contract], item 6)")
+                                    region=self._simulated_capture)
 
     @contextlib.contextmanager
     def _simulated_capture(self) -> Iterator[None]:
@@ -498,7 +418,7 @@ class PartialCudaGraphs:
                 reset = c.module.__dict__.get("reset")
                 if callable(reset):
                     reset()
-                _restore_forward(c)
+                _schedules.restore_forward(c)
                 for attr in ("reset", "backward_dw"):
                     c.module.__dict__.pop(attr, None)
         for c in self.callables:
@@ -523,59 +443,3 @@ def match_graph_attention(model: nn.Module, config: CudaGraphConfig) -> Attentio
     engine = adapter_for(model)
     root = engine.root if engine is not None else model
     return AttentionBackendMatcher(dict(select_modules(root, engine, config)), force=True)
-
-
-class _ProtocolReplay:
-    """The protocol backend's 'graph': the module's own forward, counted, reached through ``__call__``."""
-
-    def __init__(self, module: nn.Module) -> None:
-        # What the graph makers capture: the module's forward as it stands (an instance override included).
-        self.forward = module.forward
-        self.replays = 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.replays += 1
-        return self.forward(*args, **kwargs)
-
-    def reset(self) -> None:
-        self.replays = 0
-
-
-def _restore_forward(c: _Callable) -> None:
-    """Undo a graph maker's ``forward`` replacement: back to the module's own override, or to the class's."""
-    if c.had_forward_attr:
-        c.module.__dict__["forward"] = c.own_forward
-    else:
-        c.module.__dict__.pop("forward", None)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _memory_breakdown(order: List[_Callable], graph_bytes: int, reserved0: int) -> Dict[str, int]:
-    """[Note: where graph memory goes] Read-only arithmetic over what capture kept; it changes nothing.
-
-    Both graph makers keep, for the graphs' lifetime: each callable's static inputs (the sample args: the
-    replay copies new inputs into them), the activations its forward graph saved for its backward graph, its
-    static outputs and incoming-gradient buffers, and one static gradient per parameter (the backward graph
-    writes it at a fixed address; TE returns a clone of it, torch the buffer). Eagerly the activations are
-    alive at the peak too, but a layer's parameter gradients live only from its backward to its unit's
-    reduce-scatter: the static ones, every graphed layer's at once, are what graphs add on top of the eager
-    peak (with the static inputs and pool fragmentation). Weights of TE modules with
-    ``fuse_wgrad_accumulation=True`` have none: their backward graph writes into the engine's gradient buffer.
-    """
-    if not torch.cuda.is_available():
-        return {}
-    inputs = sum(_nbytes(t) for c in order for t in (c.sample_args or ()))
-    seen, grads = set(), 0
-    for c in order:
-        for m in c.module.modules():
-            fused = bool(getattr(m, "fuse_wgrad_accumulation", False))
-            for p in m.parameters(recurse=False):
-                if p.requires_grad and id(p) not in seen and not (fused and p.dim() >= 2):
-                    seen.add(id(p))
-                    grads += _nbytes(p)
-    return {"static_input_bytes": inputs, "param_grad_bytes": grads,
-            "other_bytes": graph_bytes - grads,
-            "reserved_growth_bytes": torch.cuda.memory_reserved() - reserved0}

@@ -376,7 +376,7 @@ class _CallingWrapper(_REAL_WRAPPER):
 _REAL_PRECONDITIONS = capture_mod._schedules.check_graph_maker_preconditions
 
 
-class _FailingReplay(capture_mod._ProtocolReplay):
+class _FailingReplay(capture_mod._schedules.ProtocolReplay):
     """The protocol's replay object, failing on the third callable (after two forwards were replaced)."""
 
     made = 0
@@ -467,11 +467,11 @@ def _failures_job(rank: int, world: int) -> Dict[str, Any]:
     before = _snap(mods, keep_alive)
     graphs = PartialCudaGraphs(model, _graph_cfg(["attn"]), backend="protocol")
     losses = [_step(model, opt, cfg, s, rank) for s in range(CAPTURE_AT)]
-    capture_mod._ProtocolReplay = _FailingReplay
+    capture_mod._schedules.ProtocolReplay = _FailingReplay
     try:
         out["late_error"] = _error(graphs.capture)
     finally:
-        capture_mod._ProtocolReplay = _FailingReplay.__bases__[0]
+        capture_mod._schedules.ProtocolReplay = _FailingReplay.__bases__[0]
     out["late_made"] = _FailingReplay.made
     out["late_hooks"] = (before, _snap(mods, keep_alive))
     out["late_forward"] = {n: "forward" in m.__dict__ for n, m in mods.items()}
@@ -653,7 +653,9 @@ def test_selection_and_precondition_errors(failures):
         kind, msg = out["too_early"]
         assert kind == "RuntimeError" and "eager" in msg, msg
         assert out["after_one_step"] is None, out["after_one_step"]
-        for key in ("no_db_False_False", "no_db_True_False"):
-            kind, msg = out[key]
-            assert kind == "ValueError", msg
-            assert "fsdp_double_buffer" in msg and "fsdp_db_use_persist_buf_on_alloc_fail" in msg, msg
+        kind, msg = out["no_db_False_False"]
+        assert kind == "ValueError", msg
+        assert "fsdp_double_buffer" in msg and "fsdp_db_use_persist_buf_on_alloc_fail" in msg, msg
+        # [Note: fixed addresses]: with the double buffer every unit sits in a slot (a unit too large for one is
+        # refused by fully_shard without the persistent fallback), so nothing moves and nothing is refused.
+        assert out["no_db_True_False"] is None, out["no_db_True_False"]
