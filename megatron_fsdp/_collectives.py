@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ._common import check_not_capturing
 
-__all__ = ["all_gather", "reduce_scatter", "all_reduce", "broadcast"]
+__all__ = ["all_gather", "reduce_scatter", "all_reduce", "broadcast", "backend_for"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -45,3 +45,19 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, what: str, *, ave
 def broadcast(tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup, what: str) -> None:
     check_not_capturing(f"broadcast of {what}", collective=True)
     dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank), group=group)
+
+
+def backend_for(group: dist.ProcessGroup, device: torch.device) -> str:
+    """The backend that carries ``device``'s tensors in ``group``: ``"nccl"`` or ``"gloo"`` (or another name).
+
+    ``init_process_group()`` without a backend makes both and reports ``"undefined"``; a backend string such as
+    ``"cpu:gloo,cuda:nccl"`` names one per device type. Either way CUDA tensors go to NCCL and CPU ones to
+    Gloo, which is what the engine's collectives need to know.
+    """
+    name = dist.get_backend(group)
+    if name == "undefined":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if ":" in name:
+        per_device = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+        return per_device.get(device.type, name)
+    return name

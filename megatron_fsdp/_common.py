@@ -200,3 +200,24 @@ def log_rank0(level: int, msg: str, *args: object) -> None:
     """Log on rank 0 only (or always, without a process group)."""
     if _rank() == 0:
         logger.log(level, msg, *args)
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor in it (nested in tuples, lists, dicts) cast to ``dtype``.
+
+    A container in which nothing is cast is returned itself, not a copy: a caller that passes a list or dict
+    for the model to fill in (outputs, caches) still sees what the model put there.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (tuple, list)):
+        items = [_cast_floating(v, dtype) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple keeps its type
+            return type(value)(*items)
+        return type(value)(items)
+    if isinstance(value, dict):
+        items = {k: _cast_floating(v, dtype) for k, v in value.items()}
+        return value if all(items[k] is v for k, v in value.items()) else items
+    return value

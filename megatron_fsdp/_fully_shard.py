@@ -1,5 +1,7 @@
-"""``fully_shard``: the public API, the root wrapper and buffer planning; state dicts, DCP and clipping
-delegate to ``_state_dict.py``, ``_dcp.py`` and ``_clip.py``."""
+"""``fully_shard``: the public API and the root wrapper, ``MegatronFSDP``. Planning (units, buffers, hooks) is in
+``_plan.py``; one unit's state machine in ``_unit.py``, its hooks in ``_unit_hooks.py`` and its gradient
+reduction in ``_reduce.py``; state dicts, DCP and clipping delegate to ``_state_dict.py``, ``_dcp.py`` and
+``_clip.py``."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import collections
 import contextlib
 import functools
 import logging
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, Union
+import weakref
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -15,15 +18,16 @@ from torch import nn
 from torch.autograd import Variable
 
 from . import _clip, _dcp, _guards, _state_dict
-from . import _collectives as C
-from ._common import COMPUTING, ShardingStrategy, TrainingState, is_capturing, log_rank0, phase
-from ._unit import FSDPUnit, _Buffer, _PendingReduce, _grad_tensors, make_call_guard, make_unit_hooks
+from ._collectives import backend_for
+from ._common import COMPUTING, ShardingStrategy, TrainingState, _cast_floating, is_capturing, log_rank0, phase
+from ._plan import UnitPlanning, UnitSpec
+from ._reduce import _PendingReduce, reduce_by_average
+from ._unit import FSDPUnit
+from ._unit_hooks import _grad_tensors
 
 __all__ = ["fully_shard", "MegatronFSDP"]
 
 logger = logging.getLogger(__name__)
-
-UnitSpec = Union[Type[nn.Module], str]
 
 
 def fully_shard(
@@ -98,74 +102,7 @@ def fully_shard(
     )
 
 
-def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with every floating-point tensor in it (nested in tuples, lists, dicts) cast to ``dtype``.
-
-    A container in which nothing is cast is returned itself, not a copy: a caller that passes a list or dict
-    for the model to fill in (outputs, caches) still sees what the model put there.
-    """
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, (tuple, list)):
-        items = [_cast_floating(v, dtype) for v in value]
-        if all(a is b for a, b in zip(items, value)):
-            return value
-        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple keeps its type
-            return type(value)(*items)
-        return type(value)(items)
-    if isinstance(value, dict):
-        items = {k: _cast_floating(v, dtype) for k, v in value.items()}
-        return value if all(items[k] is v for k, v in value.items()) else items
-    return value
-
-
-def _matches(module: nn.Module, specs: Sequence[UnitSpec]) -> bool:
-    for s in specs:
-        if isinstance(s, str):
-            if type(module).__name__ == s:
-                return True
-        elif isinstance(module, s):
-            return True
-    return False
-
-
-def backend_for(group: dist.ProcessGroup, device: torch.device) -> str:
-    """The backend that carries ``device``'s tensors in ``group``: ``"nccl"`` or ``"gloo"`` (or another name).
-
-    ``init_process_group()`` without a backend makes both and reports ``"undefined"``; a backend string such as
-    ``"cpu:gloo,cuda:nccl"`` names one per device type. Either way CUDA tensors go to NCCL and CPU ones to
-    Gloo, which is what the engine's collectives need to know.
-    """
-    name = dist.get_backend(group)
-    if name == "undefined":
-        return "nccl" if device.type == "cuda" else "gloo"
-    if ":" in name:
-        per_device = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
-        return per_device.get(device.type, name)
-    return name
-
-
-def reduce_by_average(backend: str, world_size: int, grad_dtype: torch.dtype) -> bool:
-    """Whether the gradient collectives average (``ReduceOp.AVG``) instead of summing pre-scaled gradients.
-
-    [Note: averaging in the collective] The engine reduces the mean of the ranks' gradients. Summing
-    gradients that the fold multiplied by ``1/world`` costs a pass over every unsharded gradient (read and
-    write, in the buffer's dtype) before each reduction. NCCL's AVG on floating-point data is that same
-    pre-multiplication, done as the collective loads each rank's input (``ncclDevPreMulSum`` with the scalar
-    ``1/nranks`` rounded to the data's dtype), so no pass is needed. The bits are those of the pre-scale when
-    the factor rounds the same in both: fp32 and fp64 (torch multiplies fp32 by ``float(1/world)`` too), and
-    fp16 or bf16 only when ``world`` is a power of two (an exact factor; otherwise NCCL would round it to the
-    half type while torch multiplies in fp32). Other cases keep the pre-scale. One rank needs neither; Gloo
-    has no AVG for these collectives.
-    """
-    if world_size == 1 or backend != "nccl":
-        return False
-    if grad_dtype in (torch.float32, torch.float64):
-        return True
-    return grad_dtype in (torch.float16, torch.bfloat16) and world_size & (world_size - 1) == 0
-
-
-class MegatronFSDP(nn.Module):
+class MegatronFSDP(UnitPlanning, nn.Module):
     """A fully-sharded data-parallel wrapper (see :func:`fully_shard`)."""
 
     def __init__(
@@ -192,9 +129,11 @@ class MegatronFSDP(nn.Module):
                 "torch.distributed.init_process_group('nccl' on GPUs, 'gloo' on CPU) first (torchrun sets the "
                 "environment it reads)"
             )
-        self.group = process_group if process_group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
+        group = process_group if process_group is not None else dist.group.WORLD
+        # A weak reference: torch.distributed owns the group ([Note: the engine does not keep its group alive]).
+        self._group_ref = weakref.ref(group)
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
         if self.rank < 0:
             raise ValueError(
                 f"process_group does not contain global rank {dist.get_rank()}; pass the data-parallel group "
@@ -264,7 +203,6 @@ class MegatronFSDP(nn.Module):
         self.in_backward = False
         #: Inside summon_full_params(): module parameters are full fp32 copies.
         self._summoned = False
-        self._group_ranks: Optional[List[int]] = None
         #: Root forward passes run so far (graph layers read it: steps before a capture matter to streams).
         self.num_forward_calls = 0
         #: Root forward passes with gradients enabled so far: the backward hooks of a forward remember it, and
@@ -284,188 +222,34 @@ class MegatronFSDP(nn.Module):
             len(self.units), self.strategy.value, self.world_size, self.compute_dtype, fsdp_double_buffer,
         )
 
-    # ------------------------------------------------------------------ planning
-    def _plan_units(self, specs: Sequence[UnitSpec]) -> None:
-        if not specs:
-            raise ValueError("fsdp_unit_modules is empty; name at least one module class, e.g. your transformer layer")
-        owner_of: Dict[int, str] = {}
-        unit_modules: List[Tuple[str, nn.Module]] = [
-            (n, m) for n, m in self.module.named_modules() if m is not self.module and _matches(m, specs)
-        ]
-        if not unit_modules:
-            found = sorted({type(m).__name__ for m in self.module.modules()})
-            raise ValueError(
-                f"fsdp_unit_modules={[getattr(s, '__name__', s) for s in specs]} matches no submodule of "
-                f"{type(self.module).__name__}; its module classes are {found[:20]}; name one of those"
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The engine's process group, while torch.distributed holds it (until ``destroy_process_group``).
+
+        [Note: the engine does not keep its group alive]
+        ``destroy_process_group()`` frees a Gloo group, and the group's destructor joins its worker threads, only
+        when nothing else holds the group. Each worker thread drops its own reference to a finished ``Work`` after
+        the waiting rank has moved on, and that drop takes the GIL (the work's saved thread-local state holds a
+        Python object). An engine holding the group strongly kept those threads running into interpreter exit: a
+        worker that asked for the GIL while the interpreter finalised was ended by ``pthread_exit`` inside a
+        ``noexcept`` destructor, and the rank aborted after a correct run ("terminate called without an active
+        exception", SIGABRT; 5 of 12 two-rank runs of a script ending with an evaluation forward,
+        tests/apps/test_exit.py). torch.distributed holds every group until it is destroyed, so a weak reference
+        is enough while the group can be used, and the group dies (its threads joined) where the user destroys it.
+        """
+        group = self._group_ref()
+        if group is None:
+            raise RuntimeError(
+                f"[rank {self.rank}] megatron_fsdp: the engine's process group was destroyed "
+                "(torch.distributed.destroy_process_group()); collectives and state dicts need it: use the model "
+                "before destroying its group, or build a new one with fully_shard after init_process_group"
             )
-        unit_set = {id(m) for _, m in unit_modules}
-        for index, (name, m) in enumerate(unit_modules):
-            names, ps = [], []
-            for pn, p in self._own_params(m, unit_set):
-                if id(p) in owner_of:
-                    raise ValueError(
-                        f"parameter {name}.{pn} is shared with unit {owner_of[id(p)]}; a parameter can live in one "
-                        "FSDP unit only: untie it, or make the module that owns both a single unit"
-                    )
-                owner_of[id(p)] = name
-                names.append(f"{name}.{pn}")
-                ps.append(p)
-            self._check_params(name, names, ps)
-            if ps:
-                self.units.append(FSDPUnit(engine=self, name=name, module=m, names=names, params=ps, index=len(self.units), is_root=False))
-        for pn, p in self.module.named_parameters(remove_duplicate=False):
-            # A unit parameter also reachable outside that unit (tied to the root, e.g. a norm or a head) would
-            # be read through the unit's buffer while the unit is resharded.
-            owner = owner_of.get(id(p))
-            if owner is not None and not pn.startswith(f"{owner}."):
-                raise ValueError(
-                    f"parameter {pn} is shared with unit {owner}, outside that unit; a parameter can live in one "
-                    "FSDP unit only: untie it, or keep both users outside the units (in the root)"
-                )
-        root_names, root_params = [], []
-        for pn, p in self.module.named_parameters():
-            if id(p) not in owner_of:
-                root_names.append(pn)
-                root_params.append(p)
-        if root_params:
-            self._check_params("<root>", root_names, root_params)
-            self.root_unit = FSDPUnit(engine=self, name="", module=self.module, names=root_names, params=root_params, index=-1, is_root=True)
-        for u in self.units:
-            u.module._megatron_fsdp_unit = u  # type: ignore[attr-defined]
-
-    @staticmethod
-    def _own_params(m: nn.Module, unit_set: set) -> Iterator[Tuple[str, nn.Parameter]]:
-        """Parameters of ``m`` that no nested unit claims."""
-        stack: List[Tuple[str, nn.Module]] = [("", m)]
-        seen: set = set()
-        while stack:
-            prefix, mod = stack.pop(0)
-            for pn, p in mod.named_parameters(recurse=False):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield (f"{prefix}{pn}", p)
-            for cn, child in mod.named_children():
-                if id(child) not in unit_set:
-                    stack.append((f"{prefix}{cn}.", child))
-
-    def _check_params(self, unit: str, names: List[str], params: List[nn.Parameter]) -> None:
-        for n, p in zip(names, params):
-            if not p.dtype.is_floating_point:
-                raise ValueError(
-                    f"parameter {n} of unit {unit} has dtype {p.dtype}; a unit's flat buffer holds floating-point "
-                    "parameters cast to one compute dtype; register it as a buffer instead"
-                )
-
-    def _build_storage(self, slot_numel: Optional[int]) -> None:
-        dev, cdt, gdt = self.device, self.compute_dtype, self.reduce_dtype
-        all_units = self.units + ([self.root_unit] if self.root_unit is not None else [])
-        db_units: List[FSDPUnit] = []
-        if self.fsdp_double_buffer:
-            if slot_numel is None:
-                slot_numel = max(u.numel for u in self.units) if self.units else 0
-            for u in self.units:
-                if u.numel <= slot_numel:
-                    db_units.append(u)
-                elif not self.fsdp_db_use_persist_buf_on_alloc_fail:
-                    raise ValueError(
-                        f"unit {u.name} needs {u.numel} elements but fsdp_double_buffer_numel={slot_numel}; raise "
-                        "fsdp_double_buffer_numel, or set fsdp_db_use_persist_buf_on_alloc_fail=True to give such "
-                        "units a persistent buffer of their own"
-                    )
-        self.slot_numel = slot_numel or 0
-        use_p_slots = bool(db_units) and self.strategy.shards_params
-        slots_p = [torch.zeros(self.slot_numel, dtype=cdt, device=dev) for _ in range(2)] if use_p_slots else []
-        # [Note: one gradient slot] Unshard buffers need two slots (the running unit's and the prefetched
-        # one's); gradient buffers one: a unit's buffer is read only by its own reduce-scatter, and the engine
-        # keeps one reduction in flight, which the next unit's fold retires before it overwrites the slot,
-        # a whole unit's backward after it started. Two fp32 slots cost the largest unit's size in fp32 more
-        # (0.78 GiB of an 822 M-parameter model) for one more unit of slack when communication is slower than
-        # a unit's backward.
-        # With fused weight-gradient accumulation a unit's slot is busy through its whole backward, so on
-        # several ranks a second slot lets the previous unit's reduce-scatter overlap this unit's backward.
-        fused = any(u.fused is not None and u.fused.any_fused() for u in db_units)
-        n_gslots = 2 if fused and self.world_size > 1 else 1
-        slots_g = [torch.zeros(self.slot_numel, dtype=gdt, device=dev) for _ in range(n_gslots)] if db_units else []
-        slot_of = {id(u): i % 2 for i, u in enumerate(db_units)}  # [Note: fixed slots] parity of plan order
-        root_gslot = self._root_grad_slot(db_units, n_gslots)
-        with torch.no_grad():
-            for u in all_units:
-                flat = torch.zeros(u.numel, dtype=torch.float32, device=dev)
-                for p, v in zip(u.all_params, u.views(flat)):
-                    v.copy_(p.detach())
-                C.broadcast(flat, 0, self.group, f"initial values of unit {u.name}")
-                s = slot_of.get(id(u))
-                # Unsharded strategies keep compute parameters resident, so only ZeRO-3 puts them in slots;
-                # `optim` (ZeRO-1) keeps its full gradient buffer by definition.
-                if s is not None and self.strategy.shards_params:
-                    pbuf = _Buffer("slot", slots_p[s], s)
-                else:
-                    resident = self.fsdp_double_buffer or not self.strategy.shards_params
-                    pbuf = _Buffer("persistent" if resident else "dynamic", torch.zeros(u.numel, dtype=cdt, device=dev))
-                if s is not None and self.strategy is not ShardingStrategy.OPTIM:
-                    gbuf = _Buffer("slot", slots_g[s % n_gslots], s % n_gslots)
-                elif u is self.root_unit and root_gslot is not None:
-                    gbuf = _Buffer("slot", slots_g[root_gslot], root_gslot)
-                else:
-                    gkeep = self.fsdp_double_buffer or self.strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM)
-                    gbuf = _Buffer("persistent" if gkeep else "dynamic", torch.zeros(u.grad_numel, dtype=gdt, device=dev))
-                u.init_storage(flat, pbuf, gbuf)
+        return group
 
     @property
     def grad_scale(self) -> float:
         """What the gradient fold multiplies by before a summing collective (1.0: no scale pass)."""
         return 1.0 if self.reduce_average else 1.0 / self.world_size
-
-    def _root_grad_slot(self, db_units: List[FSDPUnit], n_gslots: int) -> Optional[int]:
-        """The gradient slot the root unit borrows, or None for a buffer of its own.
-
-        [Note: the root's gradients in a slot] The root's parameters (embeddings, output layer, final norm)
-        fold and reduce once per backward, in its post-backward at the very end, when every unit's backward is
-        over. A buffer of its own would hold ``grad_numel`` elements for the whole run (64 MiB of fp32 in the
-        compute config; the 2-GPU eager peak exceeded FSDP2's by about that much, S10); a slot is
-        free then: it takes the slot the first unit of plan order (whose backward ran just before) does not
-        use, retiring that slot's earlier reduction like any unit. Not when a TE module of the root writes its
-        weight gradient during the backward (fused weight-gradient accumulation): it would hold the slot from
-        its first GEMM, while the units still need it.
-        """
-        root = self.root_unit
-        if root is None or not db_units or self.strategy is ShardingStrategy.OPTIM or not root.grad_numel:
-            return None
-        if root.grad_numel > self.slot_numel or (root.fused is not None and root.fused.any_fused()):
-            return None
-        return 1 % n_gslots
-
-    def _register_hooks(self) -> None:
-        for u in self.units:
-            pre, reg_post_bwd, post, reg_pre_bwd = make_unit_hooks(u)
-            m = u.module
-            u.hook_handles = [
-                m.register_forward_pre_hook(pre),
-                m.register_forward_pre_hook(reg_post_bwd, with_kwargs=True),
-                m.register_forward_hook(post),
-                m.register_forward_hook(reg_pre_bwd),
-            ]
-            # [Note: calls outside the unit] every submodule that owns parameters of this unit refuses calls
-            # made while the unit is not computing.
-            for name, sub in self._param_owners(u):
-                u.hook_handles.append(sub.register_forward_pre_hook(make_call_guard(u, name)))
-
-    def _param_owners(self, unit: FSDPUnit) -> List[Tuple[str, nn.Module]]:
-        """Submodules of ``unit`` (not the unit itself, not inside a nested unit) that own its parameters."""
-        mine = {id(p) for p in unit.all_params}
-        nested = {id(u.module) for u in self.units if u is not unit}
-        out: List[Tuple[str, nn.Module]] = []
-        stack = [(unit.name, unit.module)]
-        while stack:
-            prefix, mod = stack.pop()
-            for cn, child in mod.named_children():
-                if id(child) in nested:
-                    continue
-                qual = f"{prefix}.{cn}" if prefix else cn
-                if any(id(p) in mine for p in child.parameters(recurse=False)):
-                    out.append((qual, child))
-                stack.append((qual, child))
-        return out
 
     @property
     def in_root_forward(self) -> bool:
@@ -653,11 +437,6 @@ class MegatronFSDP(nn.Module):
             return True
         return any(type(m).__name__ == "CheckpointWrapper" or hasattr(m, "_checkpoint_wrapped_module")
                    for m in self._ancestors(unit.module))
-
-    def _global_ranks(self) -> List[int]:
-        if self._group_ranks is None:
-            self._group_ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
-        return self._group_ranks
 
     # ------------------------------------------------------------------ state dicts (see _state_dict.py)
     def state_dict(self, *args: Any, destination: Optional[Dict[str, Any]] = None, prefix: str = "",

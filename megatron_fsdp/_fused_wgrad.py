@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Dict, List, Set, Tuple
 import torch
 from torch import nn
 
+from ._reduce import open_grad_buffer
+
 if TYPE_CHECKING:
     from ._unit import FSDPUnit
 
@@ -102,7 +104,7 @@ class FusedWeightGrads:
                     "the unit's pre-backward handler before capturing its backward (capture_time_hooks)"
                 )
         else:
-            unit.open_grad_buffer(hold=True)
+            open_grad_buffer(unit, hold=True)
         self.calls[i] += 1
         # A graph maker's warmup iterations may run several backwards between two of the engine's handlers
         # (torch's runs all of them inside one call); what they write is dropped, so only real steps count.

@@ -1,4 +1,4 @@
-"""One FSDP unit: the flat buffers of one module's parameters, their collectives, and the unit's hooks.
+"""One FSDP unit: the flat buffers of one module's parameters, their all-gathers, and the unit's state machine.
 
 Lifecycle of a unit in one training step (ZeRO-3, ``optim_grads_params``)::
 
@@ -11,7 +11,8 @@ Lifecycle of a unit in one training step (ZeRO-3, ``optim_grads_params``)::
 The other strategies keep the compute parameters unsharded, so their unshard only re-installs parameters
 after an optimizer step, and ``no_shard`` all-reduces instead of reduce-scattering. Activation checkpointing
 adds a fifth phase, ``pre_recompute``: a forward that runs again inside the unit's backward
-([Note: recompute]).
+([Note: recompute]). The module hooks that call these phases are in ``_unit_hooks.py``; the post-backward
+reduction (gradient fold, reduce-scatter, main gradient) in ``_reduce.py``.
 """
 
 from __future__ import annotations
@@ -25,40 +26,12 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _collectives as C
-from . import _guards
 from ._common import COMPUTING, Engine, ShardingStrategy, TrainingState, phase
-from ._flat import ALIGN_NUMEL, FlatLayout, _Buffer, _Works  # noqa: F401  (re-exported: engine and tests import them here)
+from ._flat import FlatLayout, _Buffer, _Works
 from ._fused_wgrad import FusedWeightGrads, fusable_weights
+from ._reduce import open_grad_buffer, reduce_grads, release_grad_slot
 
 logger = logging.getLogger(__name__)
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs the unit's post-backward handler.
-
-    Its backward runs once the gradients of the unit's inputs exist; autograd runs AccumulateGrad nodes
-    first (highest priority), so the unit's parameter gradients are in ``param.grad`` by then.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, unit: "FSDPUnit", *inputs: torch.Tensor) -> Tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.unit = unit
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
-        ctx.unit.post_backward()
-        return (None,) + grads
-
-
-def _grad_tensors(obj: Any) -> List[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.requires_grad else []
-    if isinstance(obj, (tuple, list)):
-        return [t for t in obj if isinstance(t, torch.Tensor) and t.requires_grad]
-    if isinstance(obj, dict):
-        return [t for t in obj.values() if isinstance(t, torch.Tensor) and t.requires_grad]
-    return []
 
 
 class FSDPUnit:
@@ -464,7 +437,7 @@ class FSDPUnit:
             self.wait_unshard()
             self.state = TrainingState.BACKWARD
             if self.fused is not None and self.fused.any_fused():
-                self.open_grad_buffer(hold=True)  # TE's GEMMs write into it during this backward
+                open_grad_buffer(self, hold=True)  # TE's GEMMs write into it during this backward
             self._prefetch_backward()
 
     def _prefetch_backward(self) -> None:
@@ -488,10 +461,10 @@ class FSDPUnit:
             # weights TE wrote into the buffer are dropped the same way.
             written = self.fused.written() if self.fused is not None and not self.engine.graph_maker_running else None
             if any(g is not None for g in grads) or (written is not None and any(written)):
-                self._reduce_grads(grads, written)
+                reduce_grads(self, grads, written)
             if self.fused is not None:
                 self.fused.end_backward()
-                self.release_grad_slot()
+                release_grad_slot(self)
             self.state = TrainingState.IDLE
             self.reshard()
 
@@ -505,13 +478,6 @@ class FSDPUnit:
                 "(requires_grad=False) when fully_shard ran and now have gradients; fully_shard fixes which "
                 "parameters train. Set requires_grad before fully_shard (shard the model again to change it)"
             )
-
-    def _grad_holes(self, gbuf: _Buffer, absent: List[bool]) -> List[torch.Tensor]:
-        """Views of ``gbuf`` that the fold must zero (see [Note: the gradient fold]); cached per absent-pattern."""
-        key = tuple(absent)
-        if key not in self._holes:
-            self._holes[key] = [gbuf.tensor[a:b] for a, b in _gaps(self.layout, absent)]
-        return self._holes[key]
 
     def can_prefetch(self, *, backward: bool) -> bool:
         """Whether a prefetch of this unit may take its slot from the unit holding it.
@@ -527,239 +493,3 @@ class FSDPUnit:
         if owner is None or owner is self:
             return True
         return owner.state not in (COMPUTING + (TrainingState.FORWARD_DONE,) if backward else COMPUTING)
-
-    # ------------------------------------------------------------------ gradients
-    def open_grad_buffer(self, *, hold: bool = False) -> None:
-        """Claim the unsharded gradient buffer: a shared slot's previous user finishes its reduction first.
-
-        ``hold``: TE writes into it during this unit's backward ([Note: fused weight gradients]); no other unit
-        may take the slot until this unit's post-backward (a unit nested in this one would).
-        """
-        gbuf = self.grad_buffer
-        if hold and self.is_root and gbuf.kind == "slot":
-            raise RuntimeError(
-                f"[rank {self.engine.rank}] megatron_fsdp: a TE module of the root unit writes its weight gradient "
-                f"during the backward (fuse_wgrad_accumulation=True), but when fully_shard ran none did, so the root "
-                f"borrows gradient slot {gbuf.slot} for its end-of-backward reduction ([Note: the root's gradients in "
-                "a slot]) and cannot hold it through the backward. Set fuse_wgrad_accumulation before fully_shard "
-                "(or make that module part of a unit)"
-            )
-        if gbuf.kind == "slot":
-            holders = self.engine.grad_slot_holder
-            holder = holders.get(gbuf.slot)
-            if holder is not None and holder is not self:
-                raise RuntimeError(
-                    f"[rank {self.engine.rank}] megatron_fsdp: unit {self.name} needs gradient slot {gbuf.slot} while "
-                    f"unit {holder.name}'s TE modules still write their weight gradients into it (its backward has "
-                    "not finished: the units are nested). Fused weight-gradient accumulation needs units that do not "
-                    f"nest: set fuse_wgrad_accumulation=False on the TE modules of unit {holder.name}, or make the "
-                    "nested module part of its parent unit"
-                )
-            self.engine.retire_reduces(slot=gbuf.slot)  # the previous user of this slot must have finished reducing
-            if hold:
-                holders[gbuf.slot] = self
-        gbuf.allocate(f"the gradient buffer of unit {self.name}")
-
-    def release_grad_slot(self) -> None:
-        gbuf = self.grad_buffer
-        if gbuf is not None and self.engine.grad_slot_holder.get(gbuf.slot) is self:
-            del self.engine.grad_slot_holder[gbuf.slot]
-
-    def _reduce_grads(self, grads: List[Optional[torch.Tensor]], written: Optional[List[bool]] = None) -> None:
-        eng = self.engine
-        gbuf = self.grad_buffer
-        self.open_grad_buffer()
-        flat = gbuf.tensor[: self.grad_numel]
-        done = written or [False] * len(grads)  # already in the buffer ([Note: fused weight gradients])
-        copy_views: List[torch.Tensor] = []
-        copies: List[torch.Tensor] = []
-        written_views: List[torch.Tensor] = []
-        added: List[Tuple[torch.Tensor, torch.Tensor]] = []  # a written weight's ordinary gradient, from another use
-        for v, g, w in zip(self.grad_views, grads, done):
-            if w:
-                written_views.append(v)
-                if g is not None:
-                    added.append((v, g))
-            elif g is not None:
-                copy_views.append(v)
-                copies.append(g)
-        with torch.no_grad():
-            # [Note: the gradient fold] Copy (and cast) each gradient into its view, zero what no gradient
-            # covers (absent gradients, the alignment gaps: a slot holds other units' bytes), then pre-scale
-            # by 1/world_size so that the SUM collective yields the mean over ranks (unless the collective
-            # averages: [Note: averaging in the collective]). The same bits as zeroing
-            # the buffer and adding alpha * grad (0 + round(alpha * g) == round(g * alpha)) in 6 bytes per bf16
-            # gradient instead of 14 (a zero pass and a mixed-dtype add), and no scale pass on one rank.
-            # Gradients TE already wrote into the buffer are kept (a weight that also got an ordinary
-            # gradient, through another use, has it added).
-            if copies:
-                torch._foreach_copy_(copy_views, copies)
-            for v, g in added:
-                v.add_(g)
-            holes = self._grad_holes(gbuf, [g is None and not w for g, w in zip(grads, done)])
-            if holes:
-                torch._foreach_zero_(holes)
-            if eng.grad_scale != 1.0:
-                torch._foreach_mul_(copy_views + written_views, eng.grad_scale)
-        for p in self.params:
-            p.grad = None
-        accumulate = self._bound_main_grad() is not None
-        if eng.strategy is ShardingStrategy.NO_SHARD:
-            work = C.all_reduce(flat, eng.group, f"gradients of unit {self.name}", average=eng.reduce_average)
-            out, adopt = flat, False
-        else:
-            if eng.reduce_dtype != eng.main_grad_dtype:
-                # [Note: reducing in another dtype] The buffer and the collective are in reduce_dtype (e.g. bf16);
-                # the reduced shard lands in a reduce_dtype tensor of its own, and retire() casts it into the fp32
-                # main gradient: a new one, the kept one (graphs), or added into the bound one (micro-batches), so
-                # that accumulation and the optimizer stay in main_grad_dtype.
-                out, adopt = torch.empty_like(self.main_shard, dtype=eng.reduce_dtype), False
-            else:
-                kept = self._main_grad_data if self._main_grad_kept is not None else None
-                out = torch.empty_like(self.main_shard, dtype=eng.main_grad_dtype) if accumulate or kept is None else kept
-                adopt = not accumulate and kept is None
-            work = C.reduce_scatter(out, flat, eng.group, f"gradients of unit {self.name}", average=eng.reduce_average)
-        eng.add_pending_reduce(_PendingReduce(self, work, out, accumulate, adopt))
-
-
-def _gaps(layout: FlatLayout, absent: Sequence[bool]) -> List[Tuple[int, int]]:
-    """``(start, end)`` element ranges of ``layout``'s flat that no present gradient covers, merged."""
-    ranges: List[Tuple[int, int]] = []
-    cursor = 0
-    for off, n, gone in zip(layout.offsets, layout.numels, absent):
-        end = off + n
-        start = off if gone else end
-        if cursor < off:
-            ranges.append((cursor, off))
-        if start < end:
-            ranges.append((start, end))
-        cursor = max(cursor, end)
-    if cursor < layout.total_numel:
-        ranges.append((cursor, layout.total_numel))
-    merged: List[Tuple[int, int]] = []
-    for a, b in ranges:
-        if merged and merged[-1][1] == a:
-            merged[-1] = (merged[-1][0], b)
-        else:
-            merged.append((a, b))
-    return merged
-
-
-class _PendingReduce:
-    __slots__ = ("unit", "work", "out", "accumulate", "adopt")
-
-    def __init__(self, unit: FSDPUnit, work: Optional[dist.Work], out: torch.Tensor, accumulate: bool,
-                 adopt: bool) -> None:
-        #: ``adopt``: ``out`` was allocated for this reduction and becomes the unit's new main gradient
-        self.unit, self.work, self.out, self.accumulate, self.adopt = unit, work, out, accumulate, adopt
-
-    def retire(self) -> None:
-        """Wait for the collective and fold its result into the unit's fp32 main gradient."""
-        if self.work is not None:
-            self.work.wait()
-        unit = self.unit
-        with torch.no_grad():
-            grad, data = unit.main_grad, unit._main_grad_data
-            if self.accumulate:
-                data.add_(self.out)
-            elif unit._main_grad_kept is not None:
-                if self.out is not data:
-                    data.copy_(self.out)
-            else:  # a new main gradient ([Note: main gradients live like .grad]); a buffer's bytes are copied out
-                grad = unit._new_main_grad(self.out if self.adopt else self.out.to(unit.engine.main_grad_dtype, copy=True))
-        unit.main_shard.grad = grad
-        unit.grad_buffer.free()
-
-
-def make_unit_hooks(unit: FSDPUnit) -> Tuple[Callable, Callable, Callable, Callable]:
-    """The unit's four module hooks, in registration order: two forward-pre hooks, two forward hooks.
-
-    [Note: hook sentinels]
-    The hooks that register backward handlers carry the inner handler as an attribute, so a graph layer
-    can run the handler itself around a captured backward while leaving the registration out:
-    ``_cuda_graph_backward_handler`` on the forward-pre hook that wraps inputs (post-backward: reduce
-    and reshard), ``_cuda_graph_backward_pre_handler`` on the forward hook that hooks outputs
-    (pre-backward: unshard). ``_megatron_fsdp_role`` names every hook for readers and tests.
-    """
-
-    def fsdp_pre_forward(module: nn.Module, args: Tuple[Any, ...]) -> None:
-        unit.pre_forward()
-
-    def fsdp_register_post_backward(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]):
-        if not torch.is_grad_enabled():
-            return None
-        idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
-        if not idx and not keys:
-            return None  # the final callback reduces this unit instead
-        wrapped = _PostBackward.apply(unit, *[args[i] for i in idx], *[kwargs[k] for k in keys])
-        new_args = list(args)
-        for j, i in enumerate(idx):
-            new_args[i] = wrapped[j]
-        new_kwargs = dict(kwargs)
-        for j, k in enumerate(keys):
-            new_kwargs[k] = wrapped[len(idx) + j]
-        return tuple(new_args), new_kwargs
-
-    def fsdp_post_forward(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
-        unit.post_forward()
-
-    def fsdp_register_pre_backward(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
-        if not torch.is_grad_enabled() or unit.state is TrainingState.BACKWARD:
-            return None  # no backward, or a recomputed forward inside the unit's backward ([Note: recompute])
-        tensors = _grad_tensors(output)
-        if len(tensors) == 1:
-            tensors[0].register_hook(_pre_backward_tensor_hook(unit))
-        elif tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, _pre_backward_tensor_hook(unit), mode="any")
-        return None
-
-    fsdp_pre_forward._megatron_fsdp_role = "pre_forward"  # type: ignore[attr-defined]
-    fsdp_register_post_backward._megatron_fsdp_role = "register_post_backward"  # type: ignore[attr-defined]
-    fsdp_register_post_backward._cuda_graph_backward_handler = unit.post_backward  # type: ignore[attr-defined]
-    fsdp_post_forward._megatron_fsdp_role = "post_forward"  # type: ignore[attr-defined]
-    fsdp_register_pre_backward._megatron_fsdp_role = "register_pre_backward"  # type: ignore[attr-defined]
-    fsdp_register_pre_backward._cuda_graph_backward_pre_handler = unit.pre_backward  # type: ignore[attr-defined]
-    for h in (fsdp_pre_forward, fsdp_register_post_backward, fsdp_post_forward, fsdp_register_pre_backward):
-        h._megatron_fsdp_unit = unit  # type: ignore[attr-defined]
-    return fsdp_pre_forward, fsdp_register_post_backward, fsdp_post_forward, fsdp_register_pre_backward
-
-
-def make_call_guard(unit: FSDPUnit, name: str) -> Callable[..., None]:
-    """A forward-pre hook for a submodule of ``unit`` that owns parameters: refuse calls outside the unit.
-
-    [Note: calls outside the unit] A unit's parameters hold its values only between the unit's own
-    pre-forward and post-forward (and again in its backward): before, they are NaN placeholders or views
-    into a double-buffer slot that another unit's data may occupy. A model that calls ``layer.mlp(x)``
-    instead of ``layer(x)`` would compute with those bytes, silently. This hook costs one attribute read
-    per call; it is engine-owned (``_megatron_fsdp_role = "call_guard"``), so graph layers restore it
-    without running it at capture, and at a replay the unit is in forward, where the call is legal.
-    """
-    engine = unit.engine
-
-    def megatron_fsdp_call_guard(module: nn.Module, args: Tuple[Any, ...]) -> None:
-        if unit.state not in COMPUTING:
-            raise RuntimeError(
-                f"[rank {engine.rank}] megatron_fsdp: submodule {name} of FSDP unit {unit.name} was called while "
-                f"the unit is {unit.state.name}, i.e. outside the unit's own forward: its parameters are only "
-                f"gathered between the unit's pre-forward and post-forward, so this call would compute with stale "
-                f"or placeholder values. Call the unit itself ({unit.name or 'the unit'}(...)), which runs this "
-                f"submodule inside it; or, if the model needs {name} on its own, make {name} an FSDP unit of its "
-                "own (add its class to fsdp_unit_modules) or leave it out of the unit"
-            )
-
-    megatron_fsdp_call_guard._megatron_fsdp_role = "call_guard"  # type: ignore[attr-defined]
-    megatron_fsdp_call_guard._megatron_fsdp_unit = unit  # type: ignore[attr-defined]
-    return megatron_fsdp_call_guard
-
-
-def _pre_backward_tensor_hook(unit: FSDPUnit) -> Callable[[Any], None]:
-    engine = unit.engine
-    forward_index = engine.num_grad_forwards  # [Note: one backward per forward] in _guards.py
-
-    def hook(_grad: Any) -> None:
-        if forward_index != engine.num_grad_forwards:
-            raise _guards.stale_backward_error(engine, forward_index, f"the output of unit {unit.name}")
-        unit.pre_backward()
-
-    return hook

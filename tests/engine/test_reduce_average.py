@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
 from megatron_fsdp import _collectives, fully_shard
-from megatron_fsdp._fully_shard import backend_for, reduce_by_average
+from megatron_fsdp._collectives import backend_for
+from megatron_fsdp._reduce import reduce_by_average
 from tests.dist_utils import run_gloo
 
 STRATEGIES = ["no_shard", "optim_grads", "optim_grads_params"]

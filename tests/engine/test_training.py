@@ -472,7 +472,7 @@ def test_gradient_fold_zeroes_exactly_what_no_gradient_covers():
     """[Note: the gradient fold] copies each present gradient into its view and zeroes the rest; the rest is
     the alignment gaps, the tail padding and the views of absent gradients, merged where they touch."""
     from megatron_fsdp._flat import ALIGN_NUMEL, FlatLayout
-    from megatron_fsdp._unit import _gaps
+    from megatron_fsdp._reduce import _gaps
 
     params = [nn.Parameter(torch.zeros(n)) for n in (10, ALIGN_NUMEL, 3)]
     layout = FlatLayout(["a", "b", "c"], params, world_size=2)

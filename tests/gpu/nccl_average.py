@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch  # noqa: E402
 from megatron_fsdp import fully_shard  # noqa: E402
-from megatron_fsdp._fully_shard import reduce_by_average  # noqa: E402
+from megatron_fsdp._reduce import reduce_by_average  # noqa: E402
 from tests.gpu_utils import init_script_ranks  # noqa: E402
 
 CFG = GPTConfig(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, seq_len=64, moe_every=0)

@@ -17,7 +17,7 @@ from torch import nn
 
 from fsdp_cudagraph import extract_hooks, hooks_snapshot, restore_hooks
 from fsdp_cudagraph.hooks import HOOK_KEYS, POST_SENTINEL, PRE_SENTINEL
-from megatron_fsdp._unit import make_unit_hooks
+from megatron_fsdp._unit_hooks import make_unit_hooks
 
 DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
