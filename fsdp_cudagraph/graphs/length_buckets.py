@@ -75,31 +75,17 @@ from fsdp_cudagraph.graphs.partial import PartialCudaGraphs
 from fsdp_cudagraph.capture import args as _args
 from fsdp_cudagraph.capture import schedules as _schedules
 from fsdp_cudagraph.capture.schedules import CaptureReport, GraphedCallable
-from fsdp_cudagraph.capture.buckets import Buckets, pad_to
+from fsdp_cudagraph.capture.buckets import (Buckets, LengthArg, LengthSpec, PendingReplay, ReplayDone, block_diagonal_mask,
+                                             segment_ids_from_cu_seqlens, unpad_output)
 
-__all__ = [
-    "LengthBucketGraphs",
-    "LengthArg",
-    "LengthBucketsReport",
-    "BucketCaptureReport",
-    "BucketReplayConflictWarning",
-    "segment_ids_from_cu_seqlens",
-    "block_diagonal_mask",
-]
+__all__ = ["LengthBucketGraphs", "LengthArg", "LengthBucketsReport", "BucketCaptureReport", "BucketReplayConflictWarning",
+           "segment_ids_from_cu_seqlens", "block_diagonal_mask"]  # the last two: attention helpers from capture/buckets.py
 
 logger = logging.getLogger(__name__)
 
 
 class BucketReplayConflictWarning(RuntimeWarning):
     """A replay would have overwritten memory a pending replay still needs; the call ran eagerly."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LengthArg:
-    """An argument that varies in length along ``dim``; padded with ``pad_value`` up to the bucket."""
-
-    dim: int = 0
-    pad_value: Union[int, float] = 0
 
 
 @dataclasses.dataclass
@@ -121,122 +107,6 @@ class LengthBucketsReport:
     buckets: List[BucketCaptureReport]
     num_pools: int
     capture_seconds: float
-
-
-# ---------------------------------------------------------------------------------------------- attention helpers
-
-
-def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Per-token sequence index (int64, ``[total]``) of a packed batch described by ``cu_seqlens`` ([N + 1]).
-
-    No host sync: token ``t`` belongs to the sequence ``i`` with ``cu_seqlens[i] <= t < cu_seqlens[i + 1]``.
-    Values are checked only on CPU (a check on the GPU would synchronise); ``cu_seqlens[-1]`` must be ``total``.
-    """
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [num_sequences + 1] starting at 0, got shape "
-                         f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
-    if cu_seqlens.device.type == "cpu":
-        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
-            raise ValueError(f"cu_seqlens={cu_seqlens.tolist()} must start at 0, never decrease and end at the "
-                             f"number of tokens ({total})")
-    positions = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True).long()
-
-
-def block_diagonal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean ``[L, L]`` mask, True where query and key share a segment (``attn_mask`` of SDPA: True attends).
-
-    Padding carries one segment id of its own (``-1``), so padded tokens attend to each other only: every row
-    has a True entry, and no real token sees a padded one.
-    """
-    return segment_ids[:, None] == segment_ids[None, :]
-
-
-# ---------------------------------------------------------------------------------------------- call shapes
-
-
-class _LengthSpec:
-    """The length arguments of one callable, resolved against its forward's parameter names."""
-
-    def __init__(self, name: str, fn: Callable[..., Any], length_args: Mapping[str, LengthArg], output_dim: int):
-        self.name = name
-        names = _args.arg_names(fn)
-        self.items = [(n, names.index(n) if n in names else None, a.dim, a.pad_value) for n, a in length_args.items()]
-        self.output_dim = output_dim
-
-    def _get(self, args: Sequence[Any], kwargs: Mapping[str, Any], pos: Optional[int], name: str) -> Any:
-        return args[pos] if pos is not None and pos < len(args) else kwargs.get(name)
-
-    def length(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
-        """The call's length; raises when the length arguments disagree or none is given."""
-        n, first = None, None
-        for name, pos, dim, _ in self.items:
-            t = self._get(args, kwargs, pos, name)
-            if t is None:
-                continue
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"length-bucketed callable {self.name}: length argument `{name}` is a "
-                                f"{type(t).__name__}, not a tensor; length_args name tensor arguments only")
-            m = t.shape[dim]
-            if n is None:
-                n, first = m, name
-            elif m != n:
-                raise ValueError(f"length-bucketed callable {self.name}: `{name}` has length {m} along dim {dim} but "
-                                 f"`{first}` has {n}; the length arguments of one call must have one length")
-        if n is None:
-            raise ValueError(f"length-bucketed callable {self.name} was called without any of its length arguments "
-                             f"{[i[0] for i in self.items]}; pass them, or fix length_args")
-        return n
-
-    def resize(self, args: Sequence[Any], kwargs: Mapping[str, Any], size: int) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-        """The call with every length argument padded (or, for sample args, cut) to ``size``."""
-        args, kwargs = list(args), dict(kwargs)
-        for name, pos, dim, value in self.items:
-            in_args = pos is not None and pos < len(args)
-            t = args[pos] if in_args else kwargs.get(name)
-            if t is None:
-                continue
-            t = t.narrow(dim, 0, size) if t.shape[dim] > size else pad_to(t, size, dim, value)
-            if in_args:
-                args[pos] = t
-            else:
-                kwargs[name] = t
-        return tuple(args), kwargs
-
-
-def _unpad_output(out: Any, n: int, dim: int) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out.narrow(dim, 0, n)
-    leaves, sig = _args.flatten(out)
-    return _args.rebuild(sig, [t.narrow(dim, 0, n) for t in leaves])
-
-
-# ---------------------------------------------------------------------------------------------- pending replays
-
-
-@dataclasses.dataclass(eq=False)
-class _Pending:
-    name: str
-    order: int
-    bucket: int
-    #: weakref to the _Done hook on the replay's autograd node: dead once the step's autograd graph is freed.
-    hook: Any = None
-    done: bool = False
-
-    def alive(self) -> bool:
-        return not self.done and self.hook is not None and self.hook() is not None
-
-
-class _Done:
-    """Pre-hook on a replay's autograd node: its backward is starting, so the replay is no longer pending."""
-
-    __slots__ = ("pending", "__weakref__")
-
-    def __init__(self, pending: _Pending) -> None:
-        self.pending = pending
-
-    def __call__(self, grad_outputs: Any) -> None:
-        self.pending.done = True
 
 
 # ---------------------------------------------------------------------------------------------- per-bucket capture
@@ -320,7 +190,7 @@ class LengthBucketGraphs:
         self._captures: List[_Bucket] = []
         self._checks: List[Any] = []
         self._dispatchers: Dict[str, _LengthDispatcher] = {}
-        self._pending: Dict[str, List[_Pending]] = {}
+        self._pending: Dict[str, List[PendingReplay]] = {}
         self._overflow_warned = self._conflict_warned = False
         self.captured = False
         self.report: Optional[LengthBucketsReport] = None
@@ -356,7 +226,7 @@ class LengthBucketGraphs:
             raise RuntimeError(f"callables {missing[:5]} did not run in an eager step before capture, so their calls are "
                                "unknown; run at least one eager training step before capture()")
         order = self._order + [n for n in self._modules if n not in self._order]
-        specs = {n: _LengthSpec(n, self._modules[n].forward, self.length_args, self.output_dim) for n in order}
+        specs = {n: LengthSpec(n, self._modules[n].forward, self.length_args, self.output_dim) for n in order}
         templates = {n: _args.rebuild(self._calls[n][1], self._calls[n][0]) for n in order}
         for n in order:
             self._check_template(n, specs[n], *templates[n])
@@ -393,7 +263,7 @@ class LengthBucketGraphs:
         self.report = LengthBucketsReport(self.backend, order, reports, len(pools), time.perf_counter() - t0)
         return self.report
 
-    def _capture_bucket(self, bucket: int, order: List[str], specs: Dict[str, _LengthSpec], templates: Dict[str, Any],
+    def _capture_bucket(self, bucket: int, order: List[str], specs: Dict[str, LengthSpec], templates: Dict[str, Any],
                         pools: Dict[str, Any], pool_key: Dict[str, str]) -> Tuple[_Bucket, CaptureReport]:
         """Capture every callable for one bucket with the core's schedule: sample args from the recorded calls,
         padded or cut to the bucket; results kept (not installed); memory pools shared across buckets."""
@@ -425,7 +295,7 @@ class LengthBucketGraphs:
         return b, CaptureReport(self.backend, list(order), seconds, mem, unknown, {},
                                 _schedules.memory_breakdown(callables, mem, reserved0))
 
-    def _check_template(self, name: str, spec: _LengthSpec, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    def _check_template(self, name: str, spec: LengthSpec, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         given = [n for n, pos, _, _ in spec.items if spec._get(args, kwargs, pos, n) is not None]
         if not given:
             raise ValueError(f"length_args {list(self.length_args)} name no argument of {name}'s recorded call "
@@ -506,8 +376,8 @@ class LengthBucketGraphs:
         node = next((t.grad_fn for t in leaves if t.grad_fn is not None), None)
         if node is None:
             return
-        pending = _Pending(d.name, d.order, bucket)
-        hook = _Done(pending)
+        pending = PendingReplay(d.name, d.order, bucket)
+        hook = ReplayDone(pending)
         node.register_prehook(hook)
         pending.hook = weakref.ref(hook)
         self._pending.setdefault(d.pool_key, []).append(pending)
@@ -547,7 +417,7 @@ class _LengthDispatcher:
     the per-bucket :class:`_args.Dispatcher` (signature check, replay), the pending check, and a narrow.
     """
 
-    def __init__(self, owner: LengthBucketGraphs, name: str, module: nn.Module, spec: _LengthSpec, order: int,
+    def __init__(self, owner: LengthBucketGraphs, name: str, module: nn.Module, spec: LengthSpec, order: int,
                  pool_key: str, per_bucket: Dict[int, _args.Dispatcher], eager: Callable[..., Any]) -> None:
         self.owner, self.name, self.module, self.spec = owner, name, module, spec
         self.order, self.pool_key, self.per_bucket, self.eager = order, pool_key, per_bucket, eager
@@ -573,4 +443,4 @@ class _LengthDispatcher:
             s["calls"] += 1
             s["real_tokens"] += n
             s["padded_tokens"] += bucket - n
-        return out if n == bucket else _unpad_output(out, n, self.spec.output_dim)
+        return out if n == bucket else unpad_output(out, n, self.spec.output_dim)
