@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, FrozenSet, Iterable, Iterator, List, Tuple
 
+from ._clip import bind_no_gradient
 from ._common import COMPUTING, TrainingState
 
 if TYPE_CHECKING:
@@ -62,23 +63,30 @@ __all__ = [
 ]
 
 
-def static_buffer_problems(engine: "MegatronFSDP") -> List[str]:
-    """The buffers that a step allocates on demand (and frees), e.g. ``"unshard buffer of unit layers.0"``."""
+def static_buffer_problems(engine: "MegatronFSDP", roles: Tuple[str, ...] = ("unshard", "gradient")) -> List[str]:
+    """The buffers of ``roles`` that a step allocates on demand (and frees), e.g. ``"unshard buffer of unit layers.0"``."""
     out = []
     for u in engine.all_units():
         for role, buf in (("unshard", u.param_buffer), ("gradient", u.grad_buffer)):
-            if buf is not None and buf.kind == "dynamic":
+            if role in roles and buf is not None and buf.kind == "dynamic":
                 out.append(f"{role} buffer of unit {u.name}")
     return out
 
 
-def require_static_buffers(engine: "MegatronFSDP", *, what: str) -> None:
-    """Raise ValueError naming the units whose buffers are allocated on demand (a graph needs fixed addresses)."""
-    problems = static_buffer_problems(engine)
+def require_static_buffers(engine: "MegatronFSDP", *, what: str,
+                           roles: Tuple[str, ...] = ("unshard", "gradient")) -> None:
+    """Raise ValueError naming the units whose buffers of ``roles`` are allocated on demand.
+
+    The engine's one phrasing of the address rule (a graph needs fixed addresses): ``roles`` are the buffers a
+    replay of the caller's graph touches, ``("unshard",)`` for a forward-only graph.
+    """
+    problems = static_buffer_problems(engine, roles)
     if problems:
         shown = ", ".join(problems[:4]) + (f" and {len(problems) - 4} more" if len(problems) > 4 else "")
+        subject = "the parameters" if "gradient" not in roles else "the parameters and gradients"
+        which = "every unshard buffer" if "gradient" not in roles else "every engine buffer"
         raise ValueError(
-            f"{what} needs every engine buffer at a fixed address, but with sharding_strategy="
+            f"{what} needs {subject} at fixed addresses ({which}), but with sharding_strategy="
             f"'{engine.strategy.value}', fsdp_double_buffer={engine.fsdp_double_buffer} and "
             f"fsdp_db_use_persist_buf_on_alloc_fail={engine.fsdp_db_use_persist_buf_on_alloc_fail} the {shown} "
             "are allocated on demand; pass fsdp_double_buffer=True and fsdp_db_use_persist_buf_on_alloc_fail=True "
@@ -173,6 +181,8 @@ def end_static_step(engine: "MegatronFSDP", *, bound: Iterable[str]) -> None:
     engine.slot_owner[:] = [None] * len(engine.slot_owner)
     engine._pending.clear()
     engine._callback_queued = False
+    if names:  # as an eager backward leaves them ([Note: compute parameters hold no gradient] in _clip.py)
+        bind_no_gradient(engine)
 
 
 @contextlib.contextmanager

@@ -1,23 +1,26 @@
 """Our engine, ``megatron_fsdp``, as the graph layer sees it (see [Note: the engine contract]).
 
-The only module of the graph layer's library that knows ``megatron_fsdp`` by name for partial graphs: it reads
-the engine's public surface (``MegatronFSDP``, its units' modules, ``reset_step_state``, ``simulated_capture``)
-and the sentinels its hooks carry, and answers the contract's questions with them. The whole-step graph kinds
-(full-iteration, inference blocks, optimizer) use ``megatron_fsdp.graph_contract`` directly: only this
-engine supports them.
+The only module of the library that imports ``megatron_fsdp``: it reads the engine's public surface
+(``MegatronFSDP``, its units, ``reset_step_state``, ``simulated_capture``, ``capture_guard``) and the sentinels
+its hooks carry, and answers the contract's questions with them, the static step (item 9) included, over
+``megatron_fsdp.graph_contract``. Only this engine has a static step, so only it runs whole-step graphs.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 import megatron_fsdp
+from megatron_fsdp import graph_contract
 
-from fsdp_cudagraph.engines import HOOK_DICTS, EngineAdapter, HookPlan, adapt, read_sentinel, register_engine
+from fsdp_cudagraph.engines.contract import (HOOK_DICTS, PER_LAYER_BUFFERS, EngineAdapter, HookPlan, ReplayProbe,
+                                             parameter_slots)
+from fsdp_cudagraph.engines.hookplan import adapt, read_sentinel
+from fsdp_cudagraph.engines.registry import register_engine
 
 __all__ = ["MegatronFSDPEngine", "ROLE_ATTR", "PLANNED_ROLES"]
 
@@ -67,6 +70,7 @@ class MegatronFSDPEngine(EngineAdapter):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.engine: megatron_fsdp.MegatronFSDP = model
+        #: id(module) -> its unit (None: the root's), filled by the first lookup: a model walk per module, once.
         self._units_by_module: Dict[int, Any] = {}
 
     @classmethod
@@ -74,7 +78,16 @@ class MegatronFSDPEngine(EngineAdapter):
         return isinstance(model, megatron_fsdp.MegatronFSDP)
 
     @classmethod
-    def plan_bare_hooks(cls, saved: Mapping[str, Mapping[int, Any]]) -> Optional[HookPlan]:
+    def wrapper_of(cls, model: nn.Module) -> Optional[str]:
+        # A unit's module carries its unit (set by fully_shard); the root's inner module holds unit modules.
+        unit = next((u for m in model.modules() if (u := getattr(m, "_megatron_fsdp_unit", None)) is not None), None)
+        engine = getattr(unit, "engine", None)
+        if isinstance(engine, megatron_fsdp.MegatronFSDP) and any(s is model for s in engine.module.modules()):
+            return f"the object fully_shard returned (MegatronFSDP around {type(engine.module).__name__})"
+        return None
+
+    @classmethod
+    def bare_hook_plan(cls, saved: Mapping[str, Mapping[int, Any]]) -> Optional[HookPlan]:
         return plan_hooks(saved)
 
     # -- 1. units
@@ -90,10 +103,10 @@ class MegatronFSDPEngine(EngineAdapter):
         return [u.module for u in self.engine.units]
 
     def _unit(self, module: nn.Module) -> Any:
-        unit = self.engine.unit_of(module)
-        if unit is not None:
-            self._units_by_module[id(unit.module)] = unit
-        return unit
+        key = id(module)
+        if key not in self._units_by_module:
+            self._units_by_module[key] = self.engine.unit_of(module)  # walks the model: once per module
+        return self._units_by_module[key]
 
     def unit_of(self, module: nn.Module) -> Optional[nn.Module]:
         unit = self._unit(module)
@@ -115,14 +128,8 @@ class MegatronFSDPEngine(EngineAdapter):
 
     # -- 3. what must not move
     def check_partial_graphs(self) -> None:
-        e = self.engine
-        if not (e.fsdp_double_buffer and e.fsdp_db_use_persist_buf_on_alloc_fail):
-            raise ValueError(
-                f"partial CUDA graphs under megatron_fsdp need fsdp_double_buffer=True and "
-                f"fsdp_db_use_persist_buf_on_alloc_fail=True (the model has {e.fsdp_double_buffer} and "
-                f"{e.fsdp_db_use_persist_buf_on_alloc_fail}): replay needs parameters at fixed "
-                "addresses; pass both to fully_shard"
-            )
+        # [Note: fixed addresses]: a per-layer replay reads the unshard buffers and may write the gradient buffer.
+        self.require_fixed_buffers("partial CUDA graphs under megatron_fsdp", PER_LAYER_BUFFERS)
 
     def replay_tensors(self, module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
         # Parameters by their name in ``module``; then the owning unit's gradient buffer, read live (the engine
@@ -133,6 +140,20 @@ class MegatronFSDPEngine(EngineAdapter):
         if gb is not None and gb.kind != "dynamic":
             out.append((f"gradient buffer of unit {unit.name}", gb.tensor))
         return out
+
+    def replay_probe(self, module: nn.Module) -> ReplayProbe:
+        # Resolved once: where each parameter is registered (read through the dict, so a reassigned parameter is
+        # seen) and the owning unit; each call reads data pointers only, as replay_tensors orders them.
+        slots = parameter_slots(module)
+        unit = self._unit(module)
+
+        def probe() -> Tuple[int, ...]:
+            out = [d[n].data_ptr() for d, n in slots]
+            gb = unit.grad_buffer if unit is not None else None
+            if gb is not None and gb.kind != "dynamic":
+                out.append(gb.tensor.data_ptr())
+            return tuple(out)
+        return probe
 
     # -- 4. capture guard
     def simulated_capture(self) -> ContextManager[None]:
@@ -146,6 +167,65 @@ class MegatronFSDPEngine(EngineAdapter):
     # -- 5. step boundary
     def reset(self) -> None:
         self.engine.reset_step_state()
+
+    # -- 9. the static step, over megatron_fsdp.graph_contract ([Note: the static schedule] there)
+    def supports_static_step(self) -> bool:
+        return True
+
+    def require_fixed_buffers(self, graph_kind: str, buffers: Sequence[str] = PER_LAYER_BUFFERS) -> None:
+        graph_contract.require_static_buffers(self.engine, what=graph_kind, roles=tuple(buffers))
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def process_group(self) -> Any:
+        return self.engine.group
+
+    @property
+    def collective_backend(self) -> str:
+        return self.engine.backend
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+    @property
+    def shards_params(self) -> bool:
+        return self.engine.strategy.shards_params
+
+    def static_capture_guard(self, *, allow_collectives: bool, collective_log: Optional[List[str]] = None
+                             ) -> ContextManager[None]:
+        mode = megatron_fsdp.CaptureGuardMode.ALLOW_COLLECTIVES if allow_collectives else megatron_fsdp.CaptureGuardMode.REFUSE
+        return megatron_fsdp.capture_guard(mode, collective_log=collective_log)
+
+    def quiesce(self) -> None:
+        graph_contract.quiesce(self.engine)
+
+    def begin_static_step(self, *, replace_grads: bool = True) -> None:
+        graph_contract.begin_static_step(self.engine, replace_grads=replace_grads)
+
+    def end_static_step(self, *, bound: Iterable[str]) -> None:
+        graph_contract.end_static_step(self.engine, bound=bound)
+
+    def grads_bound(self) -> FrozenSet[str]:
+        return graph_contract.grads_bound(self.engine)
+
+    def keep_main_grads(self) -> None:
+        graph_contract.keep_main_grads(self.engine)
+
+    def release_main_grads(self) -> None:
+        graph_contract.release_main_grads(self.engine)
+
+    def mark_params_stale(self) -> None:
+        graph_contract.mark_params_stale(self.engine)
+
+    def recording_phases(self) -> ContextManager[List[Tuple[str, str, bool]]]:
+        return graph_contract.recording_phases(self.engine)
+
+    def clip_grad_norm(self) -> Optional[Callable[[float], torch.Tensor]]:
+        return getattr(self.engine, "clip_grad_norm_", None)
 
     # -- 6. and 7. fused weight gradients ([Note: fused weight gradients] in megatron_fsdp/_fused_wgrad.py)
     def prepare_capture(self, units: List[nn.Module]) -> None:

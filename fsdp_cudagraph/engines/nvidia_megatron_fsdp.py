@@ -70,7 +70,9 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping,
 import torch
 from torch import nn
 
-from . import HOOK_DICTS, EngineAdapter, HookPlan, read_sentinel, register_engine
+from fsdp_cudagraph.engines.contract import HOOK_DICTS, EngineAdapter, HookPlan, ReplayProbe, parameter_slots
+from fsdp_cudagraph.engines.hookplan import read_sentinel
+from fsdp_cudagraph.engines.registry import register_engine
 
 __all__ = ["NvidiaMegatronFSDPEngine", "TESTED_VERSIONS", "check_version", "identify_hook",
            "pin_double_buffer_slots", "unpin_double_buffer_slots"]
@@ -577,13 +579,31 @@ class NvidiaMegatronFSDPEngine(EngineAdapter):
         # The module's compute ("raw") parameters, whose .data the engine points into the unshard buffer; after
         # finish_grad_sync the module holds the optimizer's DTensors instead, so map those back by name.
         raw = getattr(self.engine, "raw_param", None) or {}
-        dist = {id(p): n for n, p in getattr(getattr(self.engine, "param_and_grad_buffer", None),
-                                             "optimizer_named_parameters", ())}
+        dist = self._optimizer_names()
         out = []
         for name, p in module.named_parameters():
             full = dist.get(id(p))
             out.append((name, raw[full] if full is not None and full in raw else p))
         return out
+
+    def replay_probe(self, module: nn.Module) -> ReplayProbe:
+        # Resolved once: where each parameter is registered and the optimizer's DTensors by id (created with the
+        # engine, they do not change); each call maps what is registered now, as replay_tensors does.
+        slots, dist, engine = parameter_slots(module), self._optimizer_names(), self.engine
+
+        def probe() -> Tuple[int, ...]:
+            raw = getattr(engine, "raw_param", None) or {}
+            out = []
+            for d, n in slots:
+                p = d[n]
+                full = dist.get(id(p))
+                out.append((raw[full] if full is not None and full in raw else p).data_ptr())
+            return tuple(out)
+        return probe
+
+    def _optimizer_names(self) -> Dict[int, str]:
+        return {id(p): n for n, p in getattr(getattr(self.engine, "param_and_grad_buffer", None),
+                                              "optimizer_named_parameters", ())}
 
     # -- capture guard ----------------------------------------------------------------------------
     def capture_guard(self) -> ContextManager[None]:

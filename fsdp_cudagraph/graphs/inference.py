@@ -60,17 +60,17 @@ import hashlib
 import logging
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_fsdp import CaptureGuardMode, MegatronFSDP, capture_guard, simulated_capture
-from megatron_fsdp import graph_contract as static_step
-
 from fsdp_cudagraph.config import WHOLE_STEP_BACKENDS, CudaGraphConfig, InferenceCudaGraphScope
+from fsdp_cudagraph.engines.contract import FORWARD_ONLY_BUFFERS
+from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.capture import args as _args
+from fsdp_cudagraph.capture import state as _capture_state
 from fsdp_cudagraph.capture import streams as _streams
 from fsdp_cudagraph.capture.buckets import Buckets, pad_to, unpad
 from fsdp_cudagraph.capture import recipe as _recipe
@@ -169,9 +169,10 @@ class InferenceCudaGraphs:
                             "Buckets.powers_of_two(8)")
         if isinstance(max_graph_sets, bool) or not isinstance(max_graph_sets, int) or max_graph_sets < 1:
             raise ValueError(f"max_graph_sets={max_graph_sets!r} must be an int >= 1")
-        self.engine = model if isinstance(model, MegatronFSDP) else None
+        #: The engine contract (None: a plain module); refuses an engine's inner module, naming the object to pass.
+        self.engine = adapter_for(model)
         self.model = model
-        self.root = model.module if self.engine is not None else model
+        self.root = self.engine.root if self.engine is not None else model
         self.config = config
         self.scope = InferenceCudaGraphScope(config.inference_cuda_graph_scope)
         self.batch_buckets, self.seq_buckets = batch_buckets, seq_buckets
@@ -184,14 +185,8 @@ class InferenceCudaGraphs:
         if seq_buckets is not None:
             self._check_causal(causal)
         if self.engine is not None and self.scope is not InferenceCudaGraphScope.NONE:
-            moving = [p for p in static_step.static_buffer_problems(self.engine) if p.startswith("unshard")]
-            if moving:
-                raise ValueError(
-                    f"inference_cuda_graph_scope='{self.scope}' needs the parameters at fixed addresses, but the "
-                    f"{moving[0]} (and {len(moving) - 1} more) is allocated on demand (sharding_strategy="
-                    f"'{self.engine.strategy.value}', fsdp_double_buffer={self.engine.fsdp_double_buffer}); pass "
-                    "fsdp_double_buffer=True and fsdp_db_use_persist_buf_on_alloc_fail=True to fully_shard, or use "
-                    "inference_cuda_graph_scope='none'")
+            # [Note: fixed addresses] in engines/contract.py: a forward-only graph reads the unshard buffers only.
+            self.engine.require_fixed_buffers(f"inference_cuda_graph_scope='{self.scope}'", FORWARD_ONLY_BUFFERS)
         self._layers: List[_Layer] = self._select_layers(layer_modules) if self.scope is InferenceCudaGraphScope.LAYER else []
         #: block graphs of an engine hold its work, collectives included, as a static step (graph_contract.py)
         self._static = self.scope is InferenceCudaGraphScope.BLOCK and self.engine is not None
@@ -234,7 +229,7 @@ class InferenceCudaGraphs:
     def _select_layers(self, layer_modules: Optional[Sequence[Union[Type[nn.Module], str]]]) -> List[_Layer]:
         if layer_modules is None:
             if self.engine is not None:
-                wanted = {id(u.module) for u in self.engine.units}
+                wanted = {id(u) for u in self.engine.unit_modules()}
                 chosen = [(n, m) for n, m in self.root.named_modules() if id(m) in wanted]
             elif isinstance(getattr(type(self.root), "unit_class", None), property):
                 cls = self.root.unit_class
@@ -393,7 +388,7 @@ class InferenceCudaGraphs:
         none = 1 << 40  # "no bucket" wins the maximum: if one rank runs eagerly, all do
         vals = torch.tensor([none if batch is None else batch, seq or 0, digest, -digest], dtype=torch.int64,
                             device=self.device)
-        dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=self.engine.group)
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=self.engine.process_group)
         b, s, hi, neg_lo = vals.tolist()
         if hi != -neg_lo:
             raise ValueError(
@@ -473,32 +468,31 @@ class InferenceCudaGraphs:
 
         g = _Graph(name, body, static_in, static)
         engine = self.engine
-        bound = static_step.grads_bound(engine) if static else frozenset()
+        bound = engine.grads_bound() if static else frozenset()
         t0 = time.perf_counter()
         mem0 = torch.cuda.memory_allocated(self.device) if self.backend == "torch" else 0
-        mode = CaptureGuardMode.ALLOW_COLLECTIVES if static else CaptureGuardMode.REFUSE
         try:
             for i in range(self.config.cuda_graph_num_warmup_iters):
                 if static:
-                    static_step.begin_static_step(engine, replace_grads=False)
+                    engine.begin_static_step(replace_grads=False)
                 last = i == self.config.cuda_graph_num_warmup_iters - 1
                 with CaptureSafetyCheck(self.device, what) if last else contextlib.nullcontext():
                     body()
             if static:
-                static_step.begin_static_step(engine, replace_grads=False)
+                engine.begin_static_step(replace_grads=False)
             if self.backend == "torch":
                 g.graph, (g.static_out, g.out_sig) = _recipe.capture_graph(
                     body, device=self.device, phase=what, pool=self._pool,
-                    guard=lambda: capture_guard(mode, collective_log=g.collectives))
+                    guard=lambda: self._guard(static, g.collectives))
             else:
-                with simulated_capture(), capture_guard(mode, collective_log=g.collectives):
+                with self._simulated_capture(static, g.collectives):
                     g.static_out, g.out_sig = body()
         except BaseException as exc:
             _recipe.raise_translated(exc, what)
             raise
         finally:
             if static:  # as after a replay; a failed capture ran nothing that counts
-                static_step.end_static_step(engine, bound=bound)
+                engine.end_static_step(bound=bound)
         g.params, g.param_ptrs = params, tuple(map(_data_ptr, params))
         mem = torch.cuda.memory_allocated(self.device) - mem0 if self.backend == "torch" else 0
         shape = ", ".join(str(tuple(t.shape)) for t in leaves)
@@ -517,8 +511,8 @@ class InferenceCudaGraphs:
                 "build a new InferenceCudaGraphs")
         engine = self.engine
         if g.static:
-            static_step.quiesce(engine)  # an eager collective still in flight would race with the graph
-            bound = static_step.grads_bound(engine)
+            engine.quiesce()  # an eager collective still in flight would race with the graph
+            bound = engine.grads_bound()
         for s, t in zip(g.static_in, leaves):
             if t is not s:
                 s.copy_(t)
@@ -529,7 +523,7 @@ class InferenceCudaGraphs:
                 self._protocol_replay(g)
         finally:
             if g.static:
-                static_step.end_static_step(engine, bound=bound)
+                engine.end_static_step(bound=bound)
         g.replays += 1
         self.counters["replays"] += 1
         return g.static_out
@@ -537,10 +531,9 @@ class InferenceCudaGraphs:
     def _protocol_replay(self, g: _Graph) -> None:
         """Run the captured function again from the capture's starting state; it must issue what the capture did."""
         if g.static:
-            static_step.begin_static_step(self.engine, replace_grads=False)
+            self.engine.begin_static_step(replace_grads=False)
         log: List[str] = []
-        mode = CaptureGuardMode.ALLOW_COLLECTIVES if g.static else CaptureGuardMode.REFUSE
-        with simulated_capture(), capture_guard(mode, collective_log=log):
+        with self._simulated_capture(g.static, log):
             out, out_sig = g.body()
         if log != g.collectives or _args._strip(out_sig) != _args._strip(g.out_sig):
             raise RuntimeError(
@@ -549,6 +542,20 @@ class InferenceCudaGraphs:
                 "graph would replay the capture's decisions and compute something else than an eager forward")
         for o, n in zip(g.static_out, out):
             o.copy_(n)
+
+    def _guard(self, static: bool, log: List[str]) -> Any:
+        """The engine's guard around a capture: collectives captured in a static (block) graph, refused otherwise."""
+        if self.engine is None:
+            return contextlib.nullcontext()
+        return self.engine.static_capture_guard(allow_collectives=static, collective_log=log)
+
+    @contextlib.contextmanager
+    def _simulated_capture(self, static: bool, log: List[str]) -> Iterator[None]:
+        """The protocol backend's capture pass: our capture flag, the engine's simulated capture and its guard."""
+        with _capture_state.simulated_capture(), (
+                self.engine.simulated_capture() if self.engine is not None else contextlib.nullcontext()), \
+                self._guard(static, log):
+            yield
 
     def _all_graphs(self) -> List[_Graph]:
         return list(self._blocks.values()) + [g for layer in self._layers for g in layer.graphs.values()]

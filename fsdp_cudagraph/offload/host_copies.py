@@ -50,7 +50,7 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Protocol, Sequenc
 import torch
 from torch import nn
 
-from megatron_fsdp import is_capturing
+from fsdp_cudagraph.capture.state import is_capturing
 
 __all__ = ["HostBufferPool", "GroupRecord"]
 

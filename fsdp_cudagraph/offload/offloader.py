@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from megatron_fsdp import is_capturing
+from fsdp_cudagraph.capture.state import is_capturing
 
 from fsdp_cudagraph.config import module_tag
 from fsdp_cudagraph.engines import root_of

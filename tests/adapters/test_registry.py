@@ -12,12 +12,11 @@ from torch import nn
 
 from fsdp_cudagraph import CudaGraphConfig, LengthBucketGraphs, PartialCudaGraphs, extract_hooks, hooks_snapshot, restore_hooks
 from fsdp_cudagraph.apps.model import GPT, GPTConfig
-import fsdp_cudagraph.engines as engines_pkg
+import fsdp_cudagraph.engines.registry as registry
 from fsdp_cudagraph.engines import (HOOK_DICTS, EngineAdapter, HookPlan, adapt, adapter_for, read_sentinel, register_engine,
                                     registered_engines, root_of, unavailable_engines)
 from fsdp_cudagraph.engines.megatron_fsdp import MegatronFSDPEngine, plan_hooks
 from megatron_fsdp import fully_shard
-from tests.engine.test_engine import one_rank_group  # noqa: F401 - the one-rank Gloo group fixture
 
 
 def _hooked():
@@ -70,7 +69,7 @@ def test_unplanned_roles_are_engine_only_not_unknown():
 def test_adapter_plan_matches_the_bare_plan():
     m, _ = _hooked()
     saved = {name: dict(getattr(m, name)) for name in ("_forward_pre_hooks", "_forward_hooks")}
-    a, b = plan_hooks(saved), MegatronFSDPEngine.plan_bare_hooks(saved)
+    a, b = plan_hooks(saved), MegatronFSDPEngine.bare_hook_plan(saved)
     assert (a.unknown, a.engine_only, list(a.capture_time["forward_pre_hooks"])) == \
         (b.unknown, b.engine_only, list(b.capture_time["forward_pre_hooks"]))
 
@@ -107,7 +106,9 @@ def test_one_double_buffer_refusal_for_every_per_layer_kind(one_rank_group):
             build()
         messages.append(str(err.value))
     assert messages[0] == messages[1]
-    assert "fsdp_double_buffer=True" in messages[0] and "(the model has False and False)" in messages[0]
+    assert "fsdp_double_buffer=True" in messages[0]
+    assert "fsdp_double_buffer=False and fsdp_db_use_persist_buf_on_alloc_fail=False" in messages[0]
+    assert "needs the parameters and gradients at fixed addresses" in messages[0]
 
 
 # ---------------------------------------------------------------------------------- a second engine, through the contract
@@ -172,7 +173,7 @@ def toy_engine():
     try:
         yield _ToyEngine
     finally:
-        engines_pkg._ENGINES.remove(_ToyEngine)
+        registry._ENGINES.remove(_ToyEngine)
 
 
 def test_partial_graphs_speak_to_any_engine_through_the_contract(toy_engine):

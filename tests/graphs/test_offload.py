@@ -21,7 +21,7 @@ import fsdp_cudagraph.offload.host_copies as copy_mod
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
 from fsdp_cudagraph.offload.offloader import ActivationOffloader, HostBufferPool, OffloadState, select_offload_modules
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch
-from megatron_fsdp import simulated_capture
+from fsdp_cudagraph.capture.state import simulated_capture  # the graph layer's capture flag, which offloading reads
 
 CPU = torch.device("cpu")
 

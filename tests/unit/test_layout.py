@@ -8,20 +8,29 @@ imports under ``if TYPE_CHECKING:`` are annotations, not arrows, and are skipped
 Rules:
 1. no circles (strongly connected components of more than one module, or a module importing itself);
 2. no library module (``fsdp_cudagraph`` outside ``apps/``) imports an application;
-3. no module of ``fsdp_cudagraph`` outside ``engines/`` imports a private ``megatron_fsdp._*`` module;
-4. ``megatron_fsdp`` never imports ``fsdp_cudagraph``.
+3. one door to the engines: no library module outside ``fsdp_cudagraph/engines/`` imports an engine
+   (any ``megatron_fsdp`` module, ``torch.distributed.fsdp``, ``megatron``); the applications (``apps/``,
+   ``checker/``) build models with engines and may;
+4. ``megatron_fsdp`` never imports ``fsdp_cudagraph``;
+5. a graph kind (``fsdp_cudagraph/graphs/*``) imports of the library only the capture core (``capture/``),
+   the door (``engines.contract``, ``engines.registry``), ``config``, ``hooks``, ``offload/`` and other kinds.
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("fsdp_cudagraph", "megatron_fsdp", "benchmarks")
+#: Engines outside this repository: an import of one is kept as an arrow to its top name (rule 3).
+EXTERNAL_ENGINES = ("torch.distributed.fsdp", "megatron")
+#: What a graph kind may import of the library (rule 5), by module prefix.
+GRAPH_KIND_IMPORTS = ("fsdp_cudagraph.capture", "fsdp_cudagraph.engines.contract", "fsdp_cudagraph.engines.registry",
+                      "fsdp_cudagraph.config", "fsdp_cudagraph.hooks", "fsdp_cudagraph.offload", "fsdp_cudagraph.graphs")
 
 #: module -> [(imported module, line)]
 Graph = Dict[str, List[Tuple[str, int]]]
@@ -48,8 +57,14 @@ def _type_checking_lines(tree: ast.AST) -> Set[int]:
     return lines
 
 
-def build_graph() -> Graph:
-    files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+def read_sources() -> Dict[str, Tuple[str, bool]]:
+    """module name -> (source text, is a package ``__init__``) of every file of PACKAGES."""
+    return {_module_name(p): (p.read_text(), p.name == "__init__.py") for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+
+
+def build_graph(sources: Optional[Dict[str, Tuple[str, bool]]] = None) -> Graph:
+    """The import graph of ``sources`` (default: the repository's files, :func:`read_sources`)."""
+    files = read_sources() if sources is None else sources
     modules = set(files)
     # Benchmarks run as scripts and import each other by bare name (``import _flops``), across their subfolders
     # (diagnose/, tools/) too: benchmarks/_common.py puts every folder on sys.path.
@@ -63,10 +78,9 @@ def build_graph() -> Graph:
         return name
 
     graph: Graph = {}
-    for name, path in files.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
+    for name, (text, is_pkg) in files.items():
+        tree = ast.parse(text, filename=name)
         skip = _type_checking_lines(tree)
-        is_pkg = path.name == "__init__.py"
         here = name if is_pkg else name.rpartition(".")[0]
         edges: List[Tuple[str, int]] = []
         for node in ast.walk(tree):
@@ -84,6 +98,8 @@ def build_graph() -> Graph:
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
             for t in targets:
                 r = resolve(t)
+                if not r and any(t == e or t.startswith(e + ".") for e in EXTERNAL_ENGINES):
+                    r = next(e for e in EXTERNAL_ENGINES if t == e or t.startswith(e + "."))
                 if r and r != name:
                     edges.append((r, node.lineno))
         graph[name] = edges
@@ -131,20 +147,37 @@ def is_app(module: str) -> bool:
     return module.startswith("fsdp_cudagraph.apps")
 
 
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def is_library(module: str) -> bool:
+    """``fsdp_cudagraph`` minus its applications (``apps/``, the alignment checker ``checker/``)."""
+    return (_under(module, "fsdp_cudagraph") and not _under(module, "fsdp_cudagraph.apps")
+            and not _under(module, "fsdp_cudagraph.checker"))
+
+
+def is_engine(module: str) -> bool:
+    return _under(module, "megatron_fsdp") or any(_under(module, e) for e in EXTERNAL_ENGINES)
+
+
 def violations(graph: Graph) -> List[str]:
-    """Every arrow that breaks rules 2-4, as 'module:line -> module (rule)'."""
+    """Every arrow that breaks rules 2-5, as 'module:line -> module: rule'."""
     out = []
     for src, edges in sorted(graph.items()):
         for dst, line in edges:
             where = f"{src}:{line} -> {dst}"
             if src.startswith("fsdp_cudagraph") and not is_app(src) and is_app(dst):
                 out.append(f"{where}: a library module imports an application (move the shared piece into the library)")
-            if (src.startswith("fsdp_cudagraph") and not src.startswith("fsdp_cudagraph.engines")
-                    and dst.startswith("megatron_fsdp._")):
-                out.append(f"{where}: the graph layer imports an engine private (ask the adapter in engines/, or use "
-                           "megatron_fsdp's public API / graph_contract)")
+            if is_library(src) and not _under(src, "fsdp_cudagraph.engines") and is_engine(dst):
+                out.append(f"{where}: the library imports an engine outside engines/ (ask the engine's adapter through "
+                           "engines.contract; engines/ is the one door)")
             if src.startswith("megatron_fsdp") and dst.startswith("fsdp_cudagraph"):
                 out.append(f"{where}: the engine imports the graph layer (the arrow must point the other way)")
+            if (_under(src, "fsdp_cudagraph.graphs") and _under(dst, "fsdp_cudagraph")
+                    and not any(_under(dst, ok) for ok in GRAPH_KIND_IMPORTS)):
+                out.append(f"{where}: a graph kind imports past the capture core and the door (allowed: "
+                           f"{', '.join(GRAPH_KIND_IMPORTS)})")
     return out
 
 
@@ -157,8 +190,9 @@ def test_the_graph_sees_the_house(graph):
     # Guard the reader itself: it finds the rooms and the arrows it must judge.
     assert {"fsdp_cudagraph.graphs.partial", "fsdp_cudagraph.engines.megatron_fsdp", "megatron_fsdp._unit",
             "fsdp_cudagraph.apps.train", "benchmarks.bench_full_iteration", "benchmarks._flops"} <= set(graph)
-    assert ("fsdp_cudagraph.engines", 0) not in graph["fsdp_cudagraph.graphs.partial"]
-    assert "fsdp_cudagraph.engines" in {d for d, _ in graph["fsdp_cudagraph.graphs.partial"]}
+    assert ("fsdp_cudagraph.engines.registry", 0) not in graph["fsdp_cudagraph.graphs.partial"]
+    assert "fsdp_cudagraph.engines.registry" in {d for d, _ in graph["fsdp_cudagraph.graphs.partial"]}
+    assert "torch.distributed.fsdp" in {d for d, _ in graph["fsdp_cudagraph.engines.fsdp2"]}  # an external engine
     assert "benchmarks._flops" in {d for d, _ in graph["benchmarks.bench_full_iteration"]}  # a deferred bare import
     assert "megatron_fsdp._unit" in {d for d, _ in graph["megatron_fsdp._fully_shard"]}
 
@@ -180,7 +214,7 @@ def test_the_rules_catch_a_forbidden_arrow(graph):
     found = violations(bad)
     assert any("graphs.inference:1 -> fsdp_cudagraph.apps.model: a library module imports an application" in v
                for v in found), found
-    assert any("graphs.partial:2 -> megatron_fsdp._unit: the graph layer imports an engine private" in v
+    assert any("graphs.partial:2 -> megatron_fsdp._unit: the library imports an engine outside engines/" in v
                for v in found), found
     assert any("megatron_fsdp._unit:3 -> fsdp_cudagraph.hooks: the engine imports the graph layer" in v
                for v in found), found
@@ -188,10 +222,44 @@ def test_the_rules_catch_a_forbidden_arrow(graph):
     assert any("fsdp_cudagraph.capture.streams" in c and "fsdp_cudagraph.graphs.partial" in c for c in circles(bad))
 
 
-def test_engine_adapters_may_read_the_engine(graph):
-    # The one door: engines/megatron_fsdp.py knows megatron_fsdp; no other library module needs more than its
-    # public API (graph kinds that only our engine supports use megatron_fsdp.graph_contract).
-    importers = {src for src, edges in graph.items() for d, _ in edges
-                 if d.startswith("megatron_fsdp") and src.startswith("fsdp_cudagraph") and not is_app(src)}
-    assert "fsdp_cudagraph.engines.megatron_fsdp" in importers
-    assert "fsdp_cudagraph.engines" not in importers  # the contract itself names no engine
+def _planted(**fakes: str) -> Graph:
+    """The repository's import graph with in-memory modules added (nothing is written into the package)."""
+    sources = read_sources()
+    sources.update({name: (text, False) for name, text in fakes.items()})
+    return build_graph(sources)
+
+
+def test_the_door_rules_catch_planted_imports():
+    # Rules 3 and 5 read from source: each fails on a planted file, and the real files stay clean.
+    found = violations(_planted(**{
+        "fsdp_cudagraph.offload.planted": "from megatron_fsdp import is_capturing\n",
+        "fsdp_cudagraph.capture.planted": "import megatron_fsdp.graph_contract\n"
+                                          "from torch.distributed.fsdp import FSDPModule\n",
+        "fsdp_cudagraph.graphs.planted": "from fsdp_cudagraph.engines import adapter_for\n"
+                                         "from fsdp_cudagraph.engines.megatron_fsdp import MegatronFSDPEngine\n"
+                                         "from fsdp_cudagraph.checker import records\n"
+                                         "from fsdp_cudagraph.engines.registry import adapter_for\n",
+        "fsdp_cudagraph.checker.planted": "from megatron_fsdp import fully_shard\n",
+    }))
+    door = "the library imports an engine outside engines/"
+    kind = "a graph kind imports past the capture core and the door"
+    assert f"fsdp_cudagraph.offload.planted:1 -> megatron_fsdp: {door}" in "\n".join(found), found
+    assert any(v.startswith("fsdp_cudagraph.capture.planted:1 -> megatron_fsdp.graph_contract: " + door) for v in found)
+    assert any(v.startswith("fsdp_cudagraph.capture.planted:2 -> torch.distributed.fsdp: " + door) for v in found)
+    assert any(v.startswith("fsdp_cudagraph.graphs.planted:1 -> fsdp_cudagraph.engines: " + kind) for v in found)
+    assert any(v.startswith("fsdp_cudagraph.graphs.planted:2 -> fsdp_cudagraph.engines.megatron_fsdp: " + kind)
+               for v in found)
+    assert any(v.startswith("fsdp_cudagraph.graphs.planted:3 -> fsdp_cudagraph.checker.records: " + kind) for v in found)
+    assert not any(v.startswith("fsdp_cudagraph.graphs.planted:4") for v in found)  # the registry is the door
+    assert not any(v.startswith("fsdp_cudagraph.checker.planted") for v in found)  # an application may
+    assert violations(build_graph()) == []
+
+
+def test_engine_adapters_are_the_one_door(graph):
+    # engines/megatron_fsdp.py is the library's only importer of megatron_fsdp; the contract names no engine.
+    importers = {src for src, edges in graph.items() for d, _ in edges if is_library(src) and is_engine(d)}
+    assert "fsdp_cudagraph.engines.megatron_fsdp" in importers and "fsdp_cudagraph.engines.fsdp2" in importers
+    ours = {src for src in importers if any(_under(d, "megatron_fsdp") for d, _ in graph[src])}
+    assert ours == {"fsdp_cudagraph.engines.megatron_fsdp"}
+    assert not importers & {"fsdp_cudagraph.engines", "fsdp_cudagraph.engines.contract",
+                            "fsdp_cudagraph.engines.registry", "fsdp_cudagraph.engines.hookplan"}
