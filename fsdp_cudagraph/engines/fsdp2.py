@@ -27,7 +27,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from . import HOOK_KEYS, EngineAdapter, HookPlan, register_engine
+from fsdp_cudagraph.engines.contract import EngineAdapter, HookPlan, ReplayProbe
+from fsdp_cudagraph.engines.registry import register_engine
 
 __all__ = ["FSDP2Engine", "keep_unsharded_storage", "release_unsharded_storage"]
 
@@ -320,21 +321,33 @@ class FSDP2Engine(EngineAdapter):
             # Any MixedPrecisionPolicy is accepted: see [Note: FSDP2 mixed precision under partial graphs].
 
     def replay_tensors(self, module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
-        out: List[Tuple[str, torch.Tensor]] = []
+        return [(name, p) for name, fp in self._replay_params(module)
+                if (p := getattr(fp, "_unsharded_param", None)) is not None]
+
+    def replay_probe(self, module: nn.Module) -> ReplayProbe:
+        # The unit, its group and the FSDPParams inside ``module`` are found once; a call reads each one's
+        # unsharded parameter as it is now (FSDP2 re-registers it at every unshard), as replay_tensors does.
+        fsdp_params = [fp for _, fp in self._replay_params(module)]
+
+        def probe() -> Tuple[int, ...]:
+            return tuple(p.data_ptr() for fp in fsdp_params if (p := getattr(fp, "_unsharded_param", None)) is not None)
+        return probe
+
+    def _replay_params(self, module: nn.Module) -> List[Tuple[str, Any]]:
+        """(name in ``module``, FSDPParam) of the owning unit's parameters that live inside ``module``."""
         unit = self.unit_of(module)
         if unit is None:
-            return out
+            return []
         _, g = self._group(unit)
         if g is None:
-            return out
+            return []
         names = {id(m): n for n, m in module.named_modules()}
+        out = []
         for fp in g.fsdp_params:
             owner = fp._module_info.module
-            p = getattr(fp, "_unsharded_param", None)
-            if p is None or id(owner) not in names:
-                continue
-            prefix = names[id(owner)]
-            out.append(((prefix + "." if prefix else "") + fp._module_info.param_name, p))
+            if id(owner) in names:
+                prefix = names[id(owner)]
+                out.append(((prefix + "." if prefix else "") + fp._module_info.param_name, fp))
         return out
 
     # -- capture guard ----------------------------------------------------------------------------
