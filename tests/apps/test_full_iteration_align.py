@@ -15,7 +15,7 @@ import torch
 from fsdp_cudagraph.apps.full_iteration_align import FullRunSpec, run_row
 from fsdp_cudagraph.apps.model import GPTConfig
 
-from .dist_utils import run_gloo
+from tests.dist_utils import run_gloo
 
 WORLD = 2
 CFG = GPTConfig(vocab_size=96, hidden_size=32, num_layers=3, num_heads=4, seq_len=16, moe_every=2, num_experts=4,
