@@ -1,5 +1,5 @@
 """Parameters' post-accumulate-grad hooks do not fire during a graph maker's warmup and capture, and fire at
-every replay ([Note: post-accumulate-grad hooks at capture] in fsdp_cudagraph/capture/graph_maker.py).
+every replay ([Note: post-accumulate-grad hooks at capture] in fsdp_cudagraph/capture/schedules.py).
 
 TE's graph maker (and the protocol backend, which follows it) runs its backwards with
 ``torch.autograd.backward``, so AccumulateGrad and its hooks run. NVIDIA Megatron-FSDP reduces from such a
