@@ -4,8 +4,8 @@ Each schedule captures an ``order`` of callables and hands every result to ``ins
 its graph kind comes in as arguments (``install``, ``pool_for``, the capture-time hooks, the capture region),
 never as ``self``, so partial graphs and length buckets share them without a subclass.
 
-A callable here is read only through ``name``, ``module``, ``unit``, ``plan``, ``sample_args`` and
-``capture_params`` (a :class:`GraphedCallable`). ``plan`` holds capture-time hooks in TE's form
+A callable here is a :class:`GraphedCallable`; the schedules read only its ``name``, ``module``, ``unit``,
+``plan``, ``sample_args`` and ``capture_params``. ``plan`` holds capture-time hooks in TE's form
 (``{key: {hook_id: fn(module) -> None}}``); :func:`capture_time_hooks` turns it into what TE is handed,
 once per callable and capture.
 
@@ -26,9 +26,11 @@ from torch import nn
 from fsdp_cudagraph.capture.attention import te_capture_flag
 from fsdp_cudagraph.hooks import HOOK_DICTS, HOOK_KEYS, ExtractedHooks
 
-__all__ = ["CaptureReport", "GraphedCallable", "parked_grad_hooks", "run_hooks", "capture_time_hooks", "check_graph_maker_preconditions", "te_backward",
-           "run_te_schedule", "capture_te", "capture_torch", "capture_protocol", "unit_groups", "PARAMS_GUARD",
-           "plan_hooks", "check_params", "ProtocolReplay", "restore_forward", "memory_breakdown"]
+__all__ = ["CaptureReport", "GraphedCallable", "parked_grad_hooks", "run_hooks", "capture_time_hooks",
+           "check_graph_maker_preconditions", "te_backward", "run_te_schedule", "capture_te", "capture_torch",
+           "capture_protocol", "unit_groups", "PARAMS_GUARD", "plan_hooks", "check_params", "ProtocolReplay",
+           "restore_forward", "memory_breakdown"]
+
 
 @dataclasses.dataclass
 class CaptureReport:
