@@ -1,4 +1,5 @@
-"""Gradient clipping over the sharded fp32 main gradients, and the guard that refuses per-rank norms.
+"""Gradient clipping over the sharded fp32 main gradients, the guard that refuses per-rank norms, and the
+sentinel gradients of the compute parameters that refuse clipping over ``model.parameters()``.
 
 [Note: local norms]
 Each rank holds one shard of every unit's fp32 main gradient (``main_shard.grad``). The norm of a shard is
@@ -11,12 +12,33 @@ gradient whose norms (``torch.linalg.vector_norm``, ``torch._foreach_norm``, ``t
 ``Tensor.norm``, ``torch.linalg.norm``: everything ``clip_grad_norm_`` and ``get_total_norm`` use) raise
 with the fix; every other operation runs unchanged on the plain tensor, so optimizers are unaffected. A
 deliberately local norm stays possible: ``grad.as_subclass(torch.Tensor).norm()``.
+
+[Note: compute parameters hold no gradient]
+``model.parameters()`` yields the compute parameters (views into the units' unshard buffers, see [Note:
+parameter views] in ``_unit.py``). Their ``.grad`` is folded into the unit's gradient buffer and reduced at the
+unit's post-backward, then cleared: the model's gradient lives in the fp32 main-gradient shards only. So
+``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)``, the usual spelling, would find no gradient,
+return a norm of 0, clip nothing, and training would drift from the clipped run with no error. Making it
+compute the right norm would need ``.grad`` tensors of the parameters' full shapes that are really slices of
+rank shards, with torch's per-tensor norms and their ``vector_norm`` rerouted to one collective: not honest
+tensors, and not the bits of ``model.clip_grad_norm_`` (torch combines per-tensor norms; the engine sums
+p-th powers of whole shards before one all-reduce). Instead, at the end of every backward each trainable
+compute parameter without a gradient gets a sentinel ``.grad`` (:class:`_NoGradient`: a zero-stride expand of
+one zero of the parameter's shape, dtype and device, made once per parameter) whose every use raises, naming
+``model.clip_grad_norm_(max_norm)``: ``clip_grad_norm_``, ``clip_grad_value_`` and ``get_total_norm`` over
+``model.parameters()`` fail instead of being silent, as does any other read of those gradients. Left alone:
+attribute reads (shape, dtype, ``grad_fn``), ``copy.deepcopy``, ``model.zero_grad()`` (``set_to_none``
+unbinds it; ``set_to_none=False`` passes over it: zeroing has no values to zero), and code that only moves
+``.grad`` around (graph makers save, clear and restore it). The next forward with gradients unbinds the
+sentinels before any backward can accumulate into them (AccumulateGrad would fail on a sentinel), and the
+engine's own checks for left-over gradients skip them. Costs: one ``.grad`` assignment per trainable
+parameter per backward and one per forward with gradients.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,7 +46,8 @@ import torch.distributed as dist
 from . import _collectives as C
 from ._common import Engine, Unit
 
-__all__ = ["clip_grad_norm_", "guard_local_norms", "total_grad_norm"]
+__all__ = ["clip_grad_norm_", "guard_local_norms", "total_grad_norm", "make_no_gradients", "bind_no_gradient",
+           "unbind_no_gradient", "holds_gradient"]
 
 _NORMS = {torch._foreach_norm, torch.linalg.vector_norm, torch.linalg.norm, torch.norm, torch.Tensor.norm}
 
@@ -58,6 +81,77 @@ def _flat_args(args: Tuple[Any, ...]) -> Any:
             yield from a
         else:
             yield a
+
+
+class _NoGradient(torch.Tensor):
+    """A compute parameter's ``.grad`` after backward: no values; every use raises ([Note: compute parameters hold
+    no gradient])."""
+
+    _megatron_fsdp_param_name: str = "?"
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Tuple[type, ...], args: Tuple[Any, ...] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        if getattr(func, "__name__", None) == "__get__" or func in _PASS:  # attributes, deepcopy, hash
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        if func in _SKIP:  # model.zero_grad(set_to_none=False): nothing to zero
+            return args[0] if isinstance(args[0], torch.Tensor) else None
+        sentinel = next((a for a in _flat_args(args) if isinstance(a, _NoGradient)), None)
+        name = sentinel._megatron_fsdp_param_name if sentinel is not None else "?"
+        what = getattr(func, "__name__", repr(func))
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise RuntimeError(
+            f"[rank {rank}] megatron_fsdp: {what} was called on the .grad of compute parameter {name}, which holds "
+            "no gradient: the engine reduced it into the sharded fp32 main gradients, so a norm or a clip over "
+            "model.parameters() would see nothing (torch.nn.utils.clip_grad_norm_ would return 0 and clip "
+            "nothing). Clip with model.clip_grad_norm_(max_norm) (the global norm over all ranks, on every rank), "
+            "read the norm with model.total_grad_norm(), clip by value with torch.nn.utils.clip_grad_value_("
+            "model.optimizer_parameters(), clip_value), and read gradients from "
+            "model.optimizer_parameters()[i].grad"
+        )
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        return f"<megatron_fsdp: no gradient for compute parameter {self._megatron_fsdp_param_name}; see model.optimizer_parameters()>"
+
+
+_PASS = {torch.Tensor.__deepcopy__, torch.Tensor.__hash__}
+_SKIP = {torch.Tensor.requires_grad_, torch.Tensor.detach_, torch.Tensor.zero_, torch._foreach_zero_}
+
+
+def make_no_gradients(unit: Unit) -> List[torch.Tensor]:
+    """Sentinels for the unit's trainable compute parameters (their current shape, dtype and device), as
+    ``unit.params``: views of one zero per dtype, so a unit costs one element, made once, outside any capture."""
+    zeros: Dict[torch.dtype, torch.Tensor] = {}
+    made = []
+    for n, p in zip(unit.layout.names, unit.params):
+        if p.dtype not in zeros:
+            zeros[p.dtype] = torch.zeros((), dtype=p.dtype, device=p.device)
+        s = zeros[p.dtype].expand(p.shape).as_subclass(_NoGradient)
+        s._megatron_fsdp_param_name = n
+        made.append(s)
+    return made
+
+
+def bind_no_gradient(engine: Engine) -> None:
+    """End of backward: every trainable compute parameter without ``.grad`` gets its sentinel."""
+    for u in engine.all_units():
+        for p, s in zip(u.params, u.no_gradients):
+            if p.grad is None:
+                p.grad = s
+
+
+def unbind_no_gradient(engine: Engine) -> None:
+    """Before a forward with gradients: clear the sentinels, so that the backward accumulates into nothing."""
+    for u in engine.all_units():
+        for p in u.params:
+            if type(p.grad) is _NoGradient:
+                p.grad = None
+
+
+def holds_gradient(p: torch.Tensor) -> bool:
+    """Whether ``p.grad`` is a gradient (not None, not the sentinel)."""
+    return p.grad is not None and type(p.grad) is not _NoGradient
 
 
 def guard_local_norms(main_grad: torch.Tensor, unit: Unit) -> torch.Tensor:

@@ -324,7 +324,9 @@ class MegatronFSDP(UnitPlanning, nn.Module):
         busy = [u.name for u in self.units if u.state in COMPUTING]
         # Compute parameters hold gradients between steps only when a backward failed before their unit
         # reduced them (e.g. the root's head, before any unit's backward ran); they must not reach this step.
-        busy += [u.name for u in self.all_units() if u.name not in busy and any(p.grad is not None for p in u.params)]
+        if torch.is_grad_enabled():
+            _clip.unbind_no_gradient(self)  # before this forward's backward accumulates into .grad
+        busy += [u.name for u in self.all_units() if u.name not in busy and any(map(_clip.holds_gradient, u.params))]
         if busy or self._pending:
             logger.warning(
                 "[rank %d] megatron_fsdp: the previous step did not finish (units %s mid-step); resetting",
@@ -367,6 +369,7 @@ class MegatronFSDP(UnitPlanning, nn.Module):
             self._callback_queued = False
             self.in_backward = False
             _guards.check_stray_gradients(self)
+            _clip.bind_no_gradient(self)  # [Note: compute parameters hold no gradient] in _clip.py
 
     def reset_step_state(self) -> None:
         """Bring every unit back to IDLE: after a step raised part-way, or after a graph capture.
@@ -407,36 +410,6 @@ class MegatronFSDP(UnitPlanning, nn.Module):
     def buffer_addresses(self) -> Dict[str, Dict[str, Optional[int]]]:
         """Per unit: data pointers of its unshard and gradient buffers (for graph-replay checks)."""
         return {u.name: u.buffer_addresses() for u in self.all_units()}
-
-    def unit_of(self, module: nn.Module) -> Optional[FSDPUnit]:
-        """The unit that owns ``module`` (the nearest enclosing unit module), or None for the root."""
-        for m in self._ancestors(module):
-            u = getattr(m, "_megatron_fsdp_unit", None)
-            if u is not None and u.engine is self:
-                return u
-        return None
-
-    def _ancestors(self, module: nn.Module) -> List[nn.Module]:
-        path = {id(m): n for n, m in self.module.named_modules()}
-        if id(module) not in path:
-            raise ValueError(f"{type(module).__name__} is not a submodule of the sharded model")
-        name = path[id(module)]
-        out = [module]
-        while name:
-            name = name.rsplit(".", 1)[0] if "." in name else ""
-            out.append(self.module.get_submodule(name) if name else self.module)
-        return out
-
-    def unit_uses_recompute(self, unit: FSDPUnit) -> bool:
-        """Whether ``unit`` runs under activation checkpointing: seen recomputing, or inside a checkpoint wrapper.
-
-        A graph layer calls it to refuse graphing such units: a recomputed forward would replay the graph
-        inside backward. The dynamic half only knows after an eager step that ran backward.
-        """
-        if unit.recomputed:
-            return True
-        return any(type(m).__name__ == "CheckpointWrapper" or hasattr(m, "_checkpoint_wrapped_module")
-                   for m in self._ancestors(unit.module))
 
     # ------------------------------------------------------------------ state dicts (see _state_dict.py)
     def state_dict(self, *args: Any, destination: Optional[Dict[str, Any]] = None, prefix: str = "",
@@ -509,8 +482,9 @@ class MegatronFSDP(UnitPlanning, nn.Module):
                         foreach: Optional[bool] = None) -> torch.Tensor:
         """Clip the main gradients by their global norm (all ranks); return that norm (before clipping).
 
-        The FSDP2 / Megatron-FSDP spelling of ``torch.nn.utils.clip_grad_norm_``, which over
-        ``optimizer_parameters()`` would see one rank's shard only and is refused ([Note: local norms]).
+        The FSDP2 / Megatron-FSDP spelling of ``torch.nn.utils.clip_grad_norm_``, which is refused over
+        ``optimizer_parameters()`` (one rank's shard: [Note: local norms]) and over ``parameters()`` (no gradient
+        there: [Note: compute parameters hold no gradient], _clip.py).
         A collective: call it on every rank after backward, before ``optimizer.step()``. ``foreach`` is
         accepted for signature compatibility.
         """

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from ._clip import holds_gradient
 from ._common import Engine
 
 __all__ = [
@@ -176,12 +177,12 @@ def check_stray_gradients(engine: Engine) -> None:
     """At the end of a backward: refuse gradients that reached a compute parameter after its unit reduced."""
     for u in engine.all_units():
         for p in u.params:
-            if p.grad is not None:
+            if holds_gradient(p):
                 _refuse_stray_gradients(engine)
 
 
 def _refuse_stray_gradients(engine: Engine) -> None:
-    stray = [(n, u.name) for u in engine.all_units() for n, p in zip(u.layout.names, u.params) if p.grad is not None]
+    stray = [(n, u.name) for u in engine.all_units() for n, p in zip(u.layout.names, u.params) if holds_gradient(p)]
     for u in engine.all_units():
         for p in u.params:
             p.grad = None  # the next step starts clean; the main gradients of this one are incomplete

@@ -2,8 +2,9 @@
 owns, the buffers every unit gets (on-demand, persistent or a double-buffer slot) and its initial values, and
 the hooks registered on the unit modules.
 
-``UnitPlanning`` is the part of :class:`~megatron_fsdp._fully_shard.MegatronFSDP` that runs from its
-``__init__`` only; it reads and fills the engine's attributes (``module``, ``units``, ``root_unit``, ...).
+``UnitPlanning`` is the part of :class:`~megatron_fsdp._fully_shard.MegatronFSDP` that makes the plan (from its
+``__init__`` only; it reads and fills the engine's attributes ``module``, ``units``, ``root_unit``, ...) and
+answers questions about it: which unit owns a module, whether a unit runs under activation checkpointing.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def _matches(module: nn.Module, specs: Sequence[UnitSpec]) -> bool:
 
 
 class UnitPlanning:
-    """Methods of ``MegatronFSDP`` that plan units, buffers and hooks (called from its ``__init__``)."""
+    """Methods of ``MegatronFSDP`` that plan units, buffers and hooks (called from its ``__init__``), and the
+    queries on the plan (``unit_of``, ``unit_uses_recompute``)."""
 
     def _plan_units(self, specs: Sequence[UnitSpec]) -> None:
         if not specs:
@@ -221,3 +223,34 @@ class UnitPlanning:
                     out.append((qual, child))
                 stack.append((qual, child))
         return out
+
+    # ------------------------------------------------------------------ queries on the plan
+    def unit_of(self, module: nn.Module) -> Optional[FSDPUnit]:
+        """The unit that owns ``module`` (the nearest enclosing unit module), or None for the root."""
+        for m in self._ancestors(module):
+            u = getattr(m, "_megatron_fsdp_unit", None)
+            if u is not None and u.engine is self:
+                return u
+        return None
+
+    def _ancestors(self, module: nn.Module) -> List[nn.Module]:
+        path = {id(m): n for n, m in self.module.named_modules()}
+        if id(module) not in path:
+            raise ValueError(f"{type(module).__name__} is not a submodule of the sharded model")
+        name = path[id(module)]
+        out = [module]
+        while name:
+            name = name.rsplit(".", 1)[0] if "." in name else ""
+            out.append(self.module.get_submodule(name) if name else self.module)
+        return out
+
+    def unit_uses_recompute(self, unit: FSDPUnit) -> bool:
+        """Whether ``unit`` runs under activation checkpointing: seen recomputing, or inside a checkpoint wrapper.
+
+        A graph layer calls it to refuse graphing such units: a recomputed forward would replay the graph
+        inside backward. The dynamic half only knows after an eager step that ran backward.
+        """
+        if unit.recomputed:
+            return True
+        return any(type(m).__name__ == "CheckpointWrapper" or hasattr(m, "_checkpoint_wrapped_module")
+                   for m in self._ancestors(unit.module))

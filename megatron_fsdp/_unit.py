@@ -145,7 +145,7 @@ class FSDPUnit:
 
     def init_storage(self, full_flat_fp32: torch.Tensor, param_buffer: _Buffer, grad_buffer: _Buffer) -> None:
         """Take the unit's initial values (already identical on all ranks) and build its buffers."""
-        from ._clip import guard_local_norms  # a leaf module; imported here to keep _unit's imports short
+        from ._clip import make_no_gradients  # a leaf module; imported here to keep _unit's imports short
 
         eng = self.engine
         t = self.layout.total_numel
@@ -171,6 +171,8 @@ class FSDPUnit:
                 # not invalidate tensors that autograd saved in forward.
                 p.data = v
                 p.grad = None
+        #: what ``.grad`` of ``params`` holds after backward ([Note: compute parameters hold no gradient], _clip.py)
+        self.no_gradients: List[torch.Tensor] = make_no_gradients(self)
         grad_buffer.free()
         if param_buffer.kind == "dynamic":
             nan = torch.full((), float("nan"), dtype=eng.compute_dtype, device=eng.device)
