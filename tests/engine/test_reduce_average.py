@@ -1,5 +1,5 @@
 """The gradient collectives average where the backend can ([Note: averaging in the collective],
-``megatron_fsdp/_fully_shard.py``).
+``megatron_fsdp/_reduce.py``).
 
 - ``reduce_by_average`` picks AVG only where it gives the pre-scale's bits: NCCL, more than one rank, fp32/fp64
   gradients at any world size, fp16/bf16 at a power-of-two world size;

@@ -1,5 +1,5 @@
 """Reducing gradients in bf16 while the main gradients stay fp32 (``fully_shard(reduce_dtype=...)``,
-[Note: reducing in another dtype] in ``megatron_fsdp/_unit.py``), on Gloo.
+[Note: reducing in another dtype] in ``megatron_fsdp/_reduce.py``), on Gloo.
 
 - The bits: on 1 and 2 ranks, every strategy that reduce-scatters, the first step's fp32 main gradient of every unit
   equals, ``torch.equal``, what the rule says: each rank's fold output (the fp32 run's collective input,
