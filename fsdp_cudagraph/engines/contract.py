@@ -50,8 +50,9 @@ An FSDP engine drives its communication from module hooks. A per-layer graph nee
    ``quiesce``, ``grads_bound``, ``keep_main_grads`` / ``release_main_grads``, ``mark_params_stale``,
    ``recording_phases``), lets collectives into a capture (``static_capture_guard``), and says what the
    graph layer needs around it: ``require_fixed_buffers``, the process group, its backend and world size
-   (the full-iteration barrier and the cross-rank comparison), the device, and the units and sharding
-   facts inference selects layers by. An engine without these raises ``NotImplementedError`` naming itself
+   (the full-iteration barrier, the cross-rank comparisons of full-iteration and inference block graphs),
+   the device, and the clipping a graphed optimizer step runs (inference selects layers by item 1's units).
+   An engine without these raises ``NotImplementedError`` naming itself
    and the graph kind (:meth:`EngineAdapter.no_static_step`); partial graphs need none of them.
 
 [Note: fixed addresses]
@@ -297,11 +298,6 @@ class EngineAdapter(abc.ABC):
     def world_size(self) -> int:
         """The size of :attr:`process_group`."""
         raise self.no_static_step("a whole-step graph")
-
-    @property
-    def shards_params(self) -> bool:
-        """Whether parameters are sharded between steps (ZeRO-3): inference then gathers them per layer."""
-        raise self.no_static_step("InferenceCudaGraphs")
 
     def static_capture_guard(self, *, allow_collectives: bool, collective_log: Optional[List[str]] = None
                              ) -> ContextManager[None]:

@@ -129,7 +129,7 @@ class MegatronFSDPEngine(EngineAdapter):
     # -- 3. what must not move
     def check_partial_graphs(self) -> None:
         # [Note: fixed addresses]: a per-layer replay reads the unshard buffers and may write the gradient buffer.
-        self.require_fixed_buffers("partial CUDA graphs under megatron_fsdp", PER_LAYER_BUFFERS)
+        self.require_fixed_buffers("a per-layer CUDA graph under megatron_fsdp", PER_LAYER_BUFFERS)
 
     def replay_tensors(self, module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
         # Parameters by their name in ``module``; then the owning unit's gradient buffer, read live (the engine
@@ -190,10 +190,6 @@ class MegatronFSDPEngine(EngineAdapter):
     @property
     def world_size(self) -> int:
         return self.engine.world_size
-
-    @property
-    def shards_params(self) -> bool:
-        return self.engine.strategy.shards_params
 
     def static_capture_guard(self, *, allow_collectives: bool, collective_log: Optional[List[str]] = None
                              ) -> ContextManager[None]:
