@@ -275,11 +275,19 @@ class FSDP2Engine(EngineAdapter):
         # Between steps an FSDP2 unit registers its sharded DTensors; its pre-forward swaps in the unsharded
         # parameters. TE's graph maker reads module.parameters() before that hook runs, so without this the
         # graph's inputs would be the DTensors, and a replay's gradients would reach no parameter FSDP2 reduces.
+        from fsdp_cudagraph.engines.fsdp2_slots import slots_of
+
+        slots = slots_of(self.model)
         for unit in units:
+            if slots is not None and slots.is_slotted(unit):
+                slots.register_unsharded(unit)  # not gathered: units share slots (see fsdp2_slots.py)
+                continue
             state = _state_of(unit)
             for g in (_groups(state) if state is not None else ()):
                 g.unshard(g.unshard_async_op)
                 g.wait_for_unshard()  # registers the unsharded parameters on the modules
+        if slots is not None:
+            slots.pin(units)  # a captured unit may not move to another slot
 
     # -- what must not move -----------------------------------------------------------------------
     def check_partial_graphs(self) -> None:
@@ -294,15 +302,16 @@ class FSDP2Engine(EngineAdapter):
                     f"{len(state._modules)} modules sharded together by fully_shard([...]); their hooks are "
                     "group wrappers the FSDP2 adapter does not plan. Apply fully_shard to each layer on its own "
                     "for per-layer graphs")
-            kept = all(getattr(fp, _KEEP, False) for fp in g.fsdp_params)
+            kept = all(getattr(fp, _KEEP, False) or getattr(fp, "_fsdp_cudagraph_slot", False) for fp in g.fsdp_params)
             if g._reshard_after_forward and not kept:
                 raise NotImplementedError(
                     f"[rank {self.rank}] fsdp_cudagraph: FSDP2 unit {name} has reshard_after_forward=True "
                     "(ZeRO-3): FSDP2 frees its unsharded parameters after forward and re-allocates them at the "
                     "next all-gather, so they move between capture and replay. Call "
                     "fsdp_cudagraph.engines.fsdp2.keep_unsharded_storage(model) after fully_shard (same "
-                    "numerics, unsharded parameters stay allocated), or capture the whole step "
-                    "(full_iteration)")
+                    "numerics, unsharded parameters stay allocated), or "
+                    "fsdp_cudagraph.engines.fsdp2_slots.use_unsharded_slots(model) (same numerics, two slots "
+                    "the size of the largest unit), or capture the whole step (full_iteration)")
             if g.reshard_after_backward and not kept:
                 raise NotImplementedError(
                     f"[rank {self.rank}] fsdp_cudagraph: FSDP2 unit {name} has reshard_after_backward=True: "

@@ -1,14 +1,14 @@
 """PartialCudaGraphs under FSDP2's standard mixed precision: 2 Gloo ranks, protocol backend.
 
-fp32 sharded parameters, ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on every layer
-and on the root (how FSDP2 and torchtitan train), with ``keep_unsharded_storage`` (ZeRO-3 at one address),
-the reference GPT trained eagerly and with graphs captured at step 2 (whole layers, and attn+mlp), Adam; and
-the same with ``output_dtype=float32`` on the layers (the root then without casts). FSDP2 casts each unit's inputs to bf16 in its pre-forward hook, its
-outputs in its post-forward hook and the bf16 gradients to fp32 before the reduce-scatter in post-backward;
-under partial graphs those hooks run around each replay as around the eager call. Must hold on every rank
-(``torch.equal``): every step's loss and every final (fp32) parameter equal to eager FSDP2 with the same
-policy; the graphs were captured from bf16 inputs and read the bf16 unsharded parameters while the shards
-stay fp32; the policy matters (eager bf16 differs from eager fp32, so equality is not the fp32 run's).
+fp32 sharded parameters, ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on every layer and
+on the root (how FSDP2 and torchtitan train), with ``keep_unsharded_storage`` (ZeRO-3 at one address), the
+reference GPT trained eagerly and with graphs captured at step 2 (whole layers, and attn+mlp), Adam; and the same
+with ``output_dtype=float32`` on the layers (the root then without casts). FSDP2 casts each unit's inputs to bf16
+in its pre-forward hook, its outputs in its post-forward hook and the bf16 gradients to fp32 before the
+reduce-scatter in post-backward; under partial graphs those hooks run around each replay as around the eager call.
+Must hold on every rank (``torch.equal``): every step's loss and every final (fp32) parameter equal to eager FSDP2
+with the same policy; the graphs were captured from bf16 inputs and read the bf16 unsharded parameters while the
+shards stay fp32; the policy matters (eager bf16 differs from eager fp32, so equality is not the fp32 run's).
 """
 
 from __future__ import annotations
