@@ -12,8 +12,8 @@ not pip-installed runs as it is, and bare-name imports between scripts (``import
 ``import bench_full_iteration``, ``from graph_memory_snapshot import frame_site``) resolve from any folder.
 
 Records: every JSON a benchmark writes carries ``record_fields()`` (command, world size, versions with the
-device, torch, CUDA, NCCL, cuDNN, TE and the commit) plus its own ``config`` and results; ``versions`` and
-``write_record`` come from ``fsdp_cudagraph.checker.records`` (benchmarks/README.md, "Record format").
+device, torch, CUDA, NCCL, cuDNN, TE and the commit) plus its own ``config`` and results, and is written by
+``fsdp_cudagraph.checker.records.write_record`` (benchmarks/README.md, "Record format").
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ for _p in (os.path.join(BENCHMARKS, "tools"), os.path.join(BENCHMARKS, "diagnose
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fsdp_cudagraph.checker.records import exit_process, versions, write_record  # noqa: E402
+from fsdp_cudagraph.checker.records import versions  # noqa: E402
 
-__all__ = ["ROOT", "NVLS_OFF", "init_process_group", "cuda_time_ms", "record_fields", "versions", "write_record",
-           "exit_process"]
+__all__ = ["ROOT", "NVLS_OFF", "init_process_group", "cuda_time_ms", "record_fields"]
 
 #: NVLink multicast off (the lent GPU machines refuse it; KINDS.md of the device tool), set before NCCL starts.
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -39,7 +39,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph.capture.te import HAS_TE  # noqa: E402
-from _common import init_process_group, record_fields, write_record  # noqa: E402
+from _common import init_process_group, record_fields  # noqa: E402
+from fsdp_cudagraph.checker.records import write_record  # noqa: E402
 from fsdp_cudagraph.apps.full_iteration_align import FullRunSpec, run_full  # noqa: E402
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
 

@@ -38,7 +38,8 @@ import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph import CudaGraphConfig, InferenceCudaGraphs, PartialCudaGraphs  # noqa: E402
 from fsdp_cudagraph.capture.buckets import Buckets, pad_to  # noqa: E402
-from _common import cuda_time_ms, init_process_group, record_fields, write_record  # noqa: E402
+from _common import cuda_time_ms, init_process_group, record_fields  # noqa: E402
+from fsdp_cudagraph.checker.records import write_record  # noqa: E402
 from fsdp_cudagraph.apps.generate import GreedyGenerator, greedy_reference  # noqa: E402
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
 from fsdp_cudagraph.apps.train import RunSpec, build_model, graph_config, use_deterministic_kernels  # noqa: E402

@@ -38,7 +38,8 @@ import _common  # noqa: F401,E402 - the repository root on sys.path
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _common import init_process_group, record_fields, write_record  # noqa: E402
+from _common import init_process_group, record_fields  # noqa: E402
+from fsdp_cudagraph.checker.records import write_record  # noqa: E402
 from fsdp_cudagraph.apps.vision import VisionConfig, VisionRunSpec, run_vision  # noqa: E402
 
 

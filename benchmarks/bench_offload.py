@@ -47,7 +47,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, match_graph_attention  # noqa: E402
 from fsdp_cudagraph.offload.offloader import ActivationOffloader  # noqa: E402
 from fsdp_cudagraph.capture.te import HAS_TE  # noqa: E402
-from _common import init_process_group, record_fields, write_record  # noqa: E402
+from _common import init_process_group, record_fields  # noqa: E402
+from fsdp_cudagraph.checker.records import write_record  # noqa: E402
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch  # noqa: E402
 from fsdp_cudagraph.apps.train import use_deterministic_kernels  # noqa: E402
 from megatron_fsdp import fully_shard  # noqa: E402

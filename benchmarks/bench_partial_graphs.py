@@ -50,7 +50,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph.capture.te import HAS_TE  # noqa: E402
-from _common import init_process_group, record_fields, write_record  # noqa: E402
+from _common import init_process_group, record_fields  # noqa: E402
+from fsdp_cudagraph.checker.records import write_record  # noqa: E402
 from fsdp_cudagraph.apps.model import GPTConfig  # noqa: E402
 from fsdp_cudagraph.apps.train import RunSpec, run_training  # noqa: E402
 from _flops import adam_step_ms, copy_bandwidth_gbps, matmul_peak_tflops, model_flops_per_step  # noqa: E402,F401

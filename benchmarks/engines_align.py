@@ -303,7 +303,8 @@ def main(argv=None) -> int:
         return 0
     import torch.distributed as dist
 
-    from _common import init_process_group, record_fields, write_record
+    from _common import init_process_group, record_fields
+    from fsdp_cudagraph.checker.records import write_record
     from fsdp_cudagraph.apps.train import use_deterministic_kernels
     from fsdp_cudagraph.capture.te import HAS_TE
 

@@ -40,7 +40,9 @@ import torch.distributed as dist  # noqa: E402
 
 from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, check_alignment  # noqa: E402
 from fsdp_cudagraph.apps import hf_models  # noqa: E402
-from _common import init_process_group, record_fields, write_record  # noqa: E402
+from _common import init_process_group, record_fields  # noqa: E402
+from fsdp_cudagraph.checker import records  # noqa: E402
+from fsdp_cudagraph.checker.records import write_record  # noqa: E402
 from fsdp_cudagraph.capture.te import HAS_TE  # noqa: E402
 from fsdp_cudagraph.apps.train import use_deterministic_kernels  # noqa: E402
 from megatron_fsdp import fully_shard  # noqa: E402
@@ -163,7 +165,7 @@ def run_checker(device: torch.device, backend: str, rank: int) -> List[Dict[str,
 
 def versions() -> Dict[str, Any]:
     """The suites' version record (torch, CUDA, NCCL, cuDNN, TE, device, commit), plus transformers'."""
-    return {**_common.versions(), "transformers": hf_models.TRANSFORMERS_VERSION}
+    return {**records.versions(), "transformers": hf_models.TRANSFORMERS_VERSION}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -136,7 +136,9 @@ def main(argv=None) -> int:
     for r in results:
         print(json.dumps(r, indent=1))
     if args.out:
-        _common.write_record(args.out, {**_common.record_fields(), "results": results})
+        from fsdp_cudagraph.checker import records
+
+        records.write_record(args.out, {**_common.record_fields(), "results": results})
     return 0
 
 

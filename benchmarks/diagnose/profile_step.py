@@ -318,6 +318,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from bench_full_iteration import CONFIGS, ours_config
     from fsdp_cudagraph.apps.model import GPTConfig
     from fsdp_cudagraph.capture.te import HAS_TE
+    from fsdp_cudagraph.checker import records
 
     device = _common.init_process_group(cuda=True, default_port=29533)
     fields, mbs = CONFIGS["compute"]
@@ -339,7 +340,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if dist.get_rank() == 0:  # the kernels are rank 0's; every rank runs the same step
         print(format_table(result))
         if args.out:
-            _common.write_record(args.out, result)
+            records.write_record(args.out, result)
     dist.destroy_process_group()
     return 0
 
