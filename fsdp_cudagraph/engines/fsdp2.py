@@ -275,9 +275,7 @@ class FSDP2Engine(EngineAdapter):
         # Between steps an FSDP2 unit registers its sharded DTensors; its pre-forward swaps in the unsharded
         # parameters. TE's graph maker reads module.parameters() before that hook runs, so without this the
         # graph's inputs would be the DTensors, and a replay's gradients would reach no parameter FSDP2 reduces.
-        from fsdp_cudagraph.engines.fsdp2_slots import slots_of
-
-        slots = slots_of(self.model)
+        slots = self.model.__dict__.get("_fsdp_cudagraph_slots")  # fsdp2_slots.use_unsharded_slots (SLOTS_ATTR)
         for unit in units:
             if slots is not None and slots.is_slotted(unit):
                 slots.register_unsharded(unit)  # not gathered: units share slots (see fsdp2_slots.py)

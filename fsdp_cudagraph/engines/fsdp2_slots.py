@@ -41,7 +41,6 @@ already under ``keep_unsharded_storage``.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -51,8 +50,10 @@ __all__ = ["UnshardedSlots", "use_unsharded_slots", "release_unsharded_slots", "
 
 #: Marks an FSDPParam whose unsharded storage is a slot view (check_partial_graphs accepts it as kept).
 SLOT_MARK = "_fsdp_cudagraph_slot"
+#: The root module's attribute holding its UnshardedSlots (the FSDP2 adapter reads it by this name: fsdp2.py
+#: does not import this module, which imports it).
+SLOTS_ATTR = "_fsdp_cudagraph_slots"
 _ALIGN = 256
-_SLOTS: "weakref.WeakKeyDictionary[nn.Module, UnshardedSlots]" = weakref.WeakKeyDictionary()
 
 
 def _gathered_dtype(fp: Any) -> torch.dtype:
@@ -226,7 +227,7 @@ class UnshardedSlots:
 
 def slots_of(model: nn.Module) -> Optional[UnshardedSlots]:
     """The slots :func:`use_unsharded_slots` gave ``model`` (its FSDP2 root), or None."""
-    return _SLOTS.get(model)
+    return model.__dict__.get(SLOTS_ATTR)
 
 
 def use_unsharded_slots(model: nn.Module, num_slots: int = 2) -> UnshardedSlots:
@@ -240,7 +241,7 @@ def use_unsharded_slots(model: nn.Module, num_slots: int = 2) -> UnshardedSlots:
 
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"fsdp_cudagraph: num_slots={num_slots!r} must be a positive int (2: a double buffer)")
-    if model in _SLOTS:
+    if slots_of(model) is not None:
         raise RuntimeError("fsdp_cudagraph: use_unsharded_slots was already called on this model; call "
                            "release_unsharded_slots(model) first (between steps, with no graphs alive)")
     root = _state_of(model)
@@ -297,7 +298,7 @@ def use_unsharded_slots(model: nn.Module, num_slots: int = 2) -> UnshardedSlots:
         for fp in g.fsdp_params:
             fp.free_unsharded_param = _keep
             setattr(fp, _KEEP, True)
-    _SLOTS[model] = slots
+    model.__dict__[SLOTS_ATTR] = slots
     return slots
 
 
@@ -305,12 +306,12 @@ def release_unsharded_slots(model: nn.Module) -> None:
     """Undo :func:`use_unsharded_slots` (between steps): units and root go back to FSDP2's own storage."""
     from fsdp_cudagraph.engines.fsdp2 import _KEEP, _groups, _state_of
 
-    slots = _SLOTS.get(model)
+    slots = slots_of(model)
     if slots is None:
         raise ValueError("fsdp_cudagraph: release_unsharded_slots: this model has no slots (use_unsharded_slots "
                          "was not called on it, or they were released)")
     slots._release()
-    del _SLOTS[model]
+    del model.__dict__[SLOTS_ATTR]
     for g in _groups(_state_of(model)):
         for fp in g.fsdp_params:
             if fp.__dict__.pop(_KEEP, False):
