@@ -25,17 +25,7 @@ Scopes:
   schedule] in ``megatron_fsdp/graph_contract.py``).
 - ``none``: ``graphs(...)`` is ``model(...)``.
 
-[Note: inference buckets and padding]
-A graph replays one shape. Calls are padded at the END of the batch dimension (dim 0 of every tensor
-argument that has one) up to the smallest of ``batch_buckets`` that holds them, and every output tensor is
-cut back to the real rows (outputs must therefore carry the batch in dim 0; others are refused). Rows of a
-transformer are independent, so padding rows never changes the real rows in exact arithmetic, and with a
-given kernel the values of the other rows never reach a real row. Calls whose batch exceeds the largest
-bucket run eagerly, unpadded (one ``BucketOverflowWarning`` per size; ``cuda_graph_strict_signature``
-raises instead). All other dimensions are keyed exactly: each distinct shape gets its own graphs, at most
-``max_graph_sets`` of them (then eager, with one warning). ``seq_buckets`` also pads dim 1 at the end, for
-causal models only (later positions never reach earlier ones); it is opt-in because attention then reduces
-over a longer, masked key range, which may change the real positions' last bits (measured in docs/design.md).
+Padding: [Note: inference buckets and padding] in ``capture/buckets.py`` (:class:`BatchPadding`).
 
 [Note: one memory pool]
 All graphs of one instance share one CUDA memory pool. A graph captured later may take memory that an
@@ -72,7 +62,7 @@ from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.capture import args as _args
 from fsdp_cudagraph.capture import state as _capture_state
 from fsdp_cudagraph.capture import streams as _streams
-from fsdp_cudagraph.capture.buckets import Buckets, pad_to, unpad
+from fsdp_cudagraph.capture.buckets import BatchPadding, Buckets
 from fsdp_cudagraph.capture import recipe as _recipe
 from fsdp_cudagraph.capture.capture_safety import CaptureSafetyCheck
 
@@ -182,8 +172,9 @@ class InferenceCudaGraphs:
         params = list(model.parameters())
         self.device = params[0].device if params else torch.device("cpu")
         self.backend = _streams.graph_backend(backend, self.device, INFERENCE_BACKENDS)
+        self._padding = BatchPadding(batch_buckets, seq_buckets, pad_value)
         if seq_buckets is not None:
-            self._check_causal(causal)
+            self._padding.check_causal(self.root, causal)
         if self.engine is not None and self.scope is not InferenceCudaGraphScope.NONE:
             # [Note: fixed addresses] in engines/contract.py: a forward-only graph reads the unshard buffers only.
             self.engine.require_fixed_buffers(f"inference_cuda_graph_scope='{self.scope}'", FORWARD_ONLY_BUFFERS)
@@ -204,28 +195,6 @@ class InferenceCudaGraphs:
             _streams.use_side_stream(self.device)
 
     # ------------------------------------------------------------------ set-up
-    def _check_causal(self, causal: Optional[bool]) -> None:
-        # A model may declare itself causal with a bounded number of positions (the reference GPT does:
-        # ``causal = True`` and ``max_positions``, the size of its positional embedding); the graph layer reads
-        # the declaration instead of importing the application's class.
-        if getattr(self.root, "causal", None) is True and isinstance(getattr(self.root, "max_positions", None), int):
-            n = self.root.max_positions
-            name = type(self.root).__name__
-            if self.seq_buckets.max_size > n:
-                raise ValueError(
-                    f"seq_buckets={list(self.seq_buckets.sizes)} pads sequences up to {self.seq_buckets.max_size}, but "
-                    f"the {name}'s positional embedding has {n} positions (max_positions={n}); drop the larger "
-                    f"buckets (largest <= {n}) or build the model with more positions")
-            if causal is False:
-                raise ValueError(f"causal=False with seq_buckets: the {name} declares causal=True; drop causal=False")
-            return
-        if causal is not True:
-            raise ValueError(
-                f"seq_buckets={list(self.seq_buckets.sizes)} with causal={causal}: padding positions at the end of a "
-                f"sequence leaves the real positions unchanged only in a causal model ({type(self.root).__name__} is "
-                "not known to be one); pass causal=True if position i never attends to later positions, or drop "
-                "seq_buckets (every sequence length then gets graphs of its own)")
-
     def _select_layers(self, layer_modules: Optional[Sequence[Union[Type[nn.Module], str]]]) -> List[_Layer]:
         if layer_modules is None:
             if self.engine is not None:
@@ -301,7 +270,7 @@ class InferenceCudaGraphs:
     # ------------------------------------------------------------------ one call
     def _call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         leaves, sig = _args.flatten((args, kwargs))
-        batch, seq = self._sizes(leaves)
+        batch, seq = self._padding.sizes(leaves)
         # with collectives in the graph, every rank decides together: a refusal comes after the agreement
         strict = self.config.cuda_graph_strict_signature and not self._agree
         padded_batch = self.batch_buckets.select_or_fallback(batch, what="InferenceCudaGraphs batch", strict=strict)
@@ -319,7 +288,7 @@ class InferenceCudaGraphs:
         if padded_batch is None:
             self.counters["eager_calls"] += 1
             return self.model(*args, **kwargs)
-        pleaves = [self._pad(t, padded_batch, padded_seq) for t in leaves]
+        pleaves = [self._padding.pad(t, padded_batch, padded_seq) for t in leaves]
         pargs, pkwargs = _args.rebuild(sig, pleaves)
         key = _args.flatten((pargs, pkwargs))[1]
         if key not in self._keys:
@@ -338,46 +307,8 @@ class InferenceCudaGraphs:
             out_leaves, out_sig = self._block(key, pleaves)
         else:
             out_leaves, out_sig = _args.flatten(self._layered(pargs, pkwargs))
-        cut = []
-        for i, t in enumerate(out_leaves):
-            if t.dim() == 0 or t.shape[0] != padded_batch or (
-                    self.seq_buckets is not None and (t.dim() < 2 or t.shape[1] != padded_seq)):
-                raise NotImplementedError(
-                    f"InferenceCudaGraphs: output tensor {i} of {type(self.root).__name__} has shape {tuple(t.shape)}, "
-                    f"without the padded batch {padded_batch} in dim 0"
-                    + (f" and the padded length {padded_seq} in dim 1" if self.seq_buckets is not None else "")
-                    + "; padded rows could not be cut out of it. Return per-row outputs (e.g. logits) and reduce "
-                    "them (e.g. the loss) outside the graphed call")
-            t = unpad(t, batch, 0)
-            if self.seq_buckets is not None:
-                t = unpad(t, seq, 1)
-            cut.append(t.clone())
+        cut = self._padding.cut(out_leaves, (batch, seq), (padded_batch, padded_seq), type(self.root).__name__)
         return _args.rebuild(out_sig, cut)
-
-    def _sizes(self, leaves: List[torch.Tensor]) -> Tuple[int, Optional[int]]:
-        batched = [t for t in leaves if t.dim() >= 1]
-        if not batched:
-            raise ValueError("InferenceCudaGraphs: no tensor argument has a batch dimension (dim 0) to pad")
-        batch = int(batched[0].shape[0])
-        if any(int(t.shape[0]) != batch for t in batched):
-            raise ValueError(f"InferenceCudaGraphs: tensor arguments disagree on the batch size (dim 0): "
-                             f"{[tuple(t.shape) for t in batched]}; every tensor argument with dimensions must carry "
-                             "the batch in dim 0 (0-dim tensors are passed as they are)")
-        if self.seq_buckets is None:
-            return batch, None
-        seqd = [t for t in batched if t.dim() >= 2]
-        if not seqd or any(int(t.shape[1]) != int(seqd[0].shape[1]) for t in seqd):
-            raise ValueError(f"InferenceCudaGraphs with seq_buckets: tensor arguments must share the sequence length "
-                             f"in dim 1, got {[tuple(t.shape) for t in batched]}")
-        return batch, int(seqd[0].shape[1])
-
-    def _pad(self, t: torch.Tensor, batch: int, seq: Optional[int]) -> torch.Tensor:
-        if t.dim() == 0:
-            return t
-        t = pad_to(t, batch, 0, self.pad_value)
-        if self.seq_buckets is not None and t.dim() >= 2:
-            t = pad_to(t, seq, 1, self.pad_value)
-        return t
 
     def _agree_across_ranks(self, leaves: List[torch.Tensor], batch: Optional[int],
                             seq: Optional[int]) -> Tuple[Optional[int], Optional[int]]:
