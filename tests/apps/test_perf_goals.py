@@ -148,14 +148,15 @@ def test_the_benchmark_says_it_needs_a_gpu():
 
 
 def test_capture_report_memory_breakdown_arithmetic(monkeypatch):
-    # graphs/partial.py's read-only breakdown: static inputs, static parameter gradients (each parameter once,
-    # frozen ones left out), the rest of the graph memory, and pool growth. CUDA's counters are stubbed.
+    # capture/schedules.py's read-only breakdown (moved from graphs/partial.py): static inputs, static parameter
+    # gradients (each parameter once, frozen ones left out), the rest of the graph memory, and pool growth.
+    # CUDA's counters are stubbed.
     import types
 
     import torch
     from torch import nn
 
-    from fsdp_cudagraph.graphs import partial
+    from fsdp_cudagraph.capture import schedules
 
     shared = nn.Linear(4, 4)  # 20 fp32 parameters = 80 bytes, seen by both callables, counted once
     frozen = nn.Linear(2, 2)
@@ -164,11 +165,11 @@ def test_capture_report_memory_breakdown_arithmetic(monkeypatch):
     b = types.SimpleNamespace(sample_args=(torch.zeros(5, dtype=torch.bfloat16),), module=shared)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: 1000)
-    got = partial._memory_breakdown([a, b], graph_bytes=500, reserved0=400)
+    got = schedules.memory_breakdown([a, b], graph_bytes=500, reserved0=400)
     assert got == {"static_input_bytes": 40 + 10, "param_grad_bytes": 80, "other_bytes": 420,
                    "reserved_growth_bytes": 600}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert partial._memory_breakdown([a, b], graph_bytes=0, reserved0=0) == {}
+    assert schedules.memory_breakdown([a, b], graph_bytes=0, reserved0=0) == {}
 
 
 def test_goal_check_and_memory_table_glue(monkeypatch):
