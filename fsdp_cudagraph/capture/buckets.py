@@ -11,10 +11,12 @@ means for their masks.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import warnings
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.distributed as dist
 
 from fsdp_cudagraph.capture import args as _args
 
@@ -333,3 +335,26 @@ class BatchPadding:
                 t = unpad(t, seq, 1)
             cut.append(t.clone())
         return cut
+
+    def agree(self, leaves: Sequence[torch.Tensor], batch: Optional[int], seq: Optional[int], *, device: torch.device,
+              group: Any, rank: int) -> Tuple[Optional[int], Optional[int]]:
+        """The padded (batch, seq) every rank of ``group`` uses for this call (the largest; None on every rank when
+        one rank's call fits no bucket). Block graphs hold collectives: every rank must replay (or run eagerly)
+        the same graph at the same call, so the shapes outside the padded dimensions must agree too."""
+        skip = 1 if self.seq_buckets is None else 2  # the dimensions that are padded, and so may differ
+        rest = repr([(tuple(t.shape[skip:]) if t.dim() else (), str(t.dtype)) for t in leaves])
+        digest = int.from_bytes(hashlib.sha1(rest.encode()).digest()[:7], "big")
+        none = 1 << 40  # "no bucket" wins the maximum: if one rank runs eagerly, all do
+        vals = torch.tensor([none if batch is None else batch, seq or 0, digest, -digest], dtype=torch.int64,
+                            device=device)
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=group)
+        b, s, hi, neg_lo = vals.tolist()
+        if hi != -neg_lo:
+            raise ValueError(
+                f"[rank {rank}] InferenceCudaGraphs: the ranks called a block graph of a sharded model with "
+                "different shapes outside the padded dimensions; its collectives must run on every rank together. "
+                "Pass the same shapes on every rank (only the padded dimensions may differ), or use "
+                "inference_cuda_graph_scope='layer'")
+        if b == none:
+            return None, None
+        return b, (s if self.seq_buckets is not None else None)

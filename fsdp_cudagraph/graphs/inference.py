@@ -46,14 +46,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import hashlib
 import logging
 import time
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fsdp_cudagraph.config import WHOLE_STEP_BACKENDS, CudaGraphConfig, InferenceCudaGraphScope
@@ -281,7 +279,8 @@ class InferenceCudaGraphs:
             if padded_seq is None:
                 padded_batch = None
         if self._agree:
-            padded_batch, padded_seq = self._agree_across_ranks(leaves, padded_batch, padded_seq)
+            padded_batch, padded_seq = self._padding.agree(leaves, padded_batch, padded_seq, device=self.device,
+                                                           group=self.engine.process_group, rank=self.rank)
             if padded_batch is None and self.config.cuda_graph_strict_signature:
                 raise ValueError(f"[rank {self.rank}] InferenceCudaGraphs: a rank's call exceeds the largest bucket "
                                  f"(batch buckets {list(self.batch_buckets.sizes)}); refused in strict mode on every rank")
@@ -309,27 +308,6 @@ class InferenceCudaGraphs:
             out_leaves, out_sig = _args.flatten(self._layered(pargs, pkwargs))
         cut = self._padding.cut(out_leaves, (batch, seq), (padded_batch, padded_seq), type(self.root).__name__)
         return _args.rebuild(out_sig, cut)
-
-    def _agree_across_ranks(self, leaves: List[torch.Tensor], batch: Optional[int],
-                            seq: Optional[int]) -> Tuple[Optional[int], Optional[int]]:
-        """Block graphs hold collectives: every rank must replay (or run eagerly) the same graph at the same call."""
-        skip = 1 if self.seq_buckets is None else 2  # the dimensions that are padded, and so may differ
-        rest = repr([(tuple(t.shape[skip:]) if t.dim() else (), str(t.dtype)) for t in leaves])
-        digest = int.from_bytes(hashlib.sha1(rest.encode()).digest()[:7], "big")
-        none = 1 << 40  # "no bucket" wins the maximum: if one rank runs eagerly, all do
-        vals = torch.tensor([none if batch is None else batch, seq or 0, digest, -digest], dtype=torch.int64,
-                            device=self.device)
-        dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=self.engine.process_group)
-        b, s, hi, neg_lo = vals.tolist()
-        if hi != -neg_lo:
-            raise ValueError(
-                f"[rank {self.rank}] InferenceCudaGraphs: the ranks called a block graph of a sharded model with "
-                "different shapes outside the padded dimensions; its collectives must run on every rank together. "
-                "Pass the same shapes on every rank (only the padded dimensions may differ), or use "
-                "inference_cuda_graph_scope='layer'")
-        if b == none:
-            return None, None
-        return b, (s if self.seq_buckets is not None else None)
 
     # ------------------------------------------------------------------ block scope
     def _block(self, key: Any, leaves: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Any]:
