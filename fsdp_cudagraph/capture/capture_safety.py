@@ -35,7 +35,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["HostSyncError", "CaptureSafetyCheck", "sync_debug_errors", "translate_capture_error", "user_location"]
+__all__ = ["HostSyncError", "CaptureSafetyCheck", "sync_debug_errors", "translate_capture_error", "user_location",
+           "rng_restored"]
 
 #: What torch's sync debug mode says when a synchronising call is made in mode "error".
 SYNC_DEBUG_MARK = "called a synchronizing CUDA operation"
@@ -193,6 +194,23 @@ class CaptureSafetyCheck(TorchDispatchMode):
         if on_cpu and on_dev:
             return "mixes a CPU tensor with device tensors (the CPU value is read on the host at capture and frozen)"
         return None
+
+
+@contextlib.contextmanager
+def rng_restored(device: torch.device, generators: Sequence[torch.Generator] = ()) -> Iterator[None]:
+    """Put back, on exit, the CPU generator's state, ``device``'s default CUDA generator's (on CUDA) and those of
+    ``generators``: what a discarded rehearsal of a step drew leaves no trace ([Note: the host-sync rehearsal])."""
+    cpu_state = torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    extra = [g.get_state() for g in generators]
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, device)
+        for g, st in zip(generators, extra):
+            g.set_state(st)
 
 
 @contextlib.contextmanager

@@ -12,15 +12,17 @@ Knows no engine: the engine's capture guard comes in as a context-manager factor
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Optional, Sequence
+import hashlib
+from typing import Any, Callable, ContextManager, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from fsdp_cudagraph.capture import streams as _streams
 from fsdp_cudagraph.capture.attention import te_capture_flag
 from fsdp_cudagraph.capture.capture_safety import sync_debug_errors, translate_capture_error
 
-__all__ = ["capture_graph", "raise_translated"]
+__all__ = ["capture_graph", "raise_translated", "agree_collectives"]
 
 
 def capture_graph(body: Callable[[], Any], *, device: torch.device, phase: str,
@@ -94,3 +96,18 @@ def raise_translated(exc: BaseException, phase: str) -> None:
     if translated is not None and translated is not exc:
         translated._fsdp_cudagraph_translated = True  # type: ignore[attr-defined]
         raise translated from exc
+
+
+def agree_collectives(log: Sequence[str], what: str, *, rank: int, world_size: int, group: Any) -> None:
+    """Every rank of ``group`` must have captured the same collectives (``log``), in the same order, else replays
+    pair unrelated collectives or hang; raises RuntimeError on every rank otherwise. Call right after capture."""
+    if world_size == 1:
+        return
+    mine = (hashlib.sha1("\n".join(log).encode()).hexdigest(), len(log))
+    everyone: List[Any] = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    if len(set(everyone)) > 1:
+        raise RuntimeError(
+            f"[rank {rank}] fsdp_cudagraph: the ranks captured different collectives for {what} (counts "
+            f"per rank {[n for _, n in everyone]}); replays would pair unrelated collectives or hang. Every rank must "
+            "run the same units in the same order with the same number of micro-batches")
