@@ -65,7 +65,8 @@ class MegatronFSDPEngine(EngineAdapter):
     """A :class:`megatron_fsdp.MegatronFSDP` model."""
 
     name = "megatron_fsdp"
-    address_hint = "Keep fsdp_double_buffer and fsdp_db_use_persist_buf_on_alloc_fail on."
+    address_hint = ("Keep the engine's buffers where capture found them (fsdp_double_buffer=True, or sharding_strategy "
+                    "'no_shard'/'optim', whose buffers are persistent).")
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)

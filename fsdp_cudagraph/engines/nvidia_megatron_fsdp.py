@@ -440,6 +440,19 @@ class NvidiaMegatronFSDPEngine(EngineAdapter):
         # By class path: imports nothing, so megatron stays unloaded unless the user loaded it.
         return _is_engine(model) or (_is_mcore_wrapper(model) and _is_engine(getattr(model, "module", None)))
 
+    @classmethod
+    def wrapper_of(cls, model: nn.Module) -> Optional[str]:
+        # The engine keeps no pointer on its inner modules; its hooks' closures hold it (``self``), so the first
+        # hook of ``_register_fsdp_hooks`` found in ``model`` names the engine.
+        for m in model.modules():
+            for d in _DICTS:
+                for hook in getattr(m, d).values():
+                    engine = _owner(hook) if _local_name(hook) is not None else None
+                    if engine is not None and _is_engine(engine) and any(s is model for s in engine.module.modules()):
+                        return (f"NVIDIA's MegatronFSDP around {type(engine.module).__name__} (or megatron-core's "
+                                "FullyShardedDataParallel around it)")
+        return None
+
     @property
     def root(self) -> nn.Module:
         return self.engine.module

@@ -5,8 +5,7 @@ gathers and reductions: before the registry refused it, a plain-module reading a
 failed much later ("unit is IDLE, call the unit itself"). One Gloo rank; nothing is captured.
 
 FSDP2 has no such confusion (``fully_shard`` returns the module it was given, re-classed). NVIDIA's
-Megatron-FSDP keeps no pointer from its inner module back to the engine, so its inner module is not
-recognised (it is read as a plain module).
+Megatron-FSDP's inner module is refused the same way (``test_nvidia.py``, where its stand-in engine is built).
 """
 
 from __future__ import annotations

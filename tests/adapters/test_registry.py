@@ -191,3 +191,17 @@ def test_partial_graphs_speak_to_any_engine_through_the_contract(toy_engine):
     assert toy_engine.resets - resets == 2  # before and after capture
     model(torch.randn(2, 4)).sum().backward()  # replays with the hooks restored around them
     graphs.delete()
+
+
+def test_whole_step_kinds_name_an_engine_without_a_static_step(toy_engine):
+    # Contract item 9 defaults to NotImplementedError naming the engine and the graph kind.
+    from fsdp_cudagraph import FullIterationCudaGraph, InferenceCudaGraphs
+    from fsdp_cudagraph.capture.buckets import Buckets
+    model = _Wrapper(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    with pytest.raises(NotImplementedError, match="FullIterationCudaGraph needs an engine with a static step; toy has "
+                                                  "none; use megatron_fsdp.fully_shard or partial graphs"):
+        FullIterationCudaGraph(model, lambda m, x: m(x).sum(), CudaGraphConfig(cuda_graph_impl="full_iteration"),
+                               backend="protocol")
+    with pytest.raises(NotImplementedError, match="inference_cuda_graph_scope='block' needs an engine with a static step"):
+        InferenceCudaGraphs(model, CudaGraphConfig(cuda_graph_impl="local", inference_cuda_graph_scope="block"),
+                            batch_buckets=Buckets([2]), backend="protocol")
