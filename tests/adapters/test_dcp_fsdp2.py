@@ -22,8 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_cudagraph.apps.model import TransformerBlock
 from tests.dist_utils import run_gloo
-from tests.engine.test_engine import adam, build_gpt, fsdp_step, shard
-from tests.engine.test_state import full_optimizer_state
+from tests.engine._common import adam, build_gpt, fsdp_step, full_optimizer_state, shard
 
 STEPS = 2
 

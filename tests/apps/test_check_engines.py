@@ -1,6 +1,6 @@
 """The alignment checker under each FSDP engine (``check_alignment(engine=...)``, ``--engine``).
 
-CPU (2 Gloo ranks, protocol backend, the tiny reference GPT of ``tests/apps/test_hf_check.py``): under PyTorch
+CPU (2 Gloo ranks, protocol backend, the tiny reference GPT of ``tests/apps/_models.py``): under PyTorch
 FSDP2 the checker says EQUAL for the aligned model and, for a perturbed callable, reports the mismatch from
 the capture step on naming exactly that callable; its gradient records are each rank's shard of FSDP2's
 DTensor gradients; ``optim_grads`` maps to ``reshard_after_forward=False`` and a strategy FSDP2 cannot
@@ -27,7 +27,7 @@ from fsdp_cudagraph.check import ModelSpec, check_alignment
 from fsdp_cudagraph.checker.engines import ENGINES, NVIDIA_PIP
 from tests.dist_utils import run_gloo
 from tests.gpu_utils import NO_GPU, ROOT, gpu_env, keep, run_entry
-from tests.apps.test_hf_check import gpt_factory
+from tests.apps._models import gpt_factory
 
 STEPS, CAPTURE = 5, 2
 
@@ -120,7 +120,7 @@ def test_fsdp2_refuses_a_strategy_it_cannot_express(checks):
 def test_checker_command_line_with_fsdp2(tmp_path):
     out = tmp_path / "check.json"
     cmd = [sys.executable, "-m", "fsdp_cudagraph.check", "--engine", "fsdp2", "--device", "cpu", "--model",
-           "tests.apps.test_hf_check:gpt_factory", "--steps", "4", "--capture-step", "2", "--json", str(out)]
+           "tests.apps._models:gpt_factory", "--steps", "4", "--capture-step", "2", "--json", str(out)]
     proc = run_entry(cmd, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "engine fsdp2, backend protocol" in proc.stdout and "verdict: EQUAL" in proc.stdout, proc.stdout

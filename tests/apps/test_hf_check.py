@@ -18,32 +18,16 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fsdp_cudagraph.check import ModelSpec, check_alignment
 from fsdp_cudagraph.apps.hf_models import HAS_TRANSFORMERS, TRANSFORMERS_REASON
-from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
+from tests.apps._models import gpt_factory
 from tests.dist_utils import run_gloo
 
 pytestmark = pytest.mark.gloo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, CAPTURE = 5, 2
-GPT_CFG = GPTConfig(num_layers=4, moe_every=2)
-
-
-def gpt_factory(device: torch.device) -> ModelSpec:
-    """A checker factory for the reference GPT (also used by the command-line test below)."""
-
-    def batch(step: int):
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        x, y = synthetic_batch(step, 2 * world, GPT_CFG, device)
-        return x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]
-
-    return ModelSpec(model=GPT(GPT_CFG).to(device), unit_modules=[TransformerBlock], batch=batch,
-                     loss=lambda model, b: loss_fn(model(b[0]), b[1]))
-
-
 def gpt_with_user_hook(device: torch.device) -> ModelSpec:
     spec = gpt_factory(device)
     spec.model.layers[1].register_forward_hook(lambda module, args, output: None)
@@ -130,7 +114,7 @@ def test_checker_on_hf_llama_perturbed_mlp_and_changed_constant(checks):
 
 def test_checker_command_line_negative_control(tmp_path):
     out = tmp_path / "check.json"
-    cmd = [sys.executable, "-m", "fsdp_cudagraph.check", "--model", "tests.apps.test_hf_check:gpt_factory", "--device",
+    cmd = [sys.executable, "-m", "fsdp_cudagraph.check", "--model", "tests.apps._models:gpt_factory", "--device",
            "cpu", "--steps", "4", "--capture-step", "2", "--modules", "mlp", "--perturb", "layers.0.mlp",
            "--json", str(out)]
     env = dict(os.environ, PYTHONPATH=ROOT)

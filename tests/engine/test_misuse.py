@@ -3,7 +3,7 @@ before any wrong value is used, naming the unit, the rule and the fix (see "What
 docs/design.md).
 
 On 2 Gloo ranks, fp32, SGD, against the same model trained in one process on the whole batch (tolerance:
-[Note: matching tolerance] in test_engine.py), for ZeRO-3 with and without double buffering and for no_shard:
+[Note: matching tolerance] in _common.py), for ZeRO-3 with and without double buffering and for no_shard:
 - a unit skipped in some steps (layer drop), a forward with gradients and no backward, an evaluation under
   ``no_grad`` between steps: train like the reference;
 - a unit's submodules called from outside the unit (``layer.mlp(layer.attn(x))``) and a unit called twice
@@ -22,73 +22,19 @@ from torch import nn
 
 from megatron_fsdp import fully_shard
 from tests.dist_utils import run_gloo
-from tests.engine.test_engine import ATOL, RTOL, one_rank_group  # noqa: F401  (a fixture)
+from tests.engine._common import ATOL, RTOL
+from tests.engine._misuse_net import BATCH, HIDDEN, Layer, Net, data as _data
 
 pytestmark = pytest.mark.gloo
 
 WORLD = 2
-BATCH = 8
 STEPS = 5
-HIDDEN = 16
 CASES = {
     "zero3+double_buffer": dict(sharding_strategy="optim_grads_params", fsdp_double_buffer=True,
                                 fsdp_db_use_persist_buf_on_alloc_fail=True),
     "zero3": dict(sharding_strategy="optim_grads_params"),
     "no_shard": dict(sharding_strategy="no_shard"),
 }
-
-
-class Layer(nn.Module):
-    """The FSDP unit: an attention stand-in and an MLP, each a submodule owning parameters."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn = nn.Linear(HIDDEN, HIDDEN)
-        self.mlp = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
-        #: Apply ``attn`` twice inside this unit's forward (a submodule reused within its own unit).
-        self.attn_twice = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.attn(x)
-        if self.attn_twice:
-            h = self.attn(torch.tanh(h))
-        out = x + self.mlp(torch.tanh(h))
-        # A module of another unit kept as a plain attribute (not a registered submodule), called from here.
-        borrowed = self.__dict__.get("borrowed")
-        return out if borrowed is None else out + borrowed(out)
-
-
-class Net(nn.Module):
-    """``mode``: how layer 1 is called this step ("normal", "submodules", "twice"), or "root_read" (the root
-    reads layer 3's ``attn.weight`` itself); ``skip``: layers left out."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Linear(8, HIDDEN)
-        self.layers = nn.ModuleList(Layer() for _ in range(4))
-        self.head = nn.Linear(HIDDEN, 1)
-        self.mode = "normal"
-        self.skip: Set[int] = set()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x)
-        if self.mode == "root_read":  # a unit's parameter read directly in the root's forward, before the unit
-            h = h + nn.functional.linear(h, self.layers[3].attn.weight)
-        for i, layer in enumerate(self.layers):
-            if i in self.skip:
-                continue
-            if i == 1 and self.mode == "submodules":
-                h = h + layer.mlp(torch.tanh(layer.attn(h)))  # the misuse: the unit's hooks never run
-            elif i == 1 and self.mode == "twice":
-                h = layer(layer(h))
-            else:
-                h = layer(h)
-        return self.head(h)
-
-
-def _data(step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 1, generator=g)
 
 
 def _train(model: nn.Module, net: Net, params: Any, *, rank: int, world: int, skips: Dict[int, Set[int]],

@@ -23,19 +23,12 @@ from torch import nn
 
 from megatron_fsdp import fully_shard
 from tests.dist_utils import run_gloo
-from tests.engine.test_misuse import Layer, Net, _data
+from tests.engine._common import STRATEGY_CASES as STRATEGIES
+from tests.engine._misuse_net import Layer, Net, data as _data
 
 pytestmark = pytest.mark.gloo
 
 WORLD = 2
-STRATEGIES = {
-    "no_shard": dict(sharding_strategy="no_shard"),
-    "optim": dict(sharding_strategy="optim"),
-    "optim_grads": dict(sharding_strategy="optim_grads"),
-    "zero3": dict(sharding_strategy="optim_grads_params"),
-    "zero3+double_buffer": dict(sharding_strategy="optim_grads_params", fsdp_double_buffer=True,
-                                fsdp_db_use_persist_buf_on_alloc_fail=True),
-}
 
 
 class DataSGD(torch.optim.Optimizer):

@@ -23,7 +23,7 @@ from torch import nn
 
 from megatron_fsdp import _collectives, fully_shard
 from tests.dist_utils import run_gloo
-from tests.engine.test_root_slot import Block, Net  # three units; the root holds the input and output layers
+from tests.engine._slot_net import Block, Net  # three units; the root holds the input and output layers
 
 pytestmark = pytest.mark.gloo
 

@@ -22,36 +22,13 @@ from torch import nn
 from megatron_fsdp import fully_shard
 from megatron_fsdp._fully_shard import MegatronFSDP
 from tests.dist_utils import run_gloo
+from tests.engine._fused_net import Net as FusedNet
+from tests.engine._slot_net import Block, Net
 
 pytestmark = pytest.mark.gloo
 
 DB = dict(fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True)
 STRATEGIES = ["no_shard", "optim_grads", "optim_grads_params"]
-
-
-class Block(nn.Module):
-    def __init__(self, h: int) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-
-class Net(nn.Module):
-    """Three units; the root holds the input and output layers and ``side``, which only even steps use."""
-
-    def __init__(self, h: int = 16) -> None:
-        super().__init__()
-        self.inp, self.head, self.side = nn.Linear(6, h), nn.Linear(h, 3), nn.Linear(h, h)
-        self.layers = nn.ModuleList(Block(h) for _ in range(3))
-        self.use_side = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x + self.side(x) if self.use_side else x)
 
 
 def _build(strategy: str, own_buffer: bool):
@@ -122,10 +99,8 @@ def test_the_engine_keeps_no_root_sized_gradient_buffer():
 
 
 def _late_fuse_job(rank: int, world: int) -> str:
-    from tests.engine.test_fused_wgrad import Net
-
     torch.manual_seed(0)
-    net = Net(False)
+    net = FusedNet(False)
     model = fully_shard(net, fsdp_unit_modules=[type(net.layers[0])], sharding_strategy="optim_grads_params", **DB)
     net.head.fuse_wgrad_accumulation = True  # after fully_shard: the root already borrows a slot
     try:

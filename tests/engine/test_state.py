@@ -17,9 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from megatron_fsdp import MegatronFSDP
-from megatron_fsdp._state_dict import gather_region
 from tests.dist_utils import run_gloo
-from tests.engine.test_engine import STRATEGIES, adam, build_gpt, fsdp_step, sgd, shard
+from tests.engine._common import STRATEGIES, adam, build_gpt, fsdp_step, full_optimizer_state, sgd, shard
 
 pytestmark = pytest.mark.filterwarnings("error::FutureWarning")
 
@@ -176,23 +175,6 @@ def _frozen_gpt(seed: int):
     for name in FROZEN:
         gpt.get_parameter(name).requires_grad_(False)
     return gpt, cfg
-
-
-def full_optimizer_state(model: MegatronFSDP, optimizer: torch.optim.Optimizer) -> Dict[str, Dict[str, torch.Tensor]]:
-    """Per parameter name: every optimizer state tensor at the parameter's full shape (an all-gather per unit)."""
-    out: Dict[str, Dict[str, torch.Tensor]] = {}
-    for u in model.all_units():
-        if not u.grad_numel:
-            continue
-        for k, v in optimizer.state[u.main_shard].items():
-            if v.dim() == 0:
-                for n in u.layout.names:
-                    out.setdefault(n, {})[k] = v.clone()
-                continue
-            full = gather_region(model, u.layout, v.detach())
-            for n, view in zip(u.layout.names, u.layout.views(full)):
-                out.setdefault(n, {})[k] = view.clone()
-    return out
 
 
 def _restore(model: MegatronFSDP, optimizer: torch.optim.Optimizer, directory: str) -> None:

@@ -22,9 +22,8 @@ from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
 from fsdp_cudagraph.apps.model import GPTConfig, loss_fn, synthetic_batch
 from megatron_fsdp import MegatronFSDP
 from tests.dist_utils import run_gloo
-from tests.engine.test_engine import (ATOL, CPU, GLOBAL_BATCH, NUM_STEPS, RTOL, STRATEGIES, build_gpt, global_loss, sgd,
-                               shard)
-from tests.engine.test_engine import one_rank_group  # noqa: F401  (a fixture of the one-process tests below)
+from tests.engine._common import (ATOL, CPU, GLOBAL_BATCH, NUM_STEPS, RTOL, STRATEGIES, build_gpt, global_loss, sgd,
+                                  shard)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, cfg: GPTConfig, *, rank: int = 0,
@@ -51,7 +50,7 @@ def _error(fn: Callable[[], Any]) -> Optional[Tuple[str, str]]:
 def _assert_close_state(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]) -> None:
     assert actual.keys() == expected.keys()
     for name in expected:
-        # Tolerances: see [Note: matching tolerance] in test_engine.py (fp32, SGD, summation order only).
+        # Tolerances: see [Note: matching tolerance] in _common.py (fp32, SGD, summation order only).
         torch.testing.assert_close(actual[name], expected[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
 
 
