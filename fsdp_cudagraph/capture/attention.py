@@ -28,15 +28,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
+import torch.distributed as dist
 from torch import nn
 
 from fsdp_cudagraph.capture.te import HAS_TE
 
 __all__ = [
-    "ATTENTION_POLICIES", "AttentionBackendMatcher", "describe_selection", "mismatch_message", "te_attention_namespace",
-    "te_capture_flag",
+    "ATTENTION_POLICIES", "AttentionBackendMatcher", "attention_notice", "describe_selection", "mismatch_message",
+    "notice_once", "te_attention_namespace", "te_capture_flag",
 ]
 
 logger = logging.getLogger(__name__)
@@ -192,6 +193,45 @@ def mismatch_message(mismatches: Dict[str, Dict[str, str]], policy: str) -> str:
     return head + ("Fix: pad the sequence length to a multiple of 128, use a newer cuDNN, or build PartialCudaGraphs "
                    "with attention_backend='match_graph' (the default) so that eager steps use the graph's backend "
                    "(or set NVTE_FUSED_ATTN=0 for every run).")
+
+
+#: The notices this process gave (see :func:`notice_once`).
+_NOTICES_GIVEN: Set[str] = set()
+
+
+def notice_once(log: logging.Logger, line: str, *, detail: str = "", rank: Optional[int] = None) -> bool:
+    """Log ``line`` at WARNING once per process, on rank 0 only; ``detail`` goes to this module's logger at DEBUG.
+
+    A notice that every rank would print the same way (the same model, TE and cuDNN everywhere) is one line of the
+    job's output, not one per rank per build. ``rank``: default the global rank, 0 without a process group.
+    Returns whether the line was logged. The detail is logged on every rank, each time, at DEBUG.
+    """
+    if detail:
+        logger.debug("%s", detail)
+    if rank is None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank != 0 or line in _NOTICES_GIVEN:
+        return False
+    _NOTICES_GIVEN.add(line)
+    log.warning("%s", line)
+    return True
+
+
+def attention_notice(mismatches: Dict[str, Dict[str, str]], policy: str, log: logging.Logger, *,
+                     rank: Optional[int] = None) -> bool:
+    """The one-line notice for callables whose eager and under-capture TE attention backends differ.
+
+    One WARNING line, once per process and on rank 0 (:func:`notice_once`); the full text of
+    :func:`mismatch_message`, which names every callable, at DEBUG on ``fsdp_cudagraph.capture.attention``.
+    """
+    pairs = sorted({(s["eager"], s["graph"]) for s in mismatches.values()})
+    backends = "; ".join(f"eager {e}, under capture {g}" for e, g in pairs)
+    what = ("eager steps use the graph's backend (attention_backend='match_graph')" if policy == "match_graph"
+            else "eager steps keep TE's choice, so eager and graphed runs are not bit-identical")
+    line = (f"fsdp_cudagraph: TE attention would run a different backend eagerly than in the graph for "
+            f"{len(mismatches)} callable(s) ({backends}); {what}; to avoid it, pad the sequence to a multiple of "
+            "128 or use cuDNN > 9.15 (details: logger fsdp_cudagraph.capture.attention at DEBUG)")
+    return notice_once(log, line, detail=mismatch_message(mismatches, policy), rank=rank)
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ sentinel attributes, closures local to that method (``__qualname__`` ``MegatronF
   the bucket's reduce-scatter). TE's graph maker runs its warmup and capture backwards with
   ``torch.autograd.backward``, so these would fire there (on an H100 they waited on an event inside the
   capture: ``CUDA error: invalid argument``); the graph layer parks every captured parameter's hooks while a
-  graph maker runs ([Note: post-accumulate-grad hooks at capture], capture/graph_maker.py) and they
+  graph maker runs ([Note: post-accumulate-grad hooks at capture], capture/schedules.py) and they
   fire at each replay. State-dict
   hooks are not module hooks.
 
@@ -63,6 +63,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import logging
 import sys
 import threading
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Tuple
@@ -87,6 +88,34 @@ _ENGINE_CLASSES = {
     ("megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp", "MegatronFSDP"),
     ("megatron_fsdp.megatron_fsdp", "MegatronFSDP"),
 }
+
+
+class _DeviceWarningOnce(logging.Filter):
+    """Lets Megatron-FSDP's "is using device ... instead of the current device" warning through once per process.
+
+    NVIDIA's engine logs it at every construction (every build of a benchmark or alignment run repeats it, word
+    for word); the first says all there is to say. Other records pass untouched.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "Megatron-FSDP is using device" not in message:
+            return True
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+#: Installed on the engine modules' loggers by name (importing nothing of megatron).
+DEVICE_WARNING_FILTER = _DeviceWarningOnce()
+for _module, _ in _ENGINE_CLASSES:
+    logging.getLogger(_module).addFilter(DEVICE_WARNING_FILTER)
+
 #: megatron-core's wrapper around it (``.module`` is the MegatronFSDP).
 _MCORE_CLASSES = {("megatron.core.distributed.fsdp.mcore_fsdp_adapter", "FullyShardedDataParallel")}
 

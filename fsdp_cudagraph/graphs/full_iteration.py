@@ -85,7 +85,7 @@ from fsdp_cudagraph.graphs.optimizer import FullIterationReport, OptimizerGraph
 from fsdp_cudagraph.capture import args as _args
 from fsdp_cudagraph.capture import state as _capture_state
 from fsdp_cudagraph.capture import streams as _streams
-from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message
+from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher, attention_notice, mismatch_message
 from fsdp_cudagraph.capture import recipe as _recipe
 from fsdp_cudagraph.capture.capture_safety import CaptureSafetyCheck
 
@@ -479,7 +479,7 @@ class FullIterationCudaGraph:
             if mismatched and self.attention_backend == "error":
                 raise RuntimeError("fsdp_cudagraph: cannot capture: " + mismatch_message(mismatched, "error"))
             if mismatched and self.attention_backend == "warn":
-                logger.warning("fsdp_cudagraph: %s", mismatch_message(mismatched, "warn"))
+                attention_notice(mismatched, "warn", logger)  # one line, rank 0, once per process
 
     def _capture_cuda(self, slot: _Slot, static_batch: Any, log: List[str]) -> Tuple[Any, Any, None]:
         torch.cuda.synchronize(self.device)

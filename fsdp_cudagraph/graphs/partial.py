@@ -48,7 +48,7 @@ from fsdp_cudagraph.capture import schedules as _schedules
 from fsdp_cudagraph.capture.schedules import CaptureReport, GraphedCallable as _Callable
 from fsdp_cudagraph.capture import state as _capture_state
 from fsdp_cudagraph.capture import streams as _streams
-from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher, mismatch_message
+from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher, attention_notice, mismatch_message
 from fsdp_cudagraph.capture.te import require_te
 
 __all__ = ["PartialCudaGraphs", "CaptureReport", "BACKENDS", "select_modules", "match_graph_attention"]
@@ -209,7 +209,7 @@ class PartialCudaGraphs:
         if mismatched and self.attention_backend == "error":
             raise RuntimeError("fsdp_cudagraph: cannot capture: " + mismatch_message(mismatched, "error"))
         if mismatched:
-            logger.warning("fsdp_cudagraph: %s", mismatch_message(mismatched, self.attention_backend))
+            attention_notice(mismatched, self.attention_backend, logger)  # one line, rank 0, once per process
         attention_backends = {n: dict(s) for n, s in self._attention.selections.items()}
         self.stop_recording()
         self._attention.remove_hooks()  # graph makers refuse modules with hooks; capture selects as captured
