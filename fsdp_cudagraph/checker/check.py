@@ -49,6 +49,7 @@ does). Without ``--perturb`` the exit status is 0 if everything is equal, 1 othe
 from __future__ import annotations
 
 import argparse
+import re
 import contextlib
 import dataclasses
 import gc
@@ -406,8 +407,22 @@ def _init_process_group(device_kind: str) -> torch.device:
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def plain_text(doc: str) -> str:
+    """``doc`` without its Sphinx markup, for ``--help``: ``x`` and :func:`~pkg.x` read x, a literal block's ``::``
+    reads ``:``."""
+    doc = re.sub(r":[a-z]+:`([^`]+)`", lambda m: _role_name(m.group(1)), doc)
+    doc = re.sub(r"``([^`]+)``", r"\1", doc)
+    return re.sub(r"(\S)::$", r"\1:", doc, flags=re.MULTILINE)
+
+
+def _role_name(target: str) -> str:
+    # :func:`~a.b.name` shows "name"; :func:`a.b.name` shows the whole path, as Sphinx renders them.
+    return target[1:].rsplit(".", 1)[-1] if target.startswith("~") else target
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m fsdp_cudagraph.check", description=plain_text(__doc__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="factory as package.module:name (see the factory protocol)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--capture-step", type=int, default=3)
