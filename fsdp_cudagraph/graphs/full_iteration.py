@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import hashlib
 import logging
 import time
 import warnings
@@ -87,7 +86,7 @@ from fsdp_cudagraph.capture import state as _capture_state
 from fsdp_cudagraph.capture import streams as _streams
 from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher, attention_notice, mismatch_message
 from fsdp_cudagraph.capture import recipe as _recipe
-from fsdp_cudagraph.capture.capture_safety import CaptureSafetyCheck
+from fsdp_cudagraph.capture.capture_safety import CaptureSafetyCheck, rng_restored
 
 __all__ = ["FullIterationCudaGraph", "FullIterationReport", "FULL_ITERATION_BACKENDS"]
 
@@ -394,20 +393,10 @@ class FullIterationCudaGraph:
         as every other warmup step does. Costs one extra forward and backward, once per capture; a
         ``forward_step`` with Python side effects sees that step twice.
         """
-        cuda = self.device.type == "cuda"
-        cpu_state = torch.get_rng_state()
-        cuda_state = torch.cuda.get_rng_state(self.device) if cuda else None
-        extra = [g.get_state() for g in self.generators]
-        try:
+        with rng_restored(self.device, self.generators):
             self.engine.begin_static_step(replace_grads=slot.kind == "train")
             with CaptureSafetyCheck(self.device, _KINDS[slot.kind]):
                 self._body(slot)(micro_batches)
-        finally:
-            torch.set_rng_state(cpu_state)
-            if cuda_state is not None:
-                torch.cuda.set_rng_state(cuda_state, self.device)
-            for g, st in zip(self.generators, extra):
-                g.set_state(st)
 
     def _fallback(self, slot: _Slot, micro_batches: Sequence[Any], sig: Any) -> Any:
         change = _args.describe_change(slot.signature, sig, ["micro_batches", "model.training"])
@@ -506,17 +495,8 @@ class FullIterationCudaGraph:
             dist.barrier(group=self.engine.process_group)
 
     def _agree_across_ranks(self, log: List[str], what: str) -> None:
-        """Every rank must have captured the same collectives, in the same order (else replays deadlock)."""
-        if self.engine.world_size == 1:
-            return
-        mine = (hashlib.sha1("\n".join(log).encode()).hexdigest(), len(log))
-        everyone: List[Any] = [None] * self.engine.world_size
-        dist.all_gather_object(everyone, mine, group=self.engine.process_group)
-        if len(set(everyone)) > 1:
-            raise RuntimeError(
-                f"[rank {self.engine.rank}] fsdp_cudagraph: the ranks captured different collectives for {what} (counts "
-                f"per rank {[n for _, n in everyone]}); replays would pair unrelated collectives or hang. Every rank must "
-                "run the same units in the same order with the same number of micro-batches")
+        _recipe.agree_collectives(log, what, rank=self.engine.rank, world_size=self.engine.world_size,
+                                  group=self.engine.process_group)
 
     # ------------------------------------------------------------------ replay
     def _replay(self, slot: _Slot, leaves: List[torch.Tensor]) -> Any:
