@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401 - before any group exists: [Note: the engine does not keep its group alive]
 from torch import nn
 from torch.autograd import Variable
 
@@ -228,14 +229,19 @@ class MegatronFSDP(UnitPlanning, nn.Module):
 
         [Note: the engine does not keep its group alive]
         ``destroy_process_group()`` frees a Gloo group, and the group's destructor joins its worker threads, only
-        when nothing else holds the group. Each worker thread drops its own reference to a finished ``Work`` after
-        the waiting rank has moved on, and that drop takes the GIL (the work's saved thread-local state holds a
-        Python object). An engine holding the group strongly kept those threads running into interpreter exit: a
+        when nothing else holds the group. A worker thread drops its own reference to a finished ``Work`` after the
+        waiting rank has moved on, and for a collective issued in backward that drop takes the GIL (the work saved
+        the thread's state, which holds the ``contextvars`` context that ``torch.autograd.backward`` stashes). With
+        the group still alive after ``destroy_process_group()`` its threads ran on into interpreter exit, and a
         worker that asked for the GIL while the interpreter finalised was ended by ``pthread_exit`` inside a
-        ``noexcept`` destructor, and the rank aborted after a correct run ("terminate called without an active
-        exception", SIGABRT; 5 of 12 two-rank runs of a script ending with an evaluation forward,
-        tests/apps/test_exit.py). torch.distributed holds every group until it is destroyed, so a weak reference
-        is enough while the group can be used, and the group dies (its threads joined) where the user destroys it.
+        ``noexcept`` destructor: the rank aborted after a correct run ("terminate called without an active
+        exception", SIGABRT, core dump: ``ProcessGroupGloo::runLoop`` -> ``~AsyncWork`` -> ``take_gil`` ->
+        ``pthread_exit``). Two things held the group: this engine (a strong reference, now weak: torch.distributed
+        holds every group until it is destroyed, so the group lives exactly as long as it can be used), and
+        ``torch.distributed.nn.functional``, whose functions take ``group=group.WORLD`` as a default evaluated at
+        import: torch.optim's constructors import it lazily (through torch._dynamo), after ``init_process_group``
+        in a usual script, and the defaults then pin the world group for good. This module imports it first, while
+        no group exists. tests/apps/test_exit.py runs such a script 20 times.
         """
         group = self._group_ref()
         if group is None:

@@ -46,17 +46,16 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
         if code == 0:
             record, code = {"ok": False, "error": "destroy_process_group failed:\n" + traceback.format_exc()}, 1
     torch.save(record, os.path.join(outdir, f"{rank}.pt"))
-    # The outcome is on disk; leave without the interpreter teardown in which Gloo was seen to abort a correct
-    # job on CI (see exit_process). The exit status mirrors the outcome.
+    # The outcome is on disk; the exit status mirrors it (a normal interpreter exit).
     exit_process(code)
 
 
 def run_gloo(fn: Callable, world_size: int, *args: Any) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned Gloo ranks; return each rank's result.
 
-    A rank that raises makes this raise with that rank's traceback. Ranks leave through ``os._exit`` once their
-    outcome is saved (see ``_worker``). A rank still killed by a signal while no rank raised is retried once on
-    a fresh port, with a warning (its Python stacks are in the captured stderr); a second such failure raises.
+    A rank that raises makes this raise with that rank's traceback. Ranks exit normally once their outcome is
+    saved (see ``_worker``). A rank still killed by a signal while no rank raised is retried once on a fresh
+    port, with a warning (its Python stacks are in the captured stderr); a second such failure raises.
     """
     for attempt in (1, 2):
         try:

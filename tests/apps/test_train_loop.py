@@ -78,7 +78,7 @@ def test_graphs_built_late_and_accumulation_train_the_same(ranks):
 
 
 def test_exit_process_keeps_the_status_and_flushes_output():
-    """The entry points leave through exit_process (no interpreter teardown): status and piped output survive."""
+    """The entry points leave through exit_process: status and piped output survive."""
     code = ("import sys; from fsdp_cudagraph.apps.train import exit_process; print('stdout line', end=''); "
             "sys.stderr.write('stderr line'); exit_process(3)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -1,0 +1,98 @@
+"""A user's own 2-rank script that trains under megatron_fsdp and ends as torch's examples do exits with status 0.
+
+The script (below, written to a file) trains a few steps on Gloo, evaluates once under ``no_grad``, calls
+``destroy_process_group()`` and returns: no ``os._exit``, no ``del model``, no ``gc.collect()``. While the
+process group outlived ``destroy_process_group()`` (held by the engine and by torch.distributed.nn.functional's
+defaults: [Note: the engine does not keep its group alive] in ``megatron_fsdp/_fully_shard.py``), a Gloo worker thread could still be dropping the last collective's ``Work``
+while the interpreter finalised, and the rank aborted with "terminate called without an active exception"
+(measured with the engine of before: this test failed 2 of its 20 runs; a shell loop of the same script aborted so
+in 5 of 12 runs). The script runs 20 times, each must exit 0 on both ranks and print no
+"terminate called", under ``torch.distributed.run --standalone --nproc-per-node 2`` as a user starts it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.gpu_utils import ROOT
+
+pytestmark = pytest.mark.gloo
+
+RUNS = 20
+
+USER_SCRIPT = '''
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_fsdp import fully_shard
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def main():
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = fully_shard(Net(), fsdp_unit_modules=[Layer], sharding_strategy="optim_grads_params")
+    optimizer = torch.optim.Adam(model.optimizer_parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(8, 16)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        model(torch.randn(8, 16))
+    dist.destroy_process_group()
+    print("user script finished", flush=True)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def _run_once(script: str) -> tuple:
+    """The script on 2 ranks under torchrun (standalone: a free port of its own); (exit status, output)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=300)
+    except subprocess.TimeoutExpired as exc:
+        return None, f"timed out after 300 s: {exc.output}"
+    return proc.returncode, proc.stdout
+
+
+def test_a_user_script_exits_cleanly_every_time(tmp_path):
+    script = tmp_path / "user_script.py"
+    script.write_text(USER_SCRIPT)
+    bad = []
+    for i in range(RUNS):
+        code, text = _run_once(str(script))
+        if code != 0 or "terminate called" in text or text.count("user script finished") != 2:
+            aborted = "terminate called without an active exception" in text
+            bad.append(f"run {i}: exit status {code}, 'terminate called' printed: {aborted}\n{text[-2000:]}")
+    assert not bad, f"{len(bad)} of {RUNS} runs failed:\n" + "\n".join(bad)
