@@ -44,6 +44,7 @@ __all__ = [
     "check_recorded",
     "describe_change",
     "arg_names",
+    "call_with",
     "CallWrapper",
     "Dispatcher",
     "SignatureChangedWarning",
@@ -259,6 +260,15 @@ def check_recorded(callables: Sequence[Any]) -> None:
     for c in callables:
         if c.signature is not None:
             check_signature(c.name, c.signature, c.module.forward)
+
+
+def call_with(fn: Callable[..., Any], first: Any, batch: Any) -> Any:
+    """``fn(first, **batch)`` for a dict, ``fn(first, *batch)`` for a tuple or list, else ``fn(first, batch)``."""
+    if isinstance(batch, dict):
+        return fn(first, **batch)
+    if isinstance(batch, (tuple, list)):
+        return fn(first, *batch)
+    return fn(first, batch)
 
 
 def _strip(sig: Signature) -> Any:

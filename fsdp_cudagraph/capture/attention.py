@@ -36,8 +36,8 @@ from torch import nn
 from fsdp_cudagraph.capture.te import HAS_TE
 
 __all__ = [
-    "ATTENTION_POLICIES", "AttentionBackendMatcher", "attention_notice", "describe_selection", "mismatch_message",
-    "notice_once", "te_attention_namespace", "te_capture_flag",
+    "ATTENTION_POLICIES", "AttentionBackendMatcher", "attention_notice", "before_capture", "check_policy",
+    "describe_selection", "mismatch_message", "notice_once", "te_attention_namespace", "te_capture_flag",
 ]
 
 logger = logging.getLogger(__name__)
@@ -232,6 +232,24 @@ def attention_notice(mismatches: Dict[str, Dict[str, str]], policy: str, log: lo
             f"{len(mismatches)} callable(s) ({backends}); {what}; to avoid it, pad the sequence to a multiple of "
             "128 or use cuDNN > 9.15 (details: logger fsdp_cudagraph.capture.attention at DEBUG)")
     return notice_once(log, line, detail=mismatch_message(mismatches, policy), rank=rank)
+
+
+def check_policy(policy: str) -> None:
+    """Refuse an ``attention_backend`` that is not one of :data:`ATTENTION_POLICIES` (ValueError naming them)."""
+    if policy not in ATTENTION_POLICIES:
+        raise ValueError(f"attention_backend={policy!r} is not one of {ATTENTION_POLICIES}; 'match_graph' runs "
+                         "the eager steps with the attention backend the graph will use")
+
+
+def before_capture(matcher: AttentionBackendMatcher, policy: str, log: logging.Logger, *,
+                   notice: Sequence[str] = ATTENTION_POLICIES) -> None:
+    """Right before a capture: under policy ``error`` refuse the mismatches ``matcher`` saw (RuntimeError); under a
+    policy in ``notice``, log :func:`attention_notice` (one line, rank 0, once per process)."""
+    mismatched = matcher.mismatches()
+    if mismatched and policy == "error":
+        raise RuntimeError("fsdp_cudagraph: cannot capture: " + mismatch_message(mismatched, "error"))
+    if mismatched and policy in notice:
+        attention_notice(mismatched, policy, log)
 
 
 @contextlib.contextmanager

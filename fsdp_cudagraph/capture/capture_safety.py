@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["HostSyncError", "CaptureSafetyCheck", "sync_debug_errors", "translate_capture_error", "user_location",
-           "rng_restored"]
+           "rng_restored", "rehearsal"]
 
 #: What torch's sync debug mode says when a synchronising call is made in mode "error".
 SYNC_DEBUG_MARK = "called a synchronizing CUDA operation"
@@ -211,6 +211,29 @@ def rng_restored(device: torch.device, generators: Sequence[torch.Generator] = (
             torch.cuda.set_rng_state(cuda_state, device)
         for g, st in zip(generators, extra):
             g.set_state(st)
+
+
+@contextlib.contextmanager
+def rehearsal(device: torch.device, phase: str, *, start: Optional[Callable[[], None]] = None,
+              generators: Sequence[torch.Generator] = ()) -> Iterator[None]:
+    """A discarded rehearsal of a step under :class:`CaptureSafetyCheck`: ``start()`` (the step's starting state),
+    then the block under the check; every generator the step draws from is put back on exit.
+
+    [Note: the host-sync rehearsal] The check is a dispatch mode that only looks, yet a step computed
+    under it runs the functions a library compiled with ``torch.compile`` (TE's bias+GeLU fusion) as
+    uncompiled Python, which rounds differently ([Note: dispatch modes and torch.compile]; that is also
+    why the check forces eager mode, or Dynamo would give those functions up for the whole process).
+    So the check never runs on a step whose results count: it runs on a rehearsal of the step right before
+    capture, from the same starting state (the full-iteration graph's ``start`` is the engine's
+    ``begin_static_step``: gradients are replaced, not added), with every random generator the step draws
+    from put back afterwards; then the step runs again, plainly, as every other warmup step does. Costs one
+    extra forward and backward, once per capture; a step with Python side effects sees that step twice.
+    """
+    with rng_restored(device, generators):
+        if start is not None:
+            start()
+        with CaptureSafetyCheck(device, phase):
+            yield
 
 
 @contextlib.contextmanager

@@ -12,7 +12,9 @@ Knows no engine: the engine's capture guard comes in as a context-manager factor
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
+import time
 from typing import Any, Callable, ContextManager, List, Optional, Sequence
 
 import torch
@@ -22,7 +24,8 @@ from fsdp_cudagraph.capture import streams as _streams
 from fsdp_cudagraph.capture.attention import te_capture_flag
 from fsdp_cudagraph.capture.capture_safety import sync_debug_errors, translate_capture_error
 
-__all__ = ["capture_graph", "raise_translated", "agree_collectives"]
+__all__ = ["capture_graph", "raise_translated", "agree_collectives", "barrier", "reset_graph", "free_memory",
+           "CaptureMeter", "check_generators"]
 
 
 def capture_graph(body: Callable[[], Any], *, device: torch.device, phase: str,
@@ -111,3 +114,48 @@ def agree_collectives(log: Sequence[str], what: str, *, rank: int, world_size: i
             f"[rank {rank}] fsdp_cudagraph: the ranks captured different collectives for {what} (counts "
             f"per rank {[n for _, n in everyone]}); replays would pair unrelated collectives or hang. Every rank must "
             "run the same units in the same order with the same number of micro-batches")
+
+
+def barrier(group: Any, *, device: torch.device, nccl: bool) -> None:
+    """Wait for every rank of ``group`` before a capture (nothing runs during capture; this keeps logs readable)."""
+    if nccl:
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)
+
+
+def reset_graph(graph: Any) -> None:
+    """Give a captured graph's memory back (``CUDAGraph.reset``); None (the protocol backend's) is left alone."""
+    reset = getattr(graph, "reset", None)
+    if callable(reset):
+        reset()
+
+
+def free_memory(cuda: bool) -> None:
+    """After graphs were dropped: collect what referenced their memory, then return the cached blocks (on CUDA)."""
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+class CaptureMeter:
+    """Wall seconds since it was made, and the CUDA memory allocated on ``device`` since then (0 unless ``cuda``):
+    what a capture report gives as its time and graph memory."""
+
+    def __init__(self, device: torch.device, *, cuda: bool) -> None:
+        self.device, self.cuda = device, cuda
+        self.t0 = time.perf_counter()
+        self.mem0 = torch.cuda.memory_allocated(device) if cuda else 0
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def memory(self) -> int:
+        return torch.cuda.memory_allocated(self.device) - self.mem0 if self.cuda else 0
+
+
+def check_generators(generators: Sequence[torch.Generator], *, cuda: bool) -> None:
+    """Extra generators need ``CUDAGraph.register_generator_state`` (:func:`capture_graph`'s ``generators``)."""
+    if generators and cuda and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
+        raise NotImplementedError(f"generators= needs CUDAGraph.register_generator_state, missing in torch "
+                                  f"{torch.__version__}; upgrade torch, or pass no generators")

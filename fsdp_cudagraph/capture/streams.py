@@ -35,8 +35,8 @@ from typing import Any, Dict, Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["use_side_stream", "on_legacy_default_stream", "stale_stream_override", "legacy_stream_hazard",
-           "graph_backend"]
+__all__ = ["use_side_stream", "on_legacy_default_stream", "leave_legacy_stream", "stale_stream_override",
+           "legacy_stream_hazard", "graph_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,18 +124,29 @@ def has_stale_stream_override() -> bool:
     return hasattr(torch.autograd.graph, "set_override_stale_capture_stream")
 
 
-def legacy_stream_hazard(*, steps_before_side_stream: int) -> Optional[str]:
+def leave_legacy_stream(device: Optional[torch.device], *, forward_calls: int) -> int:
+    """:func:`use_side_stream` if this thread is on the legacy default stream of ``device``; returns
+    ``forward_calls`` (the model's forward passes so far, which ran there) in that case, else 0: what
+    :func:`legacy_stream_hazard` is later given."""
+    if not on_legacy_default_stream(device):
+        return 0
+    use_side_stream(device)
+    return forward_calls
+
+
+def legacy_stream_hazard(*, steps_before_side_stream: int, built: str = "PartialCudaGraphs") -> Optional[str]:
     """The reason a capture would fail on stale legacy-stream autograd nodes, or None when it cannot.
 
     ``steps_before_side_stream``: forward passes the model ran while this thread was on the legacy default
-    stream, before :func:`use_side_stream` (0 when the side stream came first).
+    stream, before :func:`use_side_stream` (0 when the side stream came first). ``built``: the graph object
+    whose construction moved the thread (the fix names it).
     """
     if steps_before_side_stream <= 0 or has_stale_stream_override():
         return None
     return (
         f"the model ran {steps_before_side_stream} forward pass(es) on the default CUDA stream before "
-        "PartialCudaGraphs was built; autograd keeps parameter nodes from those steps that would pull the "
+        f"{built} was built; autograd keeps parameter nodes from those steps that would pull the "
         "legacy stream into the capture (cudaErrorStreamCaptureImplicit) on torch "
-        f"{torch.__version__} (< 2.13). Fix: build PartialCudaGraphs before the first training step, or call "
+        f"{torch.__version__} (< 2.13). Fix: build {built} before the first training step, or call "
         "fsdp_cudagraph.use_side_stream() once at start-up (or upgrade to torch >= 2.13)"
     )

@@ -44,37 +44,28 @@ and how it keeps that honest:
   replay ``main_shard.grad`` is bound to the main gradient for the units the captured step reduced, and
   unbound for the others, whatever ``zero_grad(set_to_none=True)`` did in between.
 - Host reads: a host sync, a CPU tensor or a host<->device copy in the step would be frozen at its capture
-  value or break the capture; a rehearsal of the last warmup step runs under a check that refuses them by name, and the
-  capture under ``torch.cuda.set_sync_debug_mode("error")`` ([Note: host syncs in a captured step]). Python values
-  the step branches on (counters, flags) cannot be seen: they are frozen too.
+  value or break the capture; they are refused by name in a rehearsal of the last warmup step and during the
+  capture ([Note: host syncs in a captured step]). Python values the step branches on (counters, flags) are
+  not seen: frozen too.
 - Python side effects of ``forward_step`` (appending to a list, counting calls) happen at capture only.
 - RNG: PyTorch registers the default CUDA generator with every graph (each replay advances its offset as
   an eager step would); other generators (a tensor-parallel RNG tracker's) must be passed as
   ``generators``. The reference model has no dropout, so its bit-exact checks do not exercise this.
-- Optimizer graph (with optional sync-free clipping, ``optimizer_step(opt, max_norm=...)``, whose
-  all-reduce of the ranks' norms is captured too): hyperparameters and ``max_norm`` are bound at capture;
-  before each replay a changed Python value (a float ``lr`` a scheduler changed) raises, a device-tensor
-  ``lr`` updated in place is read by the graph.
-  Each parameter's ``.grad`` must be the tensor it was at capture (the main gradient): an optimizer replay
-  without a preceding step, or after ``zero_grad(set_to_none=True)``, raises instead of stepping stale
-  gradients. After a replay the engine is told that the main shards changed (their version counters do
-  not move under a graph).
-- Ranks: every rank must capture the same collectives in the same order; the descriptions are compared
-  across ranks right after capture, and a difference raises before the first replay.
+- Optimizer graph (with optional sync-free clipping, ``optimizer_step(opt, max_norm=...)``, its all-reduce
+  captured too): hyperparameters, ``max_norm`` and each parameter's ``.grad`` are bound at capture and
+  checked before each replay; a device-tensor ``lr`` updated in place is read (``graphs/optimizer.py``).
+- Ranks: every rank must capture the same collectives in the same order (compared across ranks right after
+  capture, ``capture/recipe.py`` ``agree_collectives``: a difference raises before the first replay).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
-import time
 import warnings
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
-
 from torch import nn
 
 from fsdp_cudagraph.config import WHOLE_STEP_BACKENDS, CudaGraphConfig, CudaGraphImpl
@@ -82,11 +73,11 @@ from fsdp_cudagraph.engines.contract import PER_LAYER_BUFFERS
 from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.graphs.optimizer import FullIterationReport, OptimizerGraph
 from fsdp_cudagraph.capture import args as _args
-from fsdp_cudagraph.capture import state as _capture_state
+from fsdp_cudagraph.capture import protocol as _protocol
 from fsdp_cudagraph.capture import streams as _streams
-from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher, attention_notice, mismatch_message
+from fsdp_cudagraph.capture.attention import AttentionBackendMatcher, before_capture, check_policy
 from fsdp_cudagraph.capture import recipe as _recipe
-from fsdp_cudagraph.capture.capture_safety import CaptureSafetyCheck, rng_restored
+from fsdp_cudagraph.capture.capture_safety import CaptureSafetyCheck, rehearsal
 
 __all__ = ["FullIterationCudaGraph", "FullIterationReport", "FULL_ITERATION_BACKENDS"]
 
@@ -115,20 +106,11 @@ class _Slot:
     output: Any = None
     bound: FrozenSet[str] = frozenset()
     collectives: List[str] = dataclasses.field(default_factory=list)
-    trace: Optional[list] = None
     replays: int = 0
     eager_steps: int = 0
     fallbacks: int = 0
     warned: bool = False
     report: Optional[FullIterationReport] = None
-
-
-def _call_step(fn: Callable[..., Any], model: nn.Module, micro_batch: Any) -> Any:
-    if isinstance(micro_batch, dict):
-        return fn(model, **micro_batch)
-    if isinstance(micro_batch, (tuple, list)):
-        return fn(model, *micro_batch)
-    return fn(model, micro_batch)
 
 
 class FullIterationCudaGraph:
@@ -191,12 +173,8 @@ class FullIterationCudaGraph:
             raise ValueError(f"FullIterationCudaGraph got cuda_graph_impl='{config.cuda_graph_impl}'; pass a config with "
                              "cuda_graph_impl='full_iteration', or use PartialCudaGraphs for per-layer graphs")
         backend = _streams.graph_backend(backend, engine.device, FULL_ITERATION_BACKENDS)
-        if attention_backend not in ATTENTION_POLICIES:
-            raise ValueError(f"attention_backend={attention_backend!r} is not one of {ATTENTION_POLICIES}; 'match_graph' "
-                             "runs the eager steps with the attention backend the graph will use")
-        if generators and backend == "torch" and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
-            raise NotImplementedError(f"generators= needs CUDAGraph.register_generator_state, missing in torch "
-                                      f"{torch.__version__}")
+        check_policy(attention_backend)
+        _recipe.check_generators(generators, cuda=backend == "torch")
         if backend == "torch":
             config.check_runtime()
         engine.require_fixed_buffers("FullIterationCudaGraph", PER_LAYER_BUFFERS)  # [Note: fixed addresses]
@@ -214,15 +192,13 @@ class FullIterationCudaGraph:
         warmup = config.cuda_graph_warmup_steps
         self._train = _Slot("train", warmup)
         self._eval = _Slot("eval", warmup)
-        self._opt = OptimizerGraph(engine, backend=backend, warmup=warmup, enabled=graph_optimizer,
-                                   agree=self._agree_across_ranks)
+        self._opt = OptimizerGraph(engine, backend=backend, warmup=warmup, enabled=graph_optimizer, agree=self._agree)
         self.deleted = False
         self._steps_before_side_stream = 0
         self._attention: Optional[AttentionBackendMatcher] = None
-        if backend == "torch":
-            if _streams.on_legacy_default_stream(self.device):
-                self._steps_before_side_stream = engine.num_forward_calls
-                _streams.use_side_stream(self.device)
+        if backend == "torch":  # before any eager step: [Note: the default stream and graph capture]
+            self._steps_before_side_stream = _streams.leave_legacy_stream(self.device,
+                                                                         forward_calls=engine.num_forward_calls)
             self._attention = AttentionBackendMatcher({"model": engine.root}, force=attention_backend == "match_graph")
 
     # ------------------------------------------------------------------ public API
@@ -295,21 +271,15 @@ class FullIterationCudaGraph:
         if self._train.captured:
             self.engine.release_main_grads()  # kept for this graph since its capture
         for slot in (self._train, self._eval):
-            graph, slot.graph = slot.graph, None
-            reset = getattr(graph, "reset", None)
-            if callable(reset):
-                reset()
-            slot.captured = False
-        for slot in (self._train, self._eval):
+            _recipe.reset_graph(slot.graph)
+            slot.graph, slot.captured = None, False
             slot.static_leaves, slot.static_batch, slot.output = [], None, None
         self.engine.quiesce()
         self.engine.mark_params_stale()
         if self._attention is not None:
             self._attention.uninstall()
         self.deleted = True
-        gc.collect()
-        if self.backend == "torch":
-            torch.cuda.empty_cache()
+        _recipe.free_memory(cuda=self.backend == "torch")
 
     # ------------------------------------------------------------------ one call of a graph
     def _check_usable(self, what: str) -> None:
@@ -357,7 +327,7 @@ class FullIterationCudaGraph:
     def _train_body(self, micro_batches: Sequence[Any]) -> torch.Tensor:
         losses = []
         for i, mb in enumerate(micro_batches):
-            loss = _call_step(self.forward_step, self.model, mb)
+            loss = _args.call_with(self.forward_step, self.model, mb)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
                 raise TypeError(f"forward_step must return the micro-batch's loss, a one-element tensor that requires "
                                 f"grad; micro-batch {i} gave {type(loss).__name__} "
@@ -368,35 +338,19 @@ class FullIterationCudaGraph:
 
     def _eval_body(self, micro_batches: Sequence[Any]) -> Tuple[torch.Tensor, ...]:
         with torch.no_grad():
-            outs = tuple(_call_step(self.eval_step, self.model, mb) for mb in micro_batches)
+            outs = tuple(_args.call_with(self.eval_step, self.model, mb) for mb in micro_batches)
         bad = [i for i, o in enumerate(outs) if not isinstance(o, torch.Tensor)]
         if bad:
             raise TypeError(f"eval_step must return a tensor per micro-batch; micro-batches {bad} did not")
         return outs
 
     def _eager(self, slot: _Slot, micro_batches: Sequence[Any], *, check: bool) -> Any:
-        if check:
-            self._rehearse(slot, micro_batches)
-        self.engine.begin_static_step(replace_grads=slot.kind == "train")
-        return self._body(slot)(micro_batches)
-
-    def _rehearse(self, slot: _Slot, micro_batches: Sequence[Any]) -> None:
-        """Run the step once under the host-sync check and discard what it computed.
-
-        [Note: the host-sync rehearsal] The check is a dispatch mode that only looks, yet a step computed
-        under it runs the functions a library compiled with ``torch.compile`` (TE's bias+GeLU fusion) as
-        uncompiled Python, which rounds differently ([Note: dispatch modes and torch.compile]; that is also
-        why the check forces eager mode, or Dynamo would give those functions up for the whole process).
-        So the check never runs on a step whose results count: it runs on a rehearsal of the step right before
-        capture, from the same starting state (``begin_static_step``; gradients are replaced, not added), with
-        every random generator the step draws from put back afterwards; then the step runs again, plainly,
-        as every other warmup step does. Costs one extra forward and backward, once per capture; a
-        ``forward_step`` with Python side effects sees that step twice.
-        """
-        with rng_restored(self.device, self.generators):
-            self.engine.begin_static_step(replace_grads=slot.kind == "train")
-            with CaptureSafetyCheck(self.device, _KINDS[slot.kind]):
+        start = lambda: self.engine.begin_static_step(replace_grads=slot.kind == "train")  # noqa: E731
+        if check:  # run once under the host-sync check, discarded: [Note: the host-sync rehearsal] in capture_safety.py
+            with rehearsal(self.device, _KINDS[slot.kind], start=start, generators=self.generators):
                 self._body(slot)(micro_batches)
+        start()
+        return self._body(slot)(micro_batches)
 
     def _fallback(self, slot: _Slot, micro_batches: Sequence[Any], sig: Any) -> Any:
         change = _args.describe_change(slot.signature, sig, ["micro_batches", "model.training"])
@@ -421,20 +375,26 @@ class FullIterationCudaGraph:
         if self.backend == "torch":
             self._check_capturable()
         train = slot.kind == "train"
-        t0 = time.perf_counter()
-        static_leaves = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in leaves]
-        for s, t in zip(static_leaves, leaves):
-            s.copy_(t)
+        static_leaves = [torch.empty(t.shape, dtype=t.dtype, device=self.device).copy_(t) for t in leaves]
         static_batch = _args.rebuild(sig, static_leaves)[0][0]
         bindings = self.engine.grads_bound()
         self.engine.begin_static_step(replace_grads=train)
         log: List[str] = []
-        mem0 = torch.cuda.memory_allocated(self.device) if self.backend == "torch" else 0
+        meter = _recipe.CaptureMeter(self.device, cuda=self.backend == "torch")
         try:
             if self.backend == "torch":
-                graph, out, trace = self._capture_cuda(slot, static_batch, log)
+                torch.cuda.synchronize(self.device)
+                _recipe.barrier(self.engine.process_group, device=self.device,  # ranks capture together
+                                nccl=self.engine.collective_backend == "nccl")
+                graph, out = _recipe.capture_graph(
+                    lambda: self._body(slot)(static_batch), device=self.device, phase=what, generators=self.generators,
+                    guard=lambda: self.engine.static_capture_guard(allow_collectives=True, collective_log=log))
             else:
-                graph, (out, trace) = None, self._run_protocol(slot, static_batch, log)
+                out, decisions = self._run_protocol(slot, static_batch, log)
+                graph = _protocol.ProtocolGraph(
+                    what, rank=self.engine.rank, run=lambda lg: self._run_protocol(slot, static_batch, lg),
+                    start=lambda: self.engine.begin_static_step(replace_grads=train), collectives=log,
+                    decisions=decisions, outputs=out)
             bound = self.engine.grads_bound() if train else bindings
         except BaseException as exc:
             # nothing of the failed capture runs; drop its host state without waiting on captured work
@@ -443,60 +403,38 @@ class FullIterationCudaGraph:
             _recipe.raise_translated(exc, what)
             raise
         self.engine.end_static_step(bound=bound)  # host state as after a replay: nothing ran yet
-        self._agree_across_ranks(log, what)
-        slot.graph, slot.output, slot.trace, slot.collectives = graph, out, trace, log
+        self._agree(log, what)
+        slot.graph, slot.output, slot.collectives = graph, out, log
         slot.static_leaves, slot.static_batch, slot.signature, slot.bound = static_leaves, static_batch, sig, bound
         if train:
             self.engine.keep_main_grads()  # the graph writes them at these addresses; delete() releases
         slot.captured = True
-        mem = torch.cuda.memory_allocated(self.device) - mem0 if self.backend == "torch" else 0
-        slot.report = FullIterationReport(slot.kind, self.backend, time.perf_counter() - t0, mem, len(static_batch),
+        slot.report = FullIterationReport(slot.kind, self.backend, meter.seconds(), meter.memory(), len(static_batch),
                                           list(log), sorted(bound) if train else [])
         logger.info("fsdp_cudagraph: captured %s (%s backend, %d micro-batches, %d collectives) in %.2f s",
                     what, self.backend, len(static_batch), len(log), slot.report.capture_seconds)
 
     def _check_capturable(self) -> None:
-        if self._steps_before_side_stream and not _streams.has_stale_stream_override():
-            raise RuntimeError(
-                f"[rank {self.engine.rank}] fsdp_cudagraph: cannot capture: the model ran {self._steps_before_side_stream} "
-                "forward pass(es) on the legacy default CUDA stream before FullIterationCudaGraph was built; autograd "
-                "keeps nodes from those steps that would pull the legacy stream into the capture on torch "
-                f"{torch.__version__} (< 2.13). Build FullIterationCudaGraph before the first training step, or call "
-                "fsdp_cudagraph.use_side_stream() once at start-up")
-        if self._attention is not None:
-            mismatched = self._attention.mismatches()
-            if mismatched and self.attention_backend == "error":
-                raise RuntimeError("fsdp_cudagraph: cannot capture: " + mismatch_message(mismatched, "error"))
-            if mismatched and self.attention_backend == "warn":
-                attention_notice(mismatched, "warn", logger)  # one line, rank 0, once per process
+        hazard = _streams.legacy_stream_hazard(steps_before_side_stream=self._steps_before_side_stream,
+                                               built="FullIterationCudaGraph")
+        if hazard is not None:
+            raise RuntimeError(f"[rank {self.engine.rank}] fsdp_cudagraph: cannot capture: {hazard}")
+        if self._attention is not None:  # error: refused; warn: one line, rank 0, once per process
+            before_capture(self._attention, self.attention_backend, logger, notice=("warn",))
 
-    def _capture_cuda(self, slot: _Slot, static_batch: Any, log: List[str]) -> Tuple[Any, Any, None]:
-        torch.cuda.synchronize(self.device)
-        self._barrier()  # ranks capture together (nothing runs during capture; this keeps logs readable)
-        graph, out = _recipe.capture_graph(
-            lambda: self._body(slot)(static_batch), device=self.device, phase=_KINDS[slot.kind],
-            guard=lambda: self.engine.static_capture_guard(allow_collectives=True, collective_log=log),
-            generators=self.generators)
-        return graph, out, None
-
-    def _run_protocol(self, slot: _Slot, static_batch: Any, log: List[str]) -> Tuple[Any, list]:
-        """One capture or replay on the protocol backend: the step under simulated capture, phases recorded."""
-        with self.engine.recording_phases() as trace, _capture_state.simulated_capture(), \
-                self.engine.simulated_capture(), \
-                self.engine.static_capture_guard(allow_collectives=True, collective_log=log), \
-                CaptureSafetyCheck(self.device, _KINDS[slot.kind]):
-            out = self._body(slot)(static_batch)
-        return out, trace
-
-    def _barrier(self) -> None:
-        if self.engine.collective_backend == "nccl":
-            dist.barrier(group=self.engine.process_group, device_ids=[self.device.index])
-        else:
-            dist.barrier(group=self.engine.process_group)
-
-    def _agree_across_ranks(self, log: List[str], what: str) -> None:
+    def _agree(self, log: List[str], what: str) -> None:  # the group is read now: the engine holds it weakly
         _recipe.agree_collectives(log, what, rank=self.engine.rank, world_size=self.engine.world_size,
                                   group=self.engine.process_group)
+
+    def _run_protocol(self, slot: _Slot, static_batch: Any, log: List[str]) -> Tuple[Any, Dict[str, Any]]:
+        """One capture or replay on the protocol backend: the step under simulated capture; its outputs and host
+        decisions (phases, and the units whose gradients a training step wrote)."""
+        guard = self.engine.static_capture_guard(allow_collectives=True, collective_log=log)
+        with self.engine.recording_phases() as trace, _protocol.capture_pass(
+                self.engine.simulated_capture(), guard, CaptureSafetyCheck(self.device, _KINDS[slot.kind])):
+            out = self._body(slot)(static_batch)
+        units = sorted(self.engine.grads_bound()) if slot.kind == "train" else None
+        return out, {"phases": trace, "gradient units": units}
 
     # ------------------------------------------------------------------ replay
     def _replay(self, slot: _Slot, leaves: List[torch.Tensor]) -> Any:
@@ -505,33 +443,8 @@ class FullIterationCudaGraph:
         for s, t in zip(slot.static_leaves, leaves):
             s.copy_(t)
         bound = slot.bound if slot.kind == "train" else engine.grads_bound()
-        if self.backend == "torch":
-            slot.graph.replay()
-        else:
-            self._protocol_replay(slot)
+        slot.graph.replay()  # protocol backend: checked against the capture (capture/protocol.py)
         engine.end_static_step(bound=bound)
         slot.replays += 1
-        if slot.kind == "train":
-            return slot.output.clone()
-        return tuple(o.clone() for o in slot.output)
+        return slot.output.clone() if slot.kind == "train" else tuple(o.clone() for o in slot.output)
 
-    def _protocol_replay(self, slot: _Slot) -> None:
-        """Re-run the step from the capture's starting state; it must issue exactly what the capture issued."""
-        self.engine.begin_static_step(replace_grads=slot.kind == "train")
-        log: List[str] = []
-        out, trace = self._run_protocol(slot, slot.static_batch, log)
-        bound = self.engine.grads_bound()
-        if log != slot.collectives or trace != slot.trace or (slot.kind == "train" and bound != slot.bound):
-            first = next((i for i, (a, b) in enumerate(zip(log, slot.collectives)) if a != b), min(len(log), len(slot.collectives)))
-            raise RuntimeError(
-                f"[rank {self.engine.rank}] fsdp_cudagraph: protocol replay of {_KINDS[slot.kind]} took other host "
-                f"decisions than its capture (collective {first}: {log[first:first + 1]} vs "
-                f"{slot.collectives[first:first + 1]}; {len(log)} vs {len(slot.collectives)} collectives; phases equal: "
-                f"{trace == slot.trace}; gradient units {sorted(bound)} vs {sorted(slot.bound)}); a CUDA graph would "
-                "replay the capture's decisions and compute something else than an eager step")
-        with torch.no_grad():
-            if slot.kind == "train":
-                slot.output.copy_(out)
-            else:
-                for o, n in zip(slot.output, out):
-                    o.copy_(n)
