@@ -103,8 +103,9 @@ def fully_shard(
     )
 
 
-class MegatronFSDP(UnitPlanning, nn.Module):
-    """A fully-sharded data-parallel wrapper (see :func:`fully_shard`)."""
+class MegatronFSDP(UnitPlanning, _clip.GradientMethods, nn.Module):
+    """A fully-sharded data-parallel wrapper (see :func:`fully_shard`); gradient methods (clipping, norms,
+    ``zero_grad``) in _clip.py."""
 
     def __init__(
         self,
@@ -482,20 +483,3 @@ class MegatronFSDP(UnitPlanning, nn.Module):
     def summon_full_params(self, *, writeback: bool = False) -> contextlib.AbstractContextManager:
         """Context manager: module parameters are full fp32 copies inside (a collective; see _state_dict.py)."""
         return _state_dict.summon_full_params(self, writeback=writeback)
-
-    # ------------------------------------------------------------------ clipping (see _clip.py)
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                        foreach: Optional[bool] = None) -> torch.Tensor:
-        """Clip the main gradients by their global norm (all ranks); return that norm (before clipping).
-
-        The FSDP2 / Megatron-FSDP spelling of ``torch.nn.utils.clip_grad_norm_``, which is refused over
-        ``optimizer_parameters()`` (one rank's shard: [Note: local norms]) and over ``parameters()`` (no gradient
-        there: [Note: compute parameters hold no gradient], _clip.py).
-        A collective: call it on every rank after backward, before ``optimizer.step()``. ``foreach`` is
-        accepted for signature compatibility.
-        """
-        return _clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
-
-    def total_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The global norm of the main gradients without clipping (a collective)."""
-        return _clip.total_grad_norm(self, norm_type)

@@ -12,7 +12,8 @@ no_shard:
 - a run that calls (and catches) torch's clipping before ``model.clip_grad_norm_`` in every step, with a
   skipped unit, two micro-batches and an evaluation under ``no_grad`` between steps, trains bit-for-bit like a
   run that never called it (the sentinels come and go without touching training);
-- ``model.zero_grad()`` (both ways; ``set_to_none`` unbinds them), ``optimizer.zero_grad()``, state dicts and DCP
+- ``model.zero_grad()`` (both ways; ``set_to_none`` unbinds them) clears the main gradients as
+  ``optimizer.zero_grad()`` does (training with either is bit-for-bit the same), and state dicts and DCP
   state dicts work while the sentinels are bound; ``clip_grad_value_`` over ``model.optimizer_parameters()`` (the advertised fix for value
   clipping) clamps the main gradients element by element.
 """
@@ -107,8 +108,10 @@ def _error(fn: Callable[[], Any]) -> str:
     return "no error"
 
 
-def _train(model: nn.Module, net: Net, rank: int, *, call_torch: bool) -> Dict[str, Any]:
-    """STEPS steps of SGD with model.clip_grad_norm_; ``call_torch``: torch's clipping first, every step."""
+def _train(model: nn.Module, net: Net, rank: int, *, call_torch: bool, zero: str = "optimizer") -> Dict[str, Any]:
+    """STEPS steps of SGD with model.clip_grad_norm_; ``call_torch``: torch's clipping first, every step;
+    ``zero``: how gradients are cleared after the step (``optimizer``, ``optimizer_in_place``, ``model``,
+    ``model_in_place``: ``set_to_none`` True or False)."""
     opt = torch.optim.SGD(model.optimizer_parameters(), lr=0.5)
     norms, errors = [], []
     for step in range(STEPS):
@@ -121,7 +124,10 @@ def _train(model: nn.Module, net: Net, rank: int, *, call_torch: bool) -> Dict[s
             errors.append(_error(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         norms.append(model.clip_grad_norm_(MAX_NORM))
         opt.step()
-        opt.zero_grad()
+        if zero.startswith("optimizer"):
+            opt.zero_grad(set_to_none=zero == "optimizer")
+        else:
+            model.zero_grad(set_to_none=zero == "model")
     net.skip = set()
     return dict(norms=norms, errors=errors, state=model.state_dict())
 
@@ -154,13 +160,16 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
         res["state_dict"] = sorted(model.state_dict())
         res["sharded_state_dict"] = sorted(model.sharded_state_dict())
         res["still_bound"] = all(p.grad is not None for p in params if p.requires_grad)
-        model.zero_grad(set_to_none=False)
-        res["still_bound_after_zero"] = all(p.grad is not None for p in params if p.requires_grad)
-        res["zero_grad_keeps_main"] = all(torch.equal(a, b) for a, b in zip(before, _main_grads(model)))
         torch.nn.utils.clip_grad_value_(model.optimizer_parameters(), 1e-3)
         res["value_clip"] = all(torch.equal(torch.clamp(a, -1e-3, 1e-3), b) for a, b in zip(before, _main_grads(model)))
+        model.zero_grad(set_to_none=False)
+        res["still_bound_after_zero"] = all(p.grad is not None for p in params if p.requires_grad)
+        # model.zero_grad() reaches the main gradients, as optimizer.zero_grad() does (before: it left them)
+        res["zero_grad_zeroes_main"] = all(p.grad is not None and not p.grad.as_subclass(torch.Tensor).any()
+                                           for p in model.optimizer_parameters())
         model.zero_grad()
         res["zero_grad_unbinds"] = all(p.grad is None for p in model.parameters())
+        res["zero_grad_drops_main"] = all(p.grad is None for p in model.optimizer_parameters())
         # After a replayed static step (full-iteration graph: no Python ran), as after an eager backward.
         _backward(model, rank, 1)
         graph_contract.end_static_step(model, bound=graph_contract.grads_bound(model))
@@ -170,6 +179,9 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
         res["with_torch"] = _train(model, net, rank, call_torch=True)
         net, model = _build(kwargs)
         res["without_torch"] = _train(model, net, rank, call_torch=False)
+        for zero in ("model", "model_in_place", "optimizer_in_place"):  # model.zero_grad() instead of the optimizer's
+            net, model = _build(kwargs)
+            res["zero_" + zero] = _train(model, net, rank, call_torch=False, zero=zero)
         out[case] = res
     return out
 
@@ -197,9 +209,9 @@ def test_what_still_works_while_the_compute_gradients_are_sentinels(case):
         res = rank_result[case]
         assert res["state_dict"] and res["sharded_state_dict"]
         assert res["still_bound"] and res["still_bound_after_zero"]  # the sentinels outlive both
-        assert res["zero_grad_keeps_main"]
         assert res["value_clip"]
-        assert res["zero_grad_unbinds"]
+        assert res["zero_grad_zeroes_main"]
+        assert res["zero_grad_unbinds"] and res["zero_grad_drops_main"]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -215,3 +227,17 @@ def test_training_with_a_refused_torch_clip_equals_training_without_it(case):
         assert with_torch["state"].keys() == without["state"].keys()
         for k, v in with_torch["state"].items():
             assert torch.equal(v, without["state"][k]), k
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_model_zero_grad_clears_the_main_gradients_like_the_optimizer(case):
+    # Before: model.zero_grad() never reached the main-gradient shards (not module parameters), so every
+    # step's gradient was added to the last one's, with no error.
+    for rank_result in runs():
+        res = rank_result[case]
+        for zero, reference in (("model", res["without_torch"]), ("model_in_place", res["zero_optimizer_in_place"])):
+            run = res["zero_" + zero]
+            for a, b in zip(run["norms"], reference["norms"]):
+                assert torch.equal(a, b), zero
+            for k, v in run["state"].items():
+                assert torch.equal(v, reference["state"][k]), (zero, k)
