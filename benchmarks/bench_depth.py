@@ -20,7 +20,8 @@ Timing: after warmup (graphed columns capture at step ``--capture-step``), ``--r
 steps, each run bracketed by ``torch.cuda.synchronize``; the best run's mean step time, divided by the
 depth, is the column's ms per layer (a run on a shared host can vary by 50%, so the best of several is the
 figure). The graphed columns' losses are compared with their engine's eager column (``torch.equal``,
-recorded as ``equal``). The physical floor of a graphed layer is one replay (~10 us) plus the engine's
+recorded as ``equal``). ``--profile COLUMN`` then runs 5 more steps of that column at the largest depth under
+cProfile and prints where the host time goes (by own time), for the next cut. The physical floor of a graphed layer is one replay (~10 us) plus the engine's
 per-unit collectives launch and hooks; the issue's goal is <= 0.15 ms per layer, flat in depth.
 """
 
@@ -145,7 +146,6 @@ def _time_column(column: str, layers: int, args: argparse.Namespace, device: tor
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
 
-    total = args.capture_step + 2 + args.runs * args.steps
     runs: List[float] = []
     i = 0
     while i < args.capture_step + 2:
@@ -159,8 +159,22 @@ def _time_column(column: str, layers: int, args: argparse.Namespace, device: tor
             i += 1
         sync()
         runs.append((time.perf_counter() - t0) * 1e3 / args.steps)
-    assert i == total
     best = min(runs)
+    if args.profile == column and layers == max(args.layers):
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(5):
+            step(i)
+            i += 1
+        sync()
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        print(f"cProfile of {column} at {layers} layers, 5 steps (by own time):\n{text.getvalue()}", flush=True)
     out = {"step_ms": best, "ms_per_layer": best / layers, "runs_step_ms": runs,
            "losses": [float(l) for l in losses], "_losses": torch.stack(losses).cpu()}
     if graphs is not None and hasattr(graphs, "delete"):
@@ -182,6 +196,7 @@ def main(argv: List[str] = None) -> int:
     p.add_argument("--capture-step", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="JSON record")
+    p.add_argument("--profile", default=None, choices=COLUMNS, help="cProfile this column at the largest depth")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
