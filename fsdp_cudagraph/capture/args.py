@@ -45,6 +45,7 @@ __all__ = [
     "describe_change",
     "arg_names",
     "call_with",
+    "eager_forward",
     "CallWrapper",
     "Dispatcher",
     "SignatureChangedWarning",
@@ -433,3 +434,9 @@ class Dispatcher:
                 )
         self.eager_calls += 1
         return self.eager(*args, **kwargs)
+
+
+def eager_forward(module: nn.Module) -> Callable[..., Any]:
+    """The module's forward as an eager call runs it: a training graph's :class:`Dispatcher` stands aside."""
+    fwd = module.forward
+    return fwd.eager if isinstance(fwd, Dispatcher) else fwd

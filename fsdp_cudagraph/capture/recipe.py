@@ -15,7 +15,7 @@ import contextlib
 import gc
 import hashlib
 import time
-from typing import Any, Callable, ContextManager, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from fsdp_cudagraph.capture.attention import te_capture_flag
 from fsdp_cudagraph.capture.capture_safety import sync_debug_errors, translate_capture_error
 
 __all__ = ["capture_graph", "raise_translated", "agree_collectives", "barrier", "reset_graph", "free_memory",
-           "CaptureMeter", "check_generators"]
+           "CaptureMeter", "check_generators", "addresses", "refuse_moved"]
 
 
 def capture_graph(body: Callable[[], Any], *, device: torch.device, phase: str,
@@ -159,3 +159,21 @@ def check_generators(generators: Sequence[torch.Generator], *, cuda: bool) -> No
     if generators and cuda and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
         raise NotImplementedError(f"generators= needs CUDAGraph.register_generator_state, missing in torch "
                                   f"{torch.__version__}; upgrade torch, or pass no generators")
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+def addresses(tensors: Sequence[torch.Tensor]) -> Tuple[int, ...]:
+    """The data addresses of ``tensors``: taken at capture, and compared with the capture's before each replay
+    (the replay address check; nothing else is built on that path)."""
+    return tuple(map(_data_ptr, tensors))
+
+
+def refuse_moved(tensors: Sequence[torch.Tensor], captured: Tuple[int, ...], *, who: str, rank: int, fix: str) -> None:
+    """Raise the replay address check's RuntimeError: ``tensors`` (a graph's parameters) are no longer at the
+    addresses ``captured`` (from :func:`addresses`); names the first that moved, ``who`` would replay, and ``fix``."""
+    moved = next(i for i, (t, ptr) in enumerate(zip(tensors, captured)) if t.data_ptr() != ptr)
+    raise RuntimeError(
+        f"[rank {rank}] fsdp_cudagraph: {who} would replay with parameter {moved} at {tensors[moved].data_ptr():#x}, "
+        f"but it was captured at {captured[moved]:#x}; replay would read stale memory. {fix}")

@@ -45,11 +45,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import logging
-import time
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import nn
@@ -58,7 +56,7 @@ from fsdp_cudagraph.config import WHOLE_STEP_BACKENDS, CudaGraphConfig, Inferenc
 from fsdp_cudagraph.engines.contract import FORWARD_ONLY_BUFFERS
 from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.capture import args as _args
-from fsdp_cudagraph.capture import state as _capture_state
+from fsdp_cudagraph.capture import protocol as _protocol
 from fsdp_cudagraph.capture import streams as _streams
 from fsdp_cudagraph.capture.buckets import BatchPadding, Buckets
 from fsdp_cudagraph.capture import recipe as _recipe
@@ -116,7 +114,6 @@ class _Layer:
 
 
 _MISSING = object()
-_data_ptr = torch.Tensor.data_ptr
 
 
 class InferenceCudaGraphs:
@@ -231,8 +228,9 @@ class InferenceCudaGraphs:
         if self.scope is InferenceCudaGraphScope.NONE:
             self.counters["eager_calls"] += 1
             return self.model(*args, **kwargs)
-        ctx = _normal_tensors() if torch.is_inference_mode_enabled() else contextlib.nullcontext()
-        with ctx:
+        if not torch.is_inference_mode_enabled():
+            return self._call(args, kwargs)
+        with torch.inference_mode(False), torch.no_grad():  # normal tensors: static buffers are written in place
             return self._call(args, kwargs)
 
     def delete(self) -> None:
@@ -246,9 +244,7 @@ class InferenceCudaGraphs:
         if self.backend == "torch":
             torch.cuda.synchronize(self.device)
         for g in self._all_graphs():
-            reset = getattr(g.graph, "reset", None)
-            if callable(reset):
-                reset()
+            _recipe.reset_graph(g.graph)
             g.graph, g.static_in, g.static_out, g.body = None, [], [], None  # type: ignore[assignment]
         self._blocks.clear()
         for layer in self._layers:
@@ -256,9 +252,7 @@ class InferenceCudaGraphs:
         self._keys.clear()
         self._pool = None
         self.deleted = True
-        gc.collect()
-        if self.backend == "torch":
-            torch.cuda.empty_cache()
+        _recipe.free_memory(cuda=self.backend == "torch")
 
     @property
     def num_graphs(self) -> int:
@@ -327,7 +321,7 @@ class InferenceCudaGraphs:
                 own = layer.module.__dict__.get("forward", _MISSING)
                 saved.append((layer.module, own))
                 layer.calls = 0
-                layer.module.forward = self._route(layer, _eager_forward(layer.module))
+                layer.module.forward = self._route(layer, _args.eager_forward(layer.module))
             return self.model(*args, **kwargs)
         finally:
             for module, own in saved:
@@ -378,46 +372,44 @@ class InferenceCudaGraphs:
         g = _Graph(name, body, static_in, static)
         engine = self.engine
         bound = engine.grads_bound() if static else frozenset()
-        t0 = time.perf_counter()
-        mem0 = torch.cuda.memory_allocated(self.device) if self.backend == "torch" else 0
+        start = (lambda: engine.begin_static_step(replace_grads=False)) if static else (lambda: None)
+        meter = _recipe.CaptureMeter(self.device, cuda=self.backend == "torch")
         try:
-            for i in range(self.config.cuda_graph_num_warmup_iters):
-                if static:
-                    engine.begin_static_step(replace_grads=False)
-                last = i == self.config.cuda_graph_num_warmup_iters - 1
-                with CaptureSafetyCheck(self.device, what) if last else contextlib.nullcontext():
+            num_warmup = self.config.cuda_graph_num_warmup_iters
+            for i in range(num_warmup):  # the last warmup under the host-sync check
+                start()
+                with CaptureSafetyCheck(self.device, what) if i == num_warmup - 1 else contextlib.nullcontext():
                     body()
-            if static:
-                engine.begin_static_step(replace_grads=False)
+            start()
             if self.backend == "torch":
                 g.graph, (g.static_out, g.out_sig) = _recipe.capture_graph(
                     body, device=self.device, phase=what, pool=self._pool,
                     guard=lambda: self._guard(static, g.collectives))
             else:
-                with self._simulated_capture(static, g.collectives):
+                with self._capture_pass(static, g.collectives):
                     g.static_out, g.out_sig = body()
+                g.graph = _protocol.ProtocolGraph(
+                    what, rank=self.rank, run=lambda log: self._protocol_run(g, log), start=start,
+                    collectives=g.collectives, decisions={"output structure": _args._strip(g.out_sig)},
+                    outputs=g.static_out)
         except BaseException as exc:
             _recipe.raise_translated(exc, what)
             raise
         finally:
             if static:  # as after a replay; a failed capture ran nothing that counts
                 engine.end_static_step(bound=bound)
-        g.params, g.param_ptrs = params, tuple(map(_data_ptr, params))
-        mem = torch.cuda.memory_allocated(self.device) - mem0 if self.backend == "torch" else 0
+        g.params, g.param_ptrs = params, _recipe.addresses(params)
         shape = ", ".join(str(tuple(t.shape)) for t in leaves)
-        self.captures.append(InferenceCapture(name, shape, time.perf_counter() - t0, mem, list(g.collectives)))
+        self.captures.append(InferenceCapture(name, shape, meter.seconds(), meter.memory(), list(g.collectives)))
         self.counters["captures"] += 1
         logger.debug("fsdp_cudagraph: captured %s for (%s) in %.3f s", what, shape, self.captures[-1].seconds)
         return g
 
     def _replay(self, g: _Graph, leaves: List[torch.Tensor]) -> List[torch.Tensor]:
-        if tuple(map(_data_ptr, g.params)) != g.param_ptrs:
-            moved = next(i for i, (p, ptr) in enumerate(zip(g.params, g.param_ptrs)) if p.data_ptr() != ptr)
-            raise RuntimeError(
-                f"[rank {self.rank}] fsdp_cudagraph: the inference graph of {g.name} would replay with parameter "
-                f"{moved} at {g.params[moved].data_ptr():#x}, but it was captured at {g.param_ptrs[moved]:#x}; replay "
-                "would read stale memory. Do not reassign parameters while inference graphs exist: delete() them and "
-                "build a new InferenceCudaGraphs")
+        if _recipe.addresses(g.params) != g.param_ptrs:  # the replay address check: one tuple comparison
+            _recipe.refuse_moved(g.params, g.param_ptrs, who=f"the inference graph of {g.name}", rank=self.rank,
+                                 fix="Do not reassign parameters while inference graphs exist: delete() them and "
+                                     "build a new InferenceCudaGraphs")
         engine = self.engine
         if g.static:
             engine.quiesce()  # an eager collective still in flight would race with the graph
@@ -426,10 +418,7 @@ class InferenceCudaGraphs:
             if t is not s:
                 s.copy_(t)
         try:
-            if self.backend == "torch":
-                g.graph.replay()
-            else:
-                self._protocol_replay(g)
+            g.graph.replay()  # protocol backend: checked against the capture (capture/protocol.py)
         finally:
             if g.static:
                 engine.end_static_step(bound=bound)
@@ -437,47 +426,21 @@ class InferenceCudaGraphs:
         self.counters["replays"] += 1
         return g.static_out
 
-    def _protocol_replay(self, g: _Graph) -> None:
-        """Run the captured function again from the capture's starting state; it must issue what the capture did."""
-        if g.static:
-            self.engine.begin_static_step(replace_grads=False)
-        log: List[str] = []
-        with self._simulated_capture(g.static, log):
+    def _protocol_run(self, g: _Graph, log: List[str]) -> Tuple[List[torch.Tensor], Dict[str, Any]]:
+        """A protocol replay's run of the captured function: its outputs and their structure."""
+        with self._capture_pass(g.static, log):
             out, out_sig = g.body()
-        if log != g.collectives or _args._strip(out_sig) != _args._strip(g.out_sig):
-            raise RuntimeError(
-                f"[rank {self.rank}] fsdp_cudagraph: protocol replay of the inference graph of {g.name} issued other "
-                f"collectives or outputs than its capture ({len(log)} vs {len(g.collectives)} collectives); a CUDA "
-                "graph would replay the capture's decisions and compute something else than an eager forward")
-        for o, n in zip(g.static_out, out):
-            o.copy_(n)
+        return out, {"output structure": _args._strip(out_sig)}
 
     def _guard(self, static: bool, log: List[str]) -> Any:
         """The engine's guard around a capture: collectives captured in a static (block) graph, refused otherwise."""
-        if self.engine is None:
-            return contextlib.nullcontext()
-        return self.engine.static_capture_guard(allow_collectives=static, collective_log=log)
+        return (self.engine.static_capture_guard(allow_collectives=static, collective_log=log)
+                if self.engine is not None else contextlib.nullcontext())
 
-    @contextlib.contextmanager
-    def _simulated_capture(self, static: bool, log: List[str]) -> Iterator[None]:
+    def _capture_pass(self, static: bool, log: List[str]) -> Any:
         """The protocol backend's capture pass: our capture flag, the engine's simulated capture and its guard."""
-        with _capture_state.simulated_capture(), (
-                self.engine.simulated_capture() if self.engine is not None else contextlib.nullcontext()), \
-                self._guard(static, log):
-            yield
+        simulated = self.engine.simulated_capture() if self.engine is not None else None
+        return _protocol.capture_pass(simulated, self._guard(static, log))
 
     def _all_graphs(self) -> List[_Graph]:
         return list(self._blocks.values()) + [g for layer in self._layers for g in layer.graphs.values()]
-
-
-def _eager_forward(module: nn.Module) -> Callable[..., Any]:
-    """The module's forward as an eager call runs it: a training graph's dispatcher stands aside."""
-    fwd = module.forward
-    return fwd.eager if isinstance(fwd, _args.Dispatcher) else fwd
-
-
-@contextlib.contextmanager
-def _normal_tensors() -> Any:
-    """Under torch.inference_mode, work with normal tensors (static buffers are written in place on every call)."""
-    with torch.inference_mode(False), torch.no_grad():
-        yield
