@@ -358,6 +358,9 @@ class CudaGraphConfig:
         use_megatron_fsdp, fsdp_double_buffer, fsdp_db_use_persist_buf_on_alloc_fail: a per-layer impl under
         Megatron-FSDP needs both buffer options, because replay needs every unshard buffer at the address it
         had at capture; ``fsdp_db_use_persist_buf_on_alloc_fail`` changes the double buffer and needs it.
+        This is Megatron-LM's command-line rule, checked here as its argument checks do. The graph kinds
+        check the model's engine itself, by the precise rule in the engine's contract
+        (``megatron_fsdp/graph_contract.py`` ``require_static_buffers``).
 
     Activation offloading (``fsdp_cudagraph.offload.offloader``; eager, or with impl ``local`` / ``transformer_engine``):
         activation_offload_modules: submodule kinds (``cuda_graph_module`` tags) whose saved activations go to
@@ -469,7 +472,9 @@ class CudaGraphConfig:
                 flags = " ".join("--" + n.replace("_", "-") for n in missing)
                 problems.append(f"use_megatron_fsdp=True with cuda_graph_impl='{impl}' requires address-stable "
                                 f"unshard buffers, but {' and '.join(n + '=False' for n in missing)}; set "
-                                f"{' and '.join(n + '=True' for n in missing)} ({flags}) or use cuda_graph_impl='none'")
+                                f"{' and '.join(n + '=True' for n in missing)} ({flags}) or use "
+                                "cuda_graph_impl='none'. This is Megatron-LM's command-line rule. The graph kinds "
+                                "check the model's engine itself (the precise rule, in the engine's contract)")
         problems += _offload_problems(self)
         if problems:
             raise ValueError("invalid CUDA graph config:\n  - " + "\n  - ".join(problems))
