@@ -15,6 +15,9 @@ same seed and data, all in one process:
   ours_graphed      + PartialCudaGraphs over whole layers
   fsdp2_eager       torch FSDP2 fully_shard per layer and the root (bf16 model), its defaults (ZeRO-3)
   fsdp2_graphed     FSDP2 with keep_unsharded_storage + PartialCudaGraphs over whole layers
+  fsdp2_mp_eager    FSDP2 as torchtitan runs it: fp32 model, MixedPrecisionPolicy(param_dtype=bf16,
+                    reduce_dtype=fp32), fp32 inputs cast by FSDP2
+  fsdp2_mp_graphed  the same with keep_unsharded_storage + PartialCudaGraphs over whole layers
 
 Timing: after warmup (graphed columns capture at step ``--capture-step``), ``--runs`` runs of ``--steps``
 steps, each run bracketed by ``torch.cuda.synchronize``; the best run's mean step time, divided by the
@@ -42,7 +45,11 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-COLUMNS = ("plain_eager", "plain_graphed", "ours_eager", "ours_graphed", "fsdp2_eager", "fsdp2_graphed")
+COLUMNS = ("plain_eager", "plain_graphed", "ours_eager", "ours_graphed", "fsdp2_eager", "fsdp2_graphed",
+           "fsdp2_mp_eager", "fsdp2_mp_graphed")
+#: graphed column -> the eager column its losses must equal
+PAIRS = {"ours_graphed": "ours_eager", "fsdp2_graphed": "fsdp2_eager", "fsdp2_mp_graphed": "fsdp2_mp_eager",
+         "plain_graphed": "plain_eager"}
 
 
 class Layer(nn.Module):
@@ -102,14 +109,19 @@ def _build(column: str, layers: int, args: argparse.Namespace, device: torch.dev
                             fsdp_db_use_persist_buf_on_alloc_fail=True)
         opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-4, fused=fused)
         return model, opt, PartialCudaGraphs(model, cfg, backend=backend) if graphed else None
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fsdp_cudagraph.engines.fsdp2 import keep_unsharded_storage
 
-    model = stack.to(args.dtype)
+    kw = {}
+    if column.startswith("fsdp2_mp"):  # fp32 shards, bf16 compute, fp32 reduction
+        model = stack
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=args.dtype, reduce_dtype=torch.float32)
+    else:
+        model = stack.to(args.dtype)
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
     if graphed:
         keep_unsharded_storage(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=fused)
@@ -140,7 +152,8 @@ def _time_column(column: str, layers: int, args: argparse.Namespace, device: tor
             if isinstance(graphs, _PlainGraphs):
                 graphs.sample = data[0].to(args.dtype)
             graphs.capture()
-        loss = model(data[i % len(data)].to(args.dtype)).float().pow(2).mean()
+        x = data[i % len(data)]
+        loss = model(x if column.startswith("fsdp2_mp") else x.to(args.dtype)).float().pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -225,8 +238,7 @@ def main(argv: List[str] = None) -> int:
             row[column] = _time_column(column, layers, args, device, data)
             print(f"layers={layers:3d} {column:14s} {row[column]['step_ms']:8.2f} ms/step "
                   f"{row[column]['ms_per_layer']:6.3f} ms/layer", flush=True)
-        for graphed, eager in (("ours_graphed", "ours_eager"), ("fsdp2_graphed", "fsdp2_eager"),
-                               ("plain_graphed", "plain_eager")):
+        for graphed, eager in PAIRS.items():
             if graphed in row and eager in row:
                 row[graphed]["equal_to_" + eager] = bool(torch.equal(row[graphed]["_losses"], row[eager]["_losses"]))
                 row[graphed]["vs_" + eager] = row[graphed]["ms_per_layer"] / row[eager]["ms_per_layer"]
@@ -235,7 +247,7 @@ def main(argv: List[str] = None) -> int:
         results[str(layers)] = row
     # the graph layer's added host time per layer over the plain graphed stack, and its growth with depth
     summary: Dict[str, Any] = {}
-    for col in ("ours_graphed", "fsdp2_graphed", "plain_graphed", "ours_eager", "fsdp2_eager", "plain_eager"):
+    for col in COLUMNS:
         per = {k: v[col]["ms_per_layer"] for k, v in results.items() if col in v}
         if per:
             summary[col] = per
