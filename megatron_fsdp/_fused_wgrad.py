@@ -36,15 +36,13 @@ previous user of a shared slot finishes its reduce-scatter first), not at its po
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Dict, List, Set, Tuple
+from typing import Dict, List, Set, Tuple
 
 import torch
 from torch import nn
 
+from ._common import Unit
 from ._reduce import open_grad_buffer
-
-if TYPE_CHECKING:
-    from ._unit import FSDPUnit
 
 __all__ = ["FusedWeightGrads", "fusable_weights"]
 
@@ -71,7 +69,7 @@ def fusable_weights(module: nn.Module, params: List[nn.Parameter]) -> List[Tuple
 class FusedWeightGrads:
     """One unit's weights under fused weight-gradient accumulation ([Note: fused weight gradients])."""
 
-    def __init__(self, unit: "FSDPUnit", owners: List[Tuple[int, nn.Module]]) -> None:
+    def __init__(self, unit: Unit, owners: List[Tuple[int, nn.Module]]) -> None:
         self.unit = unit
         self.owners = owners
         n = len(unit.params)
