@@ -118,3 +118,15 @@ def test_dcp_across_world_sizes_2gpu(tmp_path):
         res = run_json(launcher(nproc, [script]) + ["--phase", phase, "--dir", str(tmp_path)], tmp_path / f"{phase}.json",
                        name=f"dcp-worlds-{phase}-{nproc}gpu.json", tail=4000)
         assert res["ok"] and res["world_size"] == nproc, res
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
+def test_fsdp2_storage_and_mixed_precision_2gpu(tmp_path):
+    """FSDP2 with keep_unsharded_storage or two slots, bf16 or MixedPrecisionPolicy(bf16, fp32), whole layers and
+    attn+mlp, graphed with the torch backend: every loss and final parameter equal to plain eager FSDP2."""
+    script = os.path.join(ROOT, "tests", "gpu", "fsdp2_storage.py")
+    res = run_json(launcher(2, [script]), tmp_path / "storage.json", name="fsdp2-storage-2gpu.json", tail=4000)
+    assert res["ok"] and res["world_size"] == 2, res
+    assert sum("equal" in r for r in res["rows"]) == 8, res["rows"]

@@ -1,5 +1,6 @@
 """The scripts the 2-GPU tests launch, run on Gloo (CPU) with the same phases, so that they cannot rot between
-GPU sessions: tests/gpu/dcp_worlds.py (a DCP checkpoint across world sizes, resumed bit for bit)."""
+GPU sessions: tests/gpu/dcp_worlds.py (a DCP checkpoint across world sizes, resumed bit for bit) and
+tests/gpu/fsdp2_storage.py (FSDP2's storage options and mixed precision under partial graphs)."""
 
 import os
 
@@ -19,3 +20,14 @@ def test_dcp_worlds_script_on_gloo(tmp_path):
         assert results[phase]["ok"] and results[phase]["world_size"] == nproc, results[phase]
     assert results["resume"]["losses"] == results["save"]["losses"]  # the uninterrupted run's, bit for bit
     assert results["resave"]["saved_at_world"] == 2 and not results["resave"]["differing"]
+
+
+@pytest.mark.gloo
+def test_fsdp2_storage_script_on_gloo(tmp_path):
+    # tests/gpu/fsdp2_storage.py on 2 Gloo ranks (protocol backend): both storage options, both precisions
+    cmd = launcher(2, [os.path.join(ROOT, "tests", "gpu", "fsdp2_storage.py")]) + [
+        "--device", "cpu"]
+    result = run_json(cmd, tmp_path / "storage.json")
+    assert result["ok"] and result["world_size"] == 2, result
+    rows = [r for r in result["rows"] if "equal" in r]
+    assert len(rows) == 8 and all(r["equal"] for r in rows), rows
