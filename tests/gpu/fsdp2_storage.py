@@ -13,7 +13,6 @@ it is false (used by tests/gpu/test_alignment.py and, on Gloo, tests/gpu/test_sc
 """
 
 import argparse
-import json
 import os
 import sys
 from typing import Any, Dict, List, Optional
