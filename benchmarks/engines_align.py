@@ -141,7 +141,7 @@ def _move_a_parameter(engine: str, model) -> None:
     # NVIDIA's unshard hook points the compute parameters into its bucket again at every forward, which would
     # undo a move made here; move the parameter from a hook placed right after that unshard instead (what the
     # double buffer handing the unit the other slot would do), so the graph layer's check sees it.
-    from fsdp_cudagraph.engines.nvidia_megatron_fsdp import identify_hook
+    from fsdp_cudagraph.engines.nvidia_hooks import identify_hook
 
     def move(module, args, kwargs):
         t.data = t.data.clone()

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from fsdp_cudagraph.engines import HOOK_KEYS, adapter_for, registered_engines
+from fsdp_cudagraph.engines import nvidia_hooks as nvh
 from fsdp_cudagraph.engines import nvidia_megatron_fsdp as nvm
 
 SKIP_REASON = "NVIDIA Megatron-FSDP (megatron-core 0.16.1) is not installed: pip install 'megatron-core==0.16.1'"
@@ -109,7 +110,7 @@ def hook_id(m: nn.Module, dict_name: str, local: str) -> int:
     """The id of the hook in ``dict_name`` whose (unwrapped) function NVIDIA named ``local``."""
     for hid, h in getattr(m, dict_name).items():
         fn = h.func if isinstance(h, functools.partial) else h
-        if nvm._local_name(fn) == local:
+        if nvh._local_name(fn) == local:
             return hid
     raise AssertionError(f"no {local} in {dict_name}")
 
@@ -195,7 +196,7 @@ def test_wrapper_with_another_function_is_unknown():
     unit = e.module.layers[0]
     reg = unit._forward_pre_hooks[hook_id(unit, "_forward_pre_hooks", "_register_post_backward_hook")]
     wrap = unit._forward_hooks[hook_id(unit, "_forward_hooks", "create_custom_backward_hook.<locals>.forward_hook")]
-    handler = nvm._free_var(wrap, "custom_backward_handler")
+    handler = nvh._free_var(wrap, "custom_backward_handler")
 
     def user_hook(module, args, kwargs):
         return None
