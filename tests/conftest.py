@@ -6,7 +6,8 @@ Markers (registered in pyproject.toml, run with ``--strict-markers``):
 - ``quick``: the subset that ``bash scripts/test.sh -m quick`` runs in under two minutes on two cores: the
   unit tests (config, hooks, layout, arguments, buckets), the partial-graph protocol schedule on 2 Gloo ranks
   (one spawned job shared by its tests: each FSDP phase once per pass, replays with hooks around, hooks restored,
-  losses equal to eager through capture and delete) and one engine test on 2 Gloo ranks. Listed in ``QUICK``
+  losses equal to eager through capture and delete), one engine test on 2 Gloo ranks, the clipping and
+  ``zero_grad`` paths of the engine (2 Gloo ranks) and the inner-module refusals. Listed in ``QUICK``
   below by folder, file or test name.
 """
 
@@ -28,6 +29,8 @@ QUICK = (
     "graphs/test_partial_protocol.py::test_hooks_restored_after_capture_and_delete",
     "graphs/test_partial_protocol.py::test_losses_equal_eager_through_capture_and_delete",
     "engine/test_root_slot.py::test_the_engine_keeps_no_root_sized_gradient_buffer",
+    "engine/test_clip.py",  # the silent paths a newcomer hits first: torch's clipping, model.zero_grad()
+    "adapters/test_inner_module.py",  # the inner module passed instead of the engine's wrapper
 )
 
 
