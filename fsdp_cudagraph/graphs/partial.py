@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import gc
 import logging
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -46,9 +45,10 @@ from fsdp_cudagraph.offload import offloader as _offload
 from fsdp_cudagraph.capture import args as _args
 from fsdp_cudagraph.capture import schedules as _schedules
 from fsdp_cudagraph.capture.schedules import CaptureReport, GraphedCallable as _Callable
-from fsdp_cudagraph.capture import state as _capture_state
+from fsdp_cudagraph.capture import protocol as _protocol
+from fsdp_cudagraph.capture import recipe as _recipe
 from fsdp_cudagraph.capture import streams as _streams
-from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher, attention_notice, mismatch_message
+from fsdp_cudagraph.capture.attention import AttentionBackendMatcher, before_capture, check_policy
 from fsdp_cudagraph.capture.te import require_te
 
 __all__ = ["PartialCudaGraphs", "CaptureReport", "BACKENDS", "select_modules", "match_graph_attention"]
@@ -124,11 +124,7 @@ class PartialCudaGraphs:
 
     def __init__(self, model: nn.Module, config: CudaGraphConfig, *, backend: Optional[str] = None,
                  attention_backend: str = "match_graph", clone_param_grads: bool = True) -> None:
-        if attention_backend not in ATTENTION_POLICIES:
-            raise ValueError(
-                f"attention_backend={attention_backend!r} is not one of {ATTENTION_POLICIES}; 'match_graph' runs "
-                "the eager steps with the attention backend the graph will use"
-            )
+        check_policy(attention_backend)
         self.config = config
         self.attention_backend = attention_backend
         self.clone_param_grads = clone_param_grads
@@ -205,11 +201,7 @@ class PartialCudaGraphs:
                 "unknown; run at least one eager training step (cuda_graph_warmup_steps >= 1) before capture()"
             )
         self.check_callables(self.callables)
-        mismatched = self._attention.mismatches()
-        if mismatched and self.attention_backend == "error":
-            raise RuntimeError("fsdp_cudagraph: cannot capture: " + mismatch_message(mismatched, "error"))
-        if mismatched:
-            attention_notice(mismatched, self.attention_backend, logger)  # one line, rank 0, once per process
+        before_capture(self._attention, self.attention_backend, logger)  # error refuses; else one line, rank 0
         attention_backends = {n: dict(s) for n, s in self._attention.selections.items()}
         self.stop_recording()
         self._attention.remove_hooks()  # graph makers refuse modules with hooks; capture selects as captured
@@ -336,13 +328,10 @@ class PartialCudaGraphs:
         _schedules.capture_protocol(order, wrappers, hooks, num_warmup_iters=n, install=install,
                                     region=self._simulated_capture)
 
-    @contextlib.contextmanager
-    def _simulated_capture(self) -> Iterator[None]:
+    def _simulated_capture(self) -> ContextManager[None]:
         # Our capture flag (offloading reads it) and, under an engine, the engine's guard ([Note: the engine
         # contract], item 4).
-        with _capture_state.simulated_capture(), (
-                self.engine.simulated_capture() if self.engine is not None else contextlib.nullcontext()):
-            yield
+        return _protocol.capture_pass(self.engine.simulated_capture() if self.engine is not None else None)
 
     # ------------------------------------------------------------------ calls with constants (see capture/args.py)
     def _wrappers(self, order: List[_Callable]) -> Dict[_Callable, _args.CallWrapper]:
@@ -428,9 +417,7 @@ class PartialCudaGraphs:
         if self.offload is not None:  # after the forwards above are back: it restores the modules' own
             self.offload.delete()
             self.offload = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _recipe.free_memory(cuda=torch.cuda.is_available())
 
 
 def match_graph_attention(model: nn.Module, config: CudaGraphConfig) -> AttentionBackendMatcher:
