@@ -60,7 +60,6 @@ buffers overwritten by the next replay of the same bucket.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import time
 import warnings
@@ -73,6 +72,7 @@ from torch import nn
 from fsdp_cudagraph.config import BACKENDS, CudaGraphConfig
 from fsdp_cudagraph.graphs.partial import PartialCudaGraphs
 from fsdp_cudagraph.capture import args as _args
+from fsdp_cudagraph.capture import recipe as _recipe
 from fsdp_cudagraph.capture import schedules as _schedules
 from fsdp_cudagraph.capture.schedules import CaptureReport, GraphedCallable
 from fsdp_cudagraph.capture.buckets import (Buckets, LengthArg, LengthSpec, PendingReplay, ReplayDone, block_diagonal_mask,
@@ -405,9 +405,7 @@ class LengthBucketGraphs:
                     c.module.__dict__.pop(attr, None)
                 c.sample_args = None
         self._captures = []
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _recipe.free_memory(cuda=torch.cuda.is_available())
 
 
 class _LengthDispatcher:

@@ -97,9 +97,7 @@ class OptimizerGraph:
     def reset(self) -> None:
         """Drop the graph (``delete()``)."""
         graph, self.graph = self.graph, None
-        reset = getattr(graph, "reset", None)
-        if callable(reset):
-            reset()
+        _recipe.reset_graph(graph)
         self.captured = False
         self.norm = None
 
