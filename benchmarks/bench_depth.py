@@ -31,19 +31,18 @@ per-unit collectives launch and hooks; the issue's goal is <= 0.15 ms per layer,
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
-import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+import _common  # noqa: F401,E402 - the repository root on sys.path
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+
+from _common import init_process_group, record_fields  # noqa: E402
+from fsdp_cudagraph.checker.records import write_record  # noqa: E402
 
 COLUMNS = ("plain_eager", "plain_graphed", "ours_eager", "ours_graphed", "fsdp2_eager", "fsdp2_graphed",
            "fsdp2_mp_eager", "fsdp2_mp_graphed")
@@ -212,17 +211,13 @@ def main(argv: List[str] = None) -> int:
     p.add_argument("--out", default=None, help="JSON record")
     p.add_argument("--profile", default=None, choices=COLUMNS, help="cProfile this column at the largest depth")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
+    device = init_process_group(cuda=args.device == "cuda", default_port=29541)
     if device.type == "cuda":
-        torch.cuda.set_device(0)
         args.dtype = torch.bfloat16
     else:
         print("bench_depth: no CUDA device; running the CPU smoke (Gloo, protocol backend, fp32): the script's "
               "path only, no graphs and no meaningful times. The figures need a GPU.")
         args.dtype = torch.float32
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     if device.type == "cuda":  # graphs need the thread off the legacy default stream from the first step on
         from fsdp_cudagraph import use_side_stream
 
@@ -255,12 +250,8 @@ def main(argv: List[str] = None) -> int:
             lo, hi = str(min(args.layers)), str(max(args.layers))
             if lo in per and hi in per and lo != hi:
                 summary[col + "_growth"] = per[hi] / per[lo]
-    record = {"config": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(args).items()},
-              "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "results": results,
-              "ms_per_layer": summary}
-    from fsdp_cudagraph.checker.records import versions, write_record
-
-    record["versions"] = versions()
+    record = {**record_fields(), "config": {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in vars(args).items()},
+              "results": results, "ms_per_layer": summary}
     print("ms per layer:", {k: ({d: round(x, 3) for d, x in v.items()} if isinstance(v, dict) else round(v, 3))
                             for k, v in summary.items()})
     if args.out:
