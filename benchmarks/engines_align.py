@@ -9,8 +9,11 @@ capture is refused before the replay; under NVIDIA Megatron-FSDP, its double buf
 bucket to the other slot is refused. Step times (median after ``--skip``) of eager vs graphed, side by
 side in one run; for FSDP2 also FSDP2 captured whole the torchtitan way (``_fsdp2_graph.py``).
 
-Engines: ``fsdp2`` (torch.distributed.fsdp.fully_shard per layer and root, keep_unsharded_storage; bf16
-parameters: the adapter refuses FSDP2 mixed precision that casts in hooks), ``megatron_fsdp`` (ours, bf16
+Engines: ``fsdp2`` (torch.distributed.fsdp.fully_shard per layer and root, keep_unsharded_storage, bf16
+parameters), its variants ``fsdp2_mp`` (fp32 sharded parameters under ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``, as FSDP2 users train), ``fsdp2_slots`` (bf16 parameters, ``use_unsharded_slots``: two
+preallocated slots, units alternating; 2+ ranks, skipped with the reason on one) and ``fsdp2_slots_mp`` (both;
+their extra control: a unit moved to the other slot after capture is refused), ``megatron_fsdp`` (ours, bf16
 compute, ZeRO-3 with double buffering), ``nvidia`` (NVIDIA Megatron-FSDP through megatron-core's bundled copy,
 ``megatron.core.distributed.fsdp.src.megatron_fsdp``: ZeRO-3, bf16 module, fp32 main parameters and gradients,
 ``fsdp_double_buffer`` and, where the version has it, ``fsdp_db_use_persist_buf_on_alloc_fail``; the unsafe
@@ -40,7 +43,19 @@ for _name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_D
 import _common  # noqa: F401,E402 - the repository root on sys.path
 
 
-ENGINES = ("fsdp2", "megatron_fsdp", "nvidia")
+ENGINES = ("fsdp2", "fsdp2_mp", "fsdp2_slots", "fsdp2_slots_mp", "megatron_fsdp", "nvidia")
+
+
+def fsdp2_unavailable(engine: str) -> Optional[str]:
+    """Why an FSDP2 variant cannot run here (None: it can): the slots need 2+ ranks."""
+    import torch.distributed as dist
+
+    if "slots" in engine and dist.get_world_size() < 2:
+        return (f"use_unsharded_slots needs 2+ ranks (world size {dist.get_world_size()}): on one rank FSDP2 copies "
+                "its all-gather into the outputs' storage directly")
+    return None
+
+
 def nvidia_unavailable() -> Optional[str]:
     """Why ``--engines nvidia`` cannot run here (None: it can): the alignment checker's own answer
     (``fsdp_cudagraph.checker.engines``), which imports megatron-core only when asked."""
@@ -95,18 +110,25 @@ def _model(engine: str, use_te: bool, seq: int, keep: bool = True):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=1024, hidden_size=256, num_layers=4, num_heads=4, seq_len=seq, use_te=use_te)
     gpt = GPT(cfg).to(device)
-    if engine == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+    if engine.startswith("fsdp2"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from fsdp_cudagraph.engines.fsdp2 import keep_unsharded_storage
+        from fsdp_cudagraph.engines.fsdp2_slots import use_unsharded_slots
 
-        gpt = gpt.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+        if engine.endswith("_mp"):  # fp32 shards, bf16 compute by FSDP2's policy
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        else:
+            policy = MixedPrecisionPolicy()
+            gpt = gpt.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
         for layer in gpt.layers:
-            fully_shard(layer)
-        fully_shard(gpt)
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(gpt, mp_policy=policy)
+        storage = "use_unsharded_slots" if "slots" in engine else "keep_unsharded_storage"
         if keep:
-            keep_unsharded_storage(gpt)
-        return gpt, cfg, torch.optim.Adam(gpt.parameters(), lr=1e-3), {"unsafe_setting": "no keep_unsharded_storage"}
+            (use_unsharded_slots if "slots" in engine else keep_unsharded_storage)(gpt)
+        return gpt, cfg, torch.optim.Adam(gpt.parameters(), lr=1e-3), {"unsafe_setting": f"no {storage}",
+                                                                       "storage": storage, "policy": repr(policy)}
     if engine == "nvidia":
         model, opt, info = _nvidia(gpt, device, keep)
         return model, cfg, opt, info
@@ -120,7 +142,7 @@ def _model(engine: str, use_te: bool, seq: int, keep: bool = True):
 
 
 def _full_params(engine: str, model, opt) -> Dict[str, Any]:
-    if engine == "fsdp2":
+    if engine.startswith("fsdp2"):
         return {n: p.full_tensor().float().cpu() for n, p in model.named_parameters()}
     if engine == "nvidia":  # this rank's optimizer parameters (the whole model on one rank), in the optimizer's order
         return {f"param_groups[{g}][{i}]": (p.to_local() if hasattr(p, "to_local") else p).detach().float().cpu()
@@ -201,7 +223,7 @@ def run(engine: str, backend: str, args: argparse.Namespace, *, mode: str) -> Di
         data.append((x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2]))
     config = CudaGraphConfig(cuda_graph_impl="transformer_engine" if backend == "te" else "local",
                              cuda_graph_modules=args.scope, cuda_graph_warmup_steps=3,
-                             use_megatron_fsdp=engine != "fsdp2", fsdp_double_buffer=True,
+                             use_megatron_fsdp=not engine.startswith("fsdp2"), fsdp_double_buffer=True,
                              fsdp_db_use_persist_buf_on_alloc_fail=True)
     graphs = matcher = whole = None
     if mode in ("graphed", "moved", "slot"):
@@ -225,6 +247,16 @@ def run(engine: str, backend: str, args: argparse.Namespace, *, mode: str) -> Di
             graphs.capture()
             if mode == "moved":
                 _move_a_parameter(engine, model)
+            elif mode == "slot" and engine.startswith("fsdp2"):
+                try:  # the FSDP2 double buffer asked to move a captured unit to the other slot
+                    from fsdp_cudagraph.engines.fsdp2_slots import slots_of
+
+                    slots = slots_of(model)
+                    unit = model.layers[1]
+                    slots.assign(unit, (slots.slot_of(unit) + 1) % slots.num_slots)
+                except RuntimeError as exc:
+                    error = str(exc)
+                    break
             elif mode == "slot":
                 try:
                     _take_a_planned_slot(model)
@@ -312,7 +344,7 @@ def main(argv=None) -> int:
     init_process_group(cuda=torch.cuda.is_available(), default_port=29533)
     rows, ok = [], True
     for engine in args.engines:
-        why = nvidia_unavailable() if engine == "nvidia" else None
+        why = nvidia_unavailable() if engine == "nvidia" else fsdp2_unavailable(engine)
         if why is not None:
             rows.append({"engine": engine, "skipped": why})
             if dist.get_rank() == 0:
@@ -326,7 +358,7 @@ def main(argv=None) -> int:
             graphed = run(engine, backend, args, mode="graphed")
             moved = run(engine, backend, args, mode="moved")
             refused = unsafe(engine, backend, args)
-            slot = run(engine, backend, args, mode="slot") if engine == "nvidia" else None
+            slot = run(engine, backend, args, mode="slot") if engine == "nvidia" or "slots" in engine else None
             loss_eq = [torch.equal(a, b) for a, b in zip(eager["losses"], graphed["losses"])]
             equal = (graphed["error"] is None and len(loss_eq) == args.steps and all(loss_eq)
                      and all(torch.equal(eager["params"][k], graphed["params"][k]) for k in eager["params"]))
@@ -341,7 +373,8 @@ def main(argv=None) -> int:
             if slot is not None and "slot_not_applicable" in slot["info"]:
                 row["slot_not_applicable"] = slot["info"]["slot_not_applicable"]
             elif slot is not None:
-                row["slot_caught"] = slot["error"] is not None and "out of its planned slot" in slot["error"]
+                row["slot_caught"] = slot["error"] is not None and any(
+                    w in slot["error"] for w in ("out of its planned slot", "was captured reading its unsharded"))
                 row["slot_error"] = (slot["error"] or "")[:400]
             if engine == "fsdp2" and torch.cuda.is_available():
                 whole = run(engine, backend, args, mode="whole")

@@ -26,9 +26,11 @@ Engines (``engine=`` / ``--engine``; how each shards the model: ``checker/engine
 - ``megatron_fsdp`` (default): this project's ``fully_shard``, ZeRO-3 with its double buffer; compute in
   ``--dtype``, fp32 main parameters. CPU (Gloo) or GPU.
 - ``fsdp2``: PyTorch's ``torch.distributed.fsdp.fully_shard`` on each unit, then the root, with
-  ``keep_unsharded_storage``. ``--dtype`` is the dtype the model is cast to (parameters, gradients and
-  optimizer state): FSDP2's ``MixedPrecisionPolicy`` casts in hooks a per-layer graph skips, and the FSDP2
-  adapter refuses it. ``--strategy`` ``optim_grads_params`` or ``optim_grads``. CPU (Gloo) or GPU.
+  ``keep_unsharded_storage`` (``--fsdp2-storage slots``: ``use_unsharded_slots``, two slots, ZeRO-3 memory,
+  2+ ranks). ``--dtype`` is the dtype the model is cast to (parameters, gradients and optimizer state);
+  ``--fsdp2-mp bf16`` instead keeps fp32 sharded parameters under ``MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)``, as FSDP2 users train (its casts run in FSDP2's hooks, around each replay as around
+  the eager call). ``--strategy`` ``optim_grads_params`` or ``optim_grads``. CPU (Gloo) or GPU.
 - ``nvidia``: NVIDIA Megatron-FSDP through megatron-core (``pip install 'megatron-core==0.19.2'``), ZeRO-3
   with its double buffer, module in ``--dtype``, fp32 main parameters; the final parameters are compared
   shard by shard. GPU only: refused before any work elsewhere.
@@ -68,7 +70,7 @@ from fsdp_cudagraph.config import CudaGraphConfig
 from fsdp_cudagraph.graphs import partial as _capture
 from fsdp_cudagraph.capture.te import HAS_TE
 from fsdp_cudagraph.checker.divergence import StepRecorder, describe_divergence, first_divergence
-from fsdp_cudagraph.checker.engines import ENGINES, EngineBuilder, engine_builder
+from fsdp_cudagraph.checker.engines import ENGINES, EngineBuilder, check_options, engine_builder
 from fsdp_cudagraph.checker.records import write_record
 
 __all__ = ["ModelSpec", "AlignmentReport", "check_alignment", "main"]
@@ -207,7 +209,8 @@ def _perturb(graphed: Callable[..., Any]) -> Callable[..., Any]:
 
 def _train(factory: Callable[[torch.device], ModelSpec], *, engine: EngineBuilder, graphed: bool,
            device: torch.device, backend: str, config: CudaGraphConfig, steps: int, seed: int,
-           sharding_strategy: str, compute_dtype: Optional[torch.dtype], perturb: Optional[str]) -> Dict[str, Any]:
+           sharding_strategy: str, compute_dtype: Optional[torch.dtype], perturb: Optional[str],
+           engine_options: Dict[str, Any]) -> Dict[str, Any]:
     torch.manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.manual_seed_all(seed)
@@ -215,8 +218,9 @@ def _train(factory: Callable[[torch.device], ModelSpec], *, engine: EngineBuilde
     if not isinstance(spec, ModelSpec):
         raise TypeError(f"the model factory returned {type(spec).__name__}; it must return a "
                         "fsdp_cudagraph.check.ModelSpec(model=..., unit_modules=..., batch=..., loss=...)")
+    extra = {"options": engine_options} if engine_options else {}
     run = engine.build(spec.model, unit_modules=spec.unit_modules, make_optimizer=spec.make_optimizer, device=device,
-                       sharding_strategy=sharding_strategy, compute_dtype=compute_dtype)
+                       sharding_strategy=sharding_strategy, compute_dtype=compute_dtype, **extra)
     model, opt, root, precision = run.model, run.optimizer, run.root, run.precision
     watched = _capture.select_modules(root, model, config)
     graphs = _capture.PartialCudaGraphs(model, config, backend=backend) if graphed else None
@@ -280,13 +284,17 @@ def check_alignment(
     device: Optional[torch.device] = None,
     perturb: Optional[str] = None,
     engine: str = "megatron_fsdp",
+    engine_options: Optional[Dict[str, Any]] = None,
 ) -> AlignmentReport:
     """Train ``factory``'s model eagerly and with partial graphs; compare per step; localise a mismatch.
 
     ``engine``: ``megatron_fsdp`` (default), ``fsdp2`` or ``nvidia`` (see the module docstring); an unknown
     name (``ValueError``) or an engine this machine cannot run (``ImportError``/``RuntimeError``, e.g.
-    ``nvidia`` without a GPU) is refused before the factory is called. ``sharding_strategy`` and
-    ``compute_dtype`` are read per engine (``fsdp2``: the model is cast to ``compute_dtype``).
+    ``nvidia`` without a GPU) is refused before the factory is called. ``engine_options``: the engine's own
+    settings (``fsdp2``: ``storage`` keep|slots, ``mixed_precision`` None|bf16; see ``checker/engines.py``);
+    a key the engine does not take is refused (``ValueError``) before any work. ``sharding_strategy`` and
+    ``compute_dtype`` are read per engine (``fsdp2``: the model is cast to ``compute_dtype`` unless
+    ``mixed_precision`` is set).
 
     Needs an initialised process group (every rank calls it; the verdict is agreed over ranks). Scope:
     ``cuda_graph_modules`` (tags) or ``cuda_graph_module_patterns`` (globs or class names); neither means
@@ -305,6 +313,7 @@ def check_alignment(
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                         else torch.device("cpu"))
     builder = engine_builder(engine, device)  # an unknown or unavailable engine is refused before any work
+    engine_options = check_options(builder, engine_options)
     if not dist.is_initialized():
         raise RuntimeError(f"check_alignment needs an initialised process group (engine {engine} shards over it); "
                            "call torch.distributed.init_process_group first, or run python -m fsdp_cudagraph.check")
@@ -320,7 +329,7 @@ def check_alignment(
         fsdp_double_buffer=builder.use_megatron_fsdp, fsdp_db_use_persist_buf_on_alloc_fail=builder.use_megatron_fsdp,
     )
     common = dict(engine=builder, device=device, backend=backend, config=config, steps=steps, seed=seed,
-                  sharding_strategy=sharding_strategy, compute_dtype=compute_dtype)
+                  sharding_strategy=sharding_strategy, compute_dtype=compute_dtype, engine_options=engine_options)
     with _deterministic_kernels():
         logger.info("check_alignment: engine %s, eager run, %d steps", engine, steps)
         eager = _train(factory, graphed=False, perturb=None, **common)
@@ -437,20 +446,34 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="sharding strategy (fsdp2: optim_grads_params or optim_grads)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="compute dtype (default bf16 on CUDA, fp32 on CPU; fsdp2: the dtype the model is cast to)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    p.add_argument("--fsdp2-storage", choices=["keep", "slots"], default=None,
+                   help="engine fsdp2: keep (keep_unsharded_storage, default) or slots (use_unsharded_slots, 2+ ranks)")
+    p.add_argument("--fsdp2-mp", choices=["bf16"], default=None,
+                   help="engine fsdp2: fp32 sharded parameters with MixedPrecisionPolicy(param_dtype=bf16, "
+                        "reduce_dtype=fp32) instead of casting the model to --dtype")
     p.add_argument("--perturb", default=None, help="negative control: perturb this callable's graphed output")
     p.add_argument("--json", default=None, help="write the report as JSON (rank 0)")
     args = p.parse_args(argv)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS; before CUDA starts
     logging.basicConfig(level=logging.WARNING)
+    engine_options = {k: v for k, v in (("storage", args.fsdp2_storage), ("mixed_precision", args.fsdp2_mp))
+                      if v is not None}
+    if engine_options and args.engine != "fsdp2":
+        p.error(f"--fsdp2-storage/--fsdp2-mp are options of --engine fsdp2, not --engine {args.engine}")
+    if args.fsdp2_mp and args.dtype not in (None, "fp32"):
+        p.error(f"--fsdp2-mp {args.fsdp2_mp} keeps fp32 parameters and computes in the policy's dtype; drop "
+                f"--dtype {args.dtype}")
     kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device = _init_process_group(kind)
-    dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype: Optional[torch.dtype] = None  # --fsdp2-mp: fp32 sharded parameters, the policy computes in bf16
+    if not args.fsdp2_mp:
+        dtype = _DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:
         report = check_alignment(
             load_factory(args.model), steps=args.steps, capture_step=args.capture_step, backend=args.backend,
             cuda_graph_modules=args.modules, cuda_graph_module_patterns=args.patterns,
             sharding_strategy=args.strategy, compute_dtype=dtype, device=device, perturb=args.perturb,
-            engine=args.engine,
+            engine=args.engine, engine_options=engine_options,
         )
         if args.perturb:
             ok = not report.equal and report.culprit == args.perturb

@@ -14,10 +14,14 @@ Engines:
 
 - ``megatron_fsdp``: this project's engine, ``fully_shard`` with the double buffer and persistent buffers
   (address-stable ZeRO-3); ``compute_dtype`` is its compute dtype, main parameters stay fp32.
-- ``fsdp2``: PyTorch's ``torch.distributed.fsdp.fully_shard`` on every unit module, then the root, with
-  ``keep_unsharded_storage`` (see docs/engines.md). ``compute_dtype`` is the dtype the model is cast to
-  before sharding: parameters, gradients and optimizer state in that dtype. The checker does not apply
-  FSDP2's own ``MixedPrecisionPolicy`` (the adapter accepts it: docs/engines.md, "PyTorch FSDP2").
+- ``fsdp2``: PyTorch's ``torch.distributed.fsdp.fully_shard`` on every unit module, then the root. Options
+  (``engine_options``): ``storage`` ``keep`` (default: ``keep_unsharded_storage``, every unit's unsharded
+  parameters held) or ``slots`` (``use_unsharded_slots``: two preallocated slots, units alternating, ZeRO-3
+  memory; 2+ ranks); ``mixed_precision`` ``None`` (default: the model is cast to ``compute_dtype`` before
+  sharding, parameters, gradients and optimizer state in that dtype) or ``bf16`` (fp32 sharded parameters
+  and optimizer state, ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on every unit and
+  the root, as FSDP2 and torchtitan train; ``compute_dtype`` must then be None or float32). See
+  docs/engines.md, "PyTorch FSDP2".
 - ``nvidia``: NVIDIA Megatron-FSDP through megatron-core's bundled copy
   (``megatron.core.distributed.fsdp.src.megatron_fsdp``), ZeRO-3 with ``fsdp_double_buffer`` and, where the
   version has it (0.6.1), ``fsdp_db_use_persist_buf_on_alloc_fail``; the module is cast to ``compute_dtype``
@@ -40,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ENGINES", "EngineBuilder", "ShardedRun", "engine_builder", "unit_classes", "NVIDIA_PIP"]
+__all__ = ["ENGINES", "EngineBuilder", "ShardedRun", "engine_builder", "check_options", "unit_classes", "NVIDIA_PIP"]
 
 #: What installs NVIDIA Megatron-FSDP 0.6.1 (megatron-core's bundled copy), the version checked on a GPU.
 NVIDIA_PIP = "pip install 'megatron-core==0.19.2'"
@@ -79,6 +83,19 @@ class EngineBuilder:
     use_megatron_fsdp: bool
     #: what makes it available, for the refusal
     fix: str = ""
+    #: the ``engine_options`` keys ``build`` takes (passed as ``options=``); others are refused
+    options: Tuple[str, ...] = ()
+
+
+def check_options(builder: EngineBuilder, options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """``options`` for ``builder``, refusing a key the engine does not take (ValueError naming the keys it does)."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(builder.options))
+    if unknown:
+        takes = f"it takes {list(builder.options)}" if builder.options else "it takes none"
+        raise ValueError(f"engine_options {unknown} are not options of engine={builder.name!r} ({takes}); drop them "
+                         "or pick the engine they belong to")
+    return options
 
 
 def _is_unit(module: nn.Module, unit_modules: Sequence[UnitSpec]) -> bool:
@@ -133,12 +150,36 @@ def _build_megatron_fsdp(model: nn.Module, *, unit_modules: Sequence[UnitSpec], 
 _FSDP2_RESHARD = {"optim_grads_params": True, "optim_grads": False}
 
 
+#: ``mixed_precision`` option -> FSDP2 MixedPrecisionPolicy arguments (fp32 sharded parameters).
+FSDP2_MIXED_PRECISION = {"bf16": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}}
+FSDP2_STORAGE = ("keep", "slots")
+
+
 def _build_fsdp2(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_optimizer: MakeOptimizer,
-                 device: torch.device, sharding_strategy: str, compute_dtype: Optional[torch.dtype]) -> ShardedRun:
+                 device: torch.device, sharding_strategy: str, compute_dtype: Optional[torch.dtype],
+                 options: Optional[Dict[str, Any]] = None) -> ShardedRun:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fsdp_cudagraph.engines.fsdp2 import keep_unsharded_storage
+    from fsdp_cudagraph.engines.fsdp2_slots import use_unsharded_slots
+
+    options = options or {}
+    storage, mixed = options.get("storage", "keep"), options.get("mixed_precision")
+    if storage not in FSDP2_STORAGE:
+        raise ValueError(f"engine_options storage={storage!r} is not one of {FSDP2_STORAGE} (keep: "
+                         "keep_unsharded_storage; slots: use_unsharded_slots, the double buffer)")
+    if mixed is not None and mixed not in FSDP2_MIXED_PRECISION:
+        raise ValueError(f"engine_options mixed_precision={mixed!r} is not None or one of "
+                         f"{sorted(FSDP2_MIXED_PRECISION)}")
+    if mixed is not None and compute_dtype not in (None, torch.float32):
+        raise ValueError(f"engine_options mixed_precision={mixed!r} keeps fp32 sharded parameters and computes in the "
+                         f"policy's param_dtype, but compute_dtype={compute_dtype} would cast the model first; pass "
+                         "compute_dtype=None (--dtype fp32 or no --dtype) with it")
+    if storage == "slots" and dist.get_world_size() < 2:
+        raise RuntimeError(f"engine_options storage='slots' needs 2+ ranks (world size {dist.get_world_size()}): "
+                           "on one rank FSDP2 copies its all-gather into the outputs' storage directly; use "
+                           "storage='keep' on one rank")
 
     if sharding_strategy not in _FSDP2_RESHARD:
         raise ValueError(
@@ -146,28 +187,36 @@ def _build_fsdp2(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_opt
             f"optimizer state alike; choose one of {sorted(_FSDP2_RESHARD)} (optim_grads_params: "
             "reshard_after_forward=True, ZeRO-3; optim_grads: reshard_after_forward=False)")
     reshard = _FSDP2_RESHARD[sharding_strategy]
-    if compute_dtype is not None:
+    if compute_dtype is not None and mixed is None:
         model = model.to(compute_dtype)
     unit_classes(model, unit_modules, engine="fsdp2")  # refuses specs that select nothing
     units = [m for m in model.modules() if m is not model and _is_unit(m, unit_modules)]
     # The mesh on the checker's device: FSDP2's default mesh takes the machine's accelerator, which on a GPU
     # machine checking on the CPU (Gloo) would not be the model's device.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(**FSDP2_MIXED_PRECISION[mixed]) if mixed else MixedPrecisionPolicy()
     for m in reversed(units):  # inner units first, as FSDP2 wants nested units sharded bottom-up
-        fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    keep_unsharded_storage(model)
+        fully_shard(m, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    if storage == "slots":
+        use_unsharded_slots(model)
+    else:
+        keep_unsharded_storage(model)
     # The sharded DTensors the optimizer holds: FSDP2 registers them on the modules between steps, and writes
     # the reduced gradient shard into their .grad at post-backward.
     named = list(model.named_parameters())
-    dtype = compute_dtype or next(model.parameters()).dtype
+    dtype = next(model.parameters()).dtype
+    if mixed:
+        precision = (f"{dtype} sharded parameters and optimizer state, MixedPrecisionPolicy(param_dtype=bfloat16, "
+                     "reduce_dtype=float32)")
+    else:
+        precision = f"parameters, gradients and optimizer state in {dtype} (model cast before fully_shard)"
+    storage_text = "keep_unsharded_storage" if storage == "keep" else "use_unsharded_slots (2 slots)"
     return ShardedRun(
         model=model, root=model, optimizer=make_optimizer([p for _, p in named]),
         named_parameters=lambda: named,
         final_parameters=lambda: {n: _cpu(p.full_tensor()) for n, p in model.named_parameters()},
-        precision=(f"parameters, gradients and optimizer state in {dtype} (model cast before fully_shard, no "
-                   f"MixedPrecisionPolicy), "
-                   f"reshard_after_forward={reshard}, keep_unsharded_storage"),
+        precision=f"{precision}, reshard_after_forward={reshard}, {storage_text}",
     )
 
 
@@ -244,7 +293,8 @@ def _build_nvidia(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_op
 
 ENGINES: Dict[str, EngineBuilder] = {
     "megatron_fsdp": EngineBuilder("megatron_fsdp", _build_megatron_fsdp, lambda device: None, True),
-    "fsdp2": EngineBuilder("fsdp2", _build_fsdp2, _fsdp2_unavailable, False, fix="use torch >= 2.11"),
+    "fsdp2": EngineBuilder("fsdp2", _build_fsdp2, _fsdp2_unavailable, False, fix="use torch >= 2.11",
+                           options=("storage", "mixed_precision")),
     "nvidia": EngineBuilder("nvidia", _build_nvidia, _nvidia_unavailable, True,
                             fix=f"{NVIDIA_PIP} and run on a GPU (--device cuda)"),
 }

@@ -162,5 +162,31 @@ def test_engines_align_script_cpu_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     ran = [r for r in rows if "skipped" not in r]
-    assert {r["engine"] for r in ran} == {"fsdp2", "megatron_fsdp"}
+    assert {r["engine"] for r in ran} == {"fsdp2", "fsdp2_mp", "megatron_fsdp"}
     assert all(r["equal"] and r["moved_caught"] and r["unsafe_refused"] for r in ran), ran
+    skipped = {r["engine"]: r["skipped"] for r in rows if "skipped" in r}
+    assert all("needs 2+ ranks (world size 1)" in skipped[e] for e in ("fsdp2_slots", "fsdp2_slots_mp")), skipped
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the real thing (benchmarks/tools/gpu_record.sh)")
+def test_engines_align_script_fsdp2_slots_on_two_ranks(tmp_path):
+    """The same script on 2 Gloo ranks for FSDP2 with the double buffer and mixed precision: equal, and the
+    slot control (a captured unit asked to move to the other slot) refused."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.dist_utils import _free_port
+    from tests.gpu_utils import ROOT
+
+    out = tmp_path / "ea2.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(_free_port()), "benchmarks/engines_align.py", "--cpu-smoke", "--steps", "6", "--skip",
+                           "2", "--engines", "fsdp2_slots_mp", "--backends", "torch", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(__import__("os").environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["engine"] == "fsdp2_slots_mp" and row["equal"] and row["moved_caught"] and row["unsafe_refused"], row
+    assert row["slot_caught"] and "was captured reading its unsharded parameters in slot" in row["slot_error"], row
+    assert row["engine_info"]["storage"] == "use_unsharded_slots" and "bfloat16" in row["engine_info"]["policy"]

@@ -58,6 +58,12 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
         "perturb": check_alignment(gpt_factory, cuda_graph_modules=["attn", "mlp"], perturb="layers.2.mlp",
                                    **kw).to_dict(),
         "optim_grads": check_alignment(gpt_factory, sharding_strategy="optim_grads", **kw).to_dict(),
+        "slots": check_alignment(gpt_factory, engine_options={"storage": "slots"}, **kw).to_dict(),
+        "mp": check_alignment(gpt_factory, engine_options={"mixed_precision": "bf16"}, **kw).to_dict(),
+        "slots_mp": check_alignment(gpt_factory, engine_options={"storage": "slots", "mixed_precision": "bf16"},
+                                    **kw).to_dict(),
+        "slots_perturb": check_alignment(gpt_factory, engine_options={"storage": "slots"},
+                                         perturb="layers.1", **kw).to_dict(),
         "grads": _recorded_fsdp2_grads(),
         "names": [n for n, _ in gpt_factory(torch.device("cpu")).model.named_parameters()],
     }
@@ -87,6 +93,47 @@ def test_fsdp2_checker_says_equal(checks):
         assert r["culprit"] is None and r["divergence"] is None and r["unknown_hooks"] == []
         r = res["optim_grads"]
         assert r["equal"] and "reshard_after_forward=False" in r["precision"], r["steps"]
+
+
+@pytest.mark.gloo
+def test_fsdp2_checker_with_slots_and_mixed_precision_says_equal(checks):
+    """The checker's FSDP2 options: the double buffer (use_unsharded_slots), FSDP2's MixedPrecisionPolicy with fp32
+    shards, and both; each EQUAL, and the policy really applied (its losses differ from the fp32 run's)."""
+    for res in checks:
+        for key, words in (("slots", ["use_unsharded_slots"]), ("mp", ["MixedPrecisionPolicy", "torch.float32"]),
+                           ("slots_mp", ["use_unsharded_slots", "MixedPrecisionPolicy"])):
+            r = res[key]
+            assert all(w in r["precision"] for w in words), (key, r["precision"])
+            assert r["equal"] and r["params_equal"] and [s["equal"] for s in r["steps"]] == [True] * STEPS, (key, r)
+            assert all(c["replays"] == STEPS - CAPTURE for c in r["calls"].values()), (key, r["calls"])
+        assert res["mp"]["steps"] != res["equal"]["steps"]  # bf16 compute: not the fp32 run's numbers
+        r = res["slots_perturb"]
+        assert not r["equal"] and r["culprit"] == "layers.1", (r["culprit"], r["divergence"])
+
+
+def test_engine_options_are_checked_before_any_work():
+    """An option another engine owns, an unknown storage, mixed precision with a cast, slots on one rank."""
+    cases = [
+        (dict(engine="megatron_fsdp", engine_options={"storage": "slots"}),
+         ["engine_options ['storage'] are not options of engine='megatron_fsdp'", "it takes none"]),
+        (dict(engine="fsdp2", engine_options={"offload": True}),
+         ["['offload']", "it takes ['storage', 'mixed_precision']"]),
+    ]
+    for kw, words in cases:
+        with pytest.raises(ValueError) as info:
+            check_alignment(_must_not_build, device=torch.device("cpu"), **kw)
+        assert all(w in str(info.value) for w in words), str(info.value)
+    from tests.apps._models import gpt_factory as factory
+
+    build = ENGINES["fsdp2"].build
+    common = dict(unit_modules=factory(torch.device("cpu")).unit_modules, make_optimizer=None,
+                  device=torch.device("cpu"), sharding_strategy="optim_grads_params")
+    with pytest.raises(ValueError, match=r"storage='disk' is not one of \('keep', 'slots'\)"):
+        build(factory(torch.device("cpu")).model, compute_dtype=None, options={"storage": "disk"}, **common)
+    with pytest.raises(ValueError, match=r"mixed_precision='bf16' keeps fp32 sharded parameters .* "
+                                         r"compute_dtype=torch.bfloat16 would cast"):
+        build(factory(torch.device("cpu")).model, compute_dtype=torch.bfloat16,
+              options={"mixed_precision": "bf16"}, **common)
 
 
 @pytest.mark.gloo
@@ -126,6 +173,12 @@ def test_checker_command_line_with_fsdp2(tmp_path):
     assert "engine fsdp2, backend protocol" in proc.stdout and "verdict: EQUAL" in proc.stdout, proc.stdout
     rec = json.loads(out.read_text())
     assert rec["ok"] and rec["engine"] == "fsdp2" and rec["world_size"] == 1 and len(rec["steps"]) == 4
+    # The FSDP2 options on the command line: slots need 2+ ranks (refused on this one), and they belong to fsdp2.
+    proc = run_entry(cmd[:-2] + ["--fsdp2-storage", "slots"], env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert proc.returncode != 0 and "storage='slots' needs 2+ ranks (world size 1)" in proc.stderr, proc.stderr[-2000:]
+    bad = [a if a != "fsdp2" else "megatron_fsdp" for a in cmd[:-2]] + ["--fsdp2-mp", "bf16"]
+    proc = run_entry(bad, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert proc.returncode == 2 and "are options of --engine fsdp2, not --engine megatron_fsdp" in proc.stderr
 
 
 def _must_not_build(device: torch.device) -> ModelSpec:
