@@ -8,8 +8,9 @@
 #   align           the partial-graph alignment matrix (python -m fsdp_cudagraph.apps.align: TE and torch
 #                   backends) on 1 GPU and on NPROC                                  -> align-{1,N}gpu.json
 #   full_iteration  the full-iteration alignment matrix on 1 GPU and on NPROC        -> fi-align-{1,N}gpu.json
-#   engines         benchmarks/engines_align.py (fsdp2, megatron_fsdp, nvidia) on 1 and NPROC, the alignment
-#                   checker (python -m fsdp_cudagraph.check) per engine on NPROC, NCCL's AVG against the
+#   engines         benchmarks/engines_align.py (fsdp2 and its slots/mp variants, megatron_fsdp, nvidia) on 1
+#                   and NPROC, the alignment checker (python -m fsdp_cudagraph.check) per engine and FSDP2
+#                   setting on NPROC (FSDP2 mixed precision also on 1), NCCL's AVG against the
 #                   pre-scaled SUM (tests/gpu/nccl_average.py) on NPROC; nvidia needs megatron-core
 #                   (e.g. PYTHONPATH=/tmp/site)                                       -> engines-*.json, check-*.json
 #   pytest          pytest -m gpu with per-test durations (PYTEST_SELECT: a -k expression; the 2-GPU tests
@@ -86,13 +87,18 @@ stage_full_iteration() {
 stage_engines() {
   step engines-1gpu.log $ONE timeout 200 python3 benchmarks/engines_align.py --out "$OUT/engines-1gpu.json"
   tail -12 "$OUT/engines-1gpu.log"
+  step check-fsdp2-mp-bf16-1gpu.log $ONE timeout 100 python3 -m fsdp_cudagraph.check --engine fsdp2 --fsdp2-mp bf16 \
+    --model tests.apps.test_check_engines:dense_gpt_factory --json "$OUT/check-fsdp2-mp-bf16-1gpu.json"
+  tail -3 "$OUT/check-fsdp2-mp-bf16-1gpu.log"
   if multi; then
     step engines-${N}gpu.log timeout 200 $RUN_N benchmarks/engines_align.py --out "$OUT/engines-${N}gpu.json"
     tail -12 "$OUT/engines-${N}gpu.log"
-    for e in fsdp2 megatron_fsdp nvidia; do
-      step check-$e-${N}gpu.log timeout 100 $RUN_N -m fsdp_cudagraph.check --engine $e \
-        --model tests.apps.test_check_engines:dense_gpt_factory --json "$OUT/check-$e-${N}gpu.json"
-      tail -3 "$OUT/check-$e-${N}gpu.log"
+    for e in fsdp2 megatron_fsdp nvidia "fsdp2 --fsdp2-storage slots" "fsdp2 --fsdp2-mp bf16" \
+             "fsdp2 --fsdp2-storage slots --fsdp2-mp bf16"; do
+      local tag=$(echo "$e" | sed 's/ --fsdp2-storage /-/; s/ --fsdp2-mp /-mp-/')
+      step check-$tag-${N}gpu.log timeout 100 $RUN_N -m fsdp_cudagraph.check --engine $e \
+        --model tests.apps.test_check_engines:dense_gpt_factory --json "$OUT/check-$tag-${N}gpu.json"
+      tail -3 "$OUT/check-$tag-${N}gpu.log"
     done
     step nccl-average-${N}gpu.log timeout 60 $RUN_N tests/gpu/nccl_average.py --out "$OUT/nccl-average-${N}gpu.json"
     tail -3 "$OUT/nccl-average-${N}gpu.log"
