@@ -1,0 +1,509 @@
+"""megatron-core's own ``GPTModel`` (dense and MoE) under an FSDP engine, eager against partial CUDA graphs.
+
+The model is built as megatron-core users build it: ``parallel_state.initialize_model_parallel`` (TP = PP =
+EP = 1) over the existing default process group, a ``TransformerConfig``, TransformerEngine's layer spec
+(``get_gpt_layer_with_transformer_engine_spec``) when TE is importable, else megatron-core's local spec
+(``get_gpt_layer_local_spec``), and ``GPTModel``. The FSDP unit is ``TransformerLayer``. Models:
+
+- ``dense``: a GPT with a dense MLP;
+- ``moe_alltoall`` / ``moe_allgather``: every layer a dropless MoE (``num_moe_experts``, top-k routing),
+  with the ``alltoall`` or ``allgather`` token dispatcher; with TE, ``moe_grouped_gemm`` (``TEGroupedMLP``)
+  and ``moe_permute_fusion`` are on, without TE the local ``SequentialMLP`` and the unfused permute run.
+
+What is graphed (scopes, :data:`SCOPES`; see [Note: megatron-core modules as graph scopes]):
+
+- ``layer``: whole ``TransformerLayer`` units (dense only);
+- ``attn``: ``self_attention`` (with TE's spec the input layernorm is fused into ``linear_qkv``, so it is in
+  the graph; with the local spec ``input_layernorm`` is a module of its own and stays eager);
+- ``attn_mlp`` (dense): ``self_attention`` and ``mlp``;
+- ``attn_router`` (MoE): ``self_attention`` and ``mlp.router`` (``TopKRouter``): the graph returns the
+  routing probabilities and map; dispatch preprocess (permute), the counts' host copy, the experts, the
+  combine and the residual add run eagerly between graphs.
+
+Refused (``ValueError`` before any work): ``moe_preprocess`` (megatron-core's dispatch preprocess is a method
+of the token dispatcher, not a module), ``moe``/``layer``/``mlp`` on an MoE model (dropless experts copy their
+per-expert counts to the host), a router with an auxiliary loss (it records into a Python-side tracker),
+and Megatron's own graph machinery switched on (:func:`check_megatron_graphs_off`).
+
+Run (1 GPU, 2 GPUs, CPU on Gloo with the protocol backend)::
+
+    python -m fsdp_cudagraph.apps.mcore_gpt --engine megatron_fsdp --model moe_alltoall --scope attn_router
+    torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.mcore_gpt --engine nvidia --model dense --scope layer
+    python -m fsdp_cudagraph.apps.mcore_gpt --device cpu --model moe_allgather --scope attn_router --json r.json
+
+and through the alignment checker (the factories :func:`dense`, :func:`moe_alltoall`, :func:`moe_allgather`
+tag ``self_attention`` as ``attn``, a dense ``mlp`` as ``mlp`` and ``mlp.router`` as ``moe_router``)::
+
+    python -m fsdp_cudagraph.check --engine nvidia --model fsdp_cudagraph.apps.mcore_gpt:moe_alltoall \\
+        --modules attn moe_router
+
+On the CPU, megatron-core calls a few CUDA-only functions; :func:`cpu_shims` replaces them (see its
+docstring): the model's math is megatron-core's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["HAS_MCORE", "MCORE_REASON", "MCORE_VERSION", "MCoreShape", "MODELS", "SCOPES", "cpu_shims",
+           "init_parallel_state", "build", "tag_modules", "scope_patterns", "check_megatron_graphs_off", "batch",
+           "loss", "spec", "dense", "moe_alltoall", "moe_allgather", "run", "main"]
+
+logger = logging.getLogger(__name__)
+
+try:  # pragma: no cover - depends on the machine
+    import megatron.core as _mcore
+    from megatron.core import parallel_state as _ps
+
+    HAS_MCORE = True
+    MCORE_REASON = ""
+    MCORE_VERSION: Optional[str] = getattr(_mcore, "__version__", None)
+except Exception as exc:  # ImportError, or a megatron-core that fails at import
+    HAS_MCORE = False
+    MCORE_REASON = (f"megatron-core is not importable ({type(exc).__name__}: {exc}); install it with: "
+                    "pip install 'megatron-core==0.19.2'")
+    MCORE_VERSION = None
+
+
+@dataclasses.dataclass
+class MCoreShape:
+    """Model and batch size. ``num_experts=None``: dense. ``micro_batch_size`` is per rank."""
+
+    vocab_size: int = 128
+    hidden_size: int = 32
+    ffn_hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    seq_len: int = 16
+    micro_batch_size: int = 2
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 32
+    moe_token_dispatcher_type: str = "alltoall"
+    #: None: on with TE, off without (both need TE)
+    moe_grouped_gemm: Optional[bool] = None
+    moe_permute_fusion: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
+            raise ValueError(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r} is not 'alltoall' or "
+                             "'allgather' (the flex dispatcher needs DeepEP/HybridEP, not checked here)")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size({self.hidden_size}) % num_heads({self.num_heads}) != 0")
+
+
+#: model name -> shape overrides (on top of the device's base shape)
+MODELS: Dict[str, Dict[str, Any]] = {
+    "dense": {},
+    "moe_alltoall": {"num_experts": 4, "moe_token_dispatcher_type": "alltoall"},
+    "moe_allgather": {"num_experts": 4, "moe_token_dispatcher_type": "allgather"},
+}
+
+#: A shape a GPU run is worth doing with (bf16 on an H100; still seconds per run).
+GPU_BASE = dict(vocab_size=1024, hidden_size=512, ffn_hidden_size=1536, num_layers=4, num_heads=8, seq_len=256,
+                micro_batch_size=2, moe_ffn_hidden_size=512)
+
+# [Note: megatron-core modules as graph scopes]
+# Our PartialCudaGraphs graphs modules. In a megatron-core TransformerLayer:
+# - attn -> `self_attention` (SelfAttention). With TE's spec `input_layernorm` is IdentityOp and the norm is
+#   fused into `linear_qkv` (TELayerNormColumnParallelLinear), so the graph holds norm + attention + proj, as
+#   Megatron's own `attn` scope does; with the local spec the norm is a separate module left eager.
+# - mlp -> `mlp` when it is an MLP (dense). On an MoE model `mlp` is the MoELayer: refused like `moe`.
+# - moe_router -> `mlp.router` (TopKRouter): gating linear, top-k, probabilities and routing map, all of
+#   static shape. Without an aux loss it has no side effect (with one, it writes into a Python-side tracker
+#   that a replay would not update: refused).
+# - moe_preprocess: in megatron-core the dispatch preprocess is `MoELayer.preprocess` ->
+#   `token_dispatcher.dispatch_preprocess`, a method of a dispatcher that is not an nn.Module. Megatron graphs it
+#   by stopping its whole-layer graph early (MoECudaGraphPartialCaptureSignal); we graph modules, so it has no
+#   module to graph and runs eagerly after the router's graph. Refused by name rather than silently dropped.
+# - moe (the MoELayer) and whole MoE layers: dropless experts copy `tokens_per_expert` to the host
+#   (`.tolist()` in TEGroupedMLP/SequentialMLP, the alltoall dispatcher's D2H sync, allgather's `.cpu()`):
+#   uncapturable, as Megatron refuses `moe` for dropless MoE. Refused.
+# Megatron's own graph machinery stays off: `TransformerConfig.cuda_graph_impl` must be "none" (then
+# `MegatronModule.__call__` finds no `cudagraph_manager` and `_should_call_te_cudagraph` is False, so it falls
+# through to nn.Module.__call__, whose `forward` our dispatcher replaces), and the MoE decorators
+# (`maybe_skip_or_early_return_by_cudagraph`) only act when cuda_graph_impl == "transformer_engine".
+SCOPES: Dict[str, Tuple[str, ...]] = {
+    "layer": (),
+    "attn": ("decoder.layers.*.self_attention",),
+    "attn_mlp": ("decoder.layers.*.self_attention", "decoder.layers.*.mlp"),
+    "attn_router": ("decoder.layers.*.self_attention", "decoder.layers.*.mlp.router"),
+}
+_DENSE_ONLY = ("layer", "attn_mlp")
+_MOE_ONLY = ("attn_router",)
+_REFUSED = {
+    "moe_preprocess": "megatron-core's dispatch preprocess is `token_dispatcher.dispatch_preprocess`, a method of a "
+                      "dispatcher that is not an nn.Module, so there is no module to graph; use scope attn_router "
+                      "(the preprocess then runs eagerly after the router's graph)",
+    "moe": "the dropless experts copy their per-expert token counts to the host (tokens_per_expert.tolist(), the "
+           "dispatcher's device-to-host sync), which cannot be captured (Megatron refuses `moe` for dropless MoE "
+           "too); use scope attn_router",
+}
+
+
+def _require() -> None:
+    if not HAS_MCORE:
+        raise ImportError(f"fsdp_cudagraph.apps.mcore_gpt needs megatron-core: {MCORE_REASON}")
+
+
+def _has_te() -> bool:
+    from fsdp_cudagraph.capture.te import HAS_TE
+
+    return HAS_TE
+
+
+# ---------------------------------------------------------------------------------------------- CPU shims
+
+
+class _HostStream:
+    """What megatron-core's alltoall dispatcher asks of a CUDA stream, on the host: work is already ordered."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> "_HostEvent":
+        return _HostEvent()
+
+
+class _HostEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+
+_SHIMS_ACTIVE = False
+
+
+@contextlib.contextmanager
+def cpu_shims() -> Iterator[List[str]]:
+    """Let megatron-core's GPTModel (local spec) train on the CPU; yields the names replaced, restored on exit.
+
+    megatron-core calls CUDA-only functions that have no effect on the model's math at TP = EP = 1 with no
+    dropout; each is replaced by its host equivalent:
+
+    - ``torch.cuda.current_device`` returns ``"cpu"``: RoPE and the router place tensors on "the current device";
+    - ``CudaRNGStatesTracker.fork`` is a no-op context: it switches the CUDA RNG state around attention
+      dropout, which is 0 here (the tracker needs CUDA to hold a state at all);
+    - ``torch.cuda.Stream``, ``torch.cuda.current_stream``, ``torch.cuda.stream``: the alltoall dispatcher copies
+      the per-expert counts to the host on a side stream and waits on an event; on the host the copy is
+      already done when it returns.
+
+    Nothing numerical is replaced: routing, permutation, experts, attention and the loss are megatron-core's.
+    """
+    global _SHIMS_ACTIVE
+    _require()
+    from megatron.core.tensor_parallel import random as tp_random
+
+    saved = [(torch.cuda, "current_device", torch.cuda.current_device),
+             (torch.cuda, "Stream", torch.cuda.Stream),
+             (torch.cuda, "current_stream", torch.cuda.current_stream),
+             (torch.cuda, "stream", torch.cuda.stream),
+             (tp_random.CudaRNGStatesTracker, "fork", tp_random.CudaRNGStatesTracker.fork)]
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.Stream = _HostStream
+    torch.cuda.current_stream = lambda *a, **k: _HostStream()
+    torch.cuda.stream = lambda s=None: contextlib.nullcontext()
+    tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    _SHIMS_ACTIVE = True
+    try:
+        yield [f"{getattr(o, '__name__', o)}.{n}" for o, n, _ in saved]
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+        _SHIMS_ACTIVE = False
+
+
+def _check_device(device: torch.device) -> None:
+    if device.type == "cpu" and not _SHIMS_ACTIVE:
+        raise RuntimeError(
+            "megatron-core's GPTModel on device cpu calls CUDA-only functions (torch.cuda.current_device, CUDA "
+            "streams, the CUDA RNG tracker); run inside fsdp_cudagraph.apps.mcore_gpt.cpu_shims() (the app's "
+            "--device cpu does), or use a GPU")
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+
+def init_parallel_state(seed: int, device: torch.device) -> None:
+    """megatron-core's parallel state over the default process group (TP = PP = EP = 1, data parallel over
+    every rank), once; and, on CUDA, its model-parallel RNG states from ``seed`` (what TE's layers fork)."""
+    _require()
+    if not dist.is_initialized():
+        raise RuntimeError("init_parallel_state needs torch.distributed initialised first (init_process_group or "
+                           "torchrun); megatron-core builds its groups over the default group")
+    if not _ps.model_parallel_is_initialized():
+        _ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                      expert_model_parallel_size=1)
+    if device.type == "cuda":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+
+
+def _fix_router_without_te() -> None:
+    # megatron-core 0.16.1 binds moe_utils.te_general_gemm only when TE imports, and the router reads the name
+    # unconditionally (NameError without TE; 0.19 sets it to None itself). None is what 0.19 uses for "no TE".
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def build(shape: MCoreShape, device: torch.device, *, dtype: torch.dtype = torch.float32,
+          use_te: Optional[bool] = None) -> nn.Module:
+    """megatron-core's ``GPTModel`` with ``shape`` on ``device``, random weights from torch's RNG state.
+
+    ``use_te``: TE's layer spec (default: when TE is importable and ``device`` is CUDA); else the local spec.
+    ``dtype``: ``params_dtype`` (``bf16=True`` when bfloat16). Call :func:`init_parallel_state` first.
+    """
+    _require()
+    _check_device(device)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    te = (_has_te() and device.type == "cuda") if use_te is None else use_te
+    if te and not _has_te():
+        from fsdp_cudagraph.capture.te import TE_REASON
+
+        raise ImportError(f"use_te=True needs TransformerEngine: {TE_REASON}")
+    moe = shape.num_experts is not None
+    grouped = te if shape.moe_grouped_gemm is None else shape.moe_grouped_gemm
+    fusion = te if shape.moe_permute_fusion is None else shape.moe_permute_fusion
+    if moe and (grouped or fusion) and not te:
+        raise ValueError(f"moe_grouped_gemm={grouped}, moe_permute_fusion={fusion} without TE's spec: both need "
+                         "TransformerEngine here (the local grouped GEMM needs the grouped_gemm package); set them "
+                         "False or install TE")
+    kwargs: Dict[str, Any] = dict(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_heads, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=device.type == "cpu",
+        # Megatron's own graphs stay off (check_megatron_graphs_off); NVIDIA Megatron-FSDP under partial graphs
+        # needs gradients returned, not fused into main_grad (docs/engines.md).
+        cuda_graph_impl="none", gradient_accumulation_fusion=False,
+    )
+    if moe:
+        kwargs.update(num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_router_topk,
+                      moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+                      moe_token_dispatcher_type=shape.moe_token_dispatcher_type, moe_grouped_gemm=grouped,
+                      moe_permute_fusion=fusion, moe_aux_loss_coeff=0.0)
+        _fix_router_without_te()
+    config = TransformerConfig(**kwargs)
+    spec_fn = get_gpt_layer_with_transformer_engine_spec if te else get_gpt_layer_local_spec
+    layer_spec = spec_fn(num_experts=shape.num_experts, moe_grouped_gemm=grouped)
+    model = GPTModel(config, layer_spec, vocab_size=shape.vocab_size, max_sequence_length=shape.seq_len,
+                     position_embedding_type="rope")
+    model = model.to(device)
+    tag_modules(model)
+    return model
+
+
+def tag_modules(model: nn.Module) -> List[str]:
+    """Tag ``self_attention`` ``attn``, a dense ``mlp`` ``mlp`` and an MoE ``mlp.router`` ``moe_router`` on the
+    instances (``cuda_graph_module``), so ``cuda_graph_modules`` selects them; returns the tagged names."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    tagged = []
+    for name, layer in model.named_modules():
+        if not isinstance(layer, TransformerLayer):
+            continue
+        attn, mlp = getattr(layer, "self_attention", None), getattr(layer, "mlp", None)
+        if isinstance(attn, nn.Module) and type(attn).__name__ != "IdentityOp":
+            attn.cuda_graph_module = "attn"
+            tagged.append(f"{name}.self_attention")
+        router = getattr(mlp, "router", None)
+        if isinstance(router, nn.Module):
+            router.cuda_graph_module = "moe_router"
+            tagged.append(f"{name}.mlp.router")
+        elif isinstance(mlp, nn.Module) and type(mlp).__name__ == "MLP":
+            mlp.cuda_graph_module = "mlp"
+            tagged.append(f"{name}.mlp")
+    return tagged
+
+
+def scope_patterns(scope: str, *, moe: bool) -> Tuple[str, ...]:
+    """The ``cuda_graph_module_patterns`` of ``scope`` (``()``: whole FSDP units); ValueError for a scope that
+    cannot be graphed on this model, naming why and what to use instead."""
+    if scope in _REFUSED and (moe or scope == "moe_preprocess"):
+        raise ValueError(f"scope={scope!r} is refused: {_REFUSED[scope]}")
+    if scope not in SCOPES:
+        raise ValueError(f"scope={scope!r} is not one of {sorted(SCOPES)}")
+    if moe and scope in _DENSE_ONLY:
+        raise ValueError(f"scope={scope!r} on an MoE model would graph the experts: {_REFUSED['moe']}")
+    if not moe and scope in _MOE_ONLY:
+        raise ValueError(f"scope={scope!r} graphs an MoE router; the dense model has none: use attn, attn_mlp or "
+                         "layer")
+    return SCOPES[scope]
+
+
+def check_megatron_graphs_off(model: nn.Module) -> None:
+    """Refuse (ValueError) a megatron-core model whose own CUDA-graph machinery is on: ``cuda_graph_impl`` other
+    than "none", a ``cudagraph_manager`` on a module (the "local" implementation), or filled ``cuda_graphs``
+    (Megatron's TE implementation): ``MegatronModule.__call__`` would route calls to Megatron's graphs instead
+    of through ``nn.Module.__call__``, where our graphs and the FSDP engine's hooks live."""
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        impl = getattr(config, "cuda_graph_impl", "none")
+        if impl not in ("none", None):
+            raise ValueError(f"{name or type(model).__name__}: TransformerConfig.cuda_graph_impl={impl!r}; Megatron's "
+                             "own graphs would replace ours. Build the model with cuda_graph_impl='none' (and "
+                             "enable_cuda_graph=False) and graph it with fsdp_cudagraph's PartialCudaGraphs")
+        if hasattr(module, "cudagraph_manager") or getattr(module, "cuda_graphs", None):
+            raise ValueError(f"{name}: has Megatron's own CUDA graphs (cudagraph_manager or cuda_graphs); build "
+                             "the model with cuda_graph_impl='none'")
+
+
+def batch(step: int, shape: MCoreShape, device: torch.device, *, seed: int = 1234) -> Dict[str, torch.Tensor]:
+    """This rank's batch of ``step``: token ids, position ids, the causal mask (True = masked) and the labels
+    (next tokens), deterministic and different on each rank."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    g = torch.Generator().manual_seed(seed * 100003 + step)
+    tokens = torch.randint(0, shape.vocab_size, (shape.micro_batch_size * world, shape.seq_len + 1), generator=g)
+    mine = tokens[rank * shape.micro_batch_size:(rank + 1) * shape.micro_batch_size].to(device)
+    s = shape.seq_len
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1).view(1, 1, s, s)
+    positions = torch.arange(s, device=device).unsqueeze(0).expand(shape.micro_batch_size, s)
+    return {"input_ids": mine[:, :-1].contiguous(), "position_ids": positions, "attention_mask": mask,
+            "labels": mine[:, 1:].contiguous()}
+
+
+def loss(model: nn.Module, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """The mean of megatron-core's per-token cross entropy (``GPTModel(..., labels=...)``)."""
+    return model(inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"],
+                 labels=inputs["labels"]).float().mean()
+
+
+def base_shape(device: torch.device, name: str, **overrides: Any) -> MCoreShape:
+    if name not in MODELS:
+        raise ValueError(f"model={name!r} is not one of {sorted(MODELS)}")
+    base = dict(GPU_BASE) if device.type == "cuda" else {}
+    base.update(MODELS[name])
+    base.update(overrides)
+    return MCoreShape(**base)
+
+
+def spec(name: str, device: torch.device, shape: Optional[MCoreShape] = None, *, seed: int = 1234) -> Any:
+    """A :class:`fsdp_cudagraph.check.ModelSpec` for model ``name`` (the checker's factory protocol). On CUDA
+    the model is bf16 (``bf16=True``, as Megatron trains it); on the CPU fp32."""
+    from fsdp_cudagraph.check import ModelSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    _require()
+    shape = shape or base_shape(device, name)
+    init_parallel_state(seed, device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build(shape, device, dtype=dtype)
+    check_megatron_graphs_off(model)
+    return ModelSpec(model=model, unit_modules=[TransformerLayer],
+                     batch=lambda step: batch(step, shape, device, seed=seed), loss=loss)
+
+
+def dense(device: torch.device) -> Any:
+    """Checker factory: megatron-core GPTModel, dense MLP (units: ``TransformerLayer``)."""
+    return spec("dense", device)
+
+
+def moe_alltoall(device: torch.device) -> Any:
+    """Checker factory: megatron-core GPTModel, dropless MoE, alltoall dispatcher (units: ``TransformerLayer``)."""
+    return spec("moe_alltoall", device)
+
+
+def moe_allgather(device: torch.device) -> Any:
+    """Checker factory: megatron-core GPTModel, dropless MoE, allgather dispatcher (units: ``TransformerLayer``)."""
+    return spec("moe_allgather", device)
+
+
+# ---------------------------------------------------------------------------------------------- the app
+
+
+def run(*, model: str, engine: str, scope: str, device: torch.device, steps: int = 6, capture_step: int = 2,
+        backend: Optional[str] = None, perturb: Optional[str] = None, shape: Optional[MCoreShape] = None,
+        sharding_strategy: str = "optim_grads_params") -> Any:
+    """Train ``model`` under ``engine`` eagerly and with partial graphs of ``scope``; the checker's
+    :class:`~fsdp_cudagraph.check.AlignmentReport` (``equal``: every loss and final parameter ``torch.equal``
+    on every rank). Needs an initialised process group and, on the CPU, :func:`cpu_shims` entered."""
+    from fsdp_cudagraph.check import check_alignment
+
+    shape = shape or base_shape(device, model)
+    patterns = scope_patterns(scope, moe=shape.num_experts is not None)
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return check_alignment(lambda dev: spec(model, dev, shape), steps=steps, capture_step=capture_step,
+                           backend=backend, cuda_graph_module_patterns=list(patterns),
+                           sharding_strategy=sharding_strategy, compute_dtype=compute, device=device,
+                           perturb=perturb, engine=engine)
+
+
+def _versions() -> Dict[str, Any]:
+    from fsdp_cudagraph.capture import te as _te
+
+    return {"torch": torch.__version__, "megatron_core": MCORE_VERSION,
+            "transformer_engine": getattr(_te, "TE_VERSION", None) if _te.HAS_TE else None,
+            "python": sys.version.split()[0]}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from fsdp_cudagraph.checker.check import _init_process_group
+
+    p = argparse.ArgumentParser(prog="python -m fsdp_cudagraph.apps.mcore_gpt", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="dense")
+    p.add_argument("--engine", choices=["megatron_fsdp", "nvidia"], default="megatron_fsdp")
+    p.add_argument("--scope", default=None, help=f"one of {sorted(SCOPES)} (default: layer for dense, "
+                                                 "attn_router for MoE)")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--capture-step", type=int, default=2)
+    p.add_argument("--backend", choices=["te", "torch", "protocol"], default=None)
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    p.add_argument("--perturb", default=None, help="negative control: scale this callable's graphed output by 1.01")
+    p.add_argument("--json", default=None, help="write the report, versions and command here (rank 0)")
+    args = p.parse_args(argv)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    logging.basicConfig(level=logging.WARNING)
+    _require()
+    kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = _init_process_group(kind)
+    scope = args.scope or ("layer" if args.model == "dense" else "attn_router")
+    with (cpu_shims() if device.type == "cpu" else contextlib.nullcontext()):
+        report = run(model=args.model, engine=args.engine, scope=scope, device=device, steps=args.steps,
+                     capture_step=args.capture_step, backend=args.backend, perturb=args.perturb)
+    if dist.get_rank() == 0:
+        print(report.format())
+        record = {"app": "mcore_gpt", "model": args.model, "engine": args.engine, "scope": scope,
+                  "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  "world_size": dist.get_world_size(), "versions": _versions(), "command": sys.argv,
+                  "report": report.to_dict()}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(record, f, indent=1, default=str)
+        print(json.dumps({"equal": report.equal, "params_equal": report.params_equal, "culprit": report.culprit,
+                          "model": args.model, "engine": args.engine, "scope": scope}))
+    ok = report.culprit == args.perturb if args.perturb else report.equal
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
