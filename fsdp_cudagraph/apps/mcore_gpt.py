@@ -377,8 +377,10 @@ def check_megatron_graphs_off(model: nn.Module) -> None:
 
 
 def batch(step: int, shape: MCoreShape, device: torch.device, *, seed: int = 1234) -> Dict[str, torch.Tensor]:
-    """This rank's batch of ``step``: token ids, position ids, the causal mask (True = masked) and the labels
-    (next tokens), deterministic and different on each rank."""
+    """This rank's batch of ``step``: token ids, position ids, the attention mask and the labels (next tokens),
+    deterministic and different on each rank. The mask is None on CUDA (megatron-core's layers apply their
+    causal mask themselves, as Megatron-LM trains with ``--no-create-attention-mask-in-dataloader``); on the CPU
+    the explicit causal mask (True = masked), because the local attention's default mask is made on "cuda"."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     g = torch.Generator().manual_seed(seed * 100003 + step)
     tokens = torch.randint(0, shape.vocab_size, (shape.micro_batch_size * world, shape.seq_len + 1), generator=g)
@@ -386,7 +388,8 @@ def batch(step: int, shape: MCoreShape, device: torch.device, *, seed: int = 123
     s = shape.seq_len
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1).view(1, 1, s, s)
     positions = torch.arange(s, device=device).unsqueeze(0).expand(shape.micro_batch_size, s)
-    return {"input_ids": mine[:, :-1].contiguous(), "position_ids": positions, "attention_mask": mask,
+    return {"input_ids": mine[:, :-1].contiguous(), "position_ids": positions,
+            "attention_mask": mask if device.type == "cpu" else None,
             "labels": mine[:, 1:].contiguous()}
 
 
@@ -441,10 +444,12 @@ def moe_allgather(device: torch.device) -> Any:
 
 def run(*, model: str, engine: str, scope: str, device: torch.device, steps: int = 6, capture_step: int = 2,
         backend: Optional[str] = None, perturb: Optional[str] = None, shape: Optional[MCoreShape] = None,
-        sharding_strategy: str = "optim_grads_params") -> Any:
+        sharding_strategy: str = "optim_grads_params", nvidia_wrapper: Optional[str] = None) -> Any:
     """Train ``model`` under ``engine`` eagerly and with partial graphs of ``scope``; the checker's
     :class:`~fsdp_cudagraph.check.AlignmentReport` (``equal``: every loss and final parameter ``torch.equal``
-    on every rank). Needs an initialised process group and, on the CPU, :func:`cpu_shims` entered."""
+    on every rank). Needs an initialised process group and, on the CPU, :func:`cpu_shims` entered.
+    ``nvidia_wrapper`` (engine nvidia): ``fully_shard`` (default) or ``mcore`` (megatron-core's
+    ``FullyShardedDataParallel``; see ``checker/engines.py``)."""
     from fsdp_cudagraph.check import check_alignment
 
     shape = shape or base_shape(device, model)
@@ -453,7 +458,8 @@ def run(*, model: str, engine: str, scope: str, device: torch.device, steps: int
     return check_alignment(lambda dev: spec(model, dev, shape), steps=steps, capture_step=capture_step,
                            backend=backend, cuda_graph_module_patterns=list(patterns),
                            sharding_strategy=sharding_strategy, compute_dtype=compute, device=device,
-                           perturb=perturb, engine=engine)
+                           perturb=perturb, engine=engine,
+                           engine_options={"wrapper": nvidia_wrapper} if nvidia_wrapper else None)
 
 
 def _versions() -> Dict[str, Any]:
@@ -473,6 +479,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--engine", choices=["megatron_fsdp", "nvidia"], default="megatron_fsdp")
     p.add_argument("--scope", default=None, help=f"one of {sorted(SCOPES)} (default: layer for dense, "
                                                  "attn_router for MoE)")
+    p.add_argument("--nvidia-wrapper", choices=["fully_shard", "mcore"], default=None,
+                   help="engine nvidia: the bundled fully_shard (default) or megatron-core's FullyShardedDataParallel")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--capture-step", type=int, default=2)
     p.add_argument("--backend", choices=["te", "torch", "protocol"], default=None)
@@ -488,10 +496,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     scope = args.scope or ("layer" if args.model == "dense" else "attn_router")
     with (cpu_shims() if device.type == "cpu" else contextlib.nullcontext()):
         report = run(model=args.model, engine=args.engine, scope=scope, device=device, steps=args.steps,
-                     capture_step=args.capture_step, backend=args.backend, perturb=args.perturb)
+                     capture_step=args.capture_step, backend=args.backend, perturb=args.perturb,
+                     nvidia_wrapper=args.nvidia_wrapper)
     if dist.get_rank() == 0:
         print(report.format())
         record = {"app": "mcore_gpt", "model": args.model, "engine": args.engine, "scope": scope,
+                  "nvidia_wrapper": args.nvidia_wrapper,
                   "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "world_size": dist.get_world_size(), "versions": _versions(), "command": sys.argv,
                   "report": report.to_dict()}
@@ -499,7 +509,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(record, f, indent=1, default=str)
         print(json.dumps({"equal": report.equal, "params_equal": report.params_equal, "culprit": report.culprit,
-                          "model": args.model, "engine": args.engine, "scope": scope}))
+                          "model": args.model, "engine": args.engine, "wrapper": args.nvidia_wrapper,
+                          "scope": scope}))
     ok = report.culprit == args.perturb if args.perturb else report.equal
     dist.destroy_process_group()
     return 0 if ok else 1

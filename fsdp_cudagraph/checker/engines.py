@@ -28,6 +28,10 @@ Engines:
   (NVIDIA computes in the module's dtype) with fp32 main parameters and gradients. NVIDIA's ``fully_shard``
   replaces the optimizer's parameter groups by one group of its main parameters, so the optimizer's
   defaults apply (per-group settings of ``make_optimizer`` are dropped). Needs CUDA and megatron-core.
+  Option ``wrapper``: ``fully_shard`` (default, the bundled ``megatron_fsdp.fully_shard``) or ``mcore``
+  (megatron-core's ``FullyShardedDataParallel`` with a ``DistributedDataParallelConfig(use_megatron_fsdp=True,
+  ...)`` over the same units, for megatron-core models; it builds the same ``MegatronFSDP`` engine, with
+  megatron-core's parallel-state groups; the optimizer is wired by NVIDIA's ``fully_shard_optimizer``).
 
 Final parameters: ``megatron_fsdp`` and ``fsdp2`` gather full parameters on every rank; ``nvidia`` gives this
 rank's shard of each main parameter (the checker agrees its verdict over ranks, so equal shards on every
@@ -246,14 +250,27 @@ def _nvidia_unavailable(device: torch.device) -> Optional[Exception]:
     return (ImportError if missing else RuntimeError)("; ".join(reasons))
 
 
+#: ``wrapper`` option of engine nvidia: how NVIDIA's ``MegatronFSDP`` is built around the model.
+NVIDIA_WRAPPERS = ("fully_shard", "mcore")
+
+
 def _build_nvidia(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_optimizer: MakeOptimizer,
-                  device: torch.device, sharding_strategy: str, compute_dtype: Optional[torch.dtype]) -> ShardedRun:
+                  device: torch.device, sharding_strategy: str, compute_dtype: Optional[torch.dtype],
+                  options: Optional[Dict[str, Any]] = None) -> ShardedRun:
     from megatron.core.distributed.fsdp.src import megatron_fsdp as mf
 
+    wrapper = (options or {}).get("wrapper", "fully_shard")
+    if wrapper not in NVIDIA_WRAPPERS:
+        raise ValueError(f"engine_options wrapper={wrapper!r} is not one of {NVIDIA_WRAPPERS} (fully_shard: the "
+                         "bundled megatron_fsdp.fully_shard; mcore: megatron-core's FullyShardedDataParallel with a "
+                         "DistributedDataParallelConfig(use_megatron_fsdp=True), for megatron-core models)")
     # NVIDIA's string unit specs are import paths; ours are class names: hand it the classes.
     classes = unit_classes(model, unit_modules, engine="nvidia")
     if compute_dtype is not None:
         model = model.to(compute_dtype)  # NVIDIA computes in the module's dtype
+    if wrapper == "mcore":
+        return _build_nvidia_mcore(model, classes=classes, make_optimizer=make_optimizer, device=device,
+                                   sharding_strategy=sharding_strategy, compute_dtype=compute_dtype)
     accepted = inspect.signature(mf.fully_shard).parameters
     options: Dict[str, Any] = dict(fsdp_unit_modules=classes, zero_dp_strategy=sharding_strategy, device=device,
                                    overlap_grad_reduce=True, overlap_param_gather=True,
@@ -291,12 +308,67 @@ def _build_nvidia(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_op
     )
 
 
+def _build_nvidia_mcore(model: nn.Module, *, classes: Sequence[type], make_optimizer: MakeOptimizer,
+                        device: torch.device, sharding_strategy: str,
+                        compute_dtype: Optional[torch.dtype]) -> ShardedRun:
+    """NVIDIA Megatron-FSDP as megatron-core ships it: ``FullyShardedDataParallel(config, ddp_config, module)``
+    builds the same ``MegatronFSDP`` as ``fully_shard`` (same hooks, buffers and double buffer), with its
+    process groups from ``megatron.core.parallel_state`` (which the model's builder initialised) and its
+    precision from the ``DistributedDataParallelConfig``; NVIDIA's ``fully_shard_optimizer`` wires the optimizer
+    (grad sync before ``step``, weights installed after), as ``fully_shard`` does."""
+    import dataclasses as _dc
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.distributed.fsdp.src import megatron_fsdp as mf
+
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "cuda_graph_impl"):
+        raise ValueError(f"engine_options wrapper='mcore' wraps a megatron-core model (one with a TransformerConfig "
+                         f"as .config); {type(model).__name__} has none: use wrapper='fully_shard'")
+    fields = {f.name for f in _dc.fields(DistributedDataParallelConfig)}
+    ddp: Dict[str, Any] = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=sharding_strategy,
+                               overlap_grad_reduce=True, overlap_param_gather=True)
+    if sharding_strategy == "optim_grads_params":  # ZeRO-3: unit buckets at stable addresses (docs/engines.md)
+        ddp["fsdp_double_buffer"] = True
+        if "fsdp_db_use_persist_buf_on_alloc_fail" in fields:
+            ddp["fsdp_db_use_persist_buf_on_alloc_fail"] = True
+    if "megatron_fsdp_main_params_dtype" in fields:  # 0.19: the mixed-precision policy comes from here
+        ddp.update(megatron_fsdp_main_params_dtype=torch.float32, megatron_fsdp_main_grads_dtype=torch.float32)
+        mains = "fp32 main parameters and gradients"
+    else:  # 0.16.1 (Megatron-FSDP 0.3.1): preserve_fp32_weights keeps fp32 main weights
+        mains = "fp32 main parameters (preserve_fp32_weights), gradients per grad_reduce_in_fp32=False"
+    wrapped = FullyShardedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**ddp), module=model,
+                                       fsdp_unit_modules=list(classes), device=device)
+    user = wrapped.module.module  # FullyShardedDataParallel -> MegatronFSDP -> the model
+    named = list(user.named_parameters())
+    optimizer = mf.fully_shard_optimizer(make_optimizer([p for _, p in named]))
+    optimizer.state.clear()  # fully_shard_optimizer's eager zero step would start Adam's count at 1
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    if [id(p) for _, p in named] != [id(p) for p in held]:
+        raise RuntimeError(
+            f"engine='nvidia', wrapper='mcore': the optimizer holds {len(held)} parameters that are not the module's "
+            f"{len(named)} distributed parameters in module order; this megatron-core is not one the checker knows: "
+            f"{NVIDIA_PIP}")
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    return ShardedRun(
+        model=wrapped, root=user, optimizer=optimizer, named_parameters=lambda: named,
+        final_parameters=lambda: {n: _cpu(local(p)) for n, p in named},
+        precision=(f"module in {compute_dtype or 'its own dtype'}, {mains} (this rank's shards compared), "
+                   f"megatron-core FullyShardedDataParallel (megatron_fsdp {getattr(mf, '__version__', '?')}), "
+                   f"{sharding_strategy}"),
+    )
+
+
 ENGINES: Dict[str, EngineBuilder] = {
     "megatron_fsdp": EngineBuilder("megatron_fsdp", _build_megatron_fsdp, lambda device: None, True),
     "fsdp2": EngineBuilder("fsdp2", _build_fsdp2, _fsdp2_unavailable, False, fix="use torch >= 2.11",
                            options=("storage", "mixed_precision")),
     "nvidia": EngineBuilder("nvidia", _build_nvidia, _nvidia_unavailable, True,
-                            fix=f"{NVIDIA_PIP} and run on a GPU (--device cuda)"),
+                            fix=f"{NVIDIA_PIP} and run on a GPU (--device cuda)", options=("wrapper",)),
 }
 
 
