@@ -18,6 +18,21 @@ are measured in the same run (a large GEMM, a large device-to-device copy counti
 the floor moves with the clock of the device it runs on. It leaves out elementwise kernels (norms, GELU,
 softmax, embedding, loss), communication and launch gaps: those are what the multiple of the floor measures.
 
+[Note: the floor with communication]
+Under ZeRO-3 on W ranks each step moves, through every rank's link, (W - 1) / W of: the bf16 compute
+parameters gathered in forward, gathered again in backward, and the gradients reduce-scattered (fp32 where
+gradients reduce in fp32: ours, FSDP2 with ``reduce_dtype=fp32``, NVIDIA with fp32 main gradients).
+``bench_engines.py`` times one layer-sized all-gather and one layer-sized reduce-scatter alone (NCCL, after
+warmup, median) in the same run, giving the two rates. The collectives of a step can overlap its matmuls,
+except the first unit's forward gather (nothing to compute before it arrives) and the last unit's
+reduce-scatter (nothing but the optimizer after it), and the optimizer runs after all of them::
+
+    floor = first_gather + max(matmul, all_gathers + reduce_scatters - first_gather - last_reduce_scatter)
+            + last_reduce_scatter + optimizer
+
+On one rank nothing moves and this is [Note: the floor of a step]. It still leaves out elementwise kernels,
+launch gaps, and the contention of overlapped collectives with matmuls for SMs and memory bandwidth.
+
 [Note: noise and the exit code]
 The same run measures its own noise two ways and, for each goal, takes the larger:
   * repeat: the eager column is run twice (``eager`` and ``eager_repeat``, same spec, one early and one
@@ -36,8 +51,9 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["ADAM_BYTES_PER_PARAM", "CAST_BYTES_PER_PARAM", "Goal", "GOALS", "param_count", "optimizer_bytes",
-           "floor_ms", "relative_spread", "repeat_noise", "verdict", "evaluate", "format_table"]
+__all__ = ["ADAM_BYTES_PER_PARAM", "CAST_BYTES_PER_PARAM", "Goal", "GOALS", "ENGINE_GOALS", "param_count",
+           "optimizer_bytes", "floor_ms", "zero3_comm_bytes", "floor_with_comm_ms", "relative_spread", "repeat_noise",
+           "verdict", "evaluate", "format_table"]
 
 #: fp32 param, grad, exp_avg, exp_avg_sq, each read and written by Adam.
 ADAM_BYTES_PER_PARAM = 4 * 4 * 2
@@ -73,6 +89,60 @@ def floor_ms(*, flops: float, bytes_moved: float, matmul_tflops: float, copy_gbp
     compute = flops / (matmul_tflops * 1e12) * 1e3
     memory = bytes_moved / (copy_gbps * 1e9) * 1e3
     return {"floor_ms": compute + memory, "matmul_ms": compute, "optimizer_ms": memory}
+
+
+def zero3_comm_bytes(num_params: int, world_size: int, *, param_bytes: int = 2, grad_bytes: int = 4) -> Dict[str, float]:
+    """Bytes one rank sends (= receives) per ZeRO-3 step for ``num_params`` parameters over ``world_size`` ranks.
+
+    See [Note: the floor with communication]: an all-gather of the ``param_bytes``-wide compute parameters in
+    forward and again in backward, a reduce-scatter of the ``grad_bytes``-wide gradients, each moving
+    ``(W - 1) / W`` of the full tensor through every rank's link (ring algorithms; 0 on one rank).
+    """
+    if num_params < 0 or world_size < 1 or param_bytes <= 0 or grad_bytes <= 0:
+        raise ValueError(f"num_params={num_params}, world_size={world_size}, param_bytes={param_bytes}, "
+                         f"grad_bytes={grad_bytes}: need num_params >= 0, world_size >= 1 and positive byte widths")
+    share = (world_size - 1) / world_size
+    return {"all_gather_bytes": 2 * num_params * param_bytes * share,
+            "reduce_scatter_bytes": num_params * grad_bytes * share}
+
+
+def floor_with_comm_ms(*, matmul_ms: float, optimizer_ms: float, num_params: int, first_unit_params: int,
+                       last_unit_params: int, world_size: int, all_gather_gbps: Optional[float],
+                       reduce_scatter_gbps: Optional[float], param_bytes: int = 2,
+                       grad_bytes: int = 4) -> Dict[str, float]:
+    """The step floor counting ZeRO-3's collectives, see [Note: the floor with communication].
+
+    ``matmul_ms`` and ``optimizer_ms`` are :func:`floor_ms`'s parts; ``*_gbps`` the collective rates measured in
+    the same run, in 1e9 bytes per second through one rank (bytes one rank moves over the collective's time);
+    None only on one rank, where nothing moves. ``first_unit_params`` is what the first all-gather of the step
+    brings (nothing to overlap it with), ``last_unit_params`` what the last reduce-scatter reduces (nothing after
+    it but the optimizer).
+    """
+    if not 0 <= first_unit_params <= num_params or not 0 <= last_unit_params <= num_params:
+        raise ValueError(f"first_unit_params={first_unit_params}, last_unit_params={last_unit_params}, "
+                         f"num_params={num_params}: a unit holds between 0 and all of the model's parameters")
+    total = zero3_comm_bytes(num_params, world_size, param_bytes=param_bytes, grad_bytes=grad_bytes)
+    first = zero3_comm_bytes(first_unit_params, world_size, param_bytes=param_bytes, grad_bytes=grad_bytes)
+    last = zero3_comm_bytes(last_unit_params, world_size, param_bytes=param_bytes, grad_bytes=grad_bytes)
+    moves = total["all_gather_bytes"] + total["reduce_scatter_bytes"] > 0
+    if moves and (not all_gather_gbps or not reduce_scatter_gbps or all_gather_gbps <= 0 or reduce_scatter_gbps <= 0):
+        raise ValueError(f"all_gather_gbps={all_gather_gbps}, reduce_scatter_gbps={reduce_scatter_gbps} on "
+                         f"{world_size} ranks: the measured collective rates must be > 0 where bytes move; re-run "
+                         "the measurement")
+
+    def ms(nbytes: float, gbps: Optional[float]) -> float:
+        return nbytes / (gbps * 1e9) * 1e3 if nbytes else 0.0
+
+    ag_ms = ms(total["all_gather_bytes"], all_gather_gbps)
+    rs_ms = ms(total["reduce_scatter_bytes"], reduce_scatter_gbps)
+    first_ms = ms(first["all_gather_bytes"] / 2, all_gather_gbps)  # the forward gather of the first unit only
+    last_ms = ms(last["reduce_scatter_bytes"], reduce_scatter_gbps)
+    hidden_comm = ag_ms + rs_ms - first_ms - last_ms
+    return {"floor_ms": first_ms + max(matmul_ms, hidden_comm) + last_ms + optimizer_ms,
+            "compute_floor_ms": matmul_ms + optimizer_ms, "comm_ms": ag_ms + rs_ms, "all_gather_ms": ag_ms,
+            "reduce_scatter_ms": rs_ms, "first_gather_ms": first_ms, "last_reduce_scatter_ms": last_ms,
+            "matmul_ms": matmul_ms, "optimizer_ms": optimizer_ms, **total,
+            "bound": "communication" if hidden_comm > matmul_ms else "compute"}
 
 
 def relative_spread(values: Sequence[float]) -> float:
@@ -127,6 +197,36 @@ GOALS: List[Goal] = [
     Goal("full-iteration peak / eager peak", "compute", "mem", "full_iteration", "eager", 1.05),
     Goal("partial peak / eager peak", "launch", "mem", "partial", "eager", 1.1),
     Goal("full-iteration peak / eager peak", "launch", "mem", "full_iteration", "eager", 1.05),
+]
+
+
+#: Issue 38's goals (config ``llama8b``) and issue 35's (config ``olmoe``) over ``bench_engines.py``'s columns.
+#: A tokens/s goal "a >= x * b" with the same tokens per step is the step-time goal "a / b <= 1 / x".
+ENGINE_GOALS: List[Goal] = [
+    Goal("ours eager step / floor with communication", "llama8b", "ms", "ours_eager", "floor", 1.2),
+    Goal("ours eager step / FSDP2 eager (tokens/s >= 1.25x)", "llama8b", "ms", "ours_eager", "fsdp2_eager", 0.8),
+    Goal("ours eager step / NVIDIA eager (tokens/s >= 1.25x)", "llama8b", "ms", "ours_eager", "nvidia_eager", 0.8),
+    Goal("ours eager peak / FSDP2 eager peak", "llama8b", "mem", "ours_eager", "fsdp2_eager", 1.0),
+    Goal("ours partial step / ours eager", "llama8b", "ms", "ours_partial", "ours_eager", 1.0),
+    Goal("FSDP2 keep + partial step / FSDP2 eager", "llama8b", "ms", "fsdp2_keep_partial", "fsdp2_eager", 1.0),
+    Goal("FSDP2 slots + partial step / FSDP2 eager", "llama8b", "ms", "fsdp2_slots_partial", "fsdp2_eager", 1.0),
+    Goal("NVIDIA partial step / NVIDIA eager", "llama8b", "ms", "nvidia_partial", "nvidia_eager", 1.0),
+    Goal("ours partial peak / ours eager peak", "llama8b", "mem", "ours_partial", "ours_eager", 1.05),
+    Goal("FSDP2 keep + partial peak / FSDP2 eager peak", "llama8b", "mem", "fsdp2_keep_partial", "fsdp2_eager", 1.05),
+    Goal("FSDP2 slots + partial peak / FSDP2 eager peak", "llama8b", "mem", "fsdp2_slots_partial", "fsdp2_eager",
+         1.05),
+    Goal("NVIDIA partial peak / NVIDIA eager peak", "llama8b", "mem", "nvidia_partial", "nvidia_eager", 1.05),
+    Goal("ours partial step / ours eager", "olmoe", "ms", "ours_partial", "ours_eager", 0.8),
+    Goal("FSDP2 + partial step / FSDP2 eager", "olmoe", "ms", "fsdp2_keep_partial", "fsdp2_eager", 0.8),
+    Goal("NVIDIA partial step / NVIDIA eager", "olmoe", "ms", "nvidia_partial", "nvidia_eager", 0.8),
+    Goal("ours partial step / FSDP2 eager (tokens/s >= 1.3x)", "olmoe", "ms", "ours_partial", "fsdp2_eager",
+         1 / 1.3),
+    Goal("ours full-iteration step / FSDP2 eager (tokens/s >= 1.3x)", "olmoe", "ms", "ours_full", "fsdp2_eager",
+         1 / 1.3),
+    Goal("ours partial peak / ours eager peak", "olmoe", "mem", "ours_partial", "ours_eager", 1.05),
+    Goal("ours full-iteration peak / ours eager peak", "olmoe", "mem", "ours_full", "ours_eager", 1.05),
+    Goal("FSDP2 + partial peak / FSDP2 eager peak", "olmoe", "mem", "fsdp2_keep_partial", "fsdp2_eager", 1.05),
+    Goal("NVIDIA partial peak / NVIDIA eager peak", "olmoe", "mem", "nvidia_partial", "nvidia_eager", 1.05),
 ]
 
 

@@ -313,3 +313,64 @@ def test_scaling_rows_and_table(tmp_path, capsys):
     with pytest.raises(SystemExit, match="same world size"):
         scaling.main([str(paths[0]), str(paths[0])])
     assert scaling.main([str(p) for p in paths]) == 0 and "| compute | eager |" in capsys.readouterr().out
+
+
+def test_zero3_comm_bytes_two_gathers_and_one_reduce_scatter_times_w_minus_1_over_w():
+    b = g.zero3_comm_bytes(1000, 4)  # bf16 gathers, fp32 reduce-scatter
+    assert b["all_gather_bytes"] == pytest.approx(2 * 1000 * 2 * 3 / 4)
+    assert b["reduce_scatter_bytes"] == pytest.approx(1000 * 4 * 3 / 4)
+    assert g.zero3_comm_bytes(1000, 1) == {"all_gather_bytes": 0.0, "reduce_scatter_bytes": 0.0}
+    assert g.zero3_comm_bytes(1000, 2, grad_bytes=2)["reduce_scatter_bytes"] == pytest.approx(1000.0)
+    with pytest.raises(ValueError, match="world_size=0"):
+        g.zero3_comm_bytes(10, 0)
+
+
+def test_floor_with_comm_compute_bound_adds_only_what_cannot_overlap():
+    # 2 ranks, 1e9 params: gathers 2e9 bytes (1e9 per pass), reduce-scatter 2e9 bytes; 100 GB/s each
+    f = g.floor_with_comm_ms(matmul_ms=100.0, optimizer_ms=5.0, num_params=10**9, first_unit_params=10**8,
+                             last_unit_params=2 * 10**8, world_size=2, all_gather_gbps=100, reduce_scatter_gbps=100)
+    assert f["all_gather_ms"] == pytest.approx(20.0) and f["reduce_scatter_ms"] == pytest.approx(20.0)
+    assert f["first_gather_ms"] == pytest.approx(1.0)  # 1e8 params x 2 bytes x 1/2, forward gather only
+    assert f["last_reduce_scatter_ms"] == pytest.approx(4.0)  # 2e8 x 4 bytes x 1/2
+    assert f["bound"] == "compute"
+    assert f["floor_ms"] == pytest.approx(1.0 + 100.0 + 4.0 + 5.0)
+    assert f["compute_floor_ms"] == pytest.approx(105.0)
+
+
+def test_floor_with_comm_communication_bound_is_all_collectives_plus_optimizer():
+    f = g.floor_with_comm_ms(matmul_ms=10.0, optimizer_ms=5.0, num_params=10**9, first_unit_params=10**8,
+                             last_unit_params=2 * 10**8, world_size=2, all_gather_gbps=100, reduce_scatter_gbps=50)
+    assert f["reduce_scatter_ms"] == pytest.approx(40.0)
+    assert f["bound"] == "communication"
+    assert f["floor_ms"] == pytest.approx(20.0 + 40.0 + 5.0)  # max(compute + edges, all comm) + optimizer
+
+
+def test_floor_with_comm_on_one_rank_is_the_compute_floor_and_needs_no_rates():
+    f = g.floor_with_comm_ms(matmul_ms=10.0, optimizer_ms=2.0, num_params=10**9, first_unit_params=10**8,
+                             last_unit_params=10**8, world_size=1, all_gather_gbps=None, reduce_scatter_gbps=None)
+    assert f["floor_ms"] == pytest.approx(12.0) and f["comm_ms"] == 0.0
+
+
+def test_floor_with_comm_refuses_missing_rates_and_oversized_units():
+    kw = dict(matmul_ms=1.0, optimizer_ms=1.0, num_params=100, first_unit_params=10, last_unit_params=10, world_size=2)
+    with pytest.raises(ValueError, match="all_gather_gbps=None"):
+        g.floor_with_comm_ms(all_gather_gbps=None, reduce_scatter_gbps=10, **kw)
+    with pytest.raises(ValueError, match="first_unit_params=200"):
+        g.floor_with_comm_ms(**{**kw, "first_unit_params": 200}, all_gather_gbps=1, reduce_scatter_gbps=1)
+
+
+def test_engine_goals_name_bench_engines_columns():
+    cols = {"ours_eager", "ours_partial", "ours_full", "fsdp2_eager", "fsdp2_keep_partial", "fsdp2_slots_partial",
+            "nvidia_eager", "nvidia_partial", "floor"}
+    assert {x.config for x in g.ENGINE_GOALS} == {"llama8b", "olmoe"}
+    for goal in g.ENGINE_GOALS:
+        assert {goal.num, goal.den} <= cols, goal
+    configs = {"llama8b": {"columns": {"ours_eager": {"step_ms": 110.0, "peak_memory_gib": 10.0},
+                                       "fsdp2_eager": {"step_ms": 150.0, "peak_memory_gib": 11.0}},
+                           "floor_ms": 100.0}}
+    ev = g.evaluate(configs, [x for x in g.ENGINE_GOALS if x.config == "llama8b"])
+    by = {r["name"]: r["verdict"] for r in ev["goals"]}
+    assert by["ours eager step / floor with communication"] == "PASS"
+    assert by["ours eager step / FSDP2 eager (tokens/s >= 1.25x)"] == "PASS"  # 110/150 = 0.73 <= 0.8
+    assert by["ours eager step / NVIDIA eager (tokens/s >= 1.25x)"] == "MISSING"
+    assert ev["failed"]
