@@ -94,6 +94,8 @@ class MCoreShape:
     #: None: on with TE, off without (both need TE)
     moe_grouped_gemm: Optional[bool] = None
     moe_permute_fusion: Optional[bool] = None
+    #: TE's layer spec; None: when TE is importable and the device is CUDA
+    use_te: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
@@ -418,7 +420,7 @@ def spec(name: str, device: torch.device, shape: Optional[MCoreShape] = None, *,
     shape = shape or base_shape(device, name)
     init_parallel_state(seed, device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build(shape, device, dtype=dtype)
+    model = build(shape, device, dtype=dtype, use_te=shape.use_te)
     check_megatron_graphs_off(model)
     return ModelSpec(model=model, unit_modules=[TransformerLayer],
                      batch=lambda step: batch(step, shape, device, seed=seed), loss=loss)
@@ -481,6 +483,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                  "attn_router for MoE)")
     p.add_argument("--nvidia-wrapper", choices=["fully_shard", "mcore"], default=None,
                    help="engine nvidia: the bundled fully_shard (default) or megatron-core's FullyShardedDataParallel")
+    p.add_argument("--spec", choices=["te", "local"], default=None,
+                   help="layer spec (default: te when TE is importable on CUDA, else local)")
+    p.add_argument("--moe-grouped-gemm", choices=["on", "off"], default=None, help="default: on with TE's spec")
+    p.add_argument("--moe-permute-fusion", choices=["on", "off"], default=None, help="default: on with TE's spec")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--capture-step", type=int, default=2)
     p.add_argument("--backend", choices=["te", "torch", "protocol"], default=None)
@@ -494,14 +500,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device = _init_process_group(kind)
     scope = args.scope or ("layer" if args.model == "dense" else "attn_router")
+    onoff = {"on": True, "off": False, None: None}
+    shape = base_shape(device, args.model, use_te={"te": True, "local": False, None: None}[args.spec],
+                       moe_grouped_gemm=onoff[args.moe_grouped_gemm], moe_permute_fusion=onoff[args.moe_permute_fusion])
     with (cpu_shims() if device.type == "cpu" else contextlib.nullcontext()):
         report = run(model=args.model, engine=args.engine, scope=scope, device=device, steps=args.steps,
                      capture_step=args.capture_step, backend=args.backend, perturb=args.perturb,
-                     nvidia_wrapper=args.nvidia_wrapper)
+                     nvidia_wrapper=args.nvidia_wrapper, shape=shape)
     if dist.get_rank() == 0:
         print(report.format())
         record = {"app": "mcore_gpt", "model": args.model, "engine": args.engine, "scope": scope,
-                  "nvidia_wrapper": args.nvidia_wrapper,
+                  "nvidia_wrapper": args.nvidia_wrapper, "shape": dataclasses.asdict(shape),
                   "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "world_size": dist.get_world_size(), "versions": _versions(), "command": sys.argv,
                   "report": report.to_dict()}
