@@ -159,3 +159,19 @@ def test_cpu_without_shims_refused() -> None:
 def test_bad_dispatcher_refused() -> None:
     with pytest.raises(ValueError, match="flex"):
         mcore_gpt.MCoreShape(num_experts=4, moe_token_dispatcher_type="flex")
+
+
+def test_nvidia_wrapper_option_refusals() -> None:
+    """The checker's nvidia builder: an unknown wrapper, and wrapper='mcore' on a model without megatron-core's
+    TransformerConfig, are refused before NVIDIA's engine is built (so on the CPU too)."""
+    from fsdp_cudagraph.checker.engines import ENGINES, check_options
+
+    builder = ENGINES["nvidia"]
+    assert check_options(builder, {"wrapper": "mcore"}) == {"wrapper": "mcore"}
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    common = dict(unit_modules=[nn.Linear], make_optimizer=lambda ps: torch.optim.Adam(ps),
+                  device=torch.device("cpu"), sharding_strategy="optim_grads_params", compute_dtype=None)
+    with pytest.raises(ValueError, match="wrapper='ddp' is not one of"):
+        builder.build(model, options={"wrapper": "ddp"}, **common)
+    with pytest.raises(ValueError, match="TransformerConfig"):
+        builder.build(model, options={"wrapper": "mcore"}, **common)
