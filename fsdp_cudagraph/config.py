@@ -23,7 +23,7 @@ import enum
 import logging
 import warnings
 from collections.abc import Iterable
-from typing import Any, List, NamedTuple, Optional, Type, Union
+from typing import Any, List, NamedTuple, Optional, Tuple, Type, Union
 
 import torch
 
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CudaGraphImpl", "CudaGraphModule", "InferenceCudaGraphScope", "CudaGraphConfig", "MigratedOptions",
     "BACKENDS", "WHOLE_STEP_BACKENDS",
-    "parse_cuda_graph_impl", "parse_cuda_graph_module", "parse_cuda_graph_modules", "module_tag",
+    "parse_cuda_graph_impl", "parse_cuda_graph_module", "parse_cuda_graph_modules", "module_tag", "graph_unsafe_modules",
     "parse_inference_cuda_graph_scope", "migrate_deprecated_options", "add_cuda_graph_args", "config_from_args",
 ]
 
@@ -128,6 +128,24 @@ def module_tag(module: Any) -> Optional[str]:
     """A module's ``cuda_graph_module`` tag as a plain string: the instance's attribute, else its class's."""
     tag = getattr(module, "cuda_graph_module", None)
     return getattr(tag, "value", tag)
+
+
+#: [Note: graph-unsafe modules] A module whose forward cannot be captured (a device-to-host sync such as
+#: ``tensor.tolist()``, shapes that depend on data) declares it with an attribute ``cuda_graph_unsafe`` holding
+#: the reason as a string (``None`` or absent: capturable); the attribute may be a property when the answer
+#: depends on the device or dtype. Graph kinds refuse, when they select their callables, any graphed callable
+#: that contains such a module, naming the callable, the module and the reason. The tag ``cuda_graph_module``
+#: says what a module is (which scope selects it); ``cuda_graph_unsafe`` says whether it may be inside a graph.
+#: Example: the reference model's dropless experts (``apps/moe.py``) with ``moe_experts='split'``.
+def graph_unsafe_modules(module: Any) -> List[Tuple[str, str]]:
+    """(qualified name inside ``module``, reason) of every submodule, ``module`` itself included (name ``""``),
+    whose ``cuda_graph_unsafe`` reason is set ([Note: graph-unsafe modules])."""
+    found = []
+    for name, sub in module.named_modules():
+        reason = getattr(sub, "cuda_graph_unsafe", None)
+        if reason:
+            found.append((name, str(reason)))
+    return found
 
 
 def parse_cuda_graph_module(value: Union[CudaGraphModule, str]) -> CudaGraphModule:

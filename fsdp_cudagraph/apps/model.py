@@ -4,8 +4,9 @@ Each :class:`TransformerBlock` (the FSDP unit) holds an ``attn`` submodule and e
 MoE block ``moe`` whose ``router`` and ``preprocess`` are submodules of their own. Each of those classes
 carries a ``cuda_graph_module`` tag naming its :class:`~fsdp_cudagraph.config.CudaGraphModule`, which is
 how the capture layer finds callables for a scope. Every tagged submodule takes and returns tensors only,
-with static shapes (the MoE routes densely with top-k masks, no token dropping or variable-size dispatch),
-so any scope, whole layers included, is graphable.
+with static shapes. The MoE (``apps/moe.py``) is the static dense toy by default (``moe_experts="dense"``:
+every scope, whole layers included, is graphable) or dropless with eager experts between graphs
+(``"split"``, ``"te_grouped"``: host sync, ``moe``/whole layers refused) or without a sync (``"grouped_mm"``).
 
 Built from TransformerEngine modules with ``use_te=True`` (needs TE and CUDA) and from plain torch
 otherwise. Dropout is absent on purpose: bit-exact eager-vs-graph comparisons need deterministic kernels.
@@ -14,16 +15,18 @@ otherwise. Dropout is absent on purpose: bit-exact eager-vs-graph comparisons ne
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fsdp_cudagraph.capture.te import require_te
+from fsdp_cudagraph.apps.moe import MOE_EXPERTS, Experts, MoEBlock, MoEPreprocess, Router, SharedExpert, unpermute
 
-__all__ = ["GPTConfig", "GPT", "TransformerBlock", "SelfAttention", "MLP", "MoEBlock", "Router", "MoEPreprocess", "Experts", "loss_fn", "synthetic_batch"]
+__all__ = ["GPTConfig", "GPT", "TransformerBlock", "SelfAttention", "MLP", "MoEBlock", "Router", "MoEPreprocess",
+           "Experts", "SharedExpert", "unpermute", "MOE_EXPERTS", "olmoe_config", "mixtral_config", "loss_fn",
+           "synthetic_batch"]
 
 
 @dataclasses.dataclass
@@ -39,6 +42,18 @@ class GPTConfig:
     moe_every: int = 0
     num_experts: int = 4
     moe_top_k: int = 2
+    #: How the experts run (``apps/moe.py``): ``dense`` (the static toy, every expert on every token; the
+    #: numerical oracle and the default, so every scope stays graphable), ``split`` (dropless,
+    #: ``counts.tolist()`` then per-expert matmuls), ``grouped_mm`` (dropless, ``F.grouped_mm`` with device
+    #: offsets, no sync), ``te_grouped`` (dropless, TE ``GroupedLinear``, needs TE).
+    moe_experts: str = "dense"
+    #: Each expert's FFN width; default ``ffn_hidden_size``.
+    moe_ffn_hidden_size: Optional[int] = None
+    #: A shared expert (an FFN every token goes through) added to the routed output.
+    moe_shared_expert: bool = False
+    #: ``grouped_mm`` experts compute in the input dtype (``"input"``) or in ``"bfloat16"`` (operands cast,
+    #: output cast back). On CUDA only bfloat16 has torch's no-sync kernel; fp32 there is refused.
+    moe_grouped_mm_dtype: str = "input"
     use_te: bool = False
     #: ``block``: our TransformerBlock (batch-first); ``te_layer``: TE's own ``TransformerLayer`` as the unit
     #: (sequence-first layout, needs ``use_te``).
@@ -54,6 +69,15 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.moe_experts not in MOE_EXPERTS:
+            raise ValueError(f"moe_experts={self.moe_experts!r} is not one of {list(MOE_EXPERTS)}; pick one of those")
+        if self.moe_grouped_mm_dtype not in ("input", "bfloat16"):
+            raise ValueError(f"moe_grouped_mm_dtype={self.moe_grouped_mm_dtype!r} is not 'input' or 'bfloat16'")
+        if self.moe_experts == "dense" and self.moe_shared_expert:
+            raise ValueError("moe_shared_expert=True needs a dropless moe_experts ('split', 'grouped_mm', "
+                             "'te_grouped'); the dense toy has none")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; pick num_heads that "
@@ -131,70 +155,6 @@ class MLP(nn.Module):
         return out if skip is None else out + 0.5 * skip.to(out.dtype)
 
 
-class Router(nn.Module):
-    """Token-to-expert probabilities: ``softmax(x W)``, [tokens, experts]."""
-
-    cuda_graph_module = "moe_router"
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(self.gate(x).float(), dim=-1)
-
-
-class MoEPreprocess(nn.Module):
-    """Dispatch preparation: top-k mask of the router probabilities, renormalised combine weights."""
-
-    cuda_graph_module = "moe_preprocess"
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.top_k = cfg.moe_top_k
-
-    def forward(self, probs: torch.Tensor) -> torch.Tensor:
-        idx = torch.topk(probs, self.top_k, dim=-1).indices
-        mask = torch.zeros_like(probs).scatter_(-1, idx, 1.0)
-        weights = probs * mask
-        return weights / weights.sum(dim=-1, keepdim=True)
-
-
-class Experts(nn.Module):
-    """All experts applied densely and mixed by the combine weights (static shapes, graph-friendly)."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size
-        self.w1 = nn.Parameter(torch.randn(e, h, f) / math.sqrt(h))
-        self.w2 = nn.Parameter(torch.randn(e, f, h) / math.sqrt(f))
-
-    def forward(self, x: torch.Tensor, combine: torch.Tensor) -> torch.Tensor:
-        hid = F.gelu(torch.einsum("th,ehf->etf", x, self.w1))
-        out = torch.einsum("etf,efh->eth", hid, self.w2)
-        return torch.einsum("eth,te->th", out, combine.to(out.dtype))
-
-
-class MoEBlock(nn.Module):
-    """Pre-norm mixture of experts with its residual."""
-
-    cuda_graph_module = "moe"
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(cfg.hidden_size)
-        self.router = Router(cfg)
-        self.preprocess = MoEPreprocess(cfg)
-        self.experts = Experts(cfg)
-
-    def forward(self, x: torch.Tensor, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
-        b, s, h = x.shape
-        t = self.ln(x).reshape(b * s, h)
-        combine = self.preprocess(self.router(t))
-        out = x + self.experts(t, combine).view(b, s, h)
-        return out if skip is None else out + 0.5 * skip.to(out.dtype)
-
-
 class TransformerBlock(nn.Module):
     """One layer: attention then a dense MLP or an MoE block. The FSDP unit of the reference model."""
 
@@ -262,6 +222,24 @@ def _layer(cfg: GPTConfig, layer_number: int) -> nn.Module:
         attention_dropout=0.0, self_attn_mask_type="causal", params_dtype=torch.float32, seq_length=cfg.seq_len,
         fuse_wgrad_accumulation=cfg.fuse_wgrad, fuse_qkv_params=cfg.fuse_wgrad,  # TE requires both together
     )
+
+
+def olmoe_config(**overrides: Any) -> GPTConfig:
+    """An OLMoE-1B-7B-shaped config: hidden 2048, 16 layers, 16 heads, 64 experts, top-8, expert FFN 1024,
+    every layer MoE, vocabulary 50304. Experts ``grouped_mm`` in bf16 (no host sync) unless overridden."""
+    base: Dict[str, Any] = dict(vocab_size=50304, hidden_size=2048, num_layers=16, num_heads=16, seq_len=4096,
+                                moe_every=1, num_experts=64, moe_top_k=8, moe_ffn_hidden_size=1024,
+                                moe_experts="grouped_mm", moe_grouped_mm_dtype="bfloat16")
+    return GPTConfig(**{**base, **overrides})
+
+
+def mixtral_config(**overrides: Any) -> GPTConfig:
+    """A reduced Mixtral-8x7B shape: 8 experts, top-2, hidden 1024, 8 layers, 8 heads (head dim 128), expert
+    FFN 3584 (Mixtral's 14336 / 4), every layer MoE, vocabulary 32000. Experts ``grouped_mm`` in bf16."""
+    base: Dict[str, Any] = dict(vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=8, seq_len=2048,
+                                moe_every=1, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=3584,
+                                moe_experts="grouped_mm", moe_grouped_mm_dtype="bfloat16")
+    return GPTConfig(**{**base, **overrides})
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,7 @@ from fsdp_cudagraph.config import WHOLE_STEP_BACKENDS, CudaGraphConfig, CudaGrap
 from fsdp_cudagraph.engines.contract import PER_LAYER_BUFFERS
 from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.graphs.optimizer import FullIterationReport, OptimizerGraph
+from fsdp_cudagraph.graphs.partial import refuse_graph_unsafe
 from fsdp_cudagraph.capture import args as _args
 from fsdp_cudagraph.capture import protocol as _protocol
 from fsdp_cudagraph.capture import streams as _streams
@@ -178,6 +179,9 @@ class FullIterationCudaGraph:
         if backend == "torch":
             config.check_runtime()
         engine.require_fixed_buffers("FullIterationCudaGraph", PER_LAYER_BUFFERS)  # [Note: fixed addresses]
+        # The whole step is one graph: any module that cannot be captured refuses it ([Note: graph-unsafe
+        # modules] in config.py); per-layer graphs can leave such a module eager between graphs.
+        refuse_graph_unsafe([("", engine.root)], what="FullIterationCudaGraph's model")
         #: The model the step functions are given; every question to its engine goes through ``engine``.
         self.model = model
         self.engine = engine

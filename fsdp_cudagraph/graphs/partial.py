@@ -37,7 +37,7 @@ from torch import nn
 
 # te: TE's make_graphed_callables; torch: torch.cuda.make_graphed_callables; protocol: the same warmup/capture
 # schedule and hook calls without graphs (runs on CPU). [Note: backends] in config.py.
-from fsdp_cudagraph.config import BACKENDS, CudaGraphConfig, module_tag
+from fsdp_cudagraph.config import BACKENDS, CudaGraphConfig, graph_unsafe_modules, module_tag
 from fsdp_cudagraph.engines.contract import EngineAdapter
 from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.hooks import HOOK_DICTS, extract_hooks, restore_hooks
@@ -94,7 +94,25 @@ def select_modules(root: nn.Module, engine: Any, config: CudaGraphConfig) -> Lis
         for b in names:
             if a != b and b.startswith(a + "."):
                 raise ValueError(f"selected callables {a!r} and {b!r} are nested; graph one or the other")
+    refuse_graph_unsafe(chosen)
     return chosen
+
+
+def refuse_graph_unsafe(chosen: List[Tuple[str, nn.Module]], *, what: str = "graphed callable") -> None:
+    """Refuse selected callables that contain a module declaring ``cuda_graph_unsafe`` ([Note: graph-unsafe
+    modules] in ``config.py``): capture would fail on its host sync, or replay stale shapes."""
+    for name, module in chosen:
+        unsafe = graph_unsafe_modules(module)
+        if unsafe:
+            inner, reason = unsafe[0]
+            inner_name = ".".join(p for p in (name, inner) if p) or type(module).__name__
+            raise ValueError(
+                f"{what} {name or type(module).__name__!r} contains {inner_name!r}, which cannot be captured: "
+                f"{reason}. Fixes: graph around it (e.g. PartialCudaGraphs with cuda_graph_modules=['attn', "
+                "'moe_router', 'moe_preprocess'] runs the experts eagerly between graphs, as Megatron does for "
+                "dropless MoE), "
+                "or make it capturable (the reference model: moe_experts='grouped_mm' with device offsets, no "
+                "sync)")
 
 
 class PartialCudaGraphs:

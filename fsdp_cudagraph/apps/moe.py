@@ -1,0 +1,235 @@
+"""The reference model's mixture of experts: dropless routing with eager experts, the way Megatron graphs it.
+
+One MoE block (tag ``moe``) is four steps; ``GPTConfig.moe_experts`` picks how the experts run:
+
+1. :class:`Router` (tag ``moe_router``): ``linear -> softmax (fp32) -> top-k -> renormalise``; returns the
+   top-k weights [T, K] (fp32) and expert ids [T, K] (int64). Static shapes.
+2. :class:`MoEPreprocess` (tag ``moe_preprocess``): a stable argsort of the T*K expert ids gives the
+   permuted token rows [T*K, h], the permuted weights [T*K], the tokens per expert as a *device* tensor
+   [E] (int64, no host sync) and the inverse permutation [T*K]. Static shapes: always T*K rows (dropless).
+3. :class:`Experts`: the data-dependent part. ``"split"``: ``counts.tolist()`` (a device-to-host sync)
+   then one matmul pair per expert; ``"grouped_mm"``: ``torch.nn.functional.grouped_mm`` with device
+   offsets ``cumsum(counts)`` (no sync); ``"te_grouped"``: TE ``GroupedLinear`` with
+   ``m_splits=counts.tolist()`` (sync); ``"dense"``: every expert applied to every token and mixed by a
+   [T, E] combine matrix (the old static toy, kept as the numerical oracle and the default).
+4. Unpermute (in :class:`MoEBlock`, eager unless ``moe`` is graphed): weight each row by its probability,
+   undo the permutation by indexing with the inverse map, ``view(T, K, h).sum(1)``, add the residual.
+
+[Note: deterministic dispatch] Every step is deterministic and uses no floating-point atomics. The forward
+gathers (``rows[order]``, ``rows[inverse]``) index with a permutation, so their backward (``index_put_``
+with accumulate) writes each destination row exactly once onto zeros: exact, whatever the order. The K
+copies of a token are summed by ``view(T, K, h).sum(1)`` (forward) and by ``expand`` (whose backward is a
+sum over K), never by ``index_add_`` on floats. The counts are an int64 ``index_add_`` (exact).
+
+[Note: capturability of the experts] A module whose forward cannot be captured (a host sync, shapes that
+depend on data) says so with a ``cuda_graph_unsafe`` attribute holding the reason (None: capturable);
+``PartialCudaGraphs`` and ``FullIterationCudaGraph`` refuse, at selection, a graphed callable that contains
+such a module (``fsdp_cudagraph.config.graph_unsafe_modules``). So scope ``moe`` (or whole layers) is refused
+with ``split``/``te_grouped`` experts, as Megatron refuses ``moe`` for dropless MoE, and accepted with
+``grouped_mm`` and ``dense``; the Megatron scopes ``attn moe_router moe_preprocess`` run the experts eagerly
+between the graphs. torch's CUDA ``grouped_mm`` has a fast (no-sync) kernel only for bf16 on sm90+; other
+dtypes take a fallback loop that copies the offsets to the host, so fp32 ``grouped_mm`` on CUDA is refused
+(``moe_grouped_mm_dtype="bfloat16"`` computes the experts in bf16).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["MOE_EXPERTS", "Router", "MoEPreprocess", "Experts", "SharedExpert", "MoEBlock", "unpermute"]
+
+#: ``GPTConfig.moe_experts`` values and whether the path syncs with the host.
+MOE_EXPERTS = ("dense", "split", "grouped_mm", "te_grouped")
+_SYNC_REASON = {
+    "split": "Experts(moe_experts='split') calls counts.tolist() (a device-to-host sync) and splits the tokens "
+             "into data-dependent shapes",
+    "te_grouped": "Experts(moe_experts='te_grouped') passes m_splits=counts.tolist() (a device-to-host sync) to "
+                  "TE GroupedLinear",
+}
+
+
+class Router(nn.Module):
+    """Top-k routing. Dense toy: the softmax probabilities [T, E]; dropless: (weights [T, K] fp32, ids [T, K])."""
+
+    cuda_graph_module = "moe_router"
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.top_k = cfg.moe_top_k
+        self.dense = cfg.moe_experts == "dense"
+
+    def forward(self, x: torch.Tensor) -> Any:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        if self.dense:
+            return probs
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+class MoEPreprocess(nn.Module):
+    """Dispatch preparation. Dense toy: the [T, E] combine matrix. Dropless: the permutation (see module doc)."""
+
+    cuda_graph_module = "moe_preprocess"
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.top_k = cfg.moe_top_k
+        self.num_experts = cfg.num_experts
+        self.dense = cfg.moe_experts == "dense"
+
+    def forward(self, x: torch.Tensor, probs: Optional[torch.Tensor] = None, ids: Optional[torch.Tensor] = None) -> Any:
+        """Dense toy: ``forward(probs [T, E]) -> combine [T, E]`` (the old signature). Dropless:
+        ``forward(tokens [T, h], weights [T, K], ids [T, K]) -> (rows [T*K, h], probs [T*K], counts [E],
+        inverse [T*K])``."""
+        if self.dense:
+            probs = x
+            idx = torch.topk(probs, self.top_k, dim=-1).indices
+            mask = torch.zeros_like(probs).scatter_(-1, idx, 1.0)
+            weights = probs * mask
+            return weights / weights.sum(dim=-1, keepdim=True)
+        if probs is None or ids is None:
+            raise TypeError("MoEPreprocess(dropless).forward(x, weights, ids) needs the router's weights and ids")
+        t, h = x.shape
+        k = ids.shape[-1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # token-major ties keep the token order inside each expert
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        rows = x.unsqueeze(1).expand(t, k, h).reshape(t * k, h)  # row t*K + j is token t's j-th choice
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))
+        return rows[order], probs.reshape(-1)[order], counts, inverse
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient dense: grouped_mm's backward refuses stride-0 gradients
+    (e.g. from ``.sum()``: "Invalid strides/sizes" on torch 2.13 CPU)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class Experts(nn.Module):
+    """The experts' FFNs ``gelu(x W1[e]) W2[e]``; ``mode`` (``GPTConfig.moe_experts``) picks the kernel.
+
+    Parameters ``w1`` [E, h, f] and ``w2`` [E, f, h] for ``dense``/``split``/``grouped_mm`` (the same layout,
+    so the paths load each other's weights); TE ``GroupedLinear`` ``fc1``/``fc2`` for ``te_grouped``.
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        e, h = cfg.num_experts, cfg.hidden_size
+        f = cfg.moe_ffn_hidden_size
+        self.mode = cfg.moe_experts
+        self.grouped_mm_dtype = cfg.moe_grouped_mm_dtype
+        if self.mode == "te_grouped":
+            from fsdp_cudagraph.capture.te import require_te
+
+            te = require_te("GPTConfig(moe_experts='te_grouped')")
+            self.fc1 = te.GroupedLinear(e, h, f, bias=False, params_dtype=torch.float32)
+            self.fc2 = te.GroupedLinear(e, f, h, bias=False, params_dtype=torch.float32)
+        else:
+            self.w1 = nn.Parameter(torch.randn(e, h, f) / math.sqrt(h))
+            self.w2 = nn.Parameter(torch.randn(e, f, h) / math.sqrt(f))
+
+    @property
+    def cuda_graph_unsafe(self) -> Optional[str]:
+        """Why this module's forward cannot be captured, or None ([Note: capturability of the experts])."""
+        if self.mode in _SYNC_REASON:
+            return _SYNC_REASON[self.mode]
+        if self.mode == "grouped_mm" and self.w1.is_cuda and self._gmm_dtype(self.w1.dtype) != torch.bfloat16:
+            return _fp32_gmm_reason(self._gmm_dtype(self.w1.dtype))
+        return None
+
+    def _gmm_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.bfloat16 if self.grouped_mm_dtype == "bfloat16" else dtype
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Dense: ``forward(tokens [T, h], combine [T, E]) -> [T, h]``; else ``forward(rows [T*K, h] grouped by
+        expert, counts [E]) -> [T*K, h]`` (unweighted expert outputs)."""
+        if self.mode == "dense":
+            hid = F.gelu(torch.einsum("th,ehf->etf", x, self.w1))
+            out = torch.einsum("etf,efh->eth", hid, self.w2)
+            return torch.einsum("eth,te->th", out, counts.to(out.dtype))
+        if self.mode == "grouped_mm":
+            return self._grouped_mm(x, counts)
+        sizes = counts.tolist()  # the host sync that keeps these paths out of graphs
+        if self.mode == "te_grouped":
+            return self.fc2(F.gelu(self.fc1(x, sizes)), sizes)
+        outs = [F.gelu(rows @ self.w1[e]) @ self.w2[e] for e, rows in enumerate(x.split(sizes))]
+        return torch.cat(outs)
+
+    def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        dtype = self._gmm_dtype(x.dtype)
+        if x.is_cuda and dtype != torch.bfloat16:
+            raise NotImplementedError(_fp32_gmm_reason(dtype))
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        w1, w2 = self.w1.to(dtype), self.w2.to(dtype)
+        hid = F.gelu(_DenseGrad.apply(F.grouped_mm(x.to(dtype), w1, offs=offs)))
+        return _DenseGrad.apply(F.grouped_mm(hid, w2, offs=offs)).to(x.dtype)
+
+
+def _fp32_gmm_reason(dtype: torch.dtype) -> str:
+    return (f"Experts(moe_experts='grouped_mm') in {dtype} on CUDA: torch's grouped_mm has a fast kernel only "
+            "for bfloat16 (sm90+); other dtypes take a fallback loop that copies the offsets to the host (a sync "
+            "that breaks capture); set GPTConfig(moe_grouped_mm_dtype='bfloat16') or moe_experts='split' with "
+            "the experts eager")
+
+
+class SharedExpert(nn.Module):
+    """An FFN every token goes through (``moe_shared_expert``), added to the routed output."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.moe_ffn_hidden_size)
+        self.fc2 = nn.Linear(cfg.moe_ffn_hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def unpermute(rows: torch.Tensor, probs: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Expert outputs [T*K, h] in expert order -> token outputs [T, h]: weight, undo the permutation, sum over
+    the K choices ([Note: deterministic dispatch])."""
+    weighted = rows * probs.to(rows.dtype).unsqueeze(-1)
+    return weighted[inverse].view(-1, top_k, rows.shape[-1]).sum(1)
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm mixture of experts with its residual (see the module docstring for the steps)."""
+
+    cuda_graph_module = "moe"
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.hidden_size)
+        self.router = Router(cfg)
+        self.preprocess = MoEPreprocess(cfg)
+        self.experts = Experts(cfg)
+        self.shared = SharedExpert(cfg) if cfg.moe_shared_expert else None
+        self.top_k = cfg.moe_top_k
+        self.dense = cfg.moe_experts == "dense"
+
+    def forward(self, x: torch.Tensor, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
+        b, s, h = x.shape
+        t = self.ln(x).reshape(b * s, h)
+        if self.dense:
+            routed = self.experts(t, self.preprocess(self.router(t)))
+        else:
+            weights, ids = self.router(t)
+            rows, probs, counts, inverse = self.preprocess(t, weights, ids)
+            routed = unpermute(self.experts(rows, counts), probs, inverse, self.top_k)
+        if self.shared is not None:
+            routed = routed + self.shared(t)
+        out = x + routed.view(b, s, h)
+        return out if skip is None else out + 0.5 * skip.to(out.dtype)
