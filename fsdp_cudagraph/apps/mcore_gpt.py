@@ -473,9 +473,9 @@ def _versions() -> Dict[str, Any]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from fsdp_cudagraph.checker.check import _init_process_group
+    from fsdp_cudagraph.checker.check import _init_process_group, plain_text
 
-    p = argparse.ArgumentParser(prog="python -m fsdp_cudagraph.apps.mcore_gpt", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m fsdp_cudagraph.apps.mcore_gpt", description=plain_text(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="dense")
     p.add_argument("--engine", choices=["megatron_fsdp", "nvidia"], default="megatron_fsdp")
