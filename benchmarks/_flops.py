@@ -12,7 +12,8 @@ import torch
 from _common import cuda_time_ms
 from fsdp_cudagraph.apps.model import GPTConfig
 
-__all__ = ["matmul_peak_tflops", "copy_bandwidth_gbps", "adam_step_ms", "model_flops_per_step"]
+__all__ = ["matmul_peak_tflops", "copy_bandwidth_gbps", "adam_step_ms", "model_flops_per_step",
+           "active_matmul_params", "transformer_flops_per_step", "collective_rates_gbps"]
 
 
 def matmul_peak_tflops(device: torch.device) -> float:
@@ -53,3 +54,62 @@ def model_flops_per_step(cfg: GPTConfig, tokens: int) -> float:
     dense = 6 * tokens * (L * per_layer + h * cfg.vocab_size)
     attn = 6 * tokens * L * s * h  # 12*L*s*h forward+backward, halved by the causal mask
     return float(dense + attn)
+
+
+def active_matmul_params(model: torch.nn.Module, *, top_k: int = 1, num_experts: int = 1) -> float:
+    """Matmul weights one token passes through: every parameter of 2+ dimensions except embedding tables
+    (lookups, no matmul); a parameter whose name contains ``experts`` counts ``top_k / num_experts`` of its size
+    (a token visits top_k of the experts). Count before sharding (full shapes)."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    total = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or id(p) in tables:
+            continue
+        total += p.numel() * (top_k / num_experts if "experts" in name else 1.0)
+    return total
+
+
+def transformer_flops_per_step(*, matmul_params: float, num_layers: int, seq_len: int, attn_hidden: int,
+                               tokens: int) -> float:
+    """6 x matmul parameters x tokens (forward + backward) plus causal attention: 12 x layers x seq x
+    ``attn_hidden`` per token (QK^T and AV, forward and backward), halved by the causal mask."""
+    return float(6 * tokens * matmul_params + 6 * tokens * num_layers * seq_len * attn_hidden)
+
+
+def collective_rates_gbps(device: torch.device, numel: int) -> dict:
+    """Measured rates of a ``numel``-element all-gather (bf16) and reduce-scatter (fp32) over the default group,
+    each alone, in 1e9 bytes per second through one rank: ``(W - 1) / W`` of the full tensor's bytes over the
+    median time (CUDA events on a GPU, wall time on CPU; 3 warmup, 10 timed). Empty on one rank (nothing
+    moves). Every rank must call it. See [Note: the floor with communication] in ``_perf_goals.py``."""
+    import time
+
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if world < 2:
+        return {}
+    numel = (numel + world - 1) // world * world
+    share = (world - 1) / world
+    out = {"numel": numel}
+    for name, dtype in (("all_gather", torch.bfloat16), ("reduce_scatter", torch.float32)):
+        full = torch.ones(numel, dtype=dtype, device=device)
+        part = torch.ones(numel // world, dtype=dtype, device=device)
+        if name == "all_gather":
+            fn = functools.partial(dist.all_gather_into_tensor, full, part)
+        else:
+            fn = functools.partial(dist.reduce_scatter_tensor, part, full)
+        if device.type == "cuda":
+            times = cuda_time_ms(fn, warmup=3, iters=10)
+        else:
+            for _ in range(3):
+                fn()
+            times = []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        ms = statistics.median(times)
+        out[f"{name}_ms"] = ms
+        out[f"{name}_gbps"] = share * numel * full.element_size() / (ms * 1e-3) / 1e9
+        del full, part
+    return out

@@ -1,0 +1,636 @@
+"""The engines side by side on a real shape: ours, FSDP2 and NVIDIA Megatron-FSDP, eager and with our graphs.
+
+Configs (``--config``):
+  llama8b  Llama-3-8B-shaped layers (``apps/llama.py``: hidden 4096, 32 heads, 8 KV heads, FFN 14336, RMSNorm,
+           SwiGLU, RoPE, vocab 128256, sequence 4096, micro-batch 1; TE ``TransformerLayer`` units, or the same
+           math in torch with ``--layers-impl torch``); whole layers graphed. Depth ``--layers`` (default by
+           world size: 1 GPU 4, 2 GPUs 16 (the per-GPU state of 32 on 4), 4+ GPUs 32).
+  olmoe    OLMoE-1B-7B-shaped MoE (``apps.model.olmoe_config``: hidden 2048, 64 experts, top-8, expert FFN 1024,
+           sequence 4096); partial graphs over ``attn moe_router moe_preprocess`` with the experts eager between
+           graphs; full-iteration with ``grouped_mm`` experts. Depth by world size (1 GPU 4, 2 GPUs 8, 4+ GPUs
+           16: 16 layers, ~7 B parameters, do not fit one GPU with fp32 Adam).
+
+Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; same seed and batches):
+  ours_eager           megatron_fsdp (double buffer, persistent buffers); TE layers fuse weight gradients into
+                       the fp32 main gradients (``--fuse-wgrad on``)
+  ours_partial         + PartialCudaGraphs (TE's graph maker with TE, else torch's)
+  ours_full            + FullIterationCudaGraph (forward+backward in one graph, optimizer eager)
+  fsdp2_eager          torch FSDP2 as its users run it: fully_shard per layer and the root, default ZeRO-3,
+                       fp32 sharded parameters, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+  fsdp2_keep_partial   the same + keep_unsharded_storage + PartialCudaGraphs
+  fsdp2_slots_partial  the same + use_unsharded_slots (two slots, ZeRO-3 memory; 2+ ranks) + PartialCudaGraphs
+  nvidia_eager         NVIDIA Megatron-FSDP (megatron-core's bundled copy, the checker's ``nvidia`` builder:
+                       double buffer, fp32 main parameters and gradients); GPU and megatron-core only
+  nvidia_partial       + PartialCudaGraphs
+
+Per column: median step time over the timed steps (CUDA events; the slowest rank's), tokens/s per GPU, MFU
+(model FLOPs / the bf16 matmul rate measured in the same run), peak memory per GPU (max over ranks), host time
+per step (wall time for Python to issue the step, no synchronize inside it) and the first losses. Each
+column is reported against the floor with communication ([Note: the floor with communication] in
+``_perf_goals.py``; the all-gather and reduce-scatter rates of a layer-sized collective measured in the same
+run) and the goals of issue 38 (llama8b) and issue 35 (olmoe) get PASS / NOISE / FAIL / MISSING verdicts
+(``_perf_goals.ENGINE_GOALS``); a column that does not apply here (slots on one rank, NVIDIA on CPU) is
+``skipped`` with its reason and its goals are N/A.
+
+Isolation: by default every column (and the rate measurement) runs in its own ``torchrun`` child, so each peak
+is the column's alone and a column that crashes (out of memory, an NCCL abort) is recorded as failed while the
+others run. Under ``torchrun`` (or with ``--isolate none``) all columns run in one process, each after
+``gc.collect()`` and ``empty_cache()``, with ``own_peak_gib`` (peak minus what was allocated at the start).
+
+    python benchmarks/bench_engines.py --config llama8b --out llama8b-1gpu.json                    # 1 GPU, 4 layers
+    python benchmarks/bench_engines.py --config llama8b --nproc-per-node 2 --out llama8b-2gpu.json  # 16 layers
+    python benchmarks/bench_engines.py --config olmoe --nproc-per-node 2 --out olmoe-2gpu.json
+    torchrun --nproc-per-node 2 benchmarks/bench_engines.py --config llama8b   # one process per rank, no isolation
+    python benchmarks/bench_engines.py --cpu-smoke --config llama8b            # Gloo, tiny shapes, protocol backend
+
+Exit status: 0 when every column that applies ran and every goal is PASS or NOISE, 1 otherwise, 2 without a
+GPU (unless ``--cpu-smoke``, whose times and verdicts mean nothing: it exits 0 when its columns ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+
+import _common  # noqa: F401,E402 - the repository root on sys.path
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+import _flops  # noqa: E402
+import _perf_goals as goals  # noqa: E402
+from _common import init_process_group, record_fields  # noqa: E402
+from fsdp_cudagraph.capture.te import HAS_TE  # noqa: E402
+from fsdp_cudagraph.checker.records import write_record  # noqa: E402
+
+#: column -> (engine builder, engine_options, mode)
+COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
+    "ours_eager": ("megatron_fsdp", None, "eager"),
+    "ours_partial": ("megatron_fsdp", None, "partial"),
+    "ours_full": ("megatron_fsdp", None, "full"),
+    "fsdp2_eager": ("fsdp2_default", None, "eager"),
+    "fsdp2_keep_partial": ("fsdp2", {"storage": "keep", "mixed_precision": "bf16"}, "partial"),
+    "fsdp2_slots_partial": ("fsdp2", {"storage": "slots", "mixed_precision": "bf16"}, "partial"),
+    "nvidia_eager": ("nvidia", None, "eager"),
+    "nvidia_partial": ("nvidia", None, "partial"),
+}
+COLUMNS = {
+    "llama8b": list(COLUMN_SPECS),
+    "olmoe": ["ours_eager", "ours_partial", "ours_full", "fsdp2_eager", "fsdp2_keep_partial", "nvidia_eager",
+              "nvidia_partial"],
+}
+#: depth by world size when --layers is not given (see the module docstring)
+DEFAULT_LAYERS = {"llama8b": {1: 4, 2: 16}, "olmoe": {1: 4, 2: 8}}
+DEEPEST = {"llama8b": 32, "olmoe": 16}
+OLMOE_SCOPES = ["attn", "moe_router", "moe_preprocess"]
+CHILD_ENV = "BENCH_ENGINES_CHILD"
+
+
+def default_layers(config: str, world: int) -> int:
+    return DEFAULT_LAYERS[config].get(world, DEEPEST[config])
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+
+@dataclasses.dataclass
+class Model:
+    """One column's model before sharding, and what the benchmark needs to know about it."""
+
+    module: nn.Module
+    unit_class: type
+    scopes: List[str]
+    seq_len: int
+    vocab_size: int
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    batch: Callable[[int, int, torch.device], Tuple[torch.Tensor, torch.Tensor]]
+    counts: Dict[str, Any]
+
+
+def _llama_config(args: argparse.Namespace, *, fuse_wgrad: bool) -> Any:
+    from fsdp_cudagraph.apps.llama import LlamaConfig, llama3_8b_config
+
+    if args.cpu_smoke:
+        return LlamaConfig(vocab_size=128, hidden_size=32, num_layers=args.layers, num_heads=4, num_kv_heads=2,
+                           ffn_hidden_size=64, seq_len=16, layers_impl="torch")
+    return llama3_8b_config(num_layers=args.layers, layers_impl=args.layers_impl,
+                            fuse_wgrad=fuse_wgrad and args.layers_impl == "te",
+                            **({"seq_len": args.seq} if args.seq else {}))
+
+
+def _olmoe_config(args: argparse.Namespace, *, fuse_wgrad: bool, experts: str) -> Any:
+    from fsdp_cudagraph.apps import model as gpt
+
+    if not hasattr(gpt, "olmoe_config"):
+        raise ImportError("fsdp_cudagraph.apps.model has no olmoe_config yet (issue 35 item 1, the dropless MoE); "
+                          "--config olmoe needs it")
+    if args.cpu_smoke:
+        return gpt.olmoe_config(vocab_size=128, hidden_size=32, num_layers=args.layers, num_heads=4, seq_len=16,
+                                num_experts=4, moe_top_k=2, moe_ffn_hidden_size=32, moe_experts=experts,
+                                moe_grouped_mm_dtype="input")
+    use_te = args.layers_impl == "te"
+    return gpt.olmoe_config(num_layers=args.layers, use_te=use_te, moe_experts=experts,
+                            fuse_wgrad=fuse_wgrad and use_te, **({"seq_len": args.seq} if args.seq else {}))
+
+
+def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, full: bool) -> Model:
+    """The column's model, seeded alike on every rank and in every column (``ours``: TE layers fuse weight
+    gradients into our engine's main gradients when ``--fuse-wgrad on``; ``full``: the full-iteration column,
+    whose MoE experts must be ``grouped_mm``)."""
+    torch.manual_seed(1234)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(1234)
+    fuse = ours and args.fuse_wgrad == "on"
+    if args.config == "llama8b":
+        from fsdp_cudagraph.apps import llama
+
+        cfg = _llama_config(args, fuse_wgrad=fuse)
+        module = llama.Llama(cfg).to(device)
+        top_k = num_experts = 1
+        scopes: List[str] = []
+        loss, batch = llama.loss_fn, llama.synthetic_batch
+    else:
+        from fsdp_cudagraph.apps import model as gpt
+
+        cfg = _olmoe_config(args, fuse_wgrad=fuse, experts="grouped_mm" if full else args.moe_experts)
+        module = gpt.GPT(cfg).to(device)
+        top_k, num_experts = cfg.moe_top_k, cfg.num_experts
+        scopes = list(OLMOE_SCOPES)
+        loss, batch = gpt.loss_fn, gpt.synthetic_batch
+    unit_class = module.unit_class
+    in_units = {id(p) for m in module.modules() if isinstance(m, unit_class) for p in m.parameters()}
+    layer = next(m for m in module.modules() if isinstance(m, unit_class))
+    counts = {"num_params": sum(p.numel() for p in module.parameters()),
+              "root_params": sum(p.numel() for p in module.parameters() if id(p) not in in_units),
+              "layer_params": sum(p.numel() for p in layer.parameters()),
+              "matmul_params": _flops.active_matmul_params(module, top_k=top_k, num_experts=num_experts),
+              "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "seq_len": cfg.seq_len,
+              "model_config": {k: v for k, v in dataclasses.asdict(cfg).items()
+                               if isinstance(v, (int, float, str, bool, type(None)))}}
+    return Model(module, unit_class, scopes, cfg.seq_len, cfg.vocab_size, loss,
+                 lambda step, n, dev: batch(step, n, cfg, dev), counts)
+
+
+# ---------------------------------------------------------------------------------------------- the engines
+
+
+@dataclasses.dataclass
+class Sharded:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    use_megatron_fsdp: bool
+    precision: str
+
+
+def _adam(device: torch.device) -> Callable[[List[nn.Parameter]], torch.optim.Optimizer]:
+    return lambda params: torch.optim.Adam(params, lr=1e-4, fused=device.type == "cuda")
+
+
+def _fsdp2_default(model: nn.Module, unit_class: type, device: torch.device) -> Sharded:
+    """FSDP2 as its documentation runs it: no storage option (the checker's builder always picks one)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for m in reversed([m for m in model.modules() if isinstance(m, unit_class)]):
+        fully_shard(m, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return Sharded(model, _adam(device)(list(model.parameters())), False,
+                   "fp32 sharded parameters, MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), "
+                   "reshard_after_forward=True (default ZeRO-3)")
+
+
+def shard(column: str, model: Model, device: torch.device) -> Sharded:
+    from fsdp_cudagraph.checker.engines import engine_builder
+
+    name, options, _ = COLUMN_SPECS[column]
+    if name == "fsdp2_default":
+        return _fsdp2_default(model.module, model.unit_class, device)
+    builder = engine_builder(name, device)
+    extra = {"options": options} if options else {}
+    run = builder.build(model.module, unit_modules=[model.unit_class], make_optimizer=_adam(device), device=device,
+                        sharding_strategy="optim_grads_params",
+                        compute_dtype=None if name == "fsdp2" else torch.bfloat16, **extra)
+    return Sharded(run.model, run.optimizer, builder.use_megatron_fsdp, run.precision)
+
+
+def not_applicable(column: str, world: int, device: torch.device) -> Optional[str]:
+    """Why ``column`` cannot run here by design (None: it can). A failure to run is not this: it is an error."""
+    if column == "fsdp2_slots_partial" and world < 2:
+        return ("use_unsharded_slots needs 2+ ranks (on one rank FSDP2 copies its all-gather into the outputs' "
+                "storage directly); run with --nproc-per-node 2")
+    if column.startswith("nvidia") and device.type != "cuda":
+        return "NVIDIA Megatron-FSDP builds CUDA streams and buffers when constructed: GPU only"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- one column
+
+
+def _graph_config(args: argparse.Namespace, scopes: List[str], use_megatron_fsdp: bool) -> Any:
+    from fsdp_cudagraph.config import CudaGraphConfig
+
+    return CudaGraphConfig(cuda_graph_impl="transformer_engine" if args.backend == "te" else "local",
+                           cuda_graph_modules=list(scopes), cuda_graph_warmup_steps=args.capture_step,
+                           use_megatron_fsdp=use_megatron_fsdp, fsdp_double_buffer=use_megatron_fsdp,
+                           fsdp_db_use_persist_buf_on_alloc_fail=use_megatron_fsdp)
+
+
+def run_column(column: str, args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+    """Build, shard and train ``column`` for ``--warmup + --steps`` steps; its row (every rank returns it)."""
+    from fsdp_cudagraph import FullIterationCudaGraph, PartialCudaGraphs
+    from fsdp_cudagraph.config import CudaGraphConfig
+
+    cuda = device.type == "cuda"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cuda:  # start as a fresh process would: an earlier graphed column may have left a side stream current
+        default = torch.cuda.default_stream(device)
+        default.wait_stream(torch.cuda.current_stream(device))
+        torch.cuda.set_stream(default)
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    start_bytes = torch.cuda.memory_allocated(device) if cuda else 0
+    mode = COLUMN_SPECS[column][2]
+    t_build = time.perf_counter()
+    model = build_model(args, device, ours=column.startswith("ours"), full=mode == "full")
+    counts = model.counts
+    sharded = shard(column, model, device)
+    build_s = time.perf_counter() - t_build
+    mbs = args.micro_batch
+    batches = []
+    for step in range(args.warmup + args.steps):
+        x, y = model.batch(step, mbs * world, device)
+        batches.append((x[rank * mbs:(rank + 1) * mbs].contiguous(), y[rank * mbs:(rank + 1) * mbs].contiguous()))
+    loss_of = model.loss
+    net, opt = sharded.model, sharded.optimizer
+    partial = full = None
+    if mode == "partial":
+        partial = PartialCudaGraphs(net, _graph_config(args, model.scopes, sharded.use_megatron_fsdp),
+                                    backend=args.backend)
+    elif mode == "full":
+        full = FullIterationCudaGraph(net, lambda m, x, y: loss_of(m(x), y),
+                                      CudaGraphConfig(cuda_graph_impl="full_iteration",
+                                                      cuda_graph_warmup_steps=args.capture_step),
+                                      backend="torch" if cuda else "protocol")
+    del model
+    losses: List[torch.Tensor] = []
+    events: List[Any] = []
+    host_ms: List[float] = []
+    capture_s = None
+    try:
+        for step, (x, y) in enumerate(batches):
+            if partial is not None and step == args.capture_step:
+                t0 = time.perf_counter()
+                partial.capture()
+                capture_s = time.perf_counter() - t0
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            if full is not None:
+                loss = full.step([(x, y)]).reshape(-1)[0]
+                full.optimizer_step(opt)
+            else:
+                loss = loss_of(net(x), y)
+                loss.backward()
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            host_ms.append((time.perf_counter() - t0) * 1e3)
+            if cuda:
+                end.record()
+                events.append((start, end))
+            losses.append(loss.detach().float())
+        if cuda:
+            torch.cuda.synchronize(device)
+        step_ms = [s.elapsed_time(e) for s, e in events] if cuda else list(host_ms)
+        peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+    finally:
+        if partial is not None:
+            partial.delete()
+        if full is not None:
+            full.delete()
+    timed = slice(args.warmup, None)
+    tokens = mbs * counts["seq_len"]
+    row: Dict[str, Any] = {
+        "step_ms": statistics.median(step_ms[timed]), "step_ms_all": step_ms,
+        "host_ms": statistics.median(host_ms[timed]), "host_ms_all": host_ms,
+        "peak_memory_gib": peak / 2**30, "own_peak_gib": (peak - start_bytes) / 2**30,
+        "losses": [float(v) for v in torch.stack(losses).cpu()], "tokens_per_gpu_per_step": tokens,
+        "build_s": build_s, "precision": sharded.precision, "counts": counts,
+    }
+    if capture_s is not None:
+        row["capture_s"] = capture_s
+    if full is not None:
+        train = full.reports.get("train")
+        if train is not None:
+            row["capture_s"] = train.capture_seconds
+    # the slowest rank's step and host time, the largest peak
+    keys = ["step_ms", "host_ms", "peak_memory_gib", "own_peak_gib"]
+    t = torch.tensor([row[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    row.update(zip(keys, t.tolist()))
+    row["tokens_per_s_per_gpu"] = tokens / (row["step_ms"] * 1e-3)
+    del net, opt, sharded, partial, full
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def measure_rates(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+    """The device's bf16 matmul rate and copy bandwidth (GPU), and the collective rates of a layer-sized
+    all-gather / reduce-scatter (2+ ranks): the floor's denominators, measured in this run."""
+    out: Dict[str, Any] = {}
+    if device.type == "cuda":
+        out["matmul_tflops"] = _flops.matmul_peak_tflops(device)
+        out["copy_gbps"] = _flops.copy_bandwidth_gbps(device)
+    out.update(_flops.collective_rates_gbps(device, layer_numel(args)))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def layer_numel(args: argparse.Namespace) -> int:
+    """Parameters of one layer from the config's arithmetic (the size of the timed collectives)."""
+    if args.config == "llama8b":
+        return _llama_config(args, fuse_wgrad=False).layer_params()
+    if args.cpu_smoke:
+        h, e, f = 32, 4, 32
+    else:
+        h, e, f = 2048, 64, 1024
+    return 4 * h * h + 3 * e * h * f
+
+
+# ---------------------------------------------------------------------------------------------- the record
+
+
+def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], columns: Dict[str, Dict[str, Any]],
+             skipped: Dict[str, str]) -> Dict[str, Any]:
+    """Floor, multiples, MFU, goal verdicts and the table from the rates and the columns' rows."""
+    counts = next((r["counts"] for r in columns.values() if "counts" in r), None)
+    floor: Optional[Dict[str, Any]] = None
+    flops = None
+    if counts is not None:
+        tokens = args.micro_batch * counts["seq_len"]
+        flops = _flops.transformer_flops_per_step(matmul_params=counts["matmul_params"],
+                                                  num_layers=counts["num_layers"], seq_len=counts["seq_len"],
+                                                  attn_hidden=counts["hidden_size"], tokens=tokens)
+        if "matmul_tflops" in rates:
+            base = goals.floor_ms(flops=flops, bytes_moved=goals.optimizer_bytes(counts["num_params"], world),
+                                  matmul_tflops=rates["matmul_tflops"], copy_gbps=rates["copy_gbps"])
+            floor = goals.floor_with_comm_ms(
+                matmul_ms=base["matmul_ms"], optimizer_ms=base["optimizer_ms"], num_params=counts["num_params"],
+                first_unit_params=counts["root_params"], last_unit_params=counts["root_params"], world_size=world,
+                all_gather_gbps=rates.get("all_gather_gbps"), reduce_scatter_gbps=rates.get("reduce_scatter_gbps"))
+            floor["model_flops_per_rank"] = flops
+    for r in columns.values():
+        if "step_ms" in r:
+            if floor is not None:
+                r["x_floor"] = r["step_ms"] / floor["floor_ms"]
+            if flops is not None and "matmul_tflops" in rates:
+                r["mfu"] = flops / (r["step_ms"] * 1e-3) / (rates["matmul_tflops"] * 1e12)
+    for graphed, eager in (("ours_partial", "ours_eager"), ("ours_full", "ours_eager"),
+                           ("fsdp2_keep_partial", "fsdp2_eager"), ("fsdp2_slots_partial", "fsdp2_eager"),
+                           ("nvidia_partial", "nvidia_eager")):
+        a, b = columns.get(graphed, {}), columns.get(eager, {})
+        if "losses" in a and "losses" in b:
+            a["losses_equal_to_" + eager] = a["losses"] == b["losses"]
+    applicable = [g for g in goals.ENGINE_GOALS if g.config == args.config]
+    na = [g for g in applicable if g.num in skipped or g.den in skipped]
+    run_goals = [g for g in applicable if g not in na]
+    cfg = {args.config: {"columns": {c: r for c, r in columns.items() if c not in skipped},
+                         "floor_ms": floor["floor_ms"] if floor else None, "skip": args.warmup}}
+    ev = goals.evaluate(cfg, run_goals)
+    ev["not_applicable"] = [{**dataclasses.asdict(g), "verdict": "N/A",
+                             "why": skipped.get(g.num) or skipped.get(g.den)} for g in na]
+    return {"rates": rates, "floor": floor, "evaluation": ev, "table": table(args, columns, skipped, floor, ev)}
+
+
+def table(args: argparse.Namespace, columns: Dict[str, Dict[str, Any]], skipped: Dict[str, str],
+          floor: Optional[Dict[str, Any]], ev: Dict[str, Any]) -> str:
+    def f(r: Dict[str, Any], k: str, fmt: str) -> str:
+        return fmt.format(r[k]) if k in r else "-"
+
+    lines = ["| column | step ms | x floor | tokens/s/GPU | MFU | peak GiB | host ms/step | capture s | first losses |",
+             "| --- |" + " --- |" * 8]
+    for c, r in columns.items():
+        if c in skipped:
+            lines.append(f"| {c} | skipped: {skipped[c][:80]} |" + " |" * 7)
+        elif "step_ms" not in r:
+            lines.append(f"| {c} | FAILED: {r.get('error', '?')[:120]} |" + " |" * 7)
+        else:
+            lines.append(f"| {c} | {r['step_ms']:.1f} | {f(r, 'x_floor', '{:.2f}')} | "
+                         f"{r['tokens_per_s_per_gpu']:.0f} | {f(r, 'mfu', '{:.1%}')} | {r['peak_memory_gib']:.2f} | "
+                         f"{r['host_ms']:.1f} | {f(r, 'capture_s', '{:.1f}')} | "
+                         + ", ".join(f"{v:.4f}" for v in r["losses"][:3]) + " |")
+    if floor is not None:
+        lines += ["", f"floor {floor['floor_ms']:.1f} ms ({floor['bound']}-bound): matmul {floor['matmul_ms']:.1f}, "
+                  f"optimizer {floor['optimizer_ms']:.1f}, collectives {floor['comm_ms']:.1f} (all-gather "
+                  f"{floor['all_gather_ms']:.1f}, reduce-scatter {floor['reduce_scatter_ms']:.1f}; not overlappable: "
+                  f"first gather {floor['first_gather_ms']:.1f}, last reduce-scatter "
+                  f"{floor['last_reduce_scatter_ms']:.1f})"]
+    lines += ["", "| goal | ratio | goal | noise | verdict |", "| --- | --- | --- | --- | --- |"]
+    for r in ev["goals"]:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        lines.append(f"| {r['name']} | {ratio} | <= {r['goal']:.3f} | {r['noise'] * 100:.1f}% | {r['verdict']} |")
+    for r in ev["not_applicable"]:
+        lines.append(f"| {r['name']} | - | <= {r['goal']:.3f} | - | N/A ({r['why'][:60]}) |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- drivers
+
+
+def _run_guarded(column: str, args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+    try:
+        return run_column(column, args, device)
+    except Exception as exc:  # noqa: BLE001 - one failing column is recorded, the others still run
+        if dist.get_rank() == 0:
+            traceback.print_exc()
+        if device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+        return {"error": f"{type(exc).__name__}: {exc}"[:3000]}
+
+
+def _say(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def _line(column: str, row: Dict[str, Any]) -> str:
+    if "step_ms" in row:
+        return (f"{column:20s} {row['step_ms']:9.2f} ms  {row['tokens_per_s_per_gpu']:9.0f} tok/s/GPU  peak "
+                f"{row['peak_memory_gib']:6.2f} GiB  host {row['host_ms']:7.2f} ms  losses "
+                + " ".join(f"{v:.4f}" for v in row["losses"][:3]))
+    return f"{column:20s} FAILED {row.get('error', '?')[:300]}"
+
+
+def run_in_process(args: argparse.Namespace, device: torch.device, columns: List[str],
+                   skipped: Dict[str, str]) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
+    rates = measure_rates(args, device)
+    _say(f"rates: {json.dumps({k: round(v, 2) for k, v in rates.items()})}")
+    rows: Dict[str, Dict[str, Any]] = {}
+    for c in columns:
+        if c in skipped:
+            rows[c] = {"skipped": skipped[c]}
+            continue
+        rows[c] = _run_guarded(c, args, device)
+        _say(_line(c, rows[c]))
+    return rates, rows
+
+
+def run_child(args: argparse.Namespace, device: torch.device) -> None:
+    """One column (or ``rates``) in this torchrun child; rank 0 writes its row to ``--child-out``."""
+    row = measure_rates(args, device) if args.child == "rates" else _run_guarded(args.child, args, device)
+    if dist.get_rank() == 0:
+        with open(args.child_out, "w") as fh:
+            json.dump(row, fh)
+        if args.child != "rates":
+            print(_line(args.child, row), flush=True)
+
+
+def run_isolated(args: argparse.Namespace, argv: List[str], world: int, columns: List[str],
+                 skipped: Dict[str, str]) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
+    """Each column (and the rates) in a fresh ``torchrun --nproc-per-node world`` of this script."""
+    port = int(os.environ.get("MASTER_PORT", "29561"))
+    results: Dict[str, Dict[str, Any]] = {}
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, c in enumerate(["rates"] + columns):
+            if c in skipped:
+                results[c] = {"skipped": skipped[c]}
+                continue
+            out, err = os.path.join(tmp, f"{c}.json"), os.path.join(tmp, f"{c}.err")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+                   "--master-port", str(port + i), os.path.abspath(__file__), *argv,
+                   "--isolate", "none", "--child", c, "--child-out", out]
+            with open(err, "w") as fh:
+                try:
+                    proc = subprocess.run(cmd, stderr=fh, timeout=args.column_timeout,
+                                          env={**os.environ, CHILD_ENV: "1"})
+                    rc: Any = proc.returncode
+                except subprocess.TimeoutExpired:
+                    rc = f"timeout after {args.column_timeout} s"
+            if os.path.exists(out):
+                with open(out) as fh:
+                    results[c] = json.load(fh)
+            else:
+                with open(err) as fh:
+                    tail = fh.read()[-3000:]
+                results[c] = {"error": f"child exited ({rc}) without a result; stderr tail:\n{tail}"}
+                print(_line(c, results[c]), flush=True)
+            print(f"[{time.time() - t0:5.0f} s] {c} done", flush=True)
+    rates = results.pop("rates")
+    if "error" in rates:
+        print(f"rates FAILED: {rates['error'][:500]}", flush=True)
+        rates = {}
+    return rates, results
+
+
+def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=sorted(COLUMNS), default="llama8b")
+    p.add_argument("--layers", type=int, default=None, help="depth (default: by world size, printed)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the config's, 4096)")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--columns", nargs="+", default=None, choices=list(COLUMN_SPECS),
+                   help="default: every column of the config")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (graphs are captured at --capture-step)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps after the warmup")
+    p.add_argument("--capture-step", type=int, default=2)
+    p.add_argument("--layers-impl", choices=["te", "torch"], default="te" if HAS_TE else "torch",
+                   help="TE TransformerLayer (default with TE) or the torch layers")
+    p.add_argument("--backend", choices=["te", "torch", "protocol"], default=None,
+                   help="partial graphs' backend (default: te with TE, torch without; protocol on CPU)")
+    p.add_argument("--fuse-wgrad", choices=["on", "off"], default="on",
+                   help="TE layers of our columns accumulate weight gradients into the fp32 main gradients")
+    p.add_argument("--moe-experts", default="grouped_mm",
+                   help="olmoe: expert path of the eager and partial columns (full-iteration always grouped_mm)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per column when columns run as children")
+    p.add_argument("--isolate", choices=["process", "none"], default=None,
+                   help="process: each column in its own torchrun child (default under python); none: all in this "
+                        "process (default under torchrun)")
+    p.add_argument("--column-timeout", type=int, default=300, help="seconds per child column")
+    p.add_argument("--cpu-smoke", action="store_true", help="Gloo, tiny shapes, torch layers, protocol backend")
+    p.add_argument("--out", default=None, help="JSON record")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        args.layers_impl, args.backend = "torch", "protocol"
+    if args.backend is None:
+        args.backend = "te" if HAS_TE and args.layers_impl == "te" else "torch"
+    if not 0 < args.capture_step < args.warmup:
+        p.error(f"--capture-step {args.capture_step} --warmup {args.warmup}: need 0 < capture step < warmup, so "
+                "that graphs are captured (after an eager step) before the timed steps")
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: need at least one timed step")
+    under_torchrun = "RANK" in os.environ
+    if args.isolate is None:
+        args.isolate = "none" if under_torchrun else "process"
+    if args.isolate == "process" and under_torchrun:
+        p.error("--isolate process starts torchrun children itself; run it under plain python, or pass "
+                "--isolate none under torchrun")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("bench_engines needs a CUDA GPU (it times the engines and measures the device's rates); none is "
+              "visible, so nothing was measured (exit 2). --cpu-smoke runs the script's path on CPU.", file=sys.stderr)
+        return 2
+    cuda = not args.cpu_smoke
+    if args.child is not None:
+        device = init_process_group(cuda=cuda, default_port=29561)
+        run_child(args, device)
+        return 0
+    if args.isolate == "process":
+        world = args.nproc_per_node
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    else:
+        device = init_process_group(cuda=cuda, default_port=29561)
+        world = dist.get_world_size()
+    if args.layers is None:
+        args.layers = 2 if args.cpu_smoke else default_layers(args.config, world)
+        argv += ["--layers", str(args.layers)]
+    columns = args.columns or COLUMNS[args.config]
+    skipped = {c: why for c in columns if (why := not_applicable(c, world, device)) is not None}
+    _say(f"bench_engines: config {args.config}, {args.layers} layers, {world} rank(s), layers {args.layers_impl}, "
+         f"graphs {args.backend}, columns {columns}, isolation {args.isolate}"
+         + (" (CPU smoke: times and verdicts mean nothing)" if args.cpu_smoke else ""))
+    if args.isolate == "process":
+        rates, rows = run_isolated(args, argv, world, columns, skipped)
+    else:
+        rates, rows = run_in_process(args, device, columns, skipped)
+    result = assemble(args, world, rates, rows, skipped)
+    record = {**record_fields(), "world_size": world,
+              "config": {k: v for k, v in vars(args).items() if not k.startswith("child")},
+              "columns": rows, **result}
+    _say(result["table"])
+    if args.out and (not dist.is_initialized() or dist.get_rank() == 0):
+        write_record(args.out, record)
+    ran = all("step_ms" in r for c, r in rows.items() if c not in skipped)
+    if args.cpu_smoke:
+        return 0 if ran else 1
+    return 0 if ran and not result["evaluation"]["failed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
