@@ -3,7 +3,10 @@
 The model is built as megatron-core users build it: ``parallel_state.initialize_model_parallel`` (TP = PP =
 EP = 1) over the existing default process group, a ``TransformerConfig``, TransformerEngine's layer spec
 (``get_gpt_layer_with_transformer_engine_spec``) when TE is importable, else megatron-core's local spec
-(``get_gpt_layer_local_spec``), and ``GPTModel``. The FSDP unit is ``TransformerLayer``. Models:
+(``get_gpt_layer_local_spec``), and ``GPTModel``. The FSDP unit is ``TransformerLayer``; engines ``megatron_fsdp``
+(ours), ``nvidia`` (NVIDIA Megatron-FSDP, the bundled ``fully_shard`` or megatron-core's
+``FullyShardedDataParallel``: ``--nvidia-wrapper``) and ``fsdp2`` (PyTorch FSDP2), as the checker builds them.
+Models:
 
 - ``dense``: a GPT with a dense MLP;
 - ``moe_alltoall`` / ``moe_allgather``: every layer a dropless MoE (``num_moe_experts``, top-k routing),
@@ -237,6 +240,21 @@ def cpu_shims() -> Iterator[List[str]]:
         _SHIMS_ACTIVE = False
 
 
+_PERMANENT_SHIMS: Optional[contextlib.ExitStack] = None
+
+
+def _shims_for_factory(device: torch.device) -> None:
+    """A checker factory on the CPU (``python -m fsdp_cudagraph.check --device cpu``) has no scope to enter
+    :func:`cpu_shims` around: on a machine without CUDA, where nothing can call CUDA anyway, they are installed
+    for the rest of the process (with a warning); on a machine with CUDA :func:`build` refuses instead."""
+    global _PERMANENT_SHIMS
+    if device.type != "cpu" or _SHIMS_ACTIVE or torch.cuda.is_available():
+        return
+    _PERMANENT_SHIMS = contextlib.ExitStack()
+    names = _PERMANENT_SHIMS.enter_context(cpu_shims())
+    logger.warning("mcore_gpt: megatron-core on the CPU; replaced for the rest of this process: %s", names)
+
+
 def _check_device(device: torch.device) -> None:
     if device.type == "cpu" and not _SHIMS_ACTIVE:
         raise RuntimeError(
@@ -417,6 +435,7 @@ def spec(name: str, device: torch.device, shape: Optional[MCoreShape] = None, *,
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     _require()
+    _shims_for_factory(device)
     shape = shape or base_shape(device, name)
     init_parallel_state(seed, device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -478,7 +497,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fsdp_cudagraph.apps.mcore_gpt", description=plain_text(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="dense")
-    p.add_argument("--engine", choices=["megatron_fsdp", "nvidia"], default="megatron_fsdp")
+    p.add_argument("--engine", choices=["megatron_fsdp", "nvidia", "fsdp2"], default="megatron_fsdp",
+                   help="megatron_fsdp (ours), nvidia (NVIDIA Megatron-FSDP; CUDA only), fsdp2 (PyTorch FSDP2 with "
+                        "keep_unsharded_storage, the checker's fsdp2 engine)")
     p.add_argument("--scope", default=None, help=f"one of {sorted(SCOPES)} (default: layer for dense, "
                                                  "attn_router for MoE)")
     p.add_argument("--nvidia-wrapper", choices=["fully_shard", "mcore"], default=None,

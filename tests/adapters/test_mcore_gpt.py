@@ -9,7 +9,8 @@ dispatcher's side stream); routing, permutation, experts and loss are megatron-c
 
 Must hold on every rank (``torch.equal``): every loss and every final parameter of the graphed run equal to
 the eager run, for the dense model (whole layers; attention + MLP) and the MoE model with each dispatcher
-(attention + router graphed, preprocess, experts and combine eager); every call after capture replays; a
+(attention + router graphed, preprocess, experts and combine eager), and the MoE model under PyTorch FSDP2
+(the checker's ``fsdp2`` engine); every call after capture replays; a
 perturbed router graph (negative control) is reported as the first callable to differ. Refusals (no process
 group): ``moe_preprocess``, ``moe``, whole MoE layers, Megatron's own graphs on, CPU without the shims.
 
@@ -37,7 +38,7 @@ CAPTURE_AT = 2
 
 
 def _case(rank: int, world: int, model: str, scope: Optional[str], tags: Optional[List[str]],
-          perturb: Optional[str]) -> Dict[str, Any]:
+          perturb: Optional[str], engine: str) -> Dict[str, Any]:
     from fsdp_cudagraph.check import check_alignment
 
     device = torch.device("cpu")
@@ -57,20 +58,20 @@ def _case(rank: int, world: int, model: str, scope: Optional[str], tags: Optiona
         if tags is not None:  # the checker's way: cuda_graph_modules over the factory's tags
             report = check_alignment(factory, steps=STEPS, capture_step=CAPTURE_AT, backend="protocol",
                                      cuda_graph_modules=tags, compute_dtype=torch.float32, device=device,
-                                     perturb=perturb)
+                                     perturb=perturb, engine=engine)
         else:
             patterns = mcore_gpt.scope_patterns(scope, moe=shape.num_experts is not None)
             report = check_alignment(factory, steps=STEPS, capture_step=CAPTURE_AT, backend="protocol",
                                      cuda_graph_module_patterns=list(patterns), compute_dtype=torch.float32,
-                                     device=device, perturb=perturb)
+                                     device=device, perturb=perturb, engine=engine)
     return {"equal": report.equal, "params_equal": report.params_equal, "steps": report.steps,
             "callables": report.callables, "calls": report.calls, "culprit": report.culprit, "built": built,
             "restored": torch.cuda.current_device is original}
 
 
 def _run(model: str, scope: Optional[str] = None, tags: Optional[List[str]] = None,
-         perturb: Optional[str] = None) -> List[Dict[str, Any]]:
-    return run_gloo(_case, WORLD, model, scope, tags, perturb)
+         perturb: Optional[str] = None, engine: str = "megatron_fsdp") -> List[Dict[str, Any]]:
+    return run_gloo(_case, WORLD, model, scope, tags, perturb, engine)
 
 
 def _assert_equal(results: List[Dict[str, Any]], callables: List[str]) -> None:
@@ -108,6 +109,13 @@ def test_moe_attn_router_bit_exact(model: str, dispatcher: str) -> None:
     results = _run(model, "attn_router")
     built = results[0]["built"]
     assert (built["mlp"], built["dispatcher"], built["experts"]) == ("MoELayer", dispatcher, "SequentialMLP")
+    _assert_equal(results, [f"{l}.{m}" for l in LAYERS for m in ("self_attention", "mlp.router")])
+
+
+@pytest.mark.gloo
+def test_moe_router_under_fsdp2_bit_exact() -> None:
+    """The same Megatron scopes under PyTorch FSDP2 (keep_unsharded_storage, the checker's fsdp2 engine)."""
+    results = _run("moe_alltoall", tags=["attn", "moe_router"], engine="fsdp2")
     _assert_equal(results, [f"{l}.{m}" for l in LAYERS for m in ("self_attention", "mlp.router")])
 
 

@@ -9,11 +9,12 @@ used when importable (TE's layer spec, grouped GEMM and fused permute for MoE), 
 
 Rows (``fsdp_cudagraph.apps.mcore_gpt.run``, the alignment checker underneath): engine ``megatron_fsdp`` (ours),
 ``nvidia`` (the bundled ``megatron_fsdp.fully_shard``) and ``nvidia_mcore`` (megatron-core's
-``FullyShardedDataParallel`` with ``DistributedDataParallelConfig(use_megatron_fsdp=True)``) x model/scope
+``FullyShardedDataParallel`` with ``DistributedDataParallelConfig(use_megatron_fsdp=True)``) and ``fsdp2``
+(PyTorch FSDP2 with ``keep_unsharded_storage``) x model/scope
 (dense whole layers, dense attn+mlp, MoE alltoall attn+router, MoE allgather attn+router), each trained eagerly
 and with graphs captured at step 2: every loss and final parameter ``torch.equal`` on every rank; plus per engine
 a negative control (the last router's graph scaled by 1.01) that must be named as the culprit. On the CPU only
-``megatron_fsdp`` runs (NVIDIA's engine needs CUDA), inside ``cpu_shims``, protocol backend. A row that raises
+``megatron_fsdp`` and ``fsdp2`` run (NVIDIA's engine needs CUDA), inside ``cpu_shims``, protocol backend. A row that raises
 is recorded with its error and fails ``ok``. Rank 0 writes the JSON; the exit status is 1 unless ``ok``.
 """
 
@@ -34,7 +35,7 @@ from tests.gpu_utils import init_script_ranks  # noqa: E402
 
 #: engine row name -> (checker engine, nvidia wrapper)
 ENGINES = {"megatron_fsdp": ("megatron_fsdp", None), "nvidia": ("nvidia", "fully_shard"),
-           "nvidia_mcore": ("nvidia", "mcore")}
+           "nvidia_mcore": ("nvidia", "mcore"), "fsdp2": ("fsdp2", None)}
 CASES = [("dense", "layer"), ("dense", "attn_mlp"), ("moe_alltoall", "attn_router"), ("moe_allgather", "attn_router")]
 
 
@@ -71,11 +72,11 @@ def main() -> int:
     device = init_script_ranks(args.device, args.port)
     from fsdp_cudagraph.apps import mcore_gpt
 
-    engines = args.engines or (sorted(ENGINES) if device.type == "cuda" else ["megatron_fsdp"])
+    engines = args.engines or (sorted(ENGINES) if device.type == "cuda" else ["fsdp2", "megatron_fsdp"])
     rows: List[Dict[str, Any]] = []
     with (mcore_gpt.cpu_shims() if device.type == "cpu" else contextlib.nullcontext()):
         for engine in engines:
-            if device.type == "cpu" and engine != "megatron_fsdp":
+            if device.type == "cpu" and engine.startswith("nvidia"):
                 raise SystemExit(f"engine {engine} needs CUDA (NVIDIA's MegatronFSDP builds CUDA streams)")
             for model, scope in CASES:
                 rows.append(row(engine, model, scope, device, args.backend, None))
