@@ -6,9 +6,12 @@ step's loss, the final parameters and what user hooks saw must be equal under ``
 (atol = rtol = 0) on every rank. The rows cover what users run: sequence lengths that are and are not
 multiples of 128 (64, 100, 128, 512), head dims 32/64/128, TE's own ``TransformerLayer`` as the unit
 (sequence-first), plain-torch layers under the TE backend, all four sharding strategies, gradient
-accumulation, user forward hooks and full backward hooks on graphed modules, and tuple outputs with tensor
-keyword arguments. The eager run uses ``match_graph_attention`` for the row's scope (TE attention picks the
-backend a graph would; see ``capture/attention.py``).
+accumulation, user forward hooks and full backward hooks on graphed modules, tuple outputs with tensor
+keyword arguments, and a dropless MoE (``apps/moe.py``): Megatron's scopes ``attn moe_router moe_preprocess``
+with the experts eager between graphs (``split``, whose ``counts.tolist()`` syncs, and ``grouped_mm``), the
+whole ``moe`` block and whole layers with ``grouped_mm`` experts (bf16, no sync). The eager run uses
+``match_graph_attention`` for the row's scope (TE attention picks the backend a graph would; see
+``capture/attention.py``).
 
 Negative controls show the comparison can fail: double buffering off is refused by validation, a hook left
 on a captured module is refused, a parameter moved after capture is caught before replay, a one-token data
@@ -58,14 +61,35 @@ ZERO3 = "optim_grads_params"
 
 
 def model_config(backend: str, *, seq_len: int = 100, num_heads: int = 4, unit: str = "block",
-                 use_te: Optional[bool] = None, rich_calls: bool = False, fuse_wgrad: bool = False) -> GPTConfig:
-    """The matrix's model: 4 layers, hidden 256 (head dim 256 / num_heads), every second layer MoE."""
+                 use_te: Optional[bool] = None, rich_calls: bool = False, fuse_wgrad: bool = False,
+                 moe_experts: str = "dense", moe_grouped_mm_dtype: str = "input") -> GPTConfig:
+    """The matrix's model: 4 layers, hidden 256 (head dim 256 / num_heads), every second layer MoE (the dense
+    toy unless ``moe_experts`` picks a dropless path, see ``apps/moe.py``)."""
     use_te = (backend == "te") if use_te is None else use_te
     return GPTConfig(
         vocab_size=1024, hidden_size=256, num_layers=4, num_heads=num_heads, seq_len=seq_len,
         moe_every=0 if unit == "te_layer" else 2, num_experts=4, moe_top_k=2, use_te=use_te, unit=unit,
-        rich_calls=rich_calls, fuse_wgrad=fuse_wgrad,
+        rich_calls=rich_calls, fuse_wgrad=fuse_wgrad, moe_experts=moe_experts,
+        moe_grouped_mm_dtype=moe_grouped_mm_dtype,
     )
+
+
+#: Dropless MoE rows ([Note: capturability of the experts] in ``apps/moe.py``): Megatron's scopes with the
+#: experts eager between graphs (``split``: a host sync there; ``grouped_mm``: none), and the whole ``moe``
+#: block and whole layers graphed with ``grouped_mm`` (bf16 experts: torch's only no-sync CUDA kernel).
+MEGATRON_MOE_SCOPE = ["attn", "moe_router", "moe_preprocess"]
+SPLIT = dict(moe_experts="split")
+GROUPED = dict(moe_experts="grouped_mm", moe_grouped_mm_dtype="bfloat16")
+
+
+def moe_rows(row: Any, *, quick: bool) -> None:
+    row(MEGATRON_MOE_SCOPE, "dropless MoE, split experts eager between graphs", **SPLIT)
+    if quick:
+        return
+    row(MEGATRON_MOE_SCOPE, "dropless MoE, grouped_mm experts eager between graphs", **GROUPED)
+    row(["moe"], "dropless MoE, whole moe block graphed (grouped_mm)", **GROUPED)
+    row([], "dropless MoE, whole layers graphed (grouped_mm)", **GROUPED)
+    row(MEGATRON_MOE_SCOPE, "dropless MoE, split experts, gradient accumulation 2", grad_accum=2, **SPLIT)
 
 
 def matrix(backend: str, *, quick: bool) -> List[Dict[str, Any]]:
@@ -85,6 +109,7 @@ def matrix(backend: str, *, quick: bool) -> List[Dict[str, Any]]:
     if quick:
         row(["attn", "mlp"], "tuple outputs, tensor kwargs", rich_calls=True)
         row(["attn"], "user hooks", user_hooks=True)
+        moe_rows(row, quick=True)
         if HAS_TE:
             row([], "fused wgrad", **fused)
         return rows
@@ -94,6 +119,7 @@ def matrix(backend: str, *, quick: bool) -> List[Dict[str, Any]]:
         row(["attn", "mlp"], f"strategy {strategy}", strategy=strategy)
     for scope in (["attn", "moe_router", "moe_preprocess"], ["moe_router"], ["mlp"]):
         row(scope, "scope")
+    moe_rows(row, quick=False)
     row(["attn", "mlp"], "gradient accumulation 2", grad_accum=2)
     row(["attn", "mlp"], "reduce in bf16, gradient accumulation 2", grad_accum=2, reduce_dtype=torch.bfloat16)
     if HAS_TE:

@@ -9,8 +9,9 @@ row names both steps). Rows: every strategy, the plain-torch GPT and (with TE) t
 and two micro-batches, each with the eager Adam and with the optimizer graph (capturable Adam with a
 device-tensor learning rate in both runs of the row); then a shape change mid-run (an eager fallback), an
 evaluation graph between steps, ``delete()`` mid-run, and clipping (``model.clip_grad_norm_``) inside the
-optimizer graph, whose returned norms must be equal too. Negative controls must be caught: a perturbed
-token, ``.item()`` in the step, a host sync that only happens under capture (torch's sync debug mode), a CPU
+optimizer graph, whose returned norms must be equal too; and a dropless MoE whose experts run
+``grouped_mm`` in bf16 (no host sync: permute, grouped GEMMs and unpermute inside the step's graph).
+Negative controls must be caught: a perturbed token, ``.item()`` in the step, a host sync that only happens under capture (torch's sync debug mode), a CPU
 tensor in the step, ZeRO-3 without double buffering, a strict shape change.
 
 Run (1 GPU, then 2 GPUs; each well under 4 minutes on an H100)::
@@ -293,7 +294,8 @@ def run_row(spec: FullRunSpec, device: torch.device, *, graphed_first: bool = Fa
             "graphed": lambda: run_full(dataclasses.replace(spec, mode="full_iteration", **graphed_overrides), device)}
     done = {k: runs[k]() for k in (("graphed", "eager") if graphed_first else ("eager", "graphed"))}
     eager, graphed = done["eager"], done["graphed"]
-    row = {"model": "te" if spec.model.use_te else "torch", "strategy": spec.sharding_strategy,
+    row = {"model": "te" if spec.model.use_te else "torch", "moe_experts": spec.model.moe_experts,
+           "strategy": spec.sharding_strategy,
            "grad_accum": spec.grad_accum, "graph_optimizer": spec.graph_optimizer, "max_norm": spec.max_norm,
            "activation_checkpointing": spec.activation_checkpointing,
            "short_steps": list(spec.short_steps), "eval_steps": list(spec.eval_steps), "delete_step": spec.delete_step,
@@ -303,10 +305,16 @@ def run_row(spec: FullRunSpec, device: torch.device, *, graphed_first: bool = Fa
     return row
 
 
-def model_config(use_te: bool) -> GPTConfig:
-    # seq 128 (a multiple of 128: TE's fused attention stays available under capture), one MoE layer
+def model_config(use_te: bool, **moe: Any) -> GPTConfig:
+    # seq 128 (a multiple of 128: TE's fused attention stays available under capture), two MoE layers (the
+    # dense toy unless ``moe`` picks dropless experts, e.g. GROUPED_MOE)
     return GPTConfig(vocab_size=1024, hidden_size=256, num_layers=4, num_heads=4, seq_len=128, moe_every=2,
-                     num_experts=4, moe_top_k=2, use_te=use_te)
+                     num_experts=4, moe_top_k=2, use_te=use_te, **moe)
+
+
+#: Dropless MoE whose experts run torch's grouped_mm with device offsets in bf16: no host sync, so the whole
+#: step is capturable (``split``/``te_grouped`` experts are refused by FullIterationCudaGraph, apps/moe.py).
+GROUPED_MOE = dict(moe_experts="grouped_mm", moe_grouped_mm_dtype="bfloat16")
 
 
 def negative_controls(device: torch.device, steps: int) -> List[Dict[str, Any]]:
@@ -409,6 +417,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     specs.append(FullRunSpec(**extra, grad_accum=2, capturable_optimizer=True, graph_optimizer=True, max_norm=0.5))
     # activation checkpointing: each layer's forward (and its gather) runs again inside the captured backward
     specs.append(FullRunSpec(**extra, grad_accum=2, activation_checkpointing=True))
+    # dropless MoE (grouped_mm experts, bf16, no host sync): permute, grouped GEMMs, unpermute inside the graph
+    for m in models:
+        specs.append(FullRunSpec(model=model_config(m == "te", **GROUPED_MOE), steps=args.steps,
+                                 capture_step=args.capture_step, grad_accum=2, capturable_optimizer=True,
+                                 graph_optimizer=True))
     # gradients reduced in bf16 into fp32 main gradients ([Note: reducing in another dtype]), each model
     for m in models:
         specs.append(FullRunSpec(model=model_config(m == "te"), steps=args.steps, capture_step=args.capture_step,
@@ -447,7 +460,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             row = run_row(spec, device, graphed_first=args.graphed_first)
         except Exception as exc:  # noqa: BLE001 - one failing row is recorded; the matrix goes on
             logger.exception("row %d failed", i)
-            row = {"model": "te" if spec.model.use_te else "torch", "strategy": spec.sharding_strategy,
+            row = {"model": "te" if spec.model.use_te else "torch", "moe_experts": spec.model.moe_experts,
+                   "strategy": spec.sharding_strategy,
                    "grad_accum": spec.grad_accum, "graph_optimizer": spec.graph_optimizer, "max_norm": spec.max_norm,
                    "activation_checkpointing": spec.activation_checkpointing, "short_steps": list(spec.short_steps),
                    "eval_steps": list(spec.eval_steps), "delete_step": spec.delete_step, "equal": False,
@@ -457,7 +471,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "capture_seconds": float("nan"), "captured_collectives": None, "counters": {}}
         rows.append(row)
         if rank == 0:
-            print(f"[{i + 1}/{len(specs)}, {time.time() - t0:4.0f} s] {row['model']:5s} {row['strategy']:18s} "
+            print(f"[{i + 1}/{len(specs)}, {time.time() - t0:4.0f} s] {row['model']:5s} {row['moe_experts']:10s} "
+                  f"{row['strategy']:18s} "
                   f"accum={row['grad_accum']} opt_graph={row['graph_optimizer']!s:5s} clip={row['max_norm']} "
                   f"ckpt={row['activation_checkpointing']!s:5s} "
                   f"short={row['short_steps']} "

@@ -19,7 +19,8 @@ One MoE block (tag ``moe``) is four steps; ``GPTConfig.moe_experts`` picks how t
 gathers (``rows[order]``, ``rows[inverse]``) index with a permutation, so their backward (``index_put_``
 with accumulate) writes each destination row exactly once onto zeros: exact, whatever the order. The K
 copies of a token are summed by ``view(T, K, h).sum(1)`` (forward) and by ``expand`` (whose backward is a
-sum over K), never by ``index_add_`` on floats. The counts are an int64 ``index_add_`` (exact).
+sum over K), never by ``index_add_`` on floats. The counts come from ``searchsorted`` on the sorted ids and the
+inverse map from a second argsort: no scatter at all, so nothing changes under ``use_deterministic_algorithms``.
 
 [Note: capturability of the experts] A module whose forward cannot be captured (a host sync, shapes that
 depend on data) says so with a ``cuda_graph_unsafe`` attribute holding the reason (None: capturable);
@@ -99,10 +100,11 @@ class MoEPreprocess(nn.Module):
         k = ids.shape[-1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # token-major ties keep the token order inside each expert
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        inverse = torch.argsort(order)  # the inverse permutation (a sort: no scatter, deterministic)
         rows = x.unsqueeze(1).expand(t, k, h).reshape(t * k, h)  # row t*K + j is token t's j-th choice
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
-        counts.index_add_(0, flat, torch.ones_like(flat))
+        # tokens per expert from the sorted ids: where each expert's run starts (exact, no atomics, no sync)
+        edges = torch.arange(self.num_experts + 1, dtype=flat.dtype, device=flat.device)
+        counts = torch.searchsorted(flat[order], edges).diff()
         return rows[order], probs.reshape(-1)[order], counts, inverse
 
 
