@@ -90,6 +90,8 @@ def moe_rows(row: Any, *, quick: bool) -> None:
     row(["moe"], "dropless MoE, whole moe block graphed (grouped_mm)", **GROUPED)
     row([], "dropless MoE, whole layers graphed (grouped_mm)", **GROUPED)
     row(MEGATRON_MOE_SCOPE, "dropless MoE, split experts, gradient accumulation 2", grad_accum=2, **SPLIT)
+    if HAS_TE:  # Megatron's TEGroupedMLP: GroupedLinear with m_splits=counts.tolist(), eager between graphs
+        row(MEGATRON_MOE_SCOPE, "dropless MoE, TE GroupedLinear experts eager between graphs", moe_experts="te_grouped")
 
 
 def matrix(backend: str, *, quick: bool) -> List[Dict[str, Any]]:
