@@ -341,9 +341,16 @@ def build(shape: MCoreShape, device: torch.device, *, dtype: torch.dtype = torch
     return model
 
 
+_EXPERTS_UNSAFE = ("megatron-core's dropless experts copy tokens_per_expert to the host (.tolist() for their "
+                   "GEMMs, and the dispatcher synchronises on that copy), which cannot be captured; graph attn and "
+                   "moe_router and leave the MoE layer's dispatch and experts eager")
+
+
 def tag_modules(model: nn.Module) -> List[str]:
     """Tag ``self_attention`` ``attn``, a dense ``mlp`` ``mlp`` and an MoE ``mlp.router`` ``moe_router`` on the
-    instances (``cuda_graph_module``), so ``cuda_graph_modules`` selects them; returns the tagged names."""
+    instances (``cuda_graph_module``), so ``cuda_graph_modules`` selects them; returns the tagged names. An MoE
+    layer's ``mlp.experts`` gets ``cuda_graph_unsafe`` (the reason), so every graph kind refuses a callable that
+    contains them (a whole MoE layer, the MoE layer) when it selects its callables."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     tagged = []
@@ -358,6 +365,9 @@ def tag_modules(model: nn.Module) -> List[str]:
         if isinstance(router, nn.Module):
             router.cuda_graph_module = "moe_router"
             tagged.append(f"{name}.mlp.router")
+        experts = getattr(mlp, "experts", None)
+        if isinstance(experts, nn.Module):  # [Note: graph-unsafe modules] in config.py: refused inside any graph
+            experts.cuda_graph_unsafe = _EXPERTS_UNSAFE
         elif isinstance(mlp, nn.Module) and type(mlp).__name__ == "MLP":
             mlp.cuda_graph_module = "mlp"
             tagged.append(f"{name}.mlp")

@@ -11,8 +11,9 @@ Must hold on every rank (``torch.equal``): every loss and every final parameter 
 the eager run, for the dense model (whole layers; attention + MLP) and the MoE model with each dispatcher
 (attention + router graphed, preprocess, experts and combine eager), and the MoE model under PyTorch FSDP2
 (the checker's ``fsdp2`` engine); every call after capture replays; a
-perturbed router graph (negative control) is reported as the first callable to differ. Refusals (no process
-group): ``moe_preprocess``, ``moe``, whole MoE layers, Megatron's own graphs on, CPU without the shims.
+perturbed router graph (negative control) is reported as the first callable to differ. Refusals: whole MoE
+layers through the checker (the experts' ``cuda_graph_unsafe`` tag, 1 rank); without a process group
+``moe_preprocess``, ``moe``, whole MoE layers, Megatron's own graphs on, CPU without the shims.
 
 Skipped without megatron-core (the reason names the pip line). NVIDIA Megatron-FSDP needs CUDA: its rows are
 in ``tests/gpu/mcore_gpt.py``.
@@ -131,6 +132,27 @@ def test_moe_perturbed_router_is_named() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- refusals
+
+
+def _whole_moe_layers(rank: int, world: int) -> str:
+    from fsdp_cudagraph.check import check_alignment
+
+    with mcore_gpt.cpu_shims():
+        try:
+            check_alignment(mcore_gpt.moe_allgather, steps=3, capture_step=1, backend="protocol",
+                            device=torch.device("cpu"))
+        except ValueError as exc:
+            return str(exc)
+    return "no error"
+
+
+@pytest.mark.gloo
+def test_whole_moe_layers_refused_by_the_library() -> None:
+    """Without the app's scope check (the checker's default: whole FSDP units), the experts' cuda_graph_unsafe
+    tag makes PartialCudaGraphs refuse the MoE layers when it selects them: on the protocol backend nothing
+    else would notice that a dropless expert syncs on the host."""
+    (message,) = run_gloo(_whole_moe_layers, 1)
+    assert "contains 'decoder.layers.0.mlp.experts'" in message and "tokens_per_expert" in message, message
 
 
 @pytest.mark.parametrize("scope,words", [("moe_preprocess", "not an nn.Module"), ("moe", "tolist"),
