@@ -9,7 +9,8 @@ multiples of 128 (64, 100, 128, 512), head dims 32/64/128, TE's own ``Transforme
 accumulation, user forward hooks and full backward hooks on graphed modules, tuple outputs with tensor
 keyword arguments, and a dropless MoE (``apps/moe.py``): Megatron's scopes ``attn moe_router moe_preprocess``
 with the experts eager between graphs (``split``, whose ``counts.tolist()`` syncs, and ``grouped_mm``), the
-whole ``moe`` block and whole layers with ``grouped_mm`` experts (bf16, no sync). The eager run uses
+whole ``moe`` block and whole layers with ``grouped_mm`` experts (bf16, no sync), and ``moe`` with
+drop-and-pad ``capacity`` experts. The eager run uses
 ``match_graph_attention`` for the row's scope (TE attention picks the backend a graph would; see
 ``capture/attention.py``).
 
@@ -89,6 +90,7 @@ def moe_rows(row: Any, *, quick: bool) -> None:
     row(MEGATRON_MOE_SCOPE, "dropless MoE, grouped_mm experts eager between graphs", **GROUPED)
     row(["moe"], "dropless MoE, whole moe block graphed (grouped_mm)", **GROUPED)
     row([], "dropless MoE, whole layers graphed (grouped_mm)", **GROUPED)
+    row(["moe"], "drop-and-pad MoE (capacity factor 1), whole moe block graphed", moe_experts="capacity")
     row(MEGATRON_MOE_SCOPE, "dropless MoE, split experts, gradient accumulation 2", grad_accum=2, **SPLIT)
     if HAS_TE:  # Megatron's TEGroupedMLP: GroupedLinear with m_splits=counts.tolist(), eager between graphs
         row(MEGATRON_MOE_SCOPE, "dropless MoE, TE GroupedLinear experts eager between graphs", moe_experts="te_grouped")

@@ -45,7 +45,8 @@ class GPTConfig:
     #: How the experts run (``apps/moe.py``): ``dense`` (the static toy, every expert on every token; the
     #: numerical oracle and the default, so every scope stays graphable), ``split`` (dropless,
     #: ``counts.tolist()`` then per-expert matmuls), ``grouped_mm`` (dropless, ``F.grouped_mm`` with device
-    #: offsets, no sync), ``te_grouped`` (dropless, TE ``GroupedLinear``, needs TE).
+    #: offsets, no sync), ``te_grouped`` (dropless, TE ``GroupedLinear``, needs TE), ``capacity`` (drop-and-pad
+    #: to a static [E, C, h] batch, no sync).
     moe_experts: str = "dense"
     #: Each expert's FFN width; default ``ffn_hidden_size``.
     moe_ffn_hidden_size: Optional[int] = None
@@ -54,6 +55,8 @@ class GPTConfig:
     #: ``grouped_mm`` experts compute in the input dtype (``"input"``) or in ``"bfloat16"`` (operands cast,
     #: output cast back). On CUDA only bfloat16 has torch's no-sync kernel; fp32 there is refused.
     moe_grouped_mm_dtype: str = "input"
+    #: ``capacity`` experts: each takes ``ceil(T*K/E * moe_capacity_factor)`` rows (static), the rest dropped.
+    moe_capacity_factor: float = 1.0
     use_te: bool = False
     #: ``block``: our TransformerBlock (batch-first); ``te_layer``: TE's own ``TransformerLayer`` as the unit
     #: (sequence-first layout, needs ``use_te``).
@@ -73,6 +76,8 @@ class GPTConfig:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.moe_experts not in MOE_EXPERTS:
             raise ValueError(f"moe_experts={self.moe_experts!r} is not one of {list(MOE_EXPERTS)}; pick one of those")
+        if not self.moe_capacity_factor > 0:
+            raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor} must be > 0 (1.0: T*K/E rows per expert)")
         if self.moe_grouped_mm_dtype not in ("input", "bfloat16"):
             raise ValueError(f"moe_grouped_mm_dtype={self.moe_grouped_mm_dtype!r} is not 'input' or 'bfloat16'")
         if self.moe_experts == "dense" and self.moe_shared_expert:

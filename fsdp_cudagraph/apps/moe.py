@@ -10,7 +10,9 @@ One MoE block (tag ``moe``) is four steps; ``GPTConfig.moe_experts`` picks how t
 3. :class:`Experts`: the data-dependent part. ``"split"``: ``counts.tolist()`` (a device-to-host sync)
    then one matmul pair per expert; ``"grouped_mm"``: ``torch.nn.functional.grouped_mm`` with device
    offsets ``cumsum(counts)`` (no sync); ``"te_grouped"``: TE ``GroupedLinear`` with
-   ``m_splits=counts.tolist()`` (sync); ``"dense"``: every expert applied to every token and mixed by a
+   ``m_splits=counts.tolist()`` (sync); ``"capacity"``: drop-and-pad to a static [E, C, h] batch,
+   ``C = ceil(T*K/E * moe_capacity_factor)``, rows past C dropped (no sync; equal to the dropless paths when
+   no expert gets more than C rows); ``"dense"``: every expert applied to every token and mixed by a
    [T, E] combine matrix (the old static toy, kept as the numerical oracle and the default).
 4. Unpermute (in :class:`MoEBlock`, eager unless ``moe`` is graphed): weight each row by its probability,
    undo the permutation by indexing with the inverse map, ``view(T, K, h).sum(1)``, add the residual.
@@ -27,7 +29,7 @@ depend on data) says so with a ``cuda_graph_unsafe`` attribute holding the reaso
 ``PartialCudaGraphs`` and ``FullIterationCudaGraph`` refuse, at selection, a graphed callable that contains
 such a module (``fsdp_cudagraph.config.graph_unsafe_modules``). So scope ``moe`` (or whole layers) is refused
 with ``split``/``te_grouped`` experts, as Megatron refuses ``moe`` for dropless MoE, and accepted with
-``grouped_mm`` and ``dense``; the Megatron scopes ``attn moe_router moe_preprocess`` run the experts eagerly
+``grouped_mm``, ``capacity`` and ``dense``; the Megatron scopes ``attn moe_router moe_preprocess`` run the experts eagerly
 between the graphs. torch's CUDA ``grouped_mm`` has a fast (no-sync) kernel only for bf16 on sm90+; other
 dtypes take a fallback loop that copies the offsets to the host, so fp32 ``grouped_mm`` on CUDA is refused
 (``moe_grouped_mm_dtype="bfloat16"`` computes the experts in bf16).
@@ -45,7 +47,7 @@ from torch import nn
 __all__ = ["MOE_EXPERTS", "Router", "MoEPreprocess", "Experts", "SharedExpert", "MoEBlock", "unpermute"]
 
 #: ``GPTConfig.moe_experts`` values and whether the path syncs with the host.
-MOE_EXPERTS = ("dense", "split", "grouped_mm", "te_grouped")
+MOE_EXPERTS = ("dense", "split", "grouped_mm", "te_grouped", "capacity")
 _SYNC_REASON = {
     "split": "Experts(moe_experts='split') calls counts.tolist() (a device-to-host sync) and splits the tokens "
              "into data-dependent shapes",
@@ -134,6 +136,7 @@ class Experts(nn.Module):
         f = cfg.moe_ffn_hidden_size
         self.mode = cfg.moe_experts
         self.grouped_mm_dtype = cfg.moe_grouped_mm_dtype
+        self.capacity_factor = cfg.moe_capacity_factor
         if self.mode == "te_grouped":
             from fsdp_cudagraph.capture.te import require_te
 
@@ -165,6 +168,8 @@ class Experts(nn.Module):
             return torch.einsum("eth,te->th", out, counts.to(out.dtype))
         if self.mode == "grouped_mm":
             return self._grouped_mm(x, counts)
+        if self.mode == "capacity":
+            return self._capacity(x, counts)
         sizes = counts.tolist()  # the host sync that keeps these paths out of graphs
         if self.mode == "te_grouped":
             return self.fc2(F.gelu(self.fc1(x, sizes)), sizes)
@@ -179,6 +184,32 @@ class Experts(nn.Module):
         w1, w2 = self.w1.to(dtype), self.w2.to(dtype)
         hid = F.gelu(_DenseGrad.apply(F.grouped_mm(x.to(dtype), w1, offs=offs)))
         return _DenseGrad.apply(F.grouped_mm(hid, w2, offs=offs)).to(x.dtype)
+
+
+    def capacity(self, num_rows: int) -> int:
+        """Rows each expert takes in ``capacity`` mode: ``ceil(T*K / E * moe_capacity_factor)`` (from shapes)."""
+        return max(1, math.ceil(num_rows / self.w1.shape[0] * self.capacity_factor))
+
+    def _capacity(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Drop-and-pad: each expert takes at most C rows (its first C in token order) into a static
+        [E, C, h] batch, padded with zero rows; rows past C get a zero output (Megatron's
+        ``moe_pad_expert_input_to_capacity``). Gathers only, no host read, static shapes."""
+        n, h = x.shape
+        e = self.w1.shape[0]
+        c = self.capacity(n)
+        ends = torch.cumsum(counts, 0)
+        starts = ends - counts
+        slot = torch.arange(c, device=x.device)
+        # [E, C]: the row each slot takes, or n (a zero row) past the expert's count
+        src = torch.where(slot[None] < counts[:, None], starts[:, None] + slot[None], n)
+        padded = torch.cat([x, x.new_zeros(1, h)])[src.reshape(-1)].view(e, c, h)
+        out = torch.bmm(F.gelu(torch.bmm(padded, self.w1)), self.w2).reshape(e * c, h)
+        # back to the rows: row r of expert g sits at slot r - starts[g]; past C it reads a zero row
+        rows = torch.arange(n, device=x.device)
+        expert = torch.searchsorted(ends, rows, right=True)
+        pos = rows - starts[expert]
+        dst = torch.where(pos < c, expert * c + pos, e * c)
+        return torch.cat([out, out.new_zeros(1, h)])[dst]
 
 
 def _fp32_gmm_reason(dtype: torch.dtype) -> str:

@@ -5,14 +5,15 @@
   ``1e-6`` of max(1, the tensor's largest magnitude) (measured on torch 2.13 CPU: at most 2.3e-7, the
   router gradient: 2.9e-6 absolute on values up to 12.6; the output 4.8e-7 absolute on values up to 4.0);
 - the expert paths agree with each other (fwd and grads), with and without a shared expert, also when an
-  expert receives no token; ``te_grouped`` against ``split`` on CUDA with TE;
+  expert receives no token; ``capacity`` equals them when its capacity holds every row and drops rows past
+  a smaller one; ``te_grouped`` against ``split`` on CUDA with TE;
 - the preprocess: rows grouped by expert in ascending order, stable inside an expert, counts equal a
   bincount, the inverse map undoes the permutation, T*K rows whatever the routing;
-- no host sync in the ``grouped_mm`` path: no ``tolist``/``item``/``__bool__``/``cpu`` call in forward and
+- no host sync in the ``grouped_mm`` and ``capacity`` paths: no ``tolist``/``item``/``__bool__``/``cpu`` call in forward and
   backward (counted; ``split`` is the positive control), and on CUDA under ``set_sync_debug_mode("error")``;
   a CUDA-graph capture of the whole block (bf16 experts) replays the eager output;
 - ``cuda_graph_unsafe`` says why ``split``/``te_grouped`` cannot be captured and is None for
-  ``grouped_mm``/``dense``; fp32 ``grouped_mm`` on CUDA is refused by name; bad config values are refused.
+  ``grouped_mm``/``capacity``/``dense``; fp32 ``grouped_mm`` on CUDA is refused by name; bad config values are refused.
 """
 
 from __future__ import annotations
@@ -79,6 +80,20 @@ def test_split_and_grouped_mm_agree(shared):
     assert ("shared.fc1.weight.grad" in ra) == shared
 
 
+def test_capacity_equals_dropless_when_nothing_is_dropped_and_drops_past_capacity():
+    """capacity_factor = E makes C = T*K (room for every row): equal to split. Factor 0.5 must drop rows:
+    the dropped choices contribute nothing, so the output differs, and an expert's overflow rows get no
+    gradient into its weights from those rows."""
+    e = SMALL["num_experts"]
+    split, roomy = _block("split"), _block("capacity", moe_capacity_factor=float(e))
+    ra, rb = _run(split, _x()), _run(roomy, _x())
+    assert _max_diff(ra, rb) <= 1e-6, _max_diff(ra, rb)
+    tight = _block("capacity", moe_capacity_factor=0.5)
+    n = _x().shape[0] * _x().shape[1] * SMALL["moe_top_k"]
+    assert tight.experts.capacity(n) == n // e // 2
+    assert _max_diff({"out": ra["out"]}, {"out": _run(tight, _x())["out"]}) > 1e-3
+
+
 def test_an_expert_without_tokens():
     """Routing that never picks expert 3: both paths handle the empty group (and leave its weights' gradient 0)."""
     t, k = 24, SMALL["moe_top_k"]
@@ -87,15 +102,15 @@ def test_an_expert_without_tokens():
     w = torch.rand(t, k, generator=gen)
     x = torch.randn(t, SMALL["hidden_size"], generator=gen)
     res = []
-    for path in PATHS:
-        blk = _block(path)
+    for path in PATHS + ["capacity"]:
+        blk = _block(path, moe_capacity_factor=float(SMALL["num_experts"]))
         rows, probs, counts, inverse = blk.preprocess(x, w, ids)
         assert counts[3] == 0 and counts.sum() == t * k
         out = unpermute(blk.experts(rows, counts), probs, inverse, k)
         out.backward(torch.ones_like(out))
         res.append({"out": out.detach(), "w1": blk.experts.w1.grad, "w2": blk.experts.w2.grad})
         assert torch.count_nonzero(blk.experts.w1.grad[3]) == 0 and torch.count_nonzero(blk.experts.w1.grad[:3]) > 0
-    assert _max_diff(*res) <= 1e-6
+    assert _max_diff(res[0], res[1]) <= 1e-6 and _max_diff(res[0], res[2]) <= 1e-6
 
 
 def test_preprocess_permutation():
@@ -145,7 +160,7 @@ def _count_host_reads() -> Iterator[List[str]]:
             setattr(torch.Tensor, n, fn)
 
 
-@pytest.mark.parametrize("experts,syncs", [("grouped_mm", False), ("split", True)])
+@pytest.mark.parametrize("experts,syncs", [("grouped_mm", False), ("capacity", False), ("split", True)])
 def test_grouped_mm_path_reads_nothing_on_the_host(experts, syncs):
     block, x = _block(experts), _x()
     with _count_host_reads() as seen:
@@ -156,7 +171,7 @@ def test_grouped_mm_path_reads_nothing_on_the_host(experts, syncs):
 
 
 def test_capturability_attribute():
-    for experts, words in (("split", "counts.tolist()"), ("grouped_mm", None), ("dense", None)):
+    for experts, words in (("split", "counts.tolist()"), ("grouped_mm", None), ("capacity", None), ("dense", None)):
         unsafe = graph_unsafe_modules(_block(experts))
         if words is None:
             assert unsafe == [], unsafe
@@ -167,6 +182,7 @@ def test_capturability_attribute():
 @pytest.mark.parametrize("kw,words", [
     (dict(moe_experts="sparse"), ["moe_experts='sparse'", "'grouped_mm'"]),
     (dict(moe_grouped_mm_dtype="fp16"), ["moe_grouped_mm_dtype='fp16'"]),
+    (dict(moe_capacity_factor=0.0), ["moe_capacity_factor=0.0", "> 0"]),
     (dict(moe_experts="dense", moe_shared_expert=True), ["moe_shared_expert=True", "dropless"]),
 ])
 def test_bad_config_refused(kw, words):

@@ -7,7 +7,8 @@ parameter ``torch.equal`` on every rank) under this project's ``megatron_fsdp`` 
 - ``attn moe_router moe_preprocess`` with ``moe_experts="split"`` (the experts' ``counts.tolist()`` and
   per-expert matmuls run eagerly between the preprocess graph and the next layer's attention graph) and with
   ``grouped_mm``: bit-exact, every selected callable replayed;
-- ``moe`` (the whole MoE block in one graph) with ``grouped_mm``: bit-exact;
+- ``moe`` (the whole MoE block in one graph) with ``grouped_mm`` and with ``capacity`` (drop-and-pad, factor 1):
+  bit-exact;
 - negative control: the preprocess graph's outputs scaled by 1.01 after capture are detected and blamed;
 - ``moe`` with ``split`` refused when PartialCudaGraphs selects it, naming the callable, the experts and the fix.
 
@@ -116,6 +117,7 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
         out[(engine, "split", "megatron")] = _check("split", SCOPE, engine)
         out[(engine, "grouped_mm", "megatron")] = _check("grouped_mm", SCOPE, engine)
         out[(engine, "grouped_mm", "moe")] = _check("grouped_mm", ["moe"], engine)
+        out[(engine, "capacity", "moe")] = _check("capacity", ["moe"], engine)
     out["perturbed"] = _check("split", SCOPE, "megatron_fsdp", perturb="layers.1.moe.preprocess")
     try:
         PartialCudaGraphs(GPT(GPTConfig(moe_experts="split", **MODEL)),
@@ -134,7 +136,8 @@ def ranks() -> List[Dict[str, Any]]:
 
 
 @pytest.mark.parametrize("engine", ["megatron_fsdp", "fsdp2"])
-@pytest.mark.parametrize("experts,scope", [("split", "megatron"), ("grouped_mm", "megatron"), ("grouped_mm", "moe")])
+@pytest.mark.parametrize("experts,scope", [("split", "megatron"), ("grouped_mm", "megatron"), ("grouped_mm", "moe"),
+                                           ("capacity", "moe")])
 def test_moe_graphs_bit_exact(ranks, engine, experts, scope):
     for res in ranks:
         rep = res[(engine, experts, scope)]
