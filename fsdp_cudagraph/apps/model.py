@@ -26,7 +26,7 @@ from fsdp_cudagraph.apps.moe import MOE_EXPERTS, Experts, MoEBlock, MoEPreproces
 
 __all__ = ["GPTConfig", "GPT", "TransformerBlock", "SelfAttention", "MLP", "MoEBlock", "Router", "MoEPreprocess",
            "Experts", "SharedExpert", "unpermute", "MOE_EXPERTS", "olmoe_config", "mixtral_config", "loss_fn",
-           "synthetic_batch"]
+           "synthetic_batch", "moe_checker_spec", "moe_split", "moe_grouped_mm", "moe_capacity"]
 
 
 @dataclasses.dataclass
@@ -245,6 +245,46 @@ def mixtral_config(**overrides: Any) -> GPTConfig:
                                 moe_every=1, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=3584,
                                 moe_experts="grouped_mm", moe_grouped_mm_dtype="bfloat16")
     return GPTConfig(**{**base, **overrides})
+
+
+def moe_checker_spec(cfg: GPTConfig, device: torch.device, *, micro_batch_size: int = 2) -> Any:
+    """A :class:`fsdp_cudagraph.check.ModelSpec` of the reference GPT for ``cfg`` (the checker's factory
+    protocol): units are the layers, each rank trains its slice of a deterministic global batch."""
+    import torch.distributed as dist
+
+    from fsdp_cudagraph.check import ModelSpec
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+
+    def batch(step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        x, y = synthetic_batch(step, micro_batch_size * world, cfg, device)
+        sl = slice(rank * micro_batch_size, (rank + 1) * micro_batch_size)
+        return x[sl].contiguous(), y[sl].contiguous()
+
+    model = GPT(cfg).to(device)
+    return ModelSpec(model=model, unit_modules=[model.unit_class], batch=batch, loss=lambda m, b: loss_fn(m(b[0]), b[1]))
+
+
+#: The checker factories' model: 2 layers, hidden 64, every layer a top-2-of-4 MoE, seq 32.
+_MOE_TINY = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, seq_len=32, moe_every=1, num_experts=4,
+                 moe_top_k=2)
+
+
+def moe_split(device: torch.device) -> Any:
+    """Checker factory: dropless MoE, ``split`` experts (host sync; graph ``attn moe_router moe_preprocess``)."""
+    return moe_checker_spec(GPTConfig(moe_experts="split", **_MOE_TINY), device)
+
+
+def moe_grouped_mm(device: torch.device) -> Any:
+    """Checker factory: dropless MoE, ``grouped_mm`` experts (no sync; bf16 on CUDA; any scope)."""
+    dtype = "bfloat16" if device.type == "cuda" else "input"
+    return moe_checker_spec(GPTConfig(moe_experts="grouped_mm", moe_grouped_mm_dtype=dtype, **_MOE_TINY), device)
+
+
+def moe_capacity(device: torch.device) -> Any:
+    """Checker factory: drop-and-pad MoE, ``capacity`` experts, factor 1 (no sync; any scope)."""
+    return moe_checker_spec(GPTConfig(moe_experts="capacity", **_MOE_TINY), device)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -38,23 +38,9 @@ MEGATRON_CALLABLES = ["layers.0.attn", "layers.1.attn", "layers.1.moe.router", "
 
 
 def _factory(experts: str):
-    from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
-    from fsdp_cudagraph.check import ModelSpec
+    from fsdp_cudagraph.apps.model import GPTConfig, moe_checker_spec
 
-    def factory(device: torch.device) -> ModelSpec:
-        import torch.distributed as dist
-
-        cfg = GPTConfig(moe_experts=experts, **MODEL)
-        rank = dist.get_rank()
-
-        def batch(step: int):
-            x, y = synthetic_batch(step, ROWS * WORLD, cfg, device)
-            return x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS]
-
-        return ModelSpec(model=GPT(cfg).to(device), unit_modules=[TransformerBlock], batch=batch,
-                         loss=lambda model, b: loss_fn(model(b[0]), b[1]))
-
-    return factory
+    return lambda device: moe_checker_spec(GPTConfig(moe_experts=experts, **MODEL), device, micro_batch_size=ROWS)
 
 
 def _check(experts: str, scope: List[str], engine: str, perturb=None) -> Dict[str, Any]:
@@ -108,6 +94,30 @@ def _full_iteration(experts: str) -> Dict[str, Any]:
     return {"error": None, "eager": run(False), "graphed": graphed}
 
 
+def _cli() -> Dict[str, Any]:
+    """The checker's command line on a factory of apps/model.py, as the GPU commands run it."""
+    import json
+    import tempfile
+
+    from fsdp_cudagraph.checker.check import main
+
+    import unittest.mock
+
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/r.json"
+        # main() ends by destroying the process group; the rank's harness destroys it itself
+        with unittest.mock.patch.object(dist, "destroy_process_group", lambda *a, **k: None):
+            rc = main(["--model", "fsdp_cudagraph.apps.model:moe_split", "--modules", *SCOPE, "--steps", "4",
+                       "--capture-step", "2", "--json", path])
+        rep = None
+        if dist.get_rank() == 0:
+            with open(path) as f:
+                rep = json.load(f)
+        return {"rc": rc, "report": rep}
+
+
 def _job(rank: int, world: int) -> Dict[str, Any]:
     from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
     from fsdp_cudagraph.apps.model import GPT, GPTConfig
@@ -127,6 +137,7 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
         out["refused"] = str(exc)
     out["full_grouped_mm"] = _full_iteration("grouped_mm")
     out["full_split"] = _full_iteration("split")
+    out["cli"] = _cli()
     return out
 
 
@@ -154,6 +165,12 @@ def test_perturbed_preprocess_graph_is_detected_and_named(ranks):
         assert not rep["equal"] and not rep["params_equal"]
         assert rep["first_mismatch_step"] == CAPTURE_AT
         assert rep["culprit"] == "layers.1.moe.preprocess", rep["culprit"]
+
+
+def test_checker_command_line_on_the_moe_factory(ranks):
+    assert all(r["cli"]["rc"] == 0 for r in ranks), [r["cli"] for r in ranks]
+    rep = ranks[0]["cli"]["report"]
+    assert rep is not None and rep["equal"] and rep["params_equal"], rep
 
 
 def test_whole_moe_with_host_sync_experts_is_refused(ranks):
