@@ -263,7 +263,8 @@ def moe_checker_spec(cfg: GPTConfig, device: torch.device, *, micro_batch_size: 
         return x[sl].contiguous(), y[sl].contiguous()
 
     model = GPT(cfg).to(device)
-    return ModelSpec(model=model, unit_modules=[model.unit_class], batch=batch, loss=lambda m, b: loss_fn(m(b[0]), b[1]))
+    return ModelSpec(model=model, unit_modules=[model.unit_class], batch=batch,
+                     loss=lambda m, b: loss_fn(m(b[0]), b[1]))
 
 
 #: The checker factories' model: 2 layers, hidden 64, every layer a top-2-of-4 MoE, seq 32.
