@@ -25,7 +25,8 @@ Run (1 GPU, then 2 GPUs)::
     python -m fsdp_cudagraph.apps.align --out align-1gpu.json
     torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.align --out align-2gpu.json
 
-``--quick`` runs a reduced matrix; ``--backends torch`` skips TE. Exit status 1 if any row mismatches.
+``--quick`` runs a reduced matrix; ``--backends torch`` skips TE; ``--rows MoE`` runs only the rows whose
+description contains ``MoE``. Exit status 1 if any row mismatches.
 """
 
 from __future__ import annotations
@@ -311,6 +312,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--capture-step", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="a reduced matrix (seq 100, two scopes, tuple outputs, hooks)")
     p.add_argument("--no-controls", action="store_true")
+    p.add_argument("--rows", default=None, metavar="TEXT",
+                   help="run only the rows whose description contains TEXT (e.g. 'MoE'), from the full or quick matrix")
     p.add_argument("--no-clone-param-grads", action="store_true",
                    help="TE backend: clone_param_grads_on_return=False (less work per replay)")
     add_optimizer_argument(p)
@@ -325,7 +328,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     backends = [b for b in args.backends if b != "te" or HAS_TE]
     skipped = [] if len(backends) == len(args.backends) else [f"te: {TE_REASON}"]
     rows: List[Dict[str, Any]] = []
-    cases = [(b, case) for b in backends for case in matrix(b, quick=args.quick)]
+    cases = [(b, case) for b in backends for case in matrix(b, quick=args.quick)
+             if args.rows is None or args.rows in case["what"]]
+    if not cases:
+        raise SystemExit(f"--rows {args.rows!r} matches no row of the {'quick' if args.quick else 'full'} matrix")
     t0 = time.time()
     for i, (backend, case) in enumerate(cases):
         try:

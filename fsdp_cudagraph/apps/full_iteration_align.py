@@ -19,7 +19,8 @@ Run (1 GPU, then 2 GPUs; each well under 4 minutes on an H100)::
     python -m fsdp_cudagraph.apps.full_iteration_align --out fi-align-1gpu.json
     torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.full_iteration_align --out fi-align-2gpu.json
 
-``--quick`` runs two strategies of the torch model; ``--models torch`` skips TE. Exit status 1 if a row
+``--quick`` runs two strategies of the torch model; ``--models torch`` skips TE; ``--moe-only`` runs only the
+MoE rows. Exit status 1 if a row
 mismatches or a control is not caught. :func:`run_full` is also the training loop of the benchmarks.
 """
 
@@ -387,6 +388,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="in each row, run the graphed run before the eager one (a diagnosis aid: order effects)")
     p.add_argument("--only", nargs="*", default=None, metavar="MODEL:STRATEGY[:ACCUM]",
                    help="run only these rows, e.g. te:no_shard:1 (a diagnosis aid)")
+    p.add_argument("--moe-only", action="store_true", help="run only the dropless MoE rows (grouped_mm experts)")
     add_optimizer_argument(p)
     p.add_argument("--out", default=None, help="JSON result path (rank 0 writes)")
     args = p.parse_args(argv)
@@ -451,6 +453,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return any(key[:len(w)] == w for w in wanted)
 
         specs = [sp for sp in specs if _match(sp)]
+    if args.moe_only:
+        specs = [sp for sp in specs if sp.model.moe_experts != "dense"]
     if args.no_host_sync_check:
         specs = [dataclasses.replace(sp, host_sync_check=False) for sp in specs]
     rows = []
