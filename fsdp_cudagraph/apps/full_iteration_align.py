@@ -20,8 +20,7 @@ Run (1 GPU, then 2 GPUs; each well under 4 minutes on an H100)::
     torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.full_iteration_align --out fi-align-2gpu.json
 
 ``--quick`` runs two strategies of the torch model; ``--models torch`` skips TE; ``--moe-only`` runs only the
-MoE rows. Exit status 1 if a row
-mismatches or a control is not caught. :func:`run_full` is also the training loop of the benchmarks.
+MoE rows. Exit status 1 if a row mismatches or a control is not caught. :func:`run_full` is also the training loop of the benchmarks.
 """
 
 from __future__ import annotations
