@@ -8,14 +8,16 @@ GPUs (32 is the real model).
 Two implementations of a layer, picked by ``LlamaConfig.layers_impl``:
 
 - ``te``: ``transformer_engine.pytorch.TransformerLayer(normalization="RMSNorm", activation="swiglu",
-  num_gqa_groups=..., bias=False, self_attn_mask_type="causal")``, the FSDP unit itself, called as
-  ``layer(x, rotary_pos_emb=rope)`` where ``rope`` is one static tensor the model holds (a non-persistent
-  buffer, [seq, 1, 1, head_dim], fp32: TE's format). Sequence-first layout [seq, batch, hidden]. Needs TE
-  and CUDA.
+  num_gqa_groups=..., bias=False, self_attn_mask_type="causal")``, called as ``block(x, rotary_pos_emb=rope)``
+  where ``rope`` is one static fp32 tensor [seq, 1, 1, head_dim] (TE's format) shared by all layers.
+  Sequence-first layout [seq, batch, hidden]. Needs TE and CUDA.
 - ``torch``: :class:`LlamaTorchLayer`, the same math from torch ops (RMSNorm, q/k/v/o projections, rotary
   embedding with ``rotate_half``, ``scaled_dot_product_attention(enable_gqa=True)``, SwiGLU), same layout and
   call; for CPU smoke runs and as a fallback. The two are not numerically identical (different kernels and
   parameter layouts); each is deterministic.
+
+The FSDP unit is :class:`LlamaLayer` (either block inside, ``unit_class``), called ``layer(x)``: it passes the
+rotary table itself, so no engine casts it (see :class:`_RopeTable`).
 
 No dropout (bit-exact eager-vs-graph comparisons need deterministic kernels). Parameters are created in fp32;
 engines cast for compute (bf16) and keep fp32 main weights.
@@ -35,8 +37,8 @@ from torch import nn
 
 from fsdp_cudagraph.capture.te import HAS_TE, require_te
 
-__all__ = ["LlamaConfig", "llama3_8b_config", "Llama", "LlamaTorchLayer", "rope_table", "loss_fn", "synthetic_batch",
-           "checker_spec", "tiny"]
+__all__ = ["LlamaConfig", "llama3_8b_config", "Llama", "LlamaLayer", "LlamaTorchLayer", "rope_table", "loss_fn",
+           "synthetic_batch", "checker_spec", "tiny"]
 
 LAYERS_IMPLS = ("te", "torch")
 
@@ -160,24 +162,51 @@ def _te_layer(cfg: LlamaConfig, layer_number: int) -> nn.Module:
     )
 
 
-class Llama(nn.Module):
-    """Token embedding, ``num_layers`` decoder layers (the FSDP units), final RMSNorm, untied head.
+class _RopeTable:
+    """The rotary table every layer reads, made once per device at the first forward (outside any graph: capture
+    follows eager steps) and then the same tensor at the same address every step.
 
-    The rotary table is one non-persistent fp32 buffer handed to every layer as ``rotary_pos_emb``: the same
-    tensor at the same address every step, so a graphed layer sees a static input.
+    Deliberately neither a buffer nor a forward argument: engines cast what a unit receives or holds (FSDP2's
+    ``MixedPrecisionPolicy`` casts floating forward inputs to ``param_dtype``; NVIDIA's builder casts the module,
+    buffers included), and angles up to ``seq_len`` radians in bf16 would be wrong by whole radians. Held here,
+    the table stays fp32 under every engine.
     """
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        self.cfg = cfg
+        self.table: Optional[torch.Tensor] = None
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        if self.table is None or self.table.device != device:
+            self.table = rope_table(self.cfg, device)
+        return self.table
+
+
+class LlamaLayer(nn.Module):
+    """The FSDP unit: one decoder layer (``block``: TE's ``TransformerLayer`` or :class:`LlamaTorchLayer`), called
+    ``layer(x)`` on [seq, batch, hidden]; it hands the model's rotary table to the block as ``rotary_pos_emb``."""
+
+    def __init__(self, cfg: LlamaConfig, layer_number: int, rope: _RopeTable) -> None:
+        super().__init__()
+        self.block = _te_layer(cfg, layer_number) if cfg.layers_impl == "te" else LlamaTorchLayer(cfg)
+        self._rope = rope  # a plain object: not a parameter, buffer or submodule (see _RopeTable)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x, rotary_pos_emb=self._rope.get(x.device))
+
+
+class Llama(nn.Module):
+    """Token embedding, ``num_layers`` decoder layers (:class:`LlamaLayer`, the FSDP units), final RMSNorm, untied
+    head. The rotary table is fp32 under every engine (see :class:`_RopeTable`)."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        rope = _RopeTable(cfg)
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        if cfg.layers_impl == "te":
-            self.layers = nn.ModuleList(_te_layer(cfg, i + 1) for i in range(cfg.num_layers))
-        else:
-            self.layers = nn.ModuleList(LlamaTorchLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaLayer(cfg, i + 1, rope) for i in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("rope", rope_table(cfg), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] != self.cfg.seq_len:
@@ -185,13 +214,13 @@ class Llama(nn.Module):
                              f"seq_len={self.cfg.seq_len}; pad or crop the batch to that length")
         x = self.tok(tokens).transpose(0, 1).contiguous()  # [seq, batch, hidden]
         for layer in self.layers:
-            x = layer(x, rotary_pos_emb=self.rope)
+            x = layer(x)
         return self.head(self.norm(x.transpose(0, 1)))
 
     @property
     def unit_class(self) -> type:
         """The class whose instances are the FSDP units (the decoder layers)."""
-        return type(self.layers[0])
+        return LlamaLayer
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
