@@ -3,7 +3,8 @@
 [Note: DCP sharding metadata]
 Every parameter (and every element-wise optimizer state tensor: Adam's ``exp_avg``/``exp_avg_sq``, SGD's
 ``momentum_buffer``) leaves as a ``DTensor`` of the parameter's real shape, placed ``Shard(0)`` over a 1-D
-``DeviceMesh`` of the engine's process group: rank ``r`` holds rows ``[r*c, (r+1)*c)`` with
+``DeviceMesh`` of the engine's process group (under HSDP the 2-D ``(replicate, shard)`` mesh, placed
+``(Replicate(), Shard(0))``: [Note: hybrid sharding] in _hsdp.py): rank ``r`` holds rows ``[r*c, (r+1)*c)`` with
 ``c = ceil(dim0 / world)`` (``torch.chunk``'s split, the one FSDP2 and torchtitan save). 0-dim parameters
 leave ``Replicate()``. Keys are the unwrapped model's, as in ``model.state_dict()``.
 
@@ -49,11 +50,19 @@ def row_range(dim0: int, world: int, rank: int) -> Tuple[int, int]:
 
 
 def mesh_of(engine: Engine, device: torch.device) -> DeviceMesh:
-    """A 1-D DeviceMesh over the engine's process group (built once per device type)."""
+    """A 1-D DeviceMesh over the engine's process group, or under HSDP the 2-D ``(replicate, shard)`` mesh
+    (built once per device type)."""
     meshes = engine.__dict__.setdefault("_dcp_meshes", {})
     if device.type not in meshes:
-        meshes[device.type] = DeviceMesh.from_group(engine.group, device.type)
+        hsdp = engine.hsdp
+        meshes[device.type] = (hsdp.device_mesh(device.type) if hsdp.hybrid
+                               else DeviceMesh.from_group(engine.group, device.type))
     return meshes[device.type]
+
+
+def _placements(engine: Engine, inner: Any) -> List[Any]:
+    """``inner`` over the shard dimension; under HSDP, ``Replicate()`` over the replicate dimension before it."""
+    return [Replicate(), inner] if engine.hsdp.hybrid else [inner]
 
 
 def _dtensor(engine: Engine, full: torch.Tensor) -> DTensor:
@@ -61,10 +70,10 @@ def _dtensor(engine: Engine, full: torch.Tensor) -> DTensor:
     mesh = mesh_of(engine, full.device)
     shape = tuple(full.shape)
     if not shape:
-        return DTensor.from_local(full.detach().clone(), mesh, [Replicate()], run_check=False)
+        return DTensor.from_local(full.detach().clone(), mesh, _placements(engine, Replicate()), run_check=False)
     lo, hi = row_range(shape[0], engine.world_size, engine.rank)
     local = full.detach()[lo:hi].clone()
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+    return DTensor.from_local(local, mesh, _placements(engine, Shard(0)), run_check=False, shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())
 
 
@@ -77,9 +86,9 @@ def _region_dtensors(engine: Engine, layout: "FlatLayout", local: torch.Tensor) 
 def _full_value(engine: Engine, value: Any, shape: Tuple[int, ...], name: str) -> torch.Tensor:
     """The whole value of ``value`` (a DTensor, collected from all ranks, or a plain tensor), checked against ``shape``."""
     if isinstance(value, DTensor):
-        if value.device_mesh.size() != engine.world_size:
+        if value.device_mesh.size() != engine.dp_world_size:
             raise ValueError(f"{name} is a DTensor over a mesh of {value.device_mesh.size()} ranks, this model runs on "
-                             f"{engine.world_size}; fill the dict returned by this model's sharded_state_dict() "
+                             f"{engine.dp_world_size}; fill the dict returned by this model's sharded_state_dict() "
                              "(torch.distributed.checkpoint.load reshards)")
         value = value.full_tensor()
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:

@@ -18,7 +18,9 @@ import torch.distributed.nn.functional  # noqa: F401 - before any group exists: 
 from torch import nn
 from torch.autograd import Variable
 
-from . import _clip, _dcp, _guards, _state_dict
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import _clip, _dcp, _guards, _hsdp, _state_dict
 from ._collectives import backend_for
 from ._common import COMPUTING, ShardingStrategy, TrainingState, _cast_floating, is_capturing, log_rank0, phase
 from ._plan import UnitPlanning, UnitSpec
@@ -37,6 +39,9 @@ def fully_shard(
     fsdp_unit_modules: Sequence[UnitSpec],
     sharding_strategy: Union[str, ShardingStrategy] = ShardingStrategy.OPTIM_GRADS_PARAMS,
     process_group: Optional[dist.ProcessGroup] = None,
+    mesh: Optional[DeviceMesh] = None,
+    replicate_group: Optional[dist.ProcessGroup] = None,
+    shard_group: Optional[dist.ProcessGroup] = None,
     compute_dtype: Optional[torch.dtype] = None,
     main_grad_dtype: torch.dtype = torch.float32,
     reduce_dtype: Optional[torch.dtype] = None,
@@ -54,6 +59,13 @@ def fully_shard(
             transformer layer. Parameters that no unit owns form the root unit.
         sharding_strategy: ``no_shard``, ``optim``, ``optim_grads`` or ``optim_grads_params`` (ZeRO-3).
         process_group: the data-parallel group (default: the world).
+        mesh: hybrid sharding (HSDP), as FSDP2 takes it: a 2-D ``DeviceMesh`` ``(replicate, shard)``.
+            Parameters, gradients and optimizer state are sharded within dimension 1 (``shard``, e.g. the GPUs
+            of one node); the reduced gradient shards are then all-reduced over dimension 0 (``replicate``,
+            e.g. across nodes), and gradients are averaged over all ``replicate x shard`` ranks
+            ([Note: hybrid sharding] in _hsdp.py). A 1-D mesh is the same as ``process_group=mesh.get_group()``.
+        replicate_group, shard_group: the same as ``mesh``, given as the two process groups this rank
+            belongs to (both or neither; not with ``mesh`` or ``process_group``).
         compute_dtype: dtype of the parameters that forward and backward see (e.g. ``torch.bfloat16``);
             default: the parameters' own dtype. Main parameters and optimizer state stay fp32. When given, the
             root forward's floating-point tensor inputs are cast to it too (integer and bool inputs are not).
@@ -93,6 +105,9 @@ def fully_shard(
         fsdp_unit_modules=fsdp_unit_modules,
         sharding_strategy=sharding_strategy,
         process_group=process_group,
+        mesh=mesh,
+        replicate_group=replicate_group,
+        shard_group=shard_group,
         compute_dtype=compute_dtype,
         main_grad_dtype=main_grad_dtype,
         reduce_dtype=reduce_dtype,
@@ -121,6 +136,9 @@ class MegatronFSDP(UnitPlanning, _clip.GradientMethods, nn.Module):
         fsdp_db_use_persist_buf_on_alloc_fail: bool,
         fsdp_double_buffer_numel: Optional[int],
         prefetch: bool,
+        mesh: Optional[DeviceMesh] = None,
+        replicate_group: Optional[dist.ProcessGroup] = None,
+        shard_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -131,11 +149,18 @@ class MegatronFSDP(UnitPlanning, _clip.GradientMethods, nn.Module):
                 "torch.distributed.init_process_group('nccl' on GPUs, 'gloo' on CPU) first (torchrun sets the "
                 "environment it reads)"
             )
-        group = process_group if process_group is not None else dist.group.WORLD
+        # The shard group carries every sharding collective; a replicate group (HSDP) adds one all-reduce of
+        # the reduced gradients ([Note: hybrid sharding] in _hsdp.py).
+        self.hsdp = hsdp = _hsdp.resolve(process_group=process_group, mesh=mesh, replicate_group=replicate_group,
+                                         shard_group=shard_group)
+        group = hsdp.shard_group
         # A weak reference: torch.distributed owns the group ([Note: the engine does not keep its group alive]).
         self._group_ref = weakref.ref(group)
+        #: rank and size within the shard group (the data-parallel group when not hybrid)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        #: every data-parallel rank: replicate x shard (what the gradients are averaged over)
+        self.dp_world_size = self.world_size * hsdp.replicate_size
         if self.rank < 0:
             raise ValueError(
                 f"process_group does not contain global rank {dist.get_rank()}; pass the data-parallel group "
@@ -172,7 +197,7 @@ class MegatronFSDP(UnitPlanning, _clip.GradientMethods, nn.Module):
         #: dtype of the unsharded gradient buffers and the collectives ([Note: reducing in another dtype])
         self.reduce_dtype = reduce_dtype or main_grad_dtype
         #: the gradient collectives average, and the fold skips its scale pass ([Note: averaging in the collective])
-        self.reduce_average = reduce_by_average(backend, self.world_size, self.reduce_dtype)
+        self.reduce_average = hsdp.replicate_size == 1 and reduce_by_average(backend, self.world_size, self.reduce_dtype)
         # Default from a floating-point parameter: a stray integer parameter is then reported by name below,
         # not as a compute_dtype the caller never passed.
         first_float = next((p.dtype for p in params if p.dtype.is_floating_point), params[0].dtype)
@@ -220,8 +245,9 @@ class MegatronFSDP(UnitPlanning, _clip.GradientMethods, nn.Module):
         self._guard_handles = [_guards.guard_direct_calls(self)] + _state_dict.guard_module_state_dicts(self)
         log_rank0(
             logging.INFO,
-            "megatron_fsdp: %d units + root, strategy %s, world %d, compute %s, double buffer %s",
-            len(self.units), self.strategy.value, self.world_size, self.compute_dtype, fsdp_double_buffer,
+            "megatron_fsdp: %d units + root, strategy %s, world %d (replicate %d x shard %d), compute %s, "
+            "double buffer %s", len(self.units), self.strategy.value, self.dp_world_size, hsdp.replicate_size,
+            self.world_size, self.compute_dtype, fsdp_double_buffer,
         )
 
     @property
@@ -254,9 +280,20 @@ class MegatronFSDP(UnitPlanning, _clip.GradientMethods, nn.Module):
         return group
 
     @property
+    def replicate_group(self) -> Optional[dist.ProcessGroup]:
+        """HSDP's replicate group (the gradient all-reduce across shard groups), or None when not hybrid."""
+        if not self.hsdp.hybrid:
+            return None
+        group = self.hsdp.replicate()
+        if group is None:
+            raise RuntimeError(f"[rank {self.rank}] megatron_fsdp: the engine's replicate group was destroyed "
+                               "(torch.distributed.destroy_process_group()); use the model before destroying it")
+        return group
+
+    @property
     def grad_scale(self) -> float:
         """What the gradient fold multiplies by before a summing collective (1.0: no scale pass)."""
-        return 1.0 if self.reduce_average else 1.0 / self.world_size
+        return 1.0 if self.reduce_average else 1.0 / self.dp_world_size
 
     @property
     def in_root_forward(self) -> bool:

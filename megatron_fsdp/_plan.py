@@ -17,6 +17,7 @@ from torch import nn
 from . import _collectives as C
 from ._common import ShardingStrategy
 from ._flat import _Buffer
+from ._hsdp import broadcast_order
 from ._unit import FSDPUnit
 from ._unit_hooks import make_call_guard, make_unit_hooks
 
@@ -155,7 +156,9 @@ class UnitPlanning:
                 flat = torch.zeros(u.numel, dtype=torch.float32, device=dev)
                 for p, v in zip(u.all_params, u.views(flat)):
                     v.copy_(p.detach())
-                C.broadcast(flat, 0, self.group, f"initial values of unit {u.name}")
+                for dim, group in broadcast_order(self.hsdp):  # [Note: hybrid sharding]: from mesh (0, 0)
+                    what = f"initial values of unit {u.name}" + (f" over the {dim} group" if self.hsdp.hybrid else "")
+                    C.broadcast(flat, 0, group, what)
                 s = slot_of.get(id(u))
                 # Unsharded strategies keep compute parameters resident, so only ZeRO-3 puts them in slots;
                 # `optim` (ZeRO-1) keeps its full gradient buffer by definition.

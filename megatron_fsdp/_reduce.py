@@ -182,6 +182,12 @@ class _PendingReduce:
         if self.work is not None:
             self.work.wait()
         unit = self.unit
+        replicate = unit.engine.replicate_group
+        if replicate is not None:
+            # HSDP: the reduced shard (or no_shard's whole gradient) summed across replicas ([Note: hybrid sharding]).
+            work = C.all_reduce(self.out, replicate, f"gradients of unit {unit.name} across replicas")
+            if work is not None:
+                work.wait()
         with torch.no_grad():
             grad, data = unit.main_grad, unit._main_grad_data
             if self.accumulate:

@@ -1,0 +1,290 @@
+"""Hybrid sharding (HSDP) in megatron_fsdp on 4 Gloo ranks as a 2 x 2 mesh ``(replicate, shard)``.
+
+One 4-rank spawn (module fixture); the tests assert on what the ranks return. What must hold (``torch.equal``):
+
+- every strategy trained 3 steps under HSDP equals a single-process reference that adds the ranks' gradients
+  in the engine's defined order ([Note: hybrid sharding] in megatron_fsdp/_hsdp.py: pre-scale by 1/4, sum
+  within each shard row, sum the rows): each rank's loss and every final parameter;
+- the two-groups form (``replicate_group=``, ``shard_group=``) trains the same bits as ``mesh=``;
+- HSDP + partial graphs (protocol backend, ZeRO-3 double buffer) equals eager HSDP, and the all-reduce across
+  replicas never runs inside a (simulated) capture;
+- a DCP checkpoint saved at 2 x 2 loads at 1 x 4 and at 1 x 2 with the same parameters and optimizer state,
+  and 2 more steps at 1 x 2 after the load equal the reference continued at 1 x 2;
+- inconsistent group arguments are refused, naming them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from tests.dist_utils import run_gloo
+
+pytestmark = pytest.mark.gloo
+
+WORLD, R, S = 4, 2, 2
+CFG = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, seq_len=8)
+GLOBAL_BATCH = 8
+STEPS = 2
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+CPU = torch.device("cpu")
+
+
+def _gpt():
+    from fsdp_cudagraph.apps.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(**CFG)
+    return GPT(cfg), cfg
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _rows(step: int, cfg, k: int, world: int):
+    from fsdp_cudagraph.apps.model import synthetic_batch
+
+    x, y = synthetic_batch(step, GLOBAL_BATCH, cfg, CPU)
+    per = GLOBAL_BATCH // world
+    return x[k * per:(k + 1) * per], y[k * per:(k + 1) * per]
+
+
+def _step(model, opt, cfg, step: int, k: int, world: int) -> torch.Tensor:
+    from fsdp_cudagraph.apps.model import loss_fn
+
+    x, y = _rows(step, cfg, k, world)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach().clone()
+
+
+def _shard(gpt, **kw):
+    from fsdp_cudagraph.apps.model import TransformerBlock
+    from megatron_fsdp import fully_shard
+
+    return fully_shard(gpt, fsdp_unit_modules=[TransformerBlock], **kw)
+
+
+def _full_opt(model, opt) -> Dict[str, Dict[str, torch.Tensor]]:
+    from tests.engine._common import full_optimizer_state
+
+    return full_optimizer_state(model, opt)
+
+
+# ---------------------------------------------------------------------------------------------- rank side
+def _train(rank: int, steps: int, **kw) -> Dict[str, Any]:
+    gpt, cfg = _gpt()
+    model = _shard(gpt, **kw)
+    opt = _sgd(model.optimizer_parameters())
+    losses = [_step(model, opt, cfg, s, rank, WORLD) for s in range(steps)]
+    return {"losses": losses, "params": model.state_dict()}
+
+
+def _graphed(rank: int, mesh, graphed: bool) -> Dict[str, Any]:
+    from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
+
+    gpt, cfg = _gpt()
+    model = _shard(gpt, mesh=mesh, sharding_strategy="optim_grads_params", fsdp_double_buffer=True,
+                   fsdp_db_use_persist_buf_on_alloc_fail=True)
+    opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-2)
+    graphs, out = None, {"losses": []}
+    if graphed:
+        graphs = PartialCudaGraphs(model, CudaGraphConfig(
+            cuda_graph_impl="local", cuda_graph_modules=[], use_megatron_fsdp=True, fsdp_double_buffer=True,
+            fsdp_db_use_persist_buf_on_alloc_fail=True, cuda_graph_warmup_steps=1, cuda_graph_num_warmup_iters=2),
+            backend="protocol")
+    model.trace = []
+    for s in range(5):
+        if graphs is not None and s == 1:
+            out["callables"] = graphs.capture().callables
+        out["losses"].append(_step(model, opt, cfg, s, rank, WORLD))
+    out["captured_phases"] = sorted({p for p, _, cap in model.trace if cap})
+    model.trace = None
+    if graphs is not None:
+        graphs.delete()
+    out["params"] = model.state_dict()
+    return out
+
+
+def _dcp(rank: int, mesh, ckpt: str) -> Dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    out: Dict[str, Any] = {}
+    gpt, cfg = _gpt()
+    model = _shard(gpt, mesh=mesh, sharding_strategy="optim_grads_params")
+    opt = _sgd(model.optimizer_parameters())
+    for s in range(2):
+        _step(model, opt, cfg, s, rank, WORLD)
+    out["saved"] = (model.state_dict(), _full_opt(model, opt))
+    dcp.save({"model": model.sharded_state_dict(), "optim": model.optimizer_state_dict(opt)}, checkpoint_id=ckpt)
+
+    def load(m, o, group=None):
+        sd = {"model": m.sharded_state_dict(), "optim": m.optimizer_state_dict(o)}
+        dcp.load(sd, checkpoint_id=ckpt, process_group=group)
+        m.load_sharded_state_dict(sd["model"])
+        m.load_optimizer_state_dict(o, sd["optim"])
+
+    flat = _shard(_gpt()[0], sharding_strategy="optim_grads_params")  # 1 x 4
+    flat_opt = _sgd(flat.optimizer_parameters())
+    load(flat, flat_opt)
+    out["1x4"] = (flat.state_dict(), _full_opt(flat, flat_opt))
+    pair = dist.new_group([0, 1])
+    if rank < 2:  # 1 x 2 on ranks 0 and 1, then 2 more steps there
+        two = _shard(_gpt()[0], process_group=pair, sharding_strategy="optim")
+        two_opt = _sgd(two.optimizer_parameters())
+        load(two, two_opt, pair)
+        out["1x2"] = (two.state_dict(), _full_opt(two, two_opt))
+        out["1x2_losses"] = [_step(two, two_opt, cfg, s, rank, 2) for s in (2, 3)]
+        out["1x2_params"] = two.state_dict()
+    dist.barrier()
+    return out
+
+
+def _refusals(rank: int, mesh) -> Dict[str, str]:
+    import torch.distributed as dist
+
+    out = {}
+    cases = {
+        "mesh_and_group": dict(mesh=mesh, process_group=dist.group.WORLD),
+        "half_pair": dict(shard_group=mesh.get_group(1)),
+        "mesh_and_groups": dict(mesh=mesh, replicate_group=mesh.get_group(0), shard_group=mesh.get_group(1)),
+        "same_group_twice": dict(replicate_group=mesh.get_group(1), shard_group=mesh.get_group(1)),
+    }
+    for name, kw in cases.items():
+        try:
+            _shard(_gpt()[0], **kw)
+            out[name] = ""
+        except (ValueError, TypeError) as exc:
+            out[name] = str(exc)
+    return out
+
+
+def _job(rank: int, world: int, ckpt: str) -> Dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
+    res: Dict[str, Any] = {s: _train(rank, STEPS, mesh=mesh, sharding_strategy=s) for s in STRATEGIES}
+    res["groups"] = _train(rank, STEPS, replicate_group=mesh.get_group(0), shard_group=mesh.get_group(1),
+                           sharding_strategy="optim_grads_params")
+    res["eager"] = _graphed(rank, mesh, False)
+    res["graphed"] = _graphed(rank, mesh, True)
+    res["dcp"] = _dcp(rank, mesh, ckpt)
+    res["refusals"] = _refusals(rank, mesh)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- reference
+def _reference(schedule: List[tuple]) -> Dict[str, Any]:
+    """One process: for each (replicate, shard) in ``schedule`` one step over R*S slices, gradients added in
+    the engine's order (pre-scale by 1/(R*S), sum within each shard row, sum the rows), then SGD.
+
+    One intra-op thread, as the ranks run: CPU kernels such as LayerNorm's backward split their reductions
+    by thread, which would reorder the reference's own sums."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference_steps(schedule)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_steps(schedule: List[tuple]) -> Dict[str, Any]:
+    gpt, cfg = _gpt()
+    opt = _sgd(gpt.parameters())
+    losses = []
+    from fsdp_cudagraph.apps.model import loss_fn
+
+    for step, (r, s) in enumerate(schedule):
+        world = r * s
+        per_rank = []
+        step_losses = []
+        for k in range(world):
+            x, y = _rows(step, cfg, k, world)
+            loss = loss_fn(gpt(x), y)
+            loss.backward()
+            step_losses.append(loss.detach().clone())
+            per_rank.append([(p.grad if p.grad is not None else torch.zeros_like(p)) * (1.0 / world)
+                             for p in gpt.parameters()])
+            gpt.zero_grad(set_to_none=True)
+        for i, p in enumerate(gpt.parameters()):
+            rows = []
+            for a in range(r):
+                row = per_rank[a * s][i]
+                for b in range(1, s):
+                    row = row + per_rank[a * s + b][i]
+                rows.append(row)
+            total = rows[0]
+            for row in rows[1:]:
+                total = total + row
+            p.grad = total
+        opt.step()
+        opt.zero_grad()
+        losses.append(step_losses)
+    return {"losses": losses, "params": {n: p.detach() for n, p in gpt.state_dict().items()}}
+
+
+def _equal_dicts(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> List[str]:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> List[Dict[str, Any]]:
+    return run_gloo(_job, WORLD, str(tmp_path_factory.mktemp("hsdp_ckpt")))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_hsdp_training_equals_reference(runs, strategy):
+    ref = _reference([(R, S)] * STEPS)
+    for rank, res in enumerate(runs):
+        run = res[strategy]
+        assert all(torch.equal(run["losses"][s], ref["losses"][s][rank]) for s in range(STEPS)), (rank, run["losses"])
+        assert not _equal_dicts(run["params"], ref["params"]), (rank, _equal_dicts(run["params"], ref["params"]))
+
+
+def test_groups_form_equals_mesh_form(runs):
+    for res in runs:
+        assert all(torch.equal(a, b) for a, b in zip(res["groups"]["losses"], res["optim_grads_params"]["losses"]))
+        assert not _equal_dicts(res["groups"]["params"], res["optim_grads_params"]["params"])
+
+
+def test_partial_graphs_equal_eager_hsdp(runs):
+    for res in runs:
+        eager, graphed = res["eager"], res["graphed"]
+        assert graphed["callables"], "nothing was captured"
+        assert all(torch.equal(a, b) for a, b in zip(graphed["losses"], eager["losses"])), (graphed["losses"], eager["losses"])
+        assert not _equal_dicts(graphed["params"], eager["params"])
+        # the capture regions held forward/backward of the callables only, never an FSDP phase
+        assert not [p for p in graphed["captured_phases"] if p.startswith(("pre_", "post_"))], graphed["captured_phases"]
+
+
+def test_dcp_2x2_loads_at_1x4_and_1x2(runs):
+    for rank, res in enumerate(runs):
+        saved_params, saved_opt = res["dcp"]["saved"]
+        for where in ("1x4",) + (("1x2",) if rank < 2 else ()):
+            params, opt = res["dcp"][where]
+            assert not _equal_dicts(params, saved_params), (where, rank)
+            assert opt.keys() == saved_opt.keys()
+            assert all(not _equal_dicts(opt[k], saved_opt[k]) for k in saved_opt), (where, rank)
+
+
+def test_dcp_resume_at_1x2_equals_reference(runs):
+    ref = _reference([(R, S), (R, S), (1, 2), (1, 2)])
+    for rank in (0, 1):
+        d = runs[rank]["dcp"]
+        assert all(torch.equal(d["1x2_losses"][i], ref["losses"][2 + i][rank]) for i in range(2))
+        assert not _equal_dicts(d["1x2_params"], ref["params"])
+
+
+def test_inconsistent_groups_are_refused(runs):
+    msgs = runs[0]["refusals"]
+    assert "process_group and mesh" in msgs["mesh_and_group"]
+    assert "shard_group without its partner" in msgs["half_pair"]
+    assert "mesh and replicate_group and shard_group" in msgs["mesh_and_groups"]
+    assert "share ranks" in msgs["same_group_twice"]
