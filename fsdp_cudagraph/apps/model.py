@@ -6,7 +6,8 @@ carries a ``cuda_graph_module`` tag naming its :class:`~fsdp_cudagraph.config.Cu
 how the capture layer finds callables for a scope. Every tagged submodule takes and returns tensors only,
 with static shapes. The MoE (``apps/moe.py``) is the static dense toy by default (``moe_experts="dense"``:
 every scope, whole layers included, is graphable) or dropless with eager experts between graphs
-(``"split"``, ``"te_grouped"``: host sync, ``moe``/whole layers refused) or without a sync (``"grouped_mm"``).
+(``"split"``, ``"te_grouped"``: host sync, ``moe``/whole layers refused) or without a sync (``"grouped_mm"``,
+and ``"capacity"``: drop-and-pad).
 
 Built from TransformerEngine modules with ``use_te=True`` (needs TE and CUDA) and from plain torch
 otherwise. Dropout is absent on purpose: bit-exact eager-vs-graph comparisons need deterministic kernels.

@@ -23,16 +23,18 @@ with accumulate) writes each destination row exactly once onto zeros: exact, wha
 copies of a token are summed by ``view(T, K, h).sum(1)`` (forward) and by ``expand`` (whose backward is a
 sum over K), never by ``index_add_`` on floats. The counts come from ``searchsorted`` on the sorted ids and the
 inverse map from a second argsort: no scatter at all, so nothing changes under ``use_deterministic_algorithms``.
+``capacity`` gathers too; its only repeated indices point at a zero padding row whose gradient is discarded.
+Memory: the T*K rows are materialised (the expanded tokens, then the permuted copy), about 2 x T*K*h values.
 
 [Note: capturability of the experts] A module whose forward cannot be captured (a host sync, shapes that
 depend on data) says so with a ``cuda_graph_unsafe`` attribute holding the reason (None: capturable);
 ``PartialCudaGraphs`` and ``FullIterationCudaGraph`` refuse, at selection, a graphed callable that contains
-such a module (``fsdp_cudagraph.config.graph_unsafe_modules``). So scope ``moe`` (or whole layers) is refused
-with ``split``/``te_grouped`` experts, as Megatron refuses ``moe`` for dropless MoE, and accepted with
-``grouped_mm``, ``capacity`` and ``dense``; the Megatron scopes ``attn moe_router moe_preprocess`` run the experts eagerly
-between the graphs. torch's CUDA ``grouped_mm`` has a fast (no-sync) kernel only for bf16 on sm90+; other
-dtypes take a fallback loop that copies the offsets to the host, so fp32 ``grouped_mm`` on CUDA is refused
-(``moe_grouped_mm_dtype="bfloat16"`` computes the experts in bf16).
+such a module (``fsdp_cudagraph.config.graph_unsafe_modules``). So scope ``moe`` (or whole layers) is
+refused with ``split``/``te_grouped`` experts, as Megatron refuses ``moe`` for dropless MoE, and accepted with
+``grouped_mm``, ``capacity`` and ``dense``; the Megatron scopes ``attn moe_router moe_preprocess`` run the
+experts eagerly between the graphs. torch's CUDA ``grouped_mm`` has a fast (no-sync) kernel only for bf16 on
+sm90+; other dtypes take a fallback loop that copies the offsets to the host, so fp32 ``grouped_mm`` on CUDA
+is refused (``moe_grouped_mm_dtype="bfloat16"`` computes the experts in bf16).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from torch import nn
 
 __all__ = ["MOE_EXPERTS", "Router", "MoEPreprocess", "Experts", "SharedExpert", "MoEBlock", "unpermute"]
 
-#: ``GPTConfig.moe_experts`` values and whether the path syncs with the host.
+#: ``GPTConfig.moe_experts`` values; ``_SYNC_REASON`` names the paths that read the counts on the host.
 MOE_EXPERTS = ("dense", "split", "grouped_mm", "te_grouped", "capacity")
 _SYNC_REASON = {
     "split": "Experts(moe_experts='split') calls counts.tolist() (a device-to-host sync) and splits the tokens "
