@@ -43,6 +43,12 @@ others run. Under ``torchrun`` (or with ``--isolate none``) all columns run in o
     torchrun --nproc-per-node 2 benchmarks/bench_engines.py --config llama8b   # one process per rank, no isolation
     python benchmarks/bench_engines.py --cpu-smoke --config llama8b            # Gloo, tiny shapes, protocol backend
 
+A child costs its start (Python, torch, TE, NCCL: ~15-25 s) on top of its column. Under a per-command time
+limit, run the columns in two commands (``--columns ...``, each measuring the rates in its first child) and
+combine them into one table and verdicts without running anything::
+
+    python benchmarks/bench_engines.py --merge half1.json half2.json --out llama8b-2gpu.json
+
 Exit status: 0 when every column that applies ran and every goal is PASS or NOISE, 1 otherwise, 2 without a
 GPU (unless ``--cpu-smoke``, whose times and verdicts mean nothing: it exits 0 when its columns ran).
 """
@@ -495,32 +501,40 @@ def run_in_process(args: argparse.Namespace, device: torch.device, columns: List
 
 
 def run_child(args: argparse.Namespace, device: torch.device) -> None:
-    """One column (or ``rates``) in this torchrun child; rank 0 writes its row to ``--child-out``."""
-    row = measure_rates(args, device) if args.child == "rates" else _run_guarded(args.child, args, device)
+    """One column in this torchrun child (with ``--child-rates``, the device and collective rates first, before
+    the column's peak is reset); rank 0 writes ``{"row", "rates"}`` to ``--child-out``."""
+    rates = None
+    if args.child_rates:
+        try:
+            rates = measure_rates(args, device)
+        except Exception as exc:  # noqa: BLE001 - the column still runs; the floor is then missing
+            rates = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    row = _run_guarded(args.child, args, device)
     if dist.get_rank() == 0:
         with open(args.child_out, "w") as fh:
-            json.dump(row, fh)
-        if args.child != "rates":
-            print(_line(args.child, row), flush=True)
+            json.dump({"row": row, "rates": rates}, fh)
+        print(_line(args.child, row), flush=True)
 
 
 def run_isolated(args: argparse.Namespace, argv: List[str], world: int, columns: List[str],
                  skipped: Dict[str, str]) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
-    """Each column (and the rates) in a fresh ``torchrun --nproc-per-node world`` of this script."""
+    """Each column in a fresh ``torchrun --nproc-per-node world`` of this script; the first child that gets
+    that far also measures the rates (one child fewer to start)."""
     port = int(os.environ.get("MASTER_PORT", "29561"))
     results: Dict[str, Dict[str, Any]] = {}
+    rates: Dict[str, Any] = {}
+    # on CPU with one rank there is nothing to measure (no matmul rate, no collective)
+    need_rates = not args.cpu_smoke or world > 1
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        # on CPU with one rank there is nothing to measure (no matmul rate, no collective): no child for it
-        first = ["rates"] if args.cpu_smoke is False or world > 1 else []
-        for i, c in enumerate(first + columns):
+        for i, c in enumerate(columns):
             if c in skipped:
                 results[c] = {"skipped": skipped[c]}
                 continue
             out, err = os.path.join(tmp, f"{c}.json"), os.path.join(tmp, f"{c}.err")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
                    "--master-port", str(port + i), os.path.abspath(__file__), *argv,
-                   "--isolate", "none", "--child", c, "--child-out", out]
+                   "--isolate", "none", "--child", c, "--child-out", out] + (["--child-rates"] if need_rates else [])
             with open(err, "w") as fh:
                 try:
                     proc = subprocess.run(cmd, stderr=fh, timeout=args.column_timeout,
@@ -530,18 +544,51 @@ def run_isolated(args: argparse.Namespace, argv: List[str], world: int, columns:
                     rc = f"timeout after {args.column_timeout} s"
             if os.path.exists(out):
                 with open(out) as fh:
-                    results[c] = json.load(fh)
+                    got = json.load(fh)
+                results[c] = got["row"]
+                if got["rates"] is not None:
+                    if "error" in got["rates"]:
+                        print(f"rates FAILED in child {c}: {got['rates']['error'][:500]}", flush=True)
+                    else:
+                        rates, need_rates = got["rates"], False
+                        print(f"rates: {json.dumps({k: round(v, 2) for k, v in rates.items()})}", flush=True)
             else:
                 with open(err) as fh:
                     tail = fh.read()[-3000:]
                 results[c] = {"error": f"child exited ({rc}) without a result; stderr tail:\n{tail}"}
                 print(_line(c, results[c]), flush=True)
             print(f"[{time.time() - t0:5.0f} s] {c} done", flush=True)
-    rates = results.pop("rates", {})
-    if "error" in rates:
-        print(f"rates FAILED: {rates['error'][:500]}", flush=True)
-        rates = {}
     return rates, results
+
+
+def merge(paths: List[str]) -> Tuple[argparse.Namespace, int, Dict[str, Any], Dict[str, Dict[str, Any]],
+                                        Dict[str, str]]:
+    """Columns of several records of the same config, depth and world size (e.g. two halves of the columns run
+    as two commands under a per-command time limit), with the first record's rates."""
+    records = []
+    for path in paths:
+        with open(path) as fh:
+            records.append(json.load(fh))
+    key = ("config", "layers", "seq", "micro_batch", "layers_impl", "backend", "fuse_wgrad", "moe_experts", "cpu_smoke")
+    first = records[0]
+    for path, r in zip(paths[1:], records[1:]):
+        diff = {k: (first["config"].get(k), r["config"].get(k)) for k in key
+                if first["config"].get(k) != r["config"].get(k)}
+        if diff or r["world_size"] != first["world_size"]:
+            raise ValueError(f"--merge {path}: not the same run setup as {paths[0]} ({diff}, world size "
+                             f"{first['world_size']} vs {r['world_size']}); merge records of one config, depth and "
+                             "world size only")
+    columns: Dict[str, Dict[str, Any]] = {}
+    for path, r in zip(paths, records):
+        for c, row in r["columns"].items():
+            if c in columns and "skipped" not in row and "skipped" not in columns[c]:
+                raise ValueError(f"--merge: column {c} appears in more than one record (again in {path}); run each "
+                                 "column once")
+            if c not in columns or "skipped" in columns[c]:
+                columns[c] = row
+    rates = next((r["rates"] for r in records if r.get("rates")), {})
+    skipped = {c: row["skipped"] for c, row in columns.items() if "skipped" in row}
+    return argparse.Namespace(**first["config"]), first["world_size"], rates, columns, skipped
 
 
 def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -572,6 +619,10 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="JSON record")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-rates", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="no run: combine the columns of these records (same config, depth, world size; the first "
+                        "record's rates) into one table and verdicts")
     args = p.parse_args(argv)
     if args.cpu_smoke:
         args.layers_impl, args.backend = "torch", "protocol"
@@ -594,6 +645,15 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
+    if args.merge:
+        margs, world, rates, rows, skipped = merge(args.merge)
+        result = assemble(margs, world, rates, rows, skipped)
+        print(result["table"], flush=True)
+        if args.out:
+            write_record(args.out, {**record_fields(), "world_size": world, "merged_from": args.merge,
+                                    "config": vars(margs), "columns": rows, **result})
+        ran = all("step_ms" in r for c, r in rows.items() if c not in skipped)
+        return 0 if ran and (margs.cpu_smoke or not result["evaluation"]["failed"]) else 1
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("bench_engines needs a CUDA GPU (it times the engines and measures the device's rates); none is "
               "visible, so nothing was measured (exit 2). --cpu-smoke runs the script's path on CPU.", file=sys.stderr)

@@ -137,3 +137,40 @@ def test_bench_engines_cpu_smoke_column_in_a_torchrun_child(tmp_path):
     assert r["config"]["isolate"] == "process"
     row = r["columns"]["ours_eager"]
     assert "step_ms" in row and len(row["losses"]) == 4, row
+
+
+def _record(columns: dict, **config) -> dict:
+    base = {"config": "llama8b", "layers": 16, "seq": None, "micro_batch": 1, "layers_impl": "te", "backend": "te",
+            "fuse_wgrad": "on", "moe_experts": "grouped_mm", "cpu_smoke": False, "warmup": 3}
+    return {"world_size": 2, "config": {**base, **config}, "columns": columns,
+            "rates": {"matmul_tflops": 700.0, "copy_gbps": 3000.0, "all_gather_gbps": 100.0,
+                      "reduce_scatter_gbps": 100.0}}
+
+
+def _row(step_ms: float, peak: float) -> dict:
+    counts = {"num_params": 4_000_000_000, "root_params": 1_000_000_000, "layer_params": 200_000_000,
+              "matmul_params": 3_000_000_000, "num_layers": 16, "hidden_size": 4096, "seq_len": 4096}
+    return {"step_ms": step_ms, "step_ms_all": [step_ms] * 11, "peak_memory_gib": peak, "losses": [1.0, 2.0],
+            "tokens_per_s_per_gpu": 4096 / step_ms * 1e3, "host_ms": 1.0, "counts": counts}
+
+
+def test_bench_engines_merge_combines_halves_and_refuses_other_setups(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_engines
+
+    a, b, c, out = (tmp_path / f"{n}.json" for n in "abco")
+    a.write_text(json.dumps(_record({"ours_eager": _row(400.0, 50.0), "ours_partial": _row(390.0, 51.0)})))
+    b.write_text(json.dumps(_record({"fsdp2_eager": _row(600.0, 55.0), "nvidia_eager": _row(450.0, 60.0)})))
+    assert bench_engines.main(["--merge", str(a), str(b), "--out", str(out)]) == 1  # goals of unrun columns: MISSING
+    merged = json.loads(out.read_text())
+    by = {g["name"]: g for g in merged["evaluation"]["goals"]}
+    assert by["ours eager step / FSDP2 eager (tokens/s >= 1.25x)"]["ratio"] == pytest.approx(400 / 600)
+    assert by["ours eager step / NVIDIA eager (tokens/s >= 1.25x)"]["verdict"] == "FAIL"  # 400/450 > 0.8
+    assert by["ours partial step / ours eager"]["verdict"] == "PASS"
+    assert by["FSDP2 keep + partial step / FSDP2 eager"]["verdict"] == "MISSING"
+    # the floor from the first record's rates: 2 ranks move 2 x 4e9 x 2 x 1/2 + 4e9 x 4 x 1/2 bytes at 100 GB/s
+    assert merged["floor"]["comm_ms"] == pytest.approx((8e9 + 8e9) / 100e9 * 1e3)
+    assert merged["columns"]["ours_eager"]["x_floor"] == pytest.approx(400 / merged["floor"]["floor_ms"])
+    c.write_text(json.dumps(_record({"fsdp2_eager": _row(600.0, 55.0)}, layers=32)))
+    with pytest.raises(ValueError, match=r"'layers': \(16, 32\)"):
+        bench_engines.main(["--merge", str(a), str(c)])
