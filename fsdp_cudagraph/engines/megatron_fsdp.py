@@ -12,6 +12,7 @@ import contextlib
 from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import megatron_fsdp
@@ -182,6 +183,17 @@ class MegatronFSDPEngine(EngineAdapter):
 
     @property
     def process_group(self) -> Any:
+        # Under HSDP a whole-step graph holds the all-reduce across replicas too, so every data-parallel rank
+        # captures and agrees together: the world, when it is exactly the R x S ranks.
+        if self.engine.hsdp.hybrid:
+            if dist.get_world_size() != self.engine.dp_world_size:
+                raise NotImplementedError(
+                    f"[rank {self.engine.rank}] fsdp_cudagraph: a whole-step graph of a model under hybrid sharding "
+                    f"needs the data-parallel ranks (replicate {self.engine.hsdp.replicate_size} x shard "
+                    f"{self.engine.world_size} = {self.engine.dp_world_size}) to be the whole world "
+                    f"({dist.get_world_size()} ranks), so that they capture together; use partial graphs "
+                    "(PartialCudaGraphs) or a world of only data-parallel ranks")
+            return dist.group.WORLD
         return self.engine.group
 
     @property
@@ -190,7 +202,7 @@ class MegatronFSDPEngine(EngineAdapter):
 
     @property
     def world_size(self) -> int:
-        return self.engine.world_size
+        return dist.get_world_size(self.process_group)
 
     def static_capture_guard(self, *, allow_collectives: bool, collective_log: Optional[List[str]] = None
                              ) -> ContextManager[None]:
