@@ -56,7 +56,8 @@ class CudaGraphImpl(_StrEnum):
 
 
 class CudaGraphModule(_StrEnum):
-    """Submodule kinds graphed separately; the model tags them with a ``cuda_graph_module`` attribute."""
+    """Submodule kinds graphed separately; the model tags them with a ``cuda_graph_module`` attribute. A module
+    that must never be inside a graph says why with ``cuda_graph_unsafe`` ([Note: graph-unsafe modules])."""
 
     ATTN = "attn"
     MLP = "mlp"
