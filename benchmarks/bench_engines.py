@@ -475,7 +475,7 @@ def _run_guarded(column: str, args: argparse.Namespace, device: torch.device) ->
         if device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
-        return {"error": f"{type(exc).__name__}: {exc}"[:3000]}
+        return {"error": f"{type(exc).__name__}: {exc}"[:3000], "traceback": traceback.format_exc()[-4000:]}
 
 
 def _say(msg: str) -> None:
