@@ -174,3 +174,22 @@ def test_bench_engines_merge_combines_halves_and_refuses_other_setups(tmp_path):
     c.write_text(json.dumps(_record({"fsdp2_eager": _row(600.0, 55.0)}, layers=32)))
     with pytest.raises(ValueError, match=r"'layers': \(16, 32\)"):
         bench_engines.main(["--merge", str(a), str(c)])
+
+
+def test_bench_engines_records_a_failing_column_and_exits_1(tmp_path):
+    from fsdp_cudagraph.apps import model
+
+    if not hasattr(model, "olmoe_config"):
+        pytest.skip("fsdp_cudagraph.apps.model has no olmoe_config yet (the dropless MoE of issue 35 item 1)")
+    out = tmp_path / "bad.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_engines.py"), *SMOKE, "--config", "olmoe",
+           "--moe-experts", "no_such_path", "--columns", "ours_eager", "ours_full", "--isolate", "none",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "MASTER_PORT": str(29600 + os.getpid() % 300)})
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert "no_such_path" in r["columns"]["ours_eager"]["error"] and "traceback" in r["columns"]["ours_eager"]
+    assert "step_ms" in r["columns"]["ours_full"]  # full-iteration uses grouped_mm experts whatever --moe-experts says
+    by = {g["name"]: g["verdict"] for g in r["evaluation"]["goals"]}
+    assert by["ours full-iteration peak / ours eager peak"] == "MISSING"
