@@ -383,7 +383,7 @@ def layer_numel(args: argparse.Namespace) -> int:
         h, e, f = 32, 4, 32
     else:
         h, e, f = 2048, 64, 1024
-    return 4 * h * h + 3 * e * h * f
+    return 4 * h * h + 2 * e * h * f  # attention, and each expert's two matrices (apps/moe.py Experts: w1, w2)
 
 
 # ---------------------------------------------------------------------------------------------- the record
