@@ -1,7 +1,12 @@
 """Demo: train a tiny GPT under megatron_fsdp on 2 processes, eagerly and with partial CUDA graphs.
 
     torchrun --standalone --nproc-per-node 2 -m fsdp_cudagraph.apps.demo [--steps 12] [--scope attn mlp]
-        [--reduce-dtype bf16]
+        [--reduce-dtype bf16] [--hsdp R] [--out losses.json]
+
+Two nodes (HSDP: shard within a node, replicate across nodes; docs/launch.md), run on each node:
+
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
+        -m fsdp_cudagraph.apps.demo --hsdp 2
 
 On GPUs (NCCL, bf16) it trains twice with the same seeds, eagerly and with per-layer graphs captured at
 step 3 (TransformerEngine if installed, else PyTorch's graphs), and prints both loss columns side by side
@@ -40,6 +45,10 @@ def main() -> None:
     p.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="dtype of the gradient buffers and of the reduction over ranks (fully_shard's reduce_dtype); "
                         "main gradients and the optimizer stay fp32")
+    p.add_argument("--hsdp", type=int, default=1, metavar="R",
+                   help="hybrid sharding: the world as an (R, world / R) mesh, sharded within each group of "
+                        "world / R consecutive ranks (a node) and replicated across the R groups (docs/launch.md)")
+    p.add_argument("--out", help="write rank 0's losses (both columns) and the run's topology to this JSON file")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     cuda = torch.cuda.is_available()
@@ -61,12 +70,13 @@ def main() -> None:
     spec = RunSpec(model=cfg, steps=args.steps, sharding_strategy=args.strategy, backend=backend,
                    compute_dtype=torch.bfloat16 if cuda else torch.float32, capture_step=3,
                    attention_as_graphed=list(args.scope),
-                   reduce_dtype=torch.bfloat16 if args.reduce_dtype == "bf16" else None)
+                   reduce_dtype=torch.bfloat16 if args.reduce_dtype == "bf16" else None, replicate=args.hsdp)
     if rank == 0:
         print(f"megatron_fsdp demo: {world} ranks on {device.type} ({dist.get_backend()}), strategy {args.strategy}, "
               f"{cfg.num_layers} layers (every 2nd MoE), graph scope {args.scope or 'whole layers'}, backend {backend}"
               + (", fused weight gradients" if cfg.fuse_wgrad else "")
-              + (", gradients reduced in bf16" if spec.reduce_dtype is not None else ""))
+              + (", gradients reduced in bf16" if spec.reduce_dtype is not None else "")
+              + (f", HSDP {args.hsdp} x {world // args.hsdp} (replicate x shard)" if args.hsdp > 1 else ""))
         if not cuda:
             print("No CUDA GPU here: CUDA graphs need one. The 'graphed' column runs the same capture schedule and "
                   "hook rerouting on the CPU protocol backend (no graphs, no speed-up).")
@@ -91,6 +101,13 @@ def main() -> None:
         print(f"losses bit-identical: {same}; {mem}; capture took {graphed.capture.capture_seconds:.2f} s "
               f"for {len(graphed.capture.callables)} callables")
         # A TE attention backend that differs under capture is reported once, by the library's notice (rank 0).
+        if args.out:
+            import json
+
+            with open(args.out, "w") as f:
+                json.dump({"world_size": world, "hsdp": args.hsdp, "nnodes": int(os.environ.get("GROUP_WORLD_SIZE", 1)),
+                           "eager_losses": [a.item() for a in eager.losses],
+                           "graphed_losses": [b.item() for b in graphed.losses], "bit_identical": same}, f, indent=1)
     dist.destroy_process_group()
 
 

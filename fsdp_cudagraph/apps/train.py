@@ -108,6 +108,8 @@ class RunSpec:
     prefetch: bool = True
     #: Perturb the data of this step (flip one token): a negative control for the comparison itself.
     perturb_step: Optional[int] = None
+    #: Hybrid sharding (HSDP): replicate degree R; the world is an (R, world / R) mesh (replicate, shard).
+    replicate: int = 1
 
 
 @dataclasses.dataclass
@@ -144,11 +146,25 @@ def make_adam(params: Any, name: str, **kwargs: Any) -> torch.optim.Adam:
     return torch.optim.Adam(params, fused=name == "adam_fused" or None, **kwargs)
 
 
+def hsdp_mesh(replicate: int, device: torch.device) -> Optional[Any]:
+    """The 2-D mesh (replicate, shard) of hybrid sharding over the world, or None for ``replicate == 1``."""
+    world = dist.get_world_size()
+    if replicate < 1 or world % replicate:
+        raise ValueError(f"replicate={replicate} must be a positive divisor of the world size ({world}): the "
+                         "world forms a (replicate, world / replicate) mesh")
+    if replicate == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
+
+
 def build_model(spec: RunSpec, device: torch.device) -> MegatronFSDP:
     torch.manual_seed(spec.seed)
     model = GPT(spec.model).to(device)
     return fully_shard(
         model,
+        mesh=hsdp_mesh(spec.replicate, device),
         fsdp_unit_modules=[model.unit_class],
         sharding_strategy=spec.sharding_strategy,
         compute_dtype=spec.compute_dtype,
