@@ -699,5 +699,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0 if ran and not result["evaluation"]["failed"] else 1
 
 
+def _main() -> int:
+    try:
+        return main()
+    finally:
+        if dist.is_initialized():
+            gc.collect()  # engines' objects sit in reference cycles: free them while the group is alive
+            dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_main())
