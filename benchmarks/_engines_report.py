@@ -1,0 +1,120 @@
+"""``bench_engines.py``'s record: the floor with communication, each column's multiple of it and MFU, the goal
+verdicts, the table, and ``--merge`` of several records of one setup. No CUDA here: the CPU tests call it on
+synthetic rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any, Dict, List, Optional, Tuple
+
+import _flops
+import _perf_goals as goals
+
+__all__ = ["assemble", "table", "merge"]
+
+
+def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], columns: Dict[str, Dict[str, Any]],
+             skipped: Dict[str, str]) -> Dict[str, Any]:
+    """Floor, multiples, MFU, goal verdicts and the table from the rates and the columns' rows."""
+    counts = next((r["counts"] for r in columns.values() if "counts" in r), None)
+    floor: Optional[Dict[str, Any]] = None
+    flops = None
+    if counts is not None:
+        tokens = args.micro_batch * counts["seq_len"]
+        flops = _flops.transformer_flops_per_step(matmul_params=counts["matmul_params"],
+                                                  num_layers=counts["num_layers"], seq_len=counts["seq_len"],
+                                                  attn_hidden=counts["hidden_size"], tokens=tokens)
+        if "matmul_tflops" in rates:
+            base = goals.floor_ms(flops=flops, bytes_moved=goals.optimizer_bytes(counts["num_params"], world),
+                                  matmul_tflops=rates["matmul_tflops"], copy_gbps=rates["copy_gbps"])
+            floor = goals.floor_with_comm_ms(
+                matmul_ms=base["matmul_ms"], optimizer_ms=base["optimizer_ms"], num_params=counts["num_params"],
+                first_unit_params=counts["root_params"], last_unit_params=counts["root_params"], world_size=world,
+                all_gather_gbps=rates.get("all_gather_gbps"), reduce_scatter_gbps=rates.get("reduce_scatter_gbps"))
+            floor["model_flops_per_rank"] = flops
+    for r in columns.values():
+        if "step_ms" in r:
+            if floor is not None:
+                r["x_floor"] = r["step_ms"] / floor["floor_ms"]
+            if flops is not None and "matmul_tflops" in rates:
+                r["mfu"] = flops / (r["step_ms"] * 1e-3) / (rates["matmul_tflops"] * 1e12)
+    for graphed, eager in (("ours_partial", "ours_eager"), ("ours_full", "ours_eager"),
+                           ("fsdp2_keep_partial", "fsdp2_eager"), ("fsdp2_slots_partial", "fsdp2_eager"),
+                           ("nvidia_partial", "nvidia_eager")):
+        a, b = columns.get(graphed, {}), columns.get(eager, {})
+        if "losses" in a and "losses" in b:
+            a["losses_equal_to_" + eager] = a["losses"] == b["losses"]
+    applicable = [g for g in goals.ENGINE_GOALS if g.config == args.config]
+    na = [g for g in applicable if g.num in skipped or g.den in skipped]
+    run_goals = [g for g in applicable if g not in na]
+    cfg = {args.config: {"columns": {c: r for c, r in columns.items() if c not in skipped},
+                         "floor_ms": floor["floor_ms"] if floor else None, "skip": args.warmup}}
+    ev = goals.evaluate(cfg, run_goals)
+    ev["not_applicable"] = [{**dataclasses.asdict(g), "verdict": "N/A",
+                             "why": skipped.get(g.num) or skipped.get(g.den)} for g in na]
+    return {"rates": rates, "floor": floor, "evaluation": ev, "table": table(args, columns, skipped, floor, ev)}
+
+
+def table(args: argparse.Namespace, columns: Dict[str, Dict[str, Any]], skipped: Dict[str, str],
+          floor: Optional[Dict[str, Any]], ev: Dict[str, Any]) -> str:
+    def f(r: Dict[str, Any], k: str, fmt: str) -> str:
+        return fmt.format(r[k]) if k in r else "-"
+
+    lines = ["| column | step ms | x floor | tokens/s/GPU | MFU | peak GiB | host ms/step | capture s | first losses |",
+             "| --- |" + " --- |" * 8]
+    for c, r in columns.items():
+        if c in skipped:
+            lines.append(f"| {c} | skipped: {skipped[c][:80]} |" + " |" * 7)
+        elif "step_ms" not in r:
+            lines.append(f"| {c} | FAILED: {r.get('error', '?')[:120]} |" + " |" * 7)
+        else:
+            lines.append(f"| {c} | {r['step_ms']:.1f} | {f(r, 'x_floor', '{:.2f}')} | "
+                         f"{r['tokens_per_s_per_gpu']:.0f} | {f(r, 'mfu', '{:.1%}')} | {r['peak_memory_gib']:.2f} | "
+                         f"{r['host_ms']:.1f} | {f(r, 'capture_s', '{:.1f}')} | "
+                         + ", ".join(f"{v:.4f}" for v in r["losses"][:3]) + " |")
+    if floor is not None:
+        lines += ["", f"floor {floor['floor_ms']:.1f} ms ({floor['bound']}-bound): matmul {floor['matmul_ms']:.1f}, "
+                  f"optimizer {floor['optimizer_ms']:.1f}, collectives {floor['comm_ms']:.1f} (all-gather "
+                  f"{floor['all_gather_ms']:.1f}, reduce-scatter {floor['reduce_scatter_ms']:.1f}; not overlappable: "
+                  f"first gather {floor['first_gather_ms']:.1f}, last reduce-scatter "
+                  f"{floor['last_reduce_scatter_ms']:.1f})"]
+    lines += ["", "| goal | ratio | goal | noise | verdict |", "| --- | --- | --- | --- | --- |"]
+    for r in ev["goals"]:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        lines.append(f"| {r['name']} | {ratio} | <= {r['goal']:.3f} | {r['noise'] * 100:.1f}% | {r['verdict']} |")
+    for r in ev["not_applicable"]:
+        lines.append(f"| {r['name']} | - | <= {r['goal']:.3f} | - | N/A ({r['why'][:60]}) |")
+    return "\n".join(lines)
+
+
+def merge(paths: List[str]) -> Tuple[argparse.Namespace, int, Dict[str, Any], Dict[str, Dict[str, Any]],
+                                        Dict[str, str]]:
+    """Columns of several records of the same config, depth and world size (e.g. two halves of the columns run
+    as two commands under a per-command time limit), with the first record's rates."""
+    records = []
+    for path in paths:
+        with open(path) as fh:
+            records.append(json.load(fh))
+    key = ("config", "layers", "seq", "micro_batch", "layers_impl", "backend", "fuse_wgrad", "moe_experts", "cpu_smoke")
+    first = records[0]
+    for path, r in zip(paths[1:], records[1:]):
+        diff = {k: (first["config"].get(k), r["config"].get(k)) for k in key
+                if first["config"].get(k) != r["config"].get(k)}
+        if diff or r["world_size"] != first["world_size"]:
+            raise ValueError(f"--merge {path}: not the same run setup as {paths[0]} ({diff}, world size "
+                             f"{first['world_size']} vs {r['world_size']}); merge records of one config, depth and "
+                             "world size only")
+    columns: Dict[str, Dict[str, Any]] = {}
+    for path, r in zip(paths, records):
+        for c, row in r["columns"].items():
+            if c in columns and "skipped" not in row and "skipped" not in columns[c]:
+                raise ValueError(f"--merge: column {c} appears in more than one record (again in {path}); run each "
+                                 "column once")
+            if c not in columns or "skipped" in columns[c]:
+                columns[c] = row
+    rates = next((r["rates"] for r in records if r.get("rates")), {})
+    skipped = {c: row["skipped"] for c, row in columns.items() if "skipped" in row}
+    return argparse.Namespace(**first["config"]), first["world_size"], rates, columns, skipped
