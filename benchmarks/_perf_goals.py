@@ -1,8 +1,10 @@
-"""The hardware floor of a training step and the verdicts of issue 22's goals: pure arithmetic, no GPU.
+"""The hardware floor of a training step and the verdicts of the performance goals: pure arithmetic, no GPU.
 
 ``bench_partial_graphs.py --suite full`` measures two device rates (bf16 matmul FLOP/s, device copy bytes/s),
-times the columns of ``bench_full_iteration`` and hands both to :func:`evaluate`, which this module keeps free
-of CUDA so that ``tests/apps/test_perf_goals.py`` checks it on CPU.
+times the columns of ``bench_full_iteration`` and hands both to :func:`evaluate` with issue 22's :data:`GOALS`;
+``bench_engines.py`` adds the collective rates for :func:`floor_with_comm_ms` and evaluates
+:data:`ENGINE_GOALS` (issues 38 and 35). This module stays free of CUDA so that ``tests/apps/test_perf_goals.py``
+checks it on CPU.
 
 [Note: the floor of a step]
 A step cannot be faster than its matmuls at the device's measured matmul rate plus its memory-bound optimizer
