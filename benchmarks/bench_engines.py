@@ -395,10 +395,12 @@ def _run_guarded(column: str, args: argparse.Namespace, device: torch.device) ->
     except Exception as exc:  # noqa: BLE001 - one failing column is recorded, the others still run
         if dist.get_rank() == 0:
             traceback.print_exc()
-        if device.type == "cuda":
-            gc.collect()
-            torch.cuda.empty_cache()
-        return {"error": f"{type(exc).__name__}: {exc}"[:3000], "traceback": traceback.format_exc()[-4000:]}
+        row = {"error": f"{type(exc).__name__}: {exc}"[:3000], "traceback": traceback.format_exc()[-4000:]}
+    # after the except clause: the exception's frames (the column's model and optimizer) are gone only now
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
 
 
 def _say(msg: str) -> None:
