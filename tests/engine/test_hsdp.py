@@ -9,7 +9,8 @@ One 4-rank spawn (module fixture); the tests assert on what the ranks return. Wh
 - HSDP + partial graphs (protocol backend, ZeRO-3 double buffer) equals eager HSDP, and the all-reduce across
   replicas never runs inside a (simulated) capture;
 - a DCP checkpoint saved at 2 x 2 loads at 1 x 4 and at 1 x 2 with the same parameters and optimizer state,
-  and 2 more steps at 1 x 2 after the load equal the reference continued at 1 x 2;
+  and 2 more steps at 1 x 2 after the load equal the reference continued at 1 x 2; it loads into PyTorch
+  FSDP2 HSDP on the same mesh with the same parameters;
 - inconsistent group arguments are refused, naming them.
 """
 
@@ -134,6 +135,18 @@ def _dcp(rank: int, mesh, ckpt: str) -> Dict[str, Any]:
     flat_opt = _sgd(flat.optimizer_parameters())
     load(flat, flat_opt)
     out["1x4"] = (flat.state_dict(), _full_opt(flat, flat_opt))
+    # into PyTorch FSDP2 HSDP on the same 2 x 2 mesh: its DTensors (Replicate, Shard(0)) load our checkpoint
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    fsdp2 = _gpt()[0]
+    for layer in fsdp2.layers:
+        fsdp2_shard(layer, mesh=mesh)
+    fsdp2_shard(fsdp2, mesh=mesh)
+    sd = {"model": fsdp2.state_dict()}
+    dcp.load(sd, checkpoint_id=ckpt)
+    fsdp2.load_state_dict(sd["model"])
+    out["fsdp2_hsdp"] = {n: p.full_tensor().clone() for n, p in fsdp2.named_parameters()}
+    out["fsdp2_placements"] = [type(p).__name__ for p in fsdp2.layers[0].attn.qkv.weight.placements]
     pair = dist.new_group([0, 1])
     if rank < 2:  # 1 x 2 on ranks 0 and 1, then 2 more steps there
         two = _shard(_gpt()[0], process_group=pair, sharding_strategy="optim")
@@ -272,6 +285,12 @@ def test_dcp_2x2_loads_at_1x4_and_1x2(runs):
             assert not _equal_dicts(params, saved_params), (where, rank)
             assert opt.keys() == saved_opt.keys()
             assert all(not _equal_dicts(opt[k], saved_opt[k]) for k in saved_opt), (where, rank)
+
+
+def test_dcp_2x2_loads_into_fsdp2_hsdp(runs):
+    for res in runs:
+        assert res["dcp"]["fsdp2_placements"] == ["Replicate", "Shard"]
+        assert not _equal_dicts(res["dcp"]["fsdp2_hsdp"], res["dcp"]["saved"][0])
 
 
 def test_dcp_resume_at_1x2_equals_reference(runs):
