@@ -35,7 +35,9 @@ run) and the goals of issue 38 (llama8b) and issue 35 (olmoe) get PASS / NOISE /
 Isolation: by default every column (and the rate measurement) runs in its own ``torchrun`` child, so each peak
 is the column's alone and a column that crashes (out of memory, an NCCL abort) is recorded as failed while the
 others run. Under ``torchrun`` (or with ``--isolate none``) all columns run in one process, each after
-``gc.collect()`` and ``empty_cache()``, with ``own_peak_gib`` (peak minus what was allocated at the start).
+``gc.collect()`` and ``empty_cache()``, with ``own_peak_gib`` (peak minus what was allocated at the start);
+there a column that fails on one rank only (out of memory) leaves the others waiting in a collective, where
+the children's run ends that column at once and goes on.
 
     python benchmarks/bench_engines.py --config llama8b --out llama8b-1gpu.json                    # 1 GPU, 4 layers
     python benchmarks/bench_engines.py --config llama8b --nproc-per-node 2 --out llama8b-2gpu.json  # 16 layers
@@ -430,20 +432,35 @@ def run_in_process(args: argparse.Namespace, device: torch.device, columns: List
     return rates, rows
 
 
-def run_child(args: argparse.Namespace, device: torch.device) -> None:
+def run_child(args: argparse.Namespace, device: torch.device) -> int:
     """One column in this torchrun child (with ``--child-rates``, the device and collective rates first, before
-    the column's peak is reset); rank 0 writes ``{"row", "rates"}`` to ``--child-out``."""
+    the column's peak is reset); rank 0 writes ``{"row", "rates"}`` to ``--child-out``.
+
+    A rank whose column raises writes its error next to it (``--child-out`` + ``.rank<N>``) and exits 1, so that
+    torchrun ends the other ranks at once, wherever they wait (a failure on one rank only, e.g. out of memory,
+    would otherwise leave the others in a collective until NCCL's timeout).
+    """
+    rank = dist.get_rank()
     rates = None
     if args.child_rates:
         try:
             rates = measure_rates(args, device)
         except Exception as exc:  # noqa: BLE001 - the column still runs; the floor is then missing
             rates = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-    row = _run_guarded(args.child, args, device)
-    if dist.get_rank() == 0:
+    try:
+        row = run_column(args.child, args, device)
+    except Exception as exc:  # noqa: BLE001 - recorded, then this child ends
+        traceback.print_exc()
+        row = {"error": f"[rank {rank}] {type(exc).__name__}: {exc}"[:3000],
+               "traceback": traceback.format_exc()[-4000:]}
+        with open(f"{args.child_out}.rank{rank}", "w") as fh:
+            json.dump({"row": row, "rates": rates}, fh)
+        return 1
+    if rank == 0:
         with open(args.child_out, "w") as fh:
             json.dump({"row": row, "rates": rates}, fh)
         print(_line(args.child, row), flush=True)
+    return 0
 
 
 def run_isolated(args: argparse.Namespace, argv: List[str], world: int, columns: List[str],
@@ -472,9 +489,12 @@ def run_isolated(args: argparse.Namespace, argv: List[str], world: int, columns:
                     rc: Any = proc.returncode
                 except subprocess.TimeoutExpired:
                     rc = f"timeout after {args.column_timeout} s"
-            if os.path.exists(out):
-                with open(out) as fh:
+            failed = sorted(f for f in os.listdir(tmp) if f.startswith(f"{c}.json.rank"))
+            if os.path.exists(out) or failed:
+                with open(out if os.path.exists(out) else os.path.join(tmp, failed[0])) as fh:
                     got = json.load(fh)
+                if "error" in got["row"]:
+                    print(_line(c, got["row"]), flush=True)
                 results[c] = got["row"]
                 if got["rates"] is not None:
                     if "error" in got["rates"]:
@@ -561,8 +581,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     cuda = not args.cpu_smoke
     if args.child is not None:
         device = init_process_group(cuda=cuda, default_port=29561)
-        run_child(args, device)
-        return 0
+        return run_child(args, device)
     if args.isolate == "process":
         world = args.nproc_per_node
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
