@@ -96,13 +96,19 @@ def counting(groups: Dict[str, List[int]]) -> Iterator[Dict[str, Dict[str, int]]
             setattr(ours, n, fn)
 
 
+_MESHES: Dict[str, Any] = {}
+
+
 def _mesh(topology: str, replicate: int, device: torch.device):
+    """The column's mesh, built once per run of the script (every column reuses its communicators)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    world = dist.get_world_size()
-    if topology == "flat":
-        return init_device_mesh(device.type, (world,))
-    return init_device_mesh(device.type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
+    if topology not in _MESHES:
+        world = dist.get_world_size()
+        _MESHES[topology] = (init_device_mesh(device.type, (world,)) if topology == "flat" else
+                             init_device_mesh(device.type, (replicate, world // replicate),
+                                              mesh_dim_names=("replicate", "shard")))
+    return _MESHES[topology]
 
 
 def _build(engine: str, topology: str, args: argparse.Namespace, cfg: GPTConfig, device: torch.device):
