@@ -7,7 +7,8 @@ One 4-rank spawn (module fixture); the tests assert on what the ranks return. Wh
   within each shard row, sum the rows): each rank's loss and every final parameter;
 - the two-groups form (``replicate_group=``, ``shard_group=``) trains the same bits as ``mesh=``;
 - HSDP + partial graphs (protocol backend, ZeRO-3 double buffer) equals eager HSDP, and the all-reduce across
-  replicas never runs inside a (simulated) capture;
+  replicas never runs inside a (simulated) capture; a full-iteration graph (protocol) equals eager HSDP and
+  holds the all-reduce across replicas;
 - a DCP checkpoint saved at 2 x 2 loads at 1 x 4 and at 1 x 2 with the same parameters and optimizer state,
   and 2 more steps at 1 x 2 after the load equal the reference continued at 1 x 2; it loads into PyTorch
   FSDP2 HSDP on the same mesh with the same parameters;
@@ -112,6 +113,33 @@ def _graphed(rank: int, mesh, graphed: bool) -> Dict[str, Any]:
     return out
 
 
+def _full_iteration(rank: int, mesh, graphed: bool) -> Dict[str, Any]:
+    from fsdp_cudagraph import CudaGraphConfig, FullIterationCudaGraph
+    from fsdp_cudagraph.apps.model import loss_fn
+
+    gpt, cfg = _gpt()
+    model = _shard(gpt, mesh=mesh, sharding_strategy="optim_grads_params", fsdp_double_buffer=True,
+                   fsdp_db_use_persist_buf_on_alloc_fail=True)
+    opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-2)
+    fwd = lambda m, x, y: loss_fn(m(x), y)  # noqa: E731
+    out: Dict[str, Any] = {"losses": []}
+    if not graphed:
+        for s in range(5):
+            out["losses"].append(_step(model, opt, cfg, s, rank, WORLD))
+    else:
+        g = FullIterationCudaGraph(model, fwd, CudaGraphConfig(cuda_graph_impl="full_iteration",
+                                                               cuda_graph_warmup_steps=2))
+        for s in range(5):
+            out["losses"].append(g.step([_rows(s, cfg, rank, WORLD)]).detach().clone().reshape(()))
+            g.optimizer_step(opt)
+            opt.zero_grad()
+        report = g.reports.get("train")
+        out["collectives"] = list(report.collectives) if report else None
+        g.delete()
+    out["params"] = model.state_dict()
+    return out
+
+
 def _dcp(rank: int, mesh, ckpt: str) -> Dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -187,6 +215,8 @@ def _job(rank: int, world: int, ckpt: str) -> Dict[str, Any]:
                            sharding_strategy="optim_grads_params")
     res["eager"] = _graphed(rank, mesh, False)
     res["graphed"] = _graphed(rank, mesh, True)
+    res["full_eager"] = _full_iteration(rank, mesh, False)
+    res["full_graphed"] = _full_iteration(rank, mesh, True)
     res["dcp"] = _dcp(rank, mesh, ckpt)
     res["refusals"] = _refusals(rank, mesh)
     return res
@@ -275,6 +305,15 @@ def test_partial_graphs_equal_eager_hsdp(runs):
         assert not _equal_dicts(graphed["params"], eager["params"])
         # the capture regions held forward/backward of the callables only, never an FSDP phase
         assert not [p for p in graphed["captured_phases"] if p.startswith(("pre_", "post_"))], graphed["captured_phases"]
+
+
+def test_full_iteration_graph_equals_eager_hsdp(runs):
+    for res in runs:
+        eager, graphed = res["full_eager"], res["full_graphed"]
+        assert all(torch.equal(a, b) for a, b in zip(graphed["losses"], eager["losses"])), (graphed["losses"], eager["losses"])
+        assert not _equal_dicts(graphed["params"], eager["params"])
+        # the captured step holds the all-reduce across replicas of every unit with gradients
+        assert graphed["collectives"] and any("across replicas" in c for c in graphed["collectives"]), graphed["collectives"]
 
 
 def test_dcp_2x2_loads_at_1x4_and_1x2(runs):
