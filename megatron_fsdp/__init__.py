@@ -3,7 +3,8 @@
 Flat per-unit parameter and gradient buffers, asynchronous all-gather with prefetch, asynchronous
 reduce-scatter, mixed precision with fp32 main parameters and gradients, address-stable double buffering
 for CUDA-graph replay, full state dicts and torch.distributed.checkpoint state dicts (model and optimizer,
-any world size), global-norm clipping, frozen parameters and activation checkpointing. See :func:`fully_shard`.
+any world size), hybrid sharding (HSDP: ``fully_shard(mesh=(replicate, shard))``), global-norm clipping, frozen
+parameters and activation checkpointing. See :func:`fully_shard`.
 """
 
 from ._common import CaptureGuardMode, ShardingStrategy, TrainingState, capture_guard, is_capturing, simulated_capture
