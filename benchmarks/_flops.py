@@ -82,6 +82,7 @@ def collective_rates_gbps(device: torch.device, numel: int) -> dict:
     median time (CUDA events on a GPU, wall time on CPU; 3 warmup, 10 timed). Empty on one rank (nothing
     moves). Every rank must call it. See [Note: the floor with communication] in ``_perf_goals.py``."""
     import time
+    import warnings
 
     import torch.distributed as dist
 
@@ -98,16 +99,18 @@ def collective_rates_gbps(device: torch.device, numel: int) -> dict:
             fn = functools.partial(dist.all_gather_into_tensor, full, part)
         else:
             fn = functools.partial(dist.reduce_scatter_tensor, part, full)
-        if device.type == "cuda":
-            times = cuda_time_ms(fn, warmup=3, iters=10)
-        else:
-            for _ in range(3):
-                fn()
-            times = []
-            for _ in range(10):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
+        with warnings.catch_warnings():  # torch 2.13 renames these two (FutureWarning); 2.11 has only these names
+            warnings.simplefilter("ignore", FutureWarning)
+            if device.type == "cuda":
+                times = cuda_time_ms(fn, warmup=3, iters=10)
+            else:
+                for _ in range(3):
+                    fn()
+                times = []
+                for _ in range(10):
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append((time.perf_counter() - t0) * 1e3)
         ms = statistics.median(times)
         out[f"{name}_ms"] = ms
         out[f"{name}_gbps"] = share * numel * full.element_size() / (ms * 1e-3) / 1e9
