@@ -23,7 +23,8 @@ No dropout (bit-exact eager-vs-graph comparisons need deterministic kernels). Pa
 engines cast for compute (bf16) and keep fp32 main weights.
 
 Checker: ``python -m fsdp_cudagraph.check --model fsdp_cudagraph.apps.llama:tiny`` (a 2-layer, hidden-64
-Llama, TE layers on CUDA with TE, torch layers otherwise).
+Llama, TE layers on CUDA with TE, torch layers otherwise) or ``...llama:llama3_8b_2layers`` (two 8B-shaped
+layers, sequence 4096: the benchmark's shape, for a GPU).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch import nn
 from fsdp_cudagraph.capture.te import HAS_TE, require_te
 
 __all__ = ["LlamaConfig", "llama3_8b_config", "Llama", "LlamaLayer", "LlamaTorchLayer", "rope_table", "loss_fn",
-           "synthetic_batch", "checker_spec", "tiny"]
+           "synthetic_batch", "checker_spec", "tiny", "llama3_8b_2layers"]
 
 LAYERS_IMPLS = ("te", "torch")
 
@@ -261,3 +262,10 @@ def tiny(device: torch.device) -> Any:
     """Checker factory: a 2-layer Llama (hidden 64, 4 heads, 2 KV heads, seq 32); TE layers on CUDA with TE."""
     impl = "te" if device.type == "cuda" and HAS_TE else "torch"
     return checker_spec(LlamaConfig(layers_impl=impl), device)
+
+
+def llama3_8b_2layers(device: torch.device) -> Any:
+    """Checker factory: two Llama-3-8B layers at sequence 4096 with the 8B embedding and head (1.5 B parameters;
+    TE layers on CUDA with TE): the benchmark's layer shape, checked bit for bit. GPU-sized."""
+    impl = "te" if device.type == "cuda" and HAS_TE else "torch"
+    return checker_spec(llama3_8b_config(num_layers=2, layers_impl=impl), device)
