@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -279,7 +280,13 @@ def init_parallel_state(seed: int, device: torch.device) -> None:
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        model_parallel_cuda_manual_seed(seed)
+        # Graph-safe RNG states (what Megatron's own CUDA graphs use): TE's and megatron-core's attention enter
+        # the tracker's fork on every call, and setting a plain CUDA RNG state inside a capture is refused by
+        # torch ("set_current_seed can be called during stream capture only if ..."); the graph-safe states are
+        # switched without that. Dropout is 0: no random number is drawn either way.
+        reset = ({"force_reset_rng": True}
+                 if "force_reset_rng" in inspect.signature(model_parallel_cuda_manual_seed).parameters else {})
+        model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, **reset)
 
 
 def _fix_router_without_te() -> None:

@@ -285,6 +285,14 @@ def _build_nvidia(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_op
         mains = "fp32 main parameters and gradients"
     else:  # 0.3.1: preserve_fp32_weights (default True) keeps fp32 main weights; gradients as its defaults
         mains = "fp32 main parameters (preserve_fp32_weights), gradients per grad_reduce_in_fp32=False"
+    if "expt_device_mesh" in accepted and any(getattr(p, "allreduce", True) is False for p in model.parameters()):
+        # megatron-core marks expert parameters allreduce=False and NVIDIA's engine shards them over the expert
+        # data-parallel group, which fully_shard only has from expt_device_mesh. EP = 1: every rank, as the
+        # default mesh fully_shard builds for the other parameters (its dimension names).
+        from torch.distributed.device_mesh import init_device_mesh
+
+        options["expt_device_mesh"] = init_device_mesh(device.type, (dist.get_world_size(), 1),
+                                                       mesh_dim_names=("fsdp", "tp"))
     sharded, optimizer = mf.fully_shard(model, make_optimizer(list(model.parameters())), **options)
     optimizer.state.clear()  # fully_shard_optimizer's eager zero step would start Adam's count at 1
     # fully_shard registered the engine's distributed main parameters on the module and gave them to the

@@ -47,7 +47,8 @@ def _check(experts: str, scope: List[str], engine: str, perturb=None) -> Dict[st
     from fsdp_cudagraph.check import check_alignment
 
     rep = check_alignment(_factory(experts), steps=STEPS, capture_step=CAPTURE_AT, backend="protocol",
-                          cuda_graph_modules=scope, engine=engine, perturb=perturb)
+                          cuda_graph_modules=scope, engine=engine, perturb=perturb,
+                          device=torch.device("cpu"))  # Gloo ranks, also on a machine with a GPU
     return rep.to_dict()
 
 
@@ -110,7 +111,7 @@ def _cli() -> Dict[str, Any]:
         # main() ends by destroying the process group; the rank's harness destroys it itself
         with unittest.mock.patch.object(dist, "destroy_process_group", lambda *a, **k: None):
             rc = main(["--model", "fsdp_cudagraph.apps.model:moe_split", "--modules", *SCOPE, "--steps", "4",
-                       "--capture-step", "2", "--json", path])
+                       "--capture-step", "2", "--device", "cpu", "--json", path])
         rep = None
         if dist.get_rank() == 0:
             with open(path) as f:
