@@ -36,7 +36,6 @@ import contextlib
 import inspect
 import os
 import statistics
-import sys
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
