@@ -197,6 +197,10 @@ def _refusals(rank: int, mesh) -> Dict[str, str]:
         "mesh_and_groups": dict(mesh=mesh, replicate_group=mesh.get_group(0), shard_group=mesh.get_group(1)),
         "same_group_twice": dict(replicate_group=mesh.get_group(1), shard_group=mesh.get_group(1)),
     }
+    # rows {0,1} {2,3} with columns {0,3} {1,2}: every pair meets in one rank, but they form no mesh
+    rows = [dist.new_group(r) for r in ([0, 1], [2, 3])]
+    cols = [dist.new_group(c) for c in ([0, 3], [1, 2])]
+    cases["not_a_mesh"] = dict(shard_group=rows[rank // 2], replicate_group=cols[0 if rank in (0, 3) else 1])
     for name, kw in cases.items():
         try:
             _shard(_gpt()[0], **kw)
@@ -346,3 +350,5 @@ def test_inconsistent_groups_are_refused(runs):
     assert "shard_group without its partner" in msgs["half_pair"]
     assert "mesh and replicate_group and shard_group" in msgs["mesh_and_groups"]
     assert "share ranks" in msgs["same_group_twice"]
+    for res in runs:  # every rank finds it (the check gathers each replica's shard group)
+        assert "a (replicate, shard) mesh needs shard groups" in res["refusals"]["not_a_mesh"], res["refusals"]
