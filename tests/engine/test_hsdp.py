@@ -5,7 +5,8 @@ One 4-rank spawn (module fixture); the tests assert on what the ranks return. Wh
 - every strategy trained 3 steps under HSDP equals a single-process reference that adds the ranks' gradients
   in the engine's defined order ([Note: hybrid sharding] in megatron_fsdp/_hsdp.py: pre-scale by 1/4, sum
   within each shard row, sum the rows): each rank's loss and every final parameter;
-- the two-groups form (``replicate_group=``, ``shard_group=``) trains the same bits as ``mesh=``;
+- the two-groups form (``replicate_group=``, ``shard_group=``) trains the same bits as ``mesh=``; HSDP as 2 x 1
+  (shard groups of one rank, the layout of 2 GPUs) equals its reference for every strategy;
 - HSDP + partial graphs (protocol backend, ZeRO-3 double buffer) equals eager HSDP, and the all-reduce across
   replicas never runs inside a (simulated) capture; a full-iteration graph (protocol) equals eager HSDP and
   holds the all-reduce across replicas;
@@ -85,6 +86,24 @@ def _train(rank: int, steps: int, **kw) -> Dict[str, Any]:
     opt = _sgd(model.optimizer_parameters())
     losses = [_step(model, opt, cfg, s, rank, WORLD) for s in range(steps)]
     return {"losses": losses, "params": model.state_dict()}
+
+
+def _two_by_one(rank: int) -> Dict[str, Any]:
+    """HSDP as 2 x 1 (the 2-GPU layout: shard groups of one rank) on ranks 0 and 1, every strategy."""
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 1])
+    singles = [dist.new_group([r]) for r in range(WORLD)]
+    out: Dict[str, Any] = {}
+    if rank < 2:
+        for strategy in STRATEGIES:
+            gpt, cfg = _gpt()
+            model = _shard(gpt, replicate_group=pair, shard_group=singles[rank], sharding_strategy=strategy)
+            opt = _sgd(model.optimizer_parameters())
+            out[strategy] = {"losses": [_step(model, opt, cfg, s, rank, 2) for s in range(STEPS)],
+                             "params": model.state_dict()}
+    dist.barrier()
+    return out
 
 
 def _graphed(rank: int, mesh, graphed: bool) -> Dict[str, Any]:
@@ -217,6 +236,7 @@ def _job(rank: int, world: int, ckpt: str) -> Dict[str, Any]:
     res: Dict[str, Any] = {s: _train(rank, STEPS, mesh=mesh, sharding_strategy=s) for s in STRATEGIES}
     res["groups"] = _train(rank, STEPS, replicate_group=mesh.get_group(0), shard_group=mesh.get_group(1),
                            sharding_strategy="optim_grads_params")
+    res["2x1"] = _two_by_one(rank)
     res["eager"] = _graphed(rank, mesh, False)
     res["graphed"] = _graphed(rank, mesh, True)
     res["full_eager"] = _full_iteration(rank, mesh, False)
@@ -291,6 +311,15 @@ def test_hsdp_training_equals_reference(runs, strategy):
     ref = _reference([(R, S)] * STEPS)
     for rank, res in enumerate(runs):
         run = res[strategy]
+        assert all(torch.equal(run["losses"][s], ref["losses"][s][rank]) for s in range(STEPS)), (rank, run["losses"])
+        assert not _equal_dicts(run["params"], ref["params"]), (rank, _equal_dicts(run["params"], ref["params"]))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_hsdp_2x1_equals_reference(runs, strategy):
+    ref = _reference([(2, 1)] * STEPS)
+    for rank in (0, 1):
+        run = runs[rank]["2x1"][strategy]
         assert all(torch.equal(run["losses"][s], ref["losses"][s][rank]) for s in range(STEPS)), (rank, run["losses"])
         assert not _equal_dicts(run["params"], ref["params"]), (rank, _equal_dicts(run["params"], ref["params"]))
 
