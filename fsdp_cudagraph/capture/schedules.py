@@ -275,6 +275,15 @@ def capture_protocol(order: List[Any], wrappers: Mapping[Any, Any], hooks: Seque
         install(c, wrappers[c], ProtocolReplay(wrappers[c]))
 
 
+def _on_module(fn: Callable[[nn.Module], Any], module: nn.Module) -> Callable[[nn.Module], Any]:
+    """``fn`` in the hooks' ``fn(module)`` form, called with ``module`` whatever module it is handed."""
+    def run(_callable_module: nn.Module) -> Any:
+        return fn(module)
+
+    run.__wrapped__ = fn  # type: ignore[attr-defined]
+    return run
+
+
 def plan_hooks(order: Sequence[Any], unit_plan: Optional[Callable[[Any], HookDicts]]) -> None:
     """Compose each callable's capture-time hooks (``c.plan``) from its own (``c.extracted.capture_time``) and,
     for a callable inside an engine unit, the unit's handlers: ``unit_plan(unit)``, the engine's plan of the
@@ -286,7 +295,11 @@ def plan_hooks(order: Sequence[Any], unit_plan: Optional[Callable[[Any], HookDic
             by_unit.setdefault(id(c.unit), []).append(c)
     for group in by_unit.values():
         assert unit_plan is not None, "a callable inside a unit needs the engine's plan"
-        plan = unit_plan(group[0].unit)
+        unit = group[0].unit
+        # The unit's handlers run on the unit, whichever callable's schedule calls them (the graph maker hands
+        # each hook its callable's module; NVIDIA's _post_forward, for one, releases the module it is given).
+        plan = {key: {hid: _on_module(fn, unit) for hid, fn in hooks.items()}
+                for key, hooks in unit_plan(unit).items()}
         first, last = group[0], group[-1]
         # [Note: one unit, several callables] The unit unshards before its first callable's forward
         # and reshards after its last; backward runs in reverse, so it unshards before the last

@@ -285,10 +285,10 @@ def _build_nvidia(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_op
         mains = "fp32 main parameters and gradients"
     else:  # 0.3.1: preserve_fp32_weights (default True) keeps fp32 main weights; gradients as its defaults
         mains = "fp32 main parameters (preserve_fp32_weights), gradients per grad_reduce_in_fp32=False"
-    if "expt_device_mesh" in accepted and any(getattr(p, "allreduce", True) is False for p in model.parameters()):
-        # megatron-core marks expert parameters allreduce=False and NVIDIA's engine shards them over the expert
-        # data-parallel group, which fully_shard only has from expt_device_mesh. EP = 1: every rank, as the
-        # default mesh fully_shard builds for the other parameters (its dimension names).
+    if "expt_device_mesh" in accepted and any(".experts." in n for n, _ in model.named_parameters()):
+        # NVIDIA's engine takes a parameter named ``*.experts.*`` for an expert parameter and shards it over the
+        # expert data-parallel group, which fully_shard only has from expt_device_mesh. EP = 1: every rank, as
+        # the default mesh fully_shard builds for the other parameters (its dimension names).
         from torch.distributed.device_mesh import init_device_mesh
 
         options["expt_device_mesh"] = init_device_mesh(device.type, (dist.get_world_size(), 1),
