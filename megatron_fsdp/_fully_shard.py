@@ -321,18 +321,36 @@ class MegatronFSDP(UnitPlanning, _clip.GradientMethods, nn.Module):
     def add_pending_reduce(self, pending: _PendingReduce) -> None:
         self._pending.append(pending)
         # Keep one reduction in flight: it overlaps the next unit's backward, and bounds the memory of
-        # on-demand gradient buffers to two units.
-        while len(self._pending) > 1:
+        # on-demand gradient buffers to two units. HSDP keeps two: the previous unit's reduced shard starts
+        # its all-reduce across replicas now and is retired one unit later, so the all-reduce overlaps a
+        # unit's backward too ([Note: hybrid sharding] in _hsdp.py).
+        in_flight = 1
+        if self.hsdp.hybrid:
+            in_flight = 2
+            if len(self._pending) > 1:
+                self._pending[-2].launch()
+        while len(self._pending) > in_flight:
             self._pending.popleft().retire()
 
     def retire_reduces(self, slot: Optional[int] = None) -> None:
+        """Retire the reductions in flight (those reading gradient slot ``slot``, if given).
+
+        Under HSDP a sharded strategy's reduction only needs its reduce-scatter finished to give the slot back:
+        it is launched across replicas (``_PendingReduce.launch``) and stays in flight.
+        """
         keep: "collections.deque[_PendingReduce]" = collections.deque()
         while self._pending:
             p = self._pending.popleft()
-            if slot is None or p.unit.grad_buffer.slot == slot:
+            if slot is None:
                 p.retire()
-            else:
+            elif p.unit.grad_buffer.slot != slot or not p.holds_buffer:
                 keep.append(p)
+            elif self.hsdp.hybrid and self.strategy is not ShardingStrategy.NO_SHARD:
+                p.launch()
+                assert not p.holds_buffer, "a sharded strategy's all-reduce across replicas reads the reduced shard"
+                keep.append(p)
+            else:
+                p.retire()
         self._pending = keep
 
     # ------------------------------------------------------------------ root forward / backward

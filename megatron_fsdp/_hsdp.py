@@ -10,7 +10,13 @@ GPU per node) hold the same shard. A unit's gradient is reduced in a fixed order
    never average under HSDP, see [Note: averaging in the collective]);
 2. reduce-scatter SUM within the shard group (``no_shard``: all-reduce SUM);
 3. all-reduce SUM of the reduced shard across the replicate group, in place, before the shard reaches the
-   fp32 main gradient (``_PendingReduce.retire`` in _reduce.py).
+   fp32 main gradient (``_PendingReduce.launch`` and ``retire`` in _reduce.py).
+
+Schedule: the engine keeps two reductions in flight instead of one. At a unit's post-backward its
+reduce-scatter starts; the previous unit's is waited for (it had this unit's backward to finish in) and its
+result launched across replicas, which gives its gradient slot back; the unit before that is retired (its all-reduce has
+overlapped this unit's backward). A unit that needs the only gradient slot launches the holder instead of
+retiring it; ``no_shard`` all-reduces the gradient buffer itself, so its holder is retired.
 
 So the main gradient on rank ``(r, s)`` is ``sum_r' (sum_s' g[r', s'] / (R*S))[shard s]``: the sums of two
 ranks are exact in any order (IEEE addition commutes), which is what makes 2 x 2 on Gloo bit-comparable to
@@ -18,10 +24,10 @@ a single-process reference that adds in this grouping. The slow dimension moves,
 all-reduce of ``grad_numel / S`` elements (``2 (R-1)/R`` of that per rank with a ring), instead of the flat
 engine's reduce-scatter over all ``R*S`` ranks; the price is ``R`` copies of every shard and of its
 optimizer state. The all-reduce is a collective like the others: it passes the capture guard
-(``check_not_capturing``) and runs where the reduce-scatter's result is retired, outside partial graphs'
-captures. Initial values are broadcast over both groups (from mesh position ``(0, 0)``); clipping norms,
-state dicts and DCP use the shard group (the replicas hold equal shards); DCP's DTensors sit on the 2-D mesh,
-placed ``(Replicate(), Shard(0))``, as FSDP2's HSDP saves them.
+(``check_not_capturing``) and is issued from the post-backward hooks, outside partial graphs' captures.
+Initial values are broadcast over both groups (from mesh position ``(0, 0)``); clipping norms, state dicts and
+DCP use the shard group (the replicas hold equal shards); DCP's DTensors sit on the 2-D mesh, placed
+``(Replicate(), Shard(0))``, as FSDP2's HSDP saves them.
 """
 
 from __future__ import annotations

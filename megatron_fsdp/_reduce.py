@@ -170,24 +170,45 @@ def _gaps(layout: FlatLayout, absent: Sequence[bool]) -> List[Tuple[int, int]]:
 
 
 class _PendingReduce:
-    __slots__ = ("unit", "work", "out", "accumulate", "adopt")
+    __slots__ = ("unit", "work", "out", "accumulate", "adopt", "launched", "holds_buffer")
 
     def __init__(self, unit: Unit, work: Optional[dist.Work], out: torch.Tensor, accumulate: bool,
                  adopt: bool) -> None:
         #: ``adopt``: ``out`` was allocated for this reduction and becomes the unit's new main gradient
         self.unit, self.work, self.out, self.accumulate, self.adopt = unit, work, out, accumulate, adopt
+        #: HSDP: the all-reduce across replicas has been issued (``work`` is now that all-reduce)
+        self.launched = False
+        #: the collective in flight still reads the unit's gradient buffer (the reduce-scatter, or no_shard's
+        #: all-reduces, which reduce the buffer itself)
+        self.holds_buffer = True
 
-    def retire(self) -> None:
-        """Wait for the collective and fold its result into the unit's fp32 main gradient."""
-        if self.work is not None:
-            self.work.wait()
+    def launch(self) -> None:
+        """HSDP: once the shard group's reduction is done, start the all-reduce of its result across replicas.
+
+        [Note: hybrid sharding] in _hsdp.py. Waits for the reduce-scatter (a stream wait on NCCL), so a sharded
+        strategy's gradient buffer is free from here on (``holds_buffer`` False: the slot may be reused while
+        the all-reduce runs on the reduced shard); no_shard's all-reduce reduces the buffer itself and keeps it.
+        """
+        if self.launched:
+            return
         unit = self.unit
         replicate = unit.engine.replicate_group
-        if replicate is not None:
-            # HSDP: the reduced shard (or no_shard's whole gradient) summed across replicas ([Note: hybrid sharding]).
-            work = C.all_reduce(self.out, replicate, f"gradients of unit {unit.name} across replicas")
-            if work is not None:
-                work.wait()
+        assert replicate is not None, "launch() is for hybrid sharding"
+        if self.work is not None:
+            self.work.wait()
+        self.launched = True
+        self.work = C.all_reduce(self.out, replicate, f"gradients of unit {unit.name} across replicas")
+        if self.out.data_ptr() != unit.grad_buffer.tensor.data_ptr():
+            self.holds_buffer = False
+            unit.grad_buffer.free()
+
+    def retire(self) -> None:
+        """Wait for the collective(s) and fold the result into the unit's fp32 main gradient."""
+        unit = self.unit
+        if unit.engine.hsdp.hybrid:
+            self.launch()
+        if self.work is not None:
+            self.work.wait()
         with torch.no_grad():
             grad, data = unit.main_grad, unit._main_grad_data
             if self.accumulate:
@@ -199,4 +220,3 @@ class _PendingReduce:
                 grad = unit._new_main_grad(self.out if self.adopt else self.out.to(unit.engine.main_grad_dtype, copy=True))
         unit.main_shard.grad = grad
         unit.grad_buffer.free()
-

@@ -38,7 +38,9 @@ def _two_nodes(args: List[str], tmp: Path, name: str) -> None:
     procs = []
     for node in range(2):
         cmd = TORCHRUN + ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"{name}-{port}"] + args
+                          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"{name}-{port}",
+                          # one host: say which agent hosts the store (both would match the endpoint's host)
+                          "--rdzv-conf", f"is_host={int(node == 0)}"] + args
         log = open(tmp / f"{name}-node{node}.log", "w")
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT), log))
     codes = []

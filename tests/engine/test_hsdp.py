@@ -88,6 +88,19 @@ def _train(rank: int, steps: int, **kw) -> Dict[str, Any]:
     return {"losses": losses, "params": model.state_dict()}
 
 
+def _collective_order(rank: int, mesh) -> List[str]:
+    """The collectives one eager HSDP step issues, in order (the engine's collective log)."""
+    from megatron_fsdp import CaptureGuardMode, capture_guard
+
+    gpt, cfg = _gpt()
+    model = _shard(gpt, mesh=mesh, sharding_strategy="optim_grads_params")
+    opt = _sgd(model.optimizer_parameters())
+    log: List[str] = []
+    with capture_guard(CaptureGuardMode.REFUSE, collective_log=log):
+        _step(model, opt, cfg, 0, rank, WORLD)
+    return [c for c in log if "gradients" in c]
+
+
 def _two_by_one(rank: int) -> Dict[str, Any]:
     """HSDP as 2 x 1 (the 2-GPU layout: shard groups of one rank) on ranks 0 and 1, every strategy."""
     import torch.distributed as dist
@@ -234,8 +247,12 @@ def _job(rank: int, world: int, ckpt: str) -> Dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
     res: Dict[str, Any] = {s: _train(rank, STEPS, mesh=mesh, sharding_strategy=s) for s in STRATEGIES}
+    for strategy in ("no_shard", "optim_grads", "optim_grads_params"):  # gradient slots reused under the all-reduce
+        res[f"{strategy}+double_buffer"] = _train(rank, STEPS, mesh=mesh, sharding_strategy=strategy,
+                                                  fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True)
     res["groups"] = _train(rank, STEPS, replicate_group=mesh.get_group(0), shard_group=mesh.get_group(1),
                            sharding_strategy="optim_grads_params")
+    res["order"] = _collective_order(rank, mesh)
     res["2x1"] = _two_by_one(rank)
     res["eager"] = _graphed(rank, mesh, False)
     res["graphed"] = _graphed(rank, mesh, True)
@@ -306,7 +323,8 @@ def runs(tmp_path_factory) -> List[Dict[str, Any]]:
     return run_gloo(_job, WORLD, str(tmp_path_factory.mktemp("hsdp_ckpt")))
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", STRATEGIES + ["no_shard+double_buffer", "optim_grads+double_buffer",
+                                                 "optim_grads_params+double_buffer"])
 def test_hsdp_training_equals_reference(runs, strategy):
     ref = _reference([(R, S)] * STEPS)
     for rank, res in enumerate(runs):
@@ -322,6 +340,18 @@ def test_hsdp_2x1_equals_reference(runs, strategy):
         run = runs[rank]["2x1"][strategy]
         assert all(torch.equal(run["losses"][s], ref["losses"][s][rank]) for s in range(STEPS)), (rank, run["losses"])
         assert not _equal_dicts(run["params"], ref["params"]), (rank, _equal_dicts(run["params"], ref["params"]))
+
+
+def test_all_reduce_across_replicas_overlaps_the_next_unit(runs):
+    # a unit's all-reduce is issued after the next unit's reduce-scatter (it runs during that unit's backward)
+    # and before the one after; the root's comes last
+    expected = ["reduce-scatter of gradients of unit layers.1", "reduce-scatter of gradients of unit layers.0",
+                "all-reduce of gradients of unit layers.1 across replicas",
+                "reduce-scatter of gradients of unit <root>",
+                "all-reduce of gradients of unit layers.0 across replicas",
+                "all-reduce of gradients of unit <root> across replicas"]
+    for res in runs:
+        assert res["order"] == expected, res["order"]
 
 
 def test_groups_form_equals_mesh_form(runs):
