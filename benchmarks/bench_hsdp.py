@@ -19,7 +19,7 @@ replicated across the R rows), the reference GPT trains ``--steps`` steps eagerl
 
 With ``--align`` each column also trains with partial CUDA graphs (whole layers captured at step 3; ``torch``
 backend on GPUs, ``protocol`` on CPU) and must equal the eager column bit for bit (every step's loss and every
-final parameter, ``torch.equal`` on every rank). Exit status 1 if a column mismatches or a count differs
+final parameter, ``torch.equal`` on every rank; deterministic kernels, SDPA's math kernel). Exit status 1 if a column mismatches or a count differs
 from the expected bytes.
 
 Run (2 GPUs: flat 1 x 2 against HSDP 2 x 1; 4 GPUs: 1 x 4 against 2 x 2)::
@@ -142,6 +142,9 @@ def run(engine: str, topology: str, args: argparse.Namespace, cfg: GPTConfig, de
         graphed: bool) -> Dict[str, Any]:
     from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
 
+    if device.type == "cuda":  # every run starts as a fresh user process would: on the default stream
+        torch.cuda.default_stream().wait_stream(torch.cuda.current_stream())
+        torch.cuda.set_stream(torch.cuda.default_stream())
     model, opt, final, shard_numel = _build(engine, topology, args, cfg, device)
     rank, world = dist.get_rank(), dist.get_world_size()
     graphs = None
@@ -225,6 +228,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.cpu_smoke:
         args.hidden, args.layers, args.seq_len, args.micro_batch, args.steps, args.skip = 32, 2, 8, 2, 5, 4
+    if args.align:  # the compared runs use deterministic kernels (SDPA's math kernel), as engines_align does
+        from fsdp_cudagraph.apps.train import use_deterministic_kernels
+
+        use_deterministic_kernels()
     device = _common.init_process_group(cuda=not args.cpu_smoke, default_port=29531)
     world = dist.get_world_size()
     if world % args.replicate:
