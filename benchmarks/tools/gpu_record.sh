@@ -11,6 +11,8 @@
 #   engines         benchmarks/engines_align.py (fsdp2 and its slots/mp variants, megatron_fsdp, nvidia) on 1
 #                   and NPROC, the alignment checker (python -m fsdp_cudagraph.check) per engine and FSDP2
 #                   setting on NPROC (FSDP2 mixed precision also on 1), NCCL's AVG against the
+#                   (ENGINES_1 / ENGINES_N: engines_align's --engines on 1 / NPROC; CHECKS_FROM=3: only the
+#                   checker's FSDP2-setting rows)
 #                   pre-scaled SUM (tests/gpu/nccl_average.py) on NPROC; nvidia needs megatron-core
 #                   (e.g. PYTHONPATH=/tmp/site)                                       -> engines-*.json, check-*.json
 #   pytest          pytest -m gpu with per-test durations (PYTEST_SELECT: a -k expression; the 2-GPU tests
@@ -23,6 +25,13 @@
 #   features        offload (bench_offload.py), length buckets (bench_length_buckets.py), inference graphs
 #                   (bench_inference.py), Hugging Face models (hf_models.py), each on 1 GPU
 #   demo            scripts/demo.sh (NPROC ranks) and the demo on 1 GPU, with their wall times
+#   moe             the MoE rows of the alignment matrices (align --rows MoE, full_iteration_align --moe-only)
+#                   and the MoE layer's CUDA tests, on 1 GPU and NPROC                  -> align-moe-*.json
+#   mcore           megatron-core's GPTModel (dense, MoE alltoall/allgather) under our engine, NVIDIA's
+#                   fully_shard and megatron-core's FullyShardedDataParallel (tests/gpu/mcore_gpt.py), on 1
+#                   GPU and NPROC; needs megatron-core (PYTHONPATH=/tmp/site)        -> mcore-*.json
+#   bench           the engines side by side (benchmarks/bench_engines.py): the Llama-3-8B-shaped config and
+#                   the OLMoE-shaped one on NPROC (BENCH_CONFIGS, BENCH_ARGS)       -> bench-*.json
 #   all             every stage above, in that order
 #
 # Write-ups: benchmarks/results/<topic>_<hw>_<date>.md cite the JSON this writes (benchmarks/README.md).
@@ -85,16 +94,20 @@ stage_full_iteration() {
 }
 
 stage_engines() {
-  step engines-1gpu.log $ONE timeout 200 python3 benchmarks/engines_align.py --out "$OUT/engines-1gpu.json"
+  step engines-1gpu.log $ONE timeout 200 python3 benchmarks/engines_align.py ${ENGINES_1:+--engines $ENGINES_1} \
+    --out "$OUT/engines-1gpu.json"
   tail -12 "$OUT/engines-1gpu.log"
   step check-fsdp2-mp-bf16-1gpu.log $ONE timeout 100 python3 -m fsdp_cudagraph.check --engine fsdp2 --fsdp2-mp bf16 \
     --model tests.apps.test_check_engines:dense_gpt_factory --json "$OUT/check-fsdp2-mp-bf16-1gpu.json"
   tail -3 "$OUT/check-fsdp2-mp-bf16-1gpu.log"
   if multi; then
-    step engines-${N}gpu.log timeout 200 $RUN_N benchmarks/engines_align.py --out "$OUT/engines-${N}gpu.json"
+    step engines-${N}gpu.log timeout 200 $RUN_N benchmarks/engines_align.py ${ENGINES_N:+--engines $ENGINES_N} \
+      --out "$OUT/engines-${N}gpu.json"
     tail -12 "$OUT/engines-${N}gpu.log"
-    for e in fsdp2 megatron_fsdp nvidia "fsdp2 --fsdp2-storage slots" "fsdp2 --fsdp2-mp bf16" \
-             "fsdp2 --fsdp2-storage slots --fsdp2-mp bf16"; do
+    local checks=("fsdp2" "megatron_fsdp" "nvidia" "fsdp2 --fsdp2-storage slots" "fsdp2 --fsdp2-mp bf16"
+                  "fsdp2 --fsdp2-storage slots --fsdp2-mp bf16")
+    [ -n "${CHECKS_FROM:-}" ] && checks=("${checks[@]:$CHECKS_FROM}")  # e.g. 3: only the FSDP2 settings
+    for e in "${checks[@]}"; do
       local tag=$(echo "$e" | sed 's/ --fsdp2-storage /-/; s/ --fsdp2-mp /-mp-/')
       step check-$tag-${N}gpu.log timeout 100 $RUN_N -m fsdp_cudagraph.check --engine $e \
         --model tests.apps.test_check_engines:dense_gpt_factory --json "$OUT/check-$tag-${N}gpu.json"
@@ -165,7 +178,44 @@ stage_demo() {
   tail -6 "$OUT/demo-1gpu.log"
 }
 
-STAGES="align full_iteration engines pytest perf depth features demo"
+stage_moe() {
+  for b in ${MOE_BACKENDS:-te torch}; do
+    step align-moe-$b-1gpu.log $ONE timeout 150 python3 -m fsdp_cudagraph.apps.align --backends $b --rows MoE \
+      --out "$OUT/align-moe-$b-1gpu.json"
+    tail -2 "$OUT/align-moe-$b-1gpu.log"
+    if multi; then
+      step align-moe-$b-${N}gpu.log timeout 150 $RUN_N -m fsdp_cudagraph.apps.align --backends $b --rows MoE \
+        --out "$OUT/align-moe-$b-${N}gpu.json"
+      tail -2 "$OUT/align-moe-$b-${N}gpu.log"
+    fi
+  done
+  step fi-moe-1gpu.log $ONE timeout 100 python3 -m fsdp_cudagraph.apps.full_iteration_align --moe-only \
+    --out "$OUT/fi-moe-1gpu.json"
+  tail -2 "$OUT/fi-moe-1gpu.log"
+  step pytest-moe.log $ONE timeout 150 python3 -m pytest tests/graphs/test_moe_layer.py -q -p no:cacheprovider
+  tail -3 "$OUT/pytest-moe.log"
+}
+
+stage_mcore() {
+  for b in ${MCORE_BACKENDS:-te}; do
+    step mcore-$b-1gpu.log $ONE timeout 200 python3 tests/gpu/mcore_gpt.py --backend $b --out "$OUT/mcore-$b-1gpu.json"
+    grep -E "ok=|\"ok\"" "$OUT/mcore-$b-1gpu.log" | tail -21
+    if multi; then
+      step mcore-$b-${N}gpu.log timeout 200 $RUN_N tests/gpu/mcore_gpt.py --backend $b --out "$OUT/mcore-$b-${N}gpu.json"
+      grep -E "ok=|\"ok\"" "$OUT/mcore-$b-${N}gpu.log" | tail -21
+    fi
+  done
+}
+
+stage_bench() {
+  for c in ${BENCH_CONFIGS:-llama8b olmoe}; do
+    step bench-$c-${N}gpu.log timeout ${BENCH_S:-400} python3 benchmarks/bench_engines.py --config $c --nproc-per-node $N \
+      ${BENCH_ARGS:-} --out "$OUT/bench-$c-${N}gpu.json"
+    tail -40 "$OUT/bench-$c-${N}gpu.log"
+  done
+}
+
+STAGES="align full_iteration engines pytest perf depth features demo moe mcore bench"
 [ $# -ge 1 ] || { echo "usage: bash benchmarks/tools/gpu_record.sh <stage>... (stages: $STAGES all)"; exit 2; }
 for stage in "$@"; do
   for s in $([ "$stage" = all ] && echo "$STAGES" || echo "$stage"); do
