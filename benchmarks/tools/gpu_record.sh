@@ -32,6 +32,9 @@
 #                   GPU and NPROC; needs megatron-core (PYTHONPATH=/tmp/site)        -> mcore-*.json
 #   bench           the engines side by side (benchmarks/bench_engines.py): the Llama-3-8B-shaped config and
 #                   the OLMoE-shaped one on NPROC (BENCH_CONFIGS, BENCH_ARGS)       -> bench-*.json
+#   hsdp            hybrid sharding on NPROC as (NPROC/2) x 2 or 2 x 1: bench_hsdp.py --align (flat vs HSDP, both
+#                   engines, eager vs partial graphs bit for bit, bytes across the slow dimension) and the
+#                   demo with --hsdp                                                 -> hsdp-*.json
 #   all             every stage above, in that order
 #
 # Write-ups: benchmarks/results/<topic>_<hw>_<date>.md cite the JSON this writes (benchmarks/README.md).
@@ -215,7 +218,16 @@ stage_bench() {
   done
 }
 
-STAGES="align full_iteration engines pytest perf depth features demo moe mcore bench"
+stage_hsdp() {
+  multi || { echo "hsdp: needs 2+ GPUs"; return 0; }
+  local r=${HSDP_REPLICATE:-2}
+  step hsdp-${N}gpu.log timeout 200 $RUN_N benchmarks/bench_hsdp.py --replicate $r --align --out "$OUT/hsdp-${N}gpu.json"
+  tail -8 "$OUT/hsdp-${N}gpu.log"
+  step demo-hsdp-${N}gpu.log timeout 150 $RUN_N -m fsdp_cudagraph.apps.demo --hsdp $r --out "$OUT/demo-hsdp-${N}gpu.json"
+  tail -4 "$OUT/demo-hsdp-${N}gpu.log"
+}
+
+STAGES="align full_iteration engines pytest perf depth features demo moe mcore bench hsdp"
 [ $# -ge 1 ] || { echo "usage: bash benchmarks/tools/gpu_record.sh <stage>... (stages: $STAGES all)"; exit 2; }
 for stage in "$@"; do
   for s in $([ "$stage" = all ] && echo "$STAGES" || echo "$stage"); do
