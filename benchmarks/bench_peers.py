@@ -105,9 +105,10 @@ def git_commit() -> str:
 
 
 def load_model_code(isolated: bool) -> Any:
-    """The reference GPT (``fsdp_cudagraph/apps/model.py``) and TE probe (``fsdp_cudagraph/capture/te.py``).
+    """The reference GPT (``fsdp_cudagraph/apps/model.py``, with its MoE classes from ``apps/moe.py``, which
+    imports only torch) and TE probe (``fsdp_cudagraph/capture/te.py``).
 
-    ``isolated`` (the Megatron-FSDP process, which must not import our ``megatron_fsdp``): the two files are
+    ``isolated`` (the Megatron-FSDP process, which must not import our ``megatron_fsdp``): the files are
     loaded from the repository by path, under stand-in ``fsdp_cudagraph``, ``fsdp_cudagraph.capture`` and
     ``fsdp_cudagraph.apps`` packages whose ``__init__`` never runs, so the package's imports (our engine among
     them) stay out of the process. Otherwise a plain import. (bench_peers imports no ``_common`` for this reason:
