@@ -451,6 +451,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--fsdp2-mp", choices=["bf16"], default=None,
                    help="engine fsdp2: fp32 sharded parameters with MixedPrecisionPolicy(param_dtype=bf16, "
                         "reduce_dtype=fp32) instead of casting the model to --dtype")
+    p.add_argument("--nvidia-wrapper", choices=["fully_shard", "mcore"], default=None,
+                   help="engine nvidia: NVIDIA's fully_shard (default) or megatron-core's FullyShardedDataParallel "
+                        "(a megatron-core model only)")
     p.add_argument("--perturb", default=None, help="negative control: perturb this callable's graphed output")
     p.add_argument("--json", default=None, help="write the report as JSON (rank 0)")
     args = p.parse_args(argv)
@@ -460,6 +463,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                       if v is not None}
     if engine_options and args.engine != "fsdp2":
         p.error(f"--fsdp2-storage/--fsdp2-mp are options of --engine fsdp2, not --engine {args.engine}")
+    if args.nvidia_wrapper is not None:
+        if args.engine != "nvidia":
+            p.error(f"--nvidia-wrapper is an option of --engine nvidia, not --engine {args.engine}")
+        engine_options["wrapper"] = args.nvidia_wrapper
     if args.fsdp2_mp and args.dtype not in (None, "fp32"):
         p.error(f"--fsdp2-mp {args.fsdp2_mp} keeps fp32 parameters and computes in the policy's dtype; drop "
                 f"--dtype {args.dtype}")

@@ -179,6 +179,8 @@ def test_checker_command_line_with_fsdp2(tmp_path):
     bad = [a if a != "fsdp2" else "megatron_fsdp" for a in cmd[:-2]] + ["--fsdp2-mp", "bf16"]
     proc = run_entry(bad, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
     assert proc.returncode == 2 and "are options of --engine fsdp2, not --engine megatron_fsdp" in proc.stderr
+    proc = run_entry(cmd[:-2] + ["--nvidia-wrapper", "mcore"], env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert proc.returncode == 2 and "--nvidia-wrapper is an option of --engine nvidia, not --engine fsdp2" in proc.stderr
 
 
 def _must_not_build(device: torch.device) -> ModelSpec:
