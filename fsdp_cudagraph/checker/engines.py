@@ -297,23 +297,28 @@ def _build_nvidia(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_op
     optimizer.state.clear()  # fully_shard_optimizer's eager zero step would start Adam's count at 1
     # fully_shard registered the engine's distributed main parameters on the module and gave them to the
     # optimizer, in module order: name them now (the module gets its compute parameters back at each forward).
-    named = list(sharded.module.named_parameters())
+    return _nvidia_run(sharded, sharded.module, optimizer, list(sharded.module.named_parameters()),
+                       wrapping="megatron-core's fully_shard",
+                       precision=(f"module in {compute_dtype or 'its own dtype'}, {mains} (this rank's shards "
+                                  f"compared), megatron_fsdp {getattr(mf, '__version__', '?')}, {sharding_strategy}"))
+
+
+def _nvidia_run(model: nn.Module, root: nn.Module, optimizer: torch.optim.Optimizer,
+                named: List[Tuple[str, torch.Tensor]], *, wrapping: str, precision: str) -> ShardedRun:
+    """The run of either NVIDIA wrapping, once the optimizer holds the module's distributed main parameters in
+    module order (checked: the gradient recorder and the final comparison name them by module name)."""
     held = [p for g in optimizer.param_groups for p in g["params"]]
     if [id(p) for _, p in named] != [id(p) for p in held]:
         raise RuntimeError(
-            f"engine='nvidia': after megatron-core's fully_shard the optimizer holds {len(held)} parameters that are "
-            f"not the module's {len(named)} distributed parameters in module order; this megatron-core "
-            f"({getattr(mf, '__version__', '?')}) is not one the checker knows: {NVIDIA_PIP}")
+            f"engine='nvidia': after {wrapping} the optimizer holds {len(held)} parameters that are not the module's "
+            f"{len(named)} distributed parameters in module order; this megatron-core is not one the checker "
+            f"knows: {NVIDIA_PIP}")
 
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
 
-    return ShardedRun(
-        model=sharded, root=sharded.module, optimizer=optimizer, named_parameters=lambda: named,
-        final_parameters=lambda: {n: _cpu(local(p)) for n, p in named},
-        precision=(f"module in {compute_dtype or 'its own dtype'}, {mains} (this rank's shards compared), "
-                   f"megatron_fsdp {getattr(mf, '__version__', '?')}, {sharding_strategy}"),
-    )
+    return ShardedRun(model=model, root=root, optimizer=optimizer, named_parameters=lambda: named,
+                      final_parameters=lambda: {n: _cpu(local(p)) for n, p in named}, precision=precision)
 
 
 def _build_nvidia_mcore(model: nn.Module, *, classes: Sequence[type], make_optimizer: MakeOptimizer,
@@ -352,19 +357,8 @@ def _build_nvidia_mcore(model: nn.Module, *, classes: Sequence[type], make_optim
     named = list(user.named_parameters())
     optimizer = mf.fully_shard_optimizer(make_optimizer([p for _, p in named]))
     optimizer.state.clear()  # fully_shard_optimizer's eager zero step would start Adam's count at 1
-    held = [p for g in optimizer.param_groups for p in g["params"]]
-    if [id(p) for _, p in named] != [id(p) for p in held]:
-        raise RuntimeError(
-            f"engine='nvidia', wrapper='mcore': the optimizer holds {len(held)} parameters that are not the module's "
-            f"{len(named)} distributed parameters in module order; this megatron-core is not one the checker knows: "
-            f"{NVIDIA_PIP}")
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    return ShardedRun(
-        model=wrapped, root=user, optimizer=optimizer, named_parameters=lambda: named,
-        final_parameters=lambda: {n: _cpu(local(p)) for n, p in named},
+    return _nvidia_run(
+        wrapped, user, optimizer, named, wrapping="megatron-core's FullyShardedDataParallel (wrapper='mcore')",
         precision=(f"module in {compute_dtype or 'its own dtype'}, {mains} (this rank's shards compared), "
                    f"megatron-core FullyShardedDataParallel (megatron_fsdp {getattr(mf, '__version__', '?')}), "
                    f"{sharding_strategy}"),
