@@ -213,8 +213,11 @@ def _fsdp2_default(model: nn.Module, unit_class: type, device: torch.device) -> 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from fsdp_cudagraph.checker.engines import FSDP2_MIXED_PRECISION
+
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # the policy the FSDP2 graph columns get from the checker's builder (mixed_precision="bf16"), by construction
+    policy = MixedPrecisionPolicy(**FSDP2_MIXED_PRECISION["bf16"])
     for m in reversed([m for m in model.modules() if isinstance(m, unit_class)]):
         fully_shard(m, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
