@@ -116,8 +116,10 @@ def _model(engine: str, use_te: bool, seq: int, keep: bool = True):
         from fsdp_cudagraph.engines.fsdp2 import keep_unsharded_storage
         from fsdp_cudagraph.engines.fsdp2_slots import use_unsharded_slots
 
-        if engine.endswith("_mp"):  # fp32 shards, bf16 compute by FSDP2's policy
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        from fsdp_cudagraph.checker.engines import FSDP2_MIXED_PRECISION
+
+        if engine.endswith("_mp"):  # fp32 shards, bf16 compute by FSDP2's policy (the checker's --fsdp2-mp bf16)
+            policy = MixedPrecisionPolicy(**FSDP2_MIXED_PRECISION["bf16"])
         else:
             policy = MixedPrecisionPolicy()
             gpt = gpt.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
