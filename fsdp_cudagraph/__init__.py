@@ -6,6 +6,11 @@ graph), restores them exactly so that they fire around every replay, and checks 
 the parameters sit where they sat at capture. See :class:`PartialCudaGraphs` and :class:`CudaGraphConfig`.
 """
 
+# Before any process group exists, so that its functions' ``group=group.WORLD`` defaults do not pin the world group
+# past destroy_process_group() (an abort at exit): [Note: the engine does not keep its group alive] in
+# megatron_fsdp/_fully_shard.py. The engine is imported lazily by some entry points, after init_process_group.
+import torch.distributed.nn.functional  # noqa: F401, I001
+
 from fsdp_cudagraph.graphs.full_iteration import FULL_ITERATION_BACKENDS, FullIterationCudaGraph, FullIterationReport
 from fsdp_cudagraph.graphs.inference import INFERENCE_BACKENDS, GraphLimitWarning, InferenceCapture, InferenceCudaGraphs
 from fsdp_cudagraph.graphs.length_buckets import BucketReplayConflictWarning, LengthArg, LengthBucketGraphs, LengthBucketsReport

@@ -33,6 +33,8 @@ from fsdp_cudagraph.apps.model import GPTConfig
 from fsdp_cudagraph.apps.train import RunSpec, run_training, use_deterministic_kernels
 from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON
 
+CAPTURE_STEP = 3  # steps 0-2 eager (warm-up), capture at 3, replays after
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,6 +52,9 @@ def main() -> None:
                         "world / R consecutive ranks (a node) and replicated across the R groups (docs/launch.md)")
     p.add_argument("--out", help="write rank 0's losses (both columns) and the run's topology to this JSON file")
     args = p.parse_args()
+    if args.steps <= CAPTURE_STEP + 1:
+        p.error(f"--steps {args.steps}: the demo captures at step {CAPTURE_STEP} and compares the replays after it; "
+                f"need --steps >= {CAPTURE_STEP + 2}")
     logging.basicConfig(level=logging.WARNING)
     cuda = torch.cuda.is_available()
     use_deterministic_kernels()
@@ -68,7 +73,7 @@ def main() -> None:
     # The eager run's TE attention picks the backend the graphs will use (match_graph_attention), so that the
     # two columns can be compared bit for bit; see fsdp_cudagraph/capture/attention.py.
     spec = RunSpec(model=cfg, steps=args.steps, sharding_strategy=args.strategy, backend=backend,
-                   compute_dtype=torch.bfloat16 if cuda else torch.float32, capture_step=3,
+                   compute_dtype=torch.bfloat16 if cuda else torch.float32, capture_step=CAPTURE_STEP,
                    attention_as_graphed=list(args.scope),
                    reduce_dtype=torch.bfloat16 if args.reduce_dtype == "bf16" else None, replicate=args.hsdp)
     if rank == 0:

@@ -428,6 +428,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--capture-step", type=int, default=2)
     p.add_argument("--out", default=None, help="JSON path (rank 0 writes)")
     args = p.parse_args(argv)
+    if not 1 <= args.capture_step < args.steps:
+        p.error(f"--capture-step {args.capture_step} and --steps {args.steps}: need 1 <= capture step < steps (an "
+                "eager step before capture and a replayed step after it)")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
     os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     from fsdp_cudagraph.apps.align import versions, write_record  # noqa: PLC0415 - a CLI-only dependency

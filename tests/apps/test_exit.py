@@ -97,3 +97,52 @@ def test_a_user_script_exits_cleanly_every_time(tmp_path):
             aborted = "terminate called without an active exception" in text
             bad.append(f"run {i}: exit status {code}, 'terminate called' printed: {aborted}\n{text[-2000:]}")
     assert not bad, f"{len(bad)} of {RUNS} runs failed:\n" + "\n".join(bad)
+
+
+# Runs an entry point as ``python -m`` would (a fresh interpreter, its own import order) on one Gloo rank, with
+# destroy_process_group() wrapped to check that the world group died there: the cause of the abort above,
+# checked every time rather than caught by a race now and then.
+DRIVER = '''
+import gc, runpy, sys, weakref
+import torch.distributed as dist
+
+_destroy = dist.destroy_process_group
+seen = []
+
+def destroy(*args, **kwargs):
+    world = weakref.ref(dist.group.WORLD)
+    _destroy(*args, **kwargs)
+    gc.collect()
+    seen.append(world() is None)
+
+dist.destroy_process_group = destroy
+module, sys.argv = sys.argv[1], sys.argv[1:]
+try:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+except SystemExit as exc:
+    if exc.code not in (0, None):
+        raise
+print("world group freed at destroy:", seen, flush=True)
+'''
+
+ENTRY_POINTS = {
+    "check": ["fsdp_cudagraph.check", "--model", "tests.apps._models:gpt_factory", "--device", "cpu", "--steps", "4"],
+    "demo": ["fsdp_cudagraph.apps.demo", "--steps", "5"],
+    "vision": ["fsdp_cudagraph.apps.vision", "--device", "cpu"],
+    "mcore_gpt": ["fsdp_cudagraph.apps.mcore_gpt", "--device", "cpu", "--steps", "4"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
+def test_an_entry_point_frees_the_world_group_at_destroy(tmp_path, name):
+    if name == "mcore_gpt":
+        pytest.importorskip("megatron.core", reason="megatron-core builds the model; pip install megatron-core")
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(driver)]
+    proc = subprocess.run(cmd + ENTRY_POINTS[name], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "world group freed at destroy: [True]" in proc.stdout, proc.stdout[-3000:]
