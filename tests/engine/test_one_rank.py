@@ -1,0 +1,155 @@
+"""No collective at one rank ([Note: no collective at one rank] in ``megatron_fsdp/_collectives.py``).
+
+A group of one rank moves nothing, so the engine does its all-gathers and reduce-scatters there as copies and
+skips its all-reduces and broadcasts: no call reaches torch.distributed. Must hold, on Gloo:
+
+- one rank, every strategy, fp32 and bf16 compute (the cast-on-gather), gradient accumulation, a partial-graph
+  run (protocol backend), clipping and a state dict: zero collective calls, and the losses, the final
+  parameters and the state dict are ``torch.equal`` to the same run with the collectives forced on (the code of
+  before);
+- HSDP as 2 x 1 (shard groups of one rank): no all-gather or reduce-scatter is issued, the all-reduce across
+  the replicas still is, and the result equals the same run with the collectives forced on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
+from megatron_fsdp import fully_shard
+from tests.dist_utils import run_gloo
+
+pytestmark = pytest.mark.gloo
+
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+MODEL = dict(vocab_size=64, hidden_size=32, num_layers=2, seq_len=16, moe_every=0)
+STEPS = 4
+
+
+def _count_collectives(monkey: Dict[str, Any]) -> Dict[str, int]:
+    """Wrap the torch.distributed entry points the engine calls; return the live call counts."""
+    from megatron_fsdp import _collectives as C
+
+    counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "broadcast": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkey["saved"] = (C._all_gather_single, C._reduce_scatter_single, C.dist.all_reduce, C.dist.broadcast)
+    C._all_gather_single = counting("all_gather", C._all_gather_single)
+    C._reduce_scatter_single = counting("reduce_scatter", C._reduce_scatter_single)
+    # C.dist is torch.distributed itself: wrap in place, put back in _restore
+    dist.all_reduce = counting("all_reduce", dist.all_reduce)
+    dist.broadcast = counting("broadcast", dist.broadcast)
+    return counts
+
+
+def _restore(monkey: Dict[str, Any]) -> None:
+    from megatron_fsdp import _collectives as C
+
+    C._all_gather_single, C._reduce_scatter_single, dist.all_reduce, dist.broadcast = monkey["saved"]
+
+
+def _train(rank: int, world: int, strategy: str, dtype: torch.dtype, forced: bool, graphed: bool,
+           **shard_kwargs: Any) -> Dict[str, Any]:
+    """Train STEPS steps (two micro-batches each, clipped) and report losses, parameters and collective counts.
+
+    ``forced``: every group is treated as having several ranks (the collectives of before).
+    """
+    from megatron_fsdp import _collectives as C
+
+    saved_one_rank = C._one_rank
+    if forced:
+        C._one_rank = lambda group: False
+    monkey: Dict[str, Any] = {}
+    counts = _count_collectives(monkey)
+    try:
+        torch.manual_seed(0)
+        cfg = GPTConfig(**MODEL)
+        model = fully_shard(GPT(cfg), fsdp_unit_modules=[TransformerBlock], sharding_strategy=strategy,
+                            compute_dtype=dtype, fsdp_double_buffer=True,
+                            fsdp_db_use_persist_buf_on_alloc_fail=True, **shard_kwargs)
+        opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-2)
+        graphs = None
+        if graphed:
+            from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
+
+            graphs = PartialCudaGraphs(model, CudaGraphConfig(
+                cuda_graph_impl="local", cuda_graph_modules=[], use_megatron_fsdp=True, fsdp_double_buffer=True,
+                fsdp_db_use_persist_buf_on_alloc_fail=True, cuda_graph_warmup_steps=1, cuda_graph_num_warmup_iters=2),
+                backend="protocol")
+        losses: List[torch.Tensor] = []
+        for step in range(STEPS):
+            if graphs is not None and step == 1:
+                graphs.capture()
+            x, y = synthetic_batch(step, 4 * world, cfg, torch.device("cpu"))
+            total = torch.zeros(())
+            for micro in range(2):
+                lo = (rank * 2 + micro) * 2
+                loss = loss_fn(model(x[lo:lo + 2]), y[lo:lo + 2]) / 2
+                loss.backward()
+                total += loss.detach().float()
+            model.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(total)
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+        if graphs is not None:
+            graphs.delete()
+        return {"losses": losses, "state": state, "counts": dict(counts)}
+    finally:
+        _restore(monkey)
+        C._one_rank = saved_one_rank
+
+
+def _one_rank_runs(rank: int, world: int) -> Dict[str, Any]:
+    out = {}
+    for strategy in STRATEGIES:
+        for dtype in (torch.float32, torch.bfloat16):
+            key = f"{strategy}/{str(dtype).split('.')[-1]}"
+            out[key] = {forced: _train(rank, world, strategy, dtype, forced, graphed=False) for forced in (False, True)}
+    out["graphed"] = {forced: _train(rank, world, "optim_grads_params", torch.float32, forced, graphed=True)
+                      for forced in (False, True)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    return run_gloo(_one_rank_runs, 1)[0]
+
+
+def _same(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
+    bad = [f"loss {i}" for i, (x, y) in enumerate(zip(a["losses"], b["losses"])) if not torch.equal(x, y)]
+    bad += [k for k in a["state"] if not torch.equal(a["state"][k], b["state"][k])]
+    return bad
+
+
+def test_one_rank_issues_no_collective_and_trains_the_same_bits(one_rank):
+    for key, runs in one_rank.items():
+        mine, forced = runs[False], runs[True]
+        assert sum(mine["counts"].values()) == 0, (key, mine["counts"])
+        assert forced["counts"]["all_gather"] + forced["counts"]["all_reduce"] > 0, (key, forced["counts"])
+        assert _same(mine, forced) == [], (key, _same(mine, forced))
+
+
+def _hsdp_2x1(rank: int, world: int) -> Dict[str, Any]:
+    pair = dist.new_group([0, 1])
+    singles = [dist.new_group([r]) for r in range(world)]
+    return {forced: _train(rank, world, "optim_grads_params", torch.float32, forced, graphed=False,
+                           replicate_group=pair, shard_group=singles[rank]) for forced in (False, True)}
+
+
+def test_hsdp_2x1_gathers_nothing_and_reduces_across_replicas():
+    for rank, runs in enumerate(run_gloo(_hsdp_2x1, 2)):
+        mine, forced = runs[False], runs[True]
+        assert mine["counts"]["all_gather"] == mine["counts"]["reduce_scatter"] == 0, (rank, mine["counts"])
+        assert mine["counts"]["all_reduce"] > 0, (rank, mine["counts"])
+        assert forced["counts"]["reduce_scatter"] > 0, (rank, forced["counts"])
+        assert _same(mine, forced) == [], (rank, _same(mine, forced))
