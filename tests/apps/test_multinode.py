@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import List
 
@@ -43,13 +44,20 @@ def _two_nodes(args: List[str], tmp: Path, name: str) -> None:
                           "--rdzv-conf", f"is_host={int(node == 0)}"] + args
         log = open(tmp / f"{name}-node{node}.log", "w")
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT), log))
+    # A node that fails leaves the other waiting in torchrun's exit barrier (300 s): stop it at once instead.
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and any(p.poll() is None for p, _ in procs):
+        if any(p.poll() not in (None, 0) for p, _ in procs):
+            break
+        time.sleep(0.2)
     codes = []
     for proc, log in procs:
-        try:
-            codes.append(proc.wait(timeout=240))
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             proc.kill()
-            codes.append("timeout")
+            proc.wait()
+            codes.append("killed")
+        else:
+            codes.append(proc.returncode)
         log.close()
     if codes != [0, 0]:
         logs = "\n".join((tmp / f"{name}-node{n}.log").read_text()[-3000:] for n in range(2))
