@@ -626,4 +626,6 @@ def _main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    from fsdp_cudagraph.checker.records import exit_process  # noqa: PLC0415 - [Note: a group another library keeps alive]
+
+    exit_process(_main())
