@@ -13,9 +13,10 @@ reduce-scatter are a copy (none when input and output are one tensor, as in the 
 and broadcast leave the tensor as it is (SUM and AVG of one value are that value). Through torch.distributed
 each still costs its Python wrappers, a backend call and a ``Work`` (about 0.06-0.08 ms of host time per call
 measured on CPU, and a kernel on the GPU), three or more per unit and step. So at one rank these functions do the
-copy on the current stream and return ``None`` (no ``Work``: nothing to wait for), the same bits as the
-collective. The capture guard is passed first all the same, so a collective where none may run is refused at
-every world size.
+copy on the current stream, the same bits as the collective, and return ``None`` on the CPU (the copy is done)
+or, for CUDA tensors, a ``_LocalCopy`` whose ``wait()`` does what NCCL's does for a consumer on another stream
+(makes it wait for the issuing stream) and nothing on the issuing stream itself. The capture guard is passed
+first all the same, so a collective where none may run is refused at every world size.
 """
 
 from __future__ import annotations
@@ -37,28 +38,45 @@ def _one_rank(group: dist.ProcessGroup) -> bool:
     return group.size() == 1
 
 
-def _copy_at_one_rank(output: torch.Tensor, source: torch.Tensor) -> None:
+class _LocalCopy:
+    """What a one-rank all-gather or reduce-scatter of CUDA tensors returns: the copy ran on the issuing stream,
+    and ``wait()`` orders the waiting thread's current stream after it when that is another stream, the
+    guarantee NCCL's ``Work.wait()`` gives (on the issuing stream itself there is nothing to wait for)."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: "torch.cuda.Stream") -> None:
+        self.stream = stream
+
+    def wait(self) -> bool:
+        current = torch.cuda.current_stream(self.stream.device)
+        if current != self.stream:
+            current.wait_stream(self.stream)
+        return True
+
+
+def _copy_at_one_rank(output: torch.Tensor, source: torch.Tensor) -> Optional[_LocalCopy]:
     """[Note: no collective at one rank]: the one rank's collective as a copy (none in place)."""
     if output.data_ptr() != source.data_ptr() or output.shape != source.shape:
         with torch.no_grad():
             output.copy_(source)
+    return _LocalCopy(torch.cuda.current_stream(output.device)) if output.is_cuda else None
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, what: str) -> Optional[dist.Work]:
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, what: str
+               ) -> "Optional[dist.Work | _LocalCopy]":
     check_not_capturing(f"all-gather of {what}", collective=True)
     if _one_rank(group):
-        _copy_at_one_rank(output, shard)
-        return None
+        return _copy_at_one_rank(output, shard)
     return _all_gather_single(output, shard, group=group, async_op=True)
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, what: str, *,
-                   average: bool = False) -> Optional[dist.Work]:
+                   average: bool = False) -> "Optional[dist.Work | _LocalCopy]":
     """SUM, or with ``average`` the backend's AVG (NCCL only; see [Note: averaging in the collective])."""
     check_not_capturing(f"reduce-scatter of {what}", collective=True)
     if _one_rank(group):
-        _copy_at_one_rank(output, full)
-        return None
+        return _copy_at_one_rank(output, full)
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
     return _reduce_scatter_single(output, full, op=op, group=group, async_op=True)
 

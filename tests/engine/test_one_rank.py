@@ -153,3 +153,27 @@ def test_hsdp_2x1_gathers_nothing_and_reduces_across_replicas():
         assert mine["counts"]["all_reduce"] > 0, (rank, mine["counts"])
         assert forced["counts"]["reduce_scatter"] > 0, (rank, forced["counts"])
         assert _same(mine, forced) == [], (rank, _same(mine, forced))
+
+
+class _Stream:
+    """A stand-in for a CUDA stream (this test runs on CPU): records what waits on it."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.device, self.waited_for = name, "cuda:0", []
+
+    def wait_stream(self, other: "_Stream") -> None:
+        self.waited_for.append(other.name)
+
+
+def test_a_cuda_copy_orders_a_consumer_on_another_stream(monkeypatch):
+    """On CUDA the one-rank copy's handle makes a consumer on another stream wait for the issuing stream, as
+    NCCL's Work.wait() does; on the issuing stream it adds nothing."""
+    from megatron_fsdp._collectives import _LocalCopy
+
+    issuing, other = _Stream("issuing"), _Stream("other")
+    current = {"stream": issuing}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["stream"])
+    work = _LocalCopy(issuing)
+    assert work.wait() and issuing.waited_for == [] and other.waited_for == []
+    current["stream"] = other
+    assert work.wait() and other.waited_for == ["issuing"]
