@@ -70,7 +70,8 @@ def exit_process(code: int) -> None:
     (tests/apps/test_exit.py checks that the world group dies at destroy). FSDP2 has it: in torch 2.13, after
     ``fully_shard`` the sharded DTensor parameters stay alive, held from C++ where the garbage collector cannot
     reach them, and with them their mesh and its groups, after the model is gone (seen on CPU: a checker run
-    with ``--engine fsdp2`` aborted so in 2 of 2 tries in CI, never here). Then this leaves through
+    with ``--engine fsdp2`` aborted so in both tries of one test during a full suite run, and in none of 20 runs
+    alone). Then this leaves through
     ``os._exit``, which skips the interpreter's finalisation; stdout and stderr are flushed first and the status
     is kept. This module does not keep any group itself.
     """
