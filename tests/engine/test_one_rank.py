@@ -13,7 +13,8 @@ skips its all-reduces and broadcasts: no call reaches torch.distributed. Must ho
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import contextlib
+from typing import Any, Dict, Iterator, List
 
 import pytest
 import torch
@@ -30,8 +31,10 @@ MODEL = dict(vocab_size=64, hidden_size=32, num_layers=2, seq_len=16, moe_every=
 STEPS = 4
 
 
-def _count_collectives(monkey: Dict[str, Any]) -> Dict[str, int]:
-    """Wrap the torch.distributed entry points the engine calls; return the live call counts."""
+@contextlib.contextmanager
+def _collectives_counted(forced: bool) -> Iterator[Dict[str, int]]:
+    """Count the torch.distributed calls the engine makes (the live counts are yielded); ``forced``: every group
+    is treated as having several ranks (the collectives of before). Everything is put back on exit."""
     from megatron_fsdp import _collectives as C
 
     counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "broadcast": 0}
@@ -42,19 +45,18 @@ def _count_collectives(monkey: Dict[str, Any]) -> Dict[str, int]:
             return fn(*args, **kwargs)
         return wrapped
 
-    monkey["saved"] = (C._all_gather_single, C._reduce_scatter_single, C.dist.all_reduce, C.dist.broadcast)
+    # C.dist is torch.distributed itself: its all_reduce and broadcast are wrapped in place
+    saved = (C._one_rank, C._all_gather_single, C._reduce_scatter_single, dist.all_reduce, dist.broadcast)
+    if forced:
+        C._one_rank = lambda group: False
     C._all_gather_single = counting("all_gather", C._all_gather_single)
     C._reduce_scatter_single = counting("reduce_scatter", C._reduce_scatter_single)
-    # C.dist is torch.distributed itself: wrap in place, put back in _restore
     dist.all_reduce = counting("all_reduce", dist.all_reduce)
     dist.broadcast = counting("broadcast", dist.broadcast)
-    return counts
-
-
-def _restore(monkey: Dict[str, Any]) -> None:
-    from megatron_fsdp import _collectives as C
-
-    C._all_gather_single, C._reduce_scatter_single, dist.all_reduce, dist.broadcast = monkey["saved"]
+    try:
+        yield counts
+    finally:
+        C._one_rank, C._all_gather_single, C._reduce_scatter_single, dist.all_reduce, dist.broadcast = saved
 
 
 def _train(rank: int, world: int, strategy: str, dtype: torch.dtype, forced: bool, graphed: bool,
@@ -63,14 +65,7 @@ def _train(rank: int, world: int, strategy: str, dtype: torch.dtype, forced: boo
 
     ``forced``: every group is treated as having several ranks (the collectives of before).
     """
-    from megatron_fsdp import _collectives as C
-
-    saved_one_rank = C._one_rank
-    if forced:
-        C._one_rank = lambda group: False
-    monkey: Dict[str, Any] = {}
-    counts = _count_collectives(monkey)
-    try:
+    with _collectives_counted(forced) as counts:
         torch.manual_seed(0)
         cfg = GPTConfig(**MODEL)
         model = fully_shard(GPT(cfg), fsdp_unit_modules=[TransformerBlock], sharding_strategy=strategy,
@@ -104,9 +99,6 @@ def _train(rank: int, world: int, strategy: str, dtype: torch.dtype, forced: boo
         if graphs is not None:
             graphs.delete()
         return {"losses": losses, "state": state, "counts": dict(counts)}
-    finally:
-        _restore(monkey)
-        C._one_rank = saved_one_rank
 
 
 def _one_rank_runs(rank: int, world: int) -> Dict[str, Any]:
