@@ -33,7 +33,7 @@ from fsdp_cudagraph.apps.model import GPTConfig
 from fsdp_cudagraph.apps.train import RunSpec, run_training, use_deterministic_kernels
 from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON
 
-CAPTURE_STEP = 3  # steps 0-2 eager (warm-up), capture at 3, replays after
+CAPTURE_STEP = 3  # steps 0-2 eager (warm-up), the graphs captured before step 3, which replays them
 
 
 def main() -> None:
@@ -52,9 +52,9 @@ def main() -> None:
                         "world / R consecutive ranks (a node) and replicated across the R groups (docs/launch.md)")
     p.add_argument("--out", help="write rank 0's losses (both columns) and the run's topology to this JSON file")
     args = p.parse_args()
-    if args.steps <= CAPTURE_STEP + 1:
-        p.error(f"--steps {args.steps}: the demo captures at step {CAPTURE_STEP} and compares the replays after it; "
-                f"need --steps >= {CAPTURE_STEP + 2}")
+    if args.steps <= CAPTURE_STEP:
+        p.error(f"--steps {args.steps}: the demo captures before step {CAPTURE_STEP}, which replays; need --steps "
+                f">= {CAPTURE_STEP + 1}")
     logging.basicConfig(level=logging.WARNING)
     cuda = torch.cuda.is_available()
     use_deterministic_kernels()
