@@ -283,10 +283,13 @@ def init_parallel_state(seed: int, device: torch.device) -> None:
         # Graph-safe RNG states (what Megatron's own CUDA graphs use): TE's and megatron-core's attention enter
         # the tracker's fork on every call, and setting a plain CUDA RNG state inside a capture is refused by
         # torch ("set_current_seed can be called during stream capture only if ..."); the graph-safe states are
-        # switched without that. Dropout is 0: no random number is drawn either way.
-        reset = ({"force_reset_rng": True}
-                 if "force_reset_rng" in inspect.signature(model_parallel_cuda_manual_seed).parameters else {})
-        model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True, **reset)
+        # switched without that. Dropout is 0: no random number is drawn either way. With TE importable the
+        # tracker is TE's (megatron-core's `te_rng_tracker`, Megatron-LM's --te-rng-tracker): TE's attention
+        # asserts during a capture that the tracker is its own ("Unsupported RNG states tracker."), and TE's
+        # graph maker registers that tracker's states with each graph.
+        params = inspect.signature(model_parallel_cuda_manual_seed).parameters
+        reset = {"force_reset_rng": True} if "force_reset_rng" in params else {}
+        model_parallel_cuda_manual_seed(seed, te_rng_tracker=_has_te(), use_cudagraphable_rng=True, **reset)
 
 
 def _fix_router_without_te() -> None:

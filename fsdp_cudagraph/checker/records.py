@@ -10,6 +10,7 @@ import gc
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from typing import Any, Dict
@@ -29,6 +30,10 @@ def _cudnn_version() -> Any:
     try:
         return torch.backends.cudnn.version()
     except RuntimeError as exc:
+        found = re.search(r"compiled\s+against \(([\d, ]+)\) but found runtime version \(([\d, ]+)\)", str(exc))
+        if found:
+            built, loaded = (".".join(v.split(", ")) for v in found.groups())
+            return f"{loaded} loaded (torch built against {built})"
         return f"error: {exc}"[:300]
 
 

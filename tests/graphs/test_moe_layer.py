@@ -244,6 +244,13 @@ def test_te_grouped_agrees_with_split():
             getattr(te.experts.fc2, f"weight{e}").copy_(split.experts.w2[e].t())
     assert te.experts.cuda_graph_unsafe and "GroupedLinear" in te.experts.cuda_graph_unsafe
     rs, rt = _run(split, _x(device="cuda")), _run(te, _x(device="cuda"))
-    assert torch.allclose(rs["out"], rt["out"], atol=1e-5) and torch.allclose(rs["x.grad"], rt["x.grad"], atol=1e-5)
+    # TE's GEMMs take fp32 operands in TF32 (torch's allow_tf32 does not reach them): on an H100 (TE 2.20.2) the
+    # outputs differed by up to 5e-4 on values of order 1, where atol=1e-5 failed. So the bound is relative,
+    # ||te - split|| / ||split|| <= 2e-3: TF32 lands near 3e-4, and a wrong expert, weight or permutation
+    # gives an error of order 1.
+    pairs = {"out": (rs["out"], rt["out"]), "x.grad": (rs["x.grad"], rt["x.grad"])}
     for e in range(SMALL["num_experts"]):
-        assert torch.allclose(rs["experts.w1.grad"][e].t(), getattr(te.experts.fc1, f"weight{e}").grad, atol=1e-5)
+        pairs[f"fc1.weight{e}.grad"] = (rs["experts.w1.grad"][e].t(), getattr(te.experts.fc1, f"weight{e}").grad)
+        pairs[f"fc2.weight{e}.grad"] = (rs["experts.w2.grad"][e].t(), getattr(te.experts.fc2, f"weight{e}").grad)
+    errors = {k: ((b - a).norm() / a.norm()).item() for k, (a, b) in pairs.items()}
+    assert max(errors.values()) <= 2e-3, f"TE GroupedLinear vs split, relative errors: {errors}"
