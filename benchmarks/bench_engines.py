@@ -58,6 +58,7 @@ GPU (unless ``--cpu-smoke``, whose times and verdicts mean nothing: it exits 0 w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -262,6 +263,26 @@ def _graph_config(args: argparse.Namespace, scopes: List[str], use_megatron_fsdp
                            fsdp_db_use_persist_buf_on_alloc_fail=use_megatron_fsdp)
 
 
+def _host_profiler() -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU])
+
+
+def _host_profile_summary(prof: Any, top: int = 12) -> Dict[str, Any]:
+    """Where one step's host time goes (``--profile-step``): the CUDA runtime and driver calls (a
+    ``cudaStreamSynchronize`` or ``cudaFree`` that waits for the device shows up here, a launch costs
+    microseconds) and the operators with the most host time of their own, in milliseconds."""
+    events = prof.key_averages()
+    cuda_calls = sorted((e for e in events if e.key.startswith(("cuda", "cu"))), key=lambda e: -e.self_cpu_time_total)
+    ops = sorted(events, key=lambda e: -e.self_cpu_time_total)
+    return {
+        "cuda_api": [(e.key, e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in cuda_calls[:top]],
+        "ops": [(e.key, e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in ops[:top]],
+        "total_self_ms": round(sum(e.self_cpu_time_total for e in events) / 1e3, 3),
+    }
+
+
 def run_column(column: str, args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
     """Build, shard and train ``column`` for ``--warmup + --steps`` steps; its row (every rank returns it)."""
     from fsdp_cudagraph import FullIterationCudaGraph, PartialCudaGraphs
@@ -306,6 +327,7 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
     losses: List[torch.Tensor] = []
     events: List[Any] = []
     host_ms: List[float] = []
+    profile: Optional[Dict[str, Any]] = None
     capture_s = None
     try:
         for step, (x, y) in enumerate(batches):
@@ -316,16 +338,21 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
+            profiling = step == args.profile_step
+            prof = _host_profiler() if profiling else contextlib.nullcontext()
             t0 = time.perf_counter()
-            if full is not None:
-                loss = full.step([(x, y)]).reshape(-1)[0]
-                full.optimizer_step(opt)
-            else:
-                loss = loss_of(net(x), y)
-                loss.backward()
-                opt.step()
-            opt.zero_grad(set_to_none=True)
+            with prof:
+                if full is not None:
+                    loss = full.step([(x, y)]).reshape(-1)[0]
+                    full.optimizer_step(opt)
+                else:
+                    loss = loss_of(net(x), y)
+                    loss.backward()
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
             host_ms.append((time.perf_counter() - t0) * 1e3)
+            if profiling:
+                profile = _host_profile_summary(prof)
             if cuda:
                 end.record()
                 events.append((start, end))
@@ -350,6 +377,8 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
     }
     if capture_s is not None:
         row["capture_s"] = capture_s
+    if profile is not None:
+        row["host_profile"] = profile
     if full is not None:
         train = full.reports.get("train")
         if train is not None:
@@ -463,6 +492,10 @@ def run_child(args: argparse.Namespace, device: torch.device) -> int:
         with open(args.child_out, "w") as fh:
             json.dump({"row": row, "rates": rates}, fh)
         print(_line(args.child, row), flush=True)
+        for kind, rows in row.get("host_profile", {}).items():
+            if isinstance(rows, list):
+                print(f"  host profile, {kind} (name, calls, self ms): "
+                      + "; ".join(f"{n} {c} {ms}" for n, c, ms in rows), flush=True)
     return 0
 
 
@@ -525,6 +558,8 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (graphs are captured at --capture-step)")
     p.add_argument("--steps", type=int, default=8, help="timed steps after the warmup")
     p.add_argument("--capture-step", type=int, default=2)
+    p.add_argument("--profile-step", type=int, default=None,
+                   help="profile this step's host side (CUDA runtime calls, operators) into each row's host_profile")
     p.add_argument("--layers-impl", choices=["te", "torch"], default="te" if HAS_TE else "torch",
                    help="TE TransformerLayer (default with TE) or the torch layers")
     p.add_argument("--backend", choices=["te", "torch", "protocol"], default=None,

@@ -128,9 +128,13 @@ def test_bench_engines_cpu_smoke_olmoe_megatron_scopes(tmp_path):
     if not hasattr(model, "olmoe_config"):
         pytest.skip("fsdp_cudagraph.apps.model has no olmoe_config yet (the dropless MoE of issue 35 item 1)")
     r = _smoke(tmp_path, "olmoe", "--config", "olmoe", "--columns", "ours_eager", "ours_partial", "ours_full",
-               "--isolate", "none")
+               "--isolate", "none", "--profile-step", "3")
     _check_graphed_equal(r, ["ours_partial", "ours_full"])
     assert r["columns"]["ours_partial"]["counts"]["model_config"]["num_experts"] == 4
+    # --profile-step: the profiled step's host time by operator, in every row
+    for c in ("ours_eager", "ours_partial", "ours_full"):
+        prof = r["columns"][c]["host_profile"]
+        assert prof["total_self_ms"] > 0 and prof["ops"] and "cuda_api" in prof, (c, prof)
 
 
 def _record(columns: dict, **config) -> dict:
