@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["HAS_MCORE", "MCORE_REASON", "MCORE_VERSION", "MCoreShape", "MODELS", "SCOPES", "cpu_shims",
-           "init_parallel_state", "build", "tag_modules", "scope_patterns", "check_megatron_graphs_off", "batch",
+           "init_parallel_state", "build", "layout", "tag_modules", "scope_patterns", "check_megatron_graphs_off", "batch",
            "loss", "spec", "dense", "moe_alltoall", "moe_allgather", "run", "main"]
 
 logger = logging.getLogger(__name__)
@@ -437,6 +437,24 @@ def loss(model: nn.Module, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
     """The mean of megatron-core's per-token cross entropy (``GPTModel(..., labels=...)``)."""
     return model(inputs["input_ids"], inputs["position_ids"], inputs["attention_mask"],
                  labels=inputs["labels"]).float().mean()
+
+
+def layout(model: nn.Module) -> Dict[str, Any]:
+    """What a built ``GPTModel`` runs, read from its first layer, for the records: the layer spec (``te`` when
+    the attention's linear layers are megatron-core's TE wrappers, else ``local``), the classes of the model,
+    the layer, the QKV projection, the core attention and the MLP, and for MoE the experts (``TEGroupedMLP``
+    with ``moe_grouped_gemm``, else ``SequentialMLP``), the token dispatcher and the grouped-GEMM and
+    fused-permute switches as the config holds them."""
+    layer = model.decoder.layers[0]
+    attn, mlp, config = layer.self_attention, layer.mlp, model.config
+    out: Dict[str, Any] = {
+        "spec": "te" if type(attn.linear_qkv).__module__.endswith("extensions.transformer_engine") else "local",
+        "model": type(model).__name__, "layer": type(layer).__name__, "linear_qkv": type(attn.linear_qkv).__name__,
+        "core_attention": type(attn.core_attention).__name__, "mlp": type(mlp).__name__}
+    if getattr(config, "num_moe_experts", None):
+        out.update(experts=type(mlp.experts).__name__, dispatcher=type(mlp.token_dispatcher).__name__,
+                   moe_grouped_gemm=config.moe_grouped_gemm, moe_permute_fusion=config.moe_permute_fusion)
+    return out
 
 
 def base_shape(device: torch.device, name: str, **overrides: Any) -> MCoreShape:

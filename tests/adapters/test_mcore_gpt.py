@@ -50,10 +50,7 @@ def _case(rank: int, world: int, model: str, scope: Optional[str], tags: Optiona
 
         def factory(dev: torch.device) -> Any:
             spec = mcore_gpt.spec(model, dev, shape)
-            layer = spec.model.decoder.layers[0]
-            built.update(model=type(spec.model).__name__, layer=type(layer).__name__, mlp=type(layer.mlp).__name__,
-                         dispatcher=type(getattr(layer.mlp, "token_dispatcher", None)).__name__,
-                         experts=type(getattr(layer.mlp, "experts", None)).__name__)
+            built.update(mcore_gpt.layout(spec.model))
             return spec
 
         if tags is not None:  # the checker's way: cuda_graph_modules over the factory's tags
@@ -93,7 +90,8 @@ LAYERS = ["decoder.layers.0", "decoder.layers.1"]
 @pytest.mark.gloo
 def test_dense_whole_layers_bit_exact() -> None:
     results = _run("dense", "layer")
-    assert results[0]["built"]["model"] == "GPTModel" and results[0]["built"]["mlp"] == "MLP"
+    built = results[0]["built"]
+    assert (built["spec"], built["model"], built["mlp"]) == ("local", "GPTModel", "MLP") and "experts" not in built
     _assert_equal(results, LAYERS)
 
 
@@ -109,7 +107,9 @@ def test_dense_attn_mlp_tags_bit_exact() -> None:
 def test_moe_attn_router_bit_exact(model: str, dispatcher: str) -> None:
     results = _run(model, "attn_router")
     built = results[0]["built"]
-    assert (built["mlp"], built["dispatcher"], built["experts"]) == ("MoELayer", dispatcher, "SequentialMLP")
+    assert (built["spec"], built["mlp"], built["dispatcher"], built["experts"]) == (
+        "local", "MoELayer", dispatcher, "SequentialMLP")
+    assert (built["moe_grouped_gemm"], built["moe_permute_fusion"]) == (False, False)
     _assert_equal(results, [f"{l}.{m}" for l in LAYERS for m in ("self_attention", "mlp.router")])
 
 

@@ -75,14 +75,18 @@ def main() -> int:
     engines = args.engines or (sorted(ENGINES) if device.type == "cuda" else ["fsdp2", "megatron_fsdp"])
     rows: List[Dict[str, Any]] = []
     with (mcore_gpt.cpu_shims() if device.type == "cpu" else contextlib.nullcontext()):
+        # what each model runs (layer spec, experts, dispatcher, grouped GEMM, fused permute), for the record
+        layouts = {m: mcore_gpt.layout(mcore_gpt.spec(m, device).model) for m in dict(CASES)}
         for engine in engines:
             if device.type == "cpu" and engine.startswith("nvidia"):
                 raise SystemExit(f"engine {engine} needs CUDA (NVIDIA's MegatronFSDP builds CUDA streams)")
             for model, scope in CASES:
                 rows.append(row(engine, model, scope, device, args.backend, None))
+                rows[-1]["layout"] = layouts[model]
             layers = mcore_gpt.base_shape(device, "moe_alltoall").num_layers
             rows.append(row(engine, "moe_alltoall", "attn_router", device, args.backend,
                             f"decoder.layers.{layers - 1}.mlp.router"))
+            rows[-1]["layout"] = layouts["moe_alltoall"]
             if dist.get_rank() == 0:
                 for r in rows[-len(CASES) - 1:]:
                     print(f"{r['engine']:14s} {r['model']:14s} {r['scope']:12s} perturb={bool(r['perturb'])!s:5s} "
@@ -91,7 +95,7 @@ def main() -> int:
     if dist.get_rank() == 0:
         from fsdp_cudagraph.capture import te as _te
 
-        record = {"ok": ok, "rows": rows, "world_size": dist.get_world_size(), "command": sys.argv,
+        record = {"ok": ok, "rows": rows, "layouts": layouts, "world_size": dist.get_world_size(), "command": sys.argv,
                   "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "versions": {"torch": torch.__version__, "megatron_core": mcore_gpt.MCORE_VERSION,
                                "transformer_engine": str(_te.TE_VERSION) if _te.HAS_TE else None,
