@@ -25,7 +25,9 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
 
 Per column: median step time over the timed steps (CUDA events; the slowest rank's), tokens/s per GPU, MFU
 (model FLOPs / the bf16 matmul rate measured in the same run), peak memory per GPU (max over ranks), host time
-per step (wall time for Python to issue the step, no synchronize inside it) and the first losses. Each
+per step (wall time for Python to issue the step, no synchronize inside it; once the host is a launch queue
+ahead of a GPU-bound step it waits there, so it then reads as the step time: ``--profile-step K`` records step
+K's CUDA runtime calls and operators by their own host time) and the first losses. Each
 column is reported against the floor with communication ([Note: the floor with communication] in
 ``_perf_goals.py``; the all-gather and reduce-scatter rates of a layer-sized collective measured in the same
 run) and the goals of issue 38 (llama8b) and issue 35 (olmoe) get PASS / NOISE / FAIL / MISSING verdicts
