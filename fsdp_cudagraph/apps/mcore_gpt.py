@@ -61,8 +61,8 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["HAS_MCORE", "MCORE_REASON", "MCORE_VERSION", "MCoreShape", "MODELS", "SCOPES", "cpu_shims",
-           "init_parallel_state", "build", "layout", "tag_modules", "scope_patterns", "check_megatron_graphs_off", "batch",
-           "loss", "spec", "dense", "moe_alltoall", "moe_allgather", "run", "main"]
+           "init_parallel_state", "build", "layout", "tag_modules", "scope_patterns", "check_megatron_graphs_off",
+           "batch", "loss", "spec", "dense", "moe_alltoall", "moe_allgather", "run", "main"]
 
 logger = logging.getLogger(__name__)
 
