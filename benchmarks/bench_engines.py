@@ -276,7 +276,7 @@ def _host_profile_summary(prof: Any, top: int = 12) -> Dict[str, Any]:
     ``cudaStreamSynchronize`` or ``cudaFree`` that waits for the device shows up here, a launch costs
     microseconds) and the operators with the most host time of their own, in milliseconds."""
     events = prof.key_averages()
-    cuda_calls = sorted((e for e in events if e.key.startswith(("cuda", "cu"))), key=lambda e: -e.self_cpu_time_total)
+    cuda_calls = sorted((e for e in events if e.key.startswith("cu")), key=lambda e: -e.self_cpu_time_total)
     ops = sorted(events, key=lambda e: -e.self_cpu_time_total)
     return {
         "cuda_api": [(e.key, e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in cuda_calls[:top]],
