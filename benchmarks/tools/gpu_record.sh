@@ -15,8 +15,9 @@
 #                   checker's FSDP2-setting rows)
 #                   pre-scaled SUM (tests/gpu/nccl_average.py) on NPROC; nvidia needs megatron-core
 #                   (e.g. PYTHONPATH=/tmp/site)                                       -> engines-*.json, check-*.json
-#   pytest          pytest -m gpu with per-test durations (PYTEST_SELECT: a -k expression; the 2-GPU tests
-#                   take about 8 minutes with TE on 2 H100s: split with PYTEST_SELECT="2gpu and (...)")
+#   pytest          pytest -m gpu with per-test durations: the 1-GPU run on GPU 0 beside the multi-GPU tests on
+#                   NPROC, then one verdict line per test file (tools/pytest_verdict.py) -> pytest-verdict.json
+#                   (PYTEST_SELECT: a -k expression, to split a run over several calls)
 #   perf            the performance suite (bench_partial_graphs.py --suite full) on 1 GPU and NPROC and its
 #                   1 -> N table (tools/scaling.py); bench_peers --engine all where .whl/ holds Megatron-FSDP;
 #                   the compute step's budget (diagnose/profile_step.py) and what is live at its peak
@@ -122,9 +123,22 @@ stage_engines() {
 }
 
 stage_pytest() {
-  step pytest-gpu.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records" timeout ${PYTEST_S:-560} python3 -m pytest -m gpu \
-    ${PYTEST_SELECT:+-k "$PYTEST_SELECT"} -q -p no:cacheprovider --durations=30
-  tail -45 "$OUT/pytest-gpu.log"
+  # One GPU and all GPUs side by side: the 1-GPU half on GPU 0 alone (CUDA_VISIBLE_DEVICES=0: the multi-GPU tests
+  # skip there, naming the count), the multi-GPU tests on every GPU at once; then one verdict line per file.
+  local py="timeout ${PYTEST_S:-560} python3 -m pytest -q -p no:cacheprovider --durations=30 -rs"
+  if multi; then
+    step pytest-gpu-1.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records" $ONE $py -m gpu ${PYTEST_SELECT:+-k "$PYTEST_SELECT"} \
+      --junitxml "$OUT/pytest-1gpu.xml" &
+    step pytest-gpu-${N}.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records" $py -m "gpu and multigpu" \
+      ${PYTEST_SELECT:+-k "$PYTEST_SELECT"} --junitxml "$OUT/pytest-${N}gpu.xml"
+    wait
+    tail -25 "$OUT/pytest-gpu-1.log"; tail -25 "$OUT/pytest-gpu-${N}.log"
+  else
+    step pytest-gpu-1.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records" $py -m gpu ${PYTEST_SELECT:+-k "$PYTEST_SELECT"} \
+      --junitxml "$OUT/pytest-1gpu.xml"
+    tail -40 "$OUT/pytest-gpu-1.log"
+  fi
+  python3 benchmarks/tools/pytest_verdict.py "$OUT"/pytest-*gpu.xml --json "$OUT/pytest-verdict.json"
 }
 
 stage_perf() {

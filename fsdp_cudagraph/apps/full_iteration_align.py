@@ -374,6 +374,44 @@ def _mismatch(row: Dict[str, Any]) -> str:
             f"{row.get('first_grad_mismatch_step')} (gradients)")
 
 
+def plan_rows(models: Sequence[str], strategies: Sequence[str], *, steps: int, capture_step: int,
+              optimizer: str) -> List[FullRunSpec]:
+    """The matrix's rows, in order: per model and strategy, one and two micro-batches with the optimizer eager
+    and graphed; then the shape change with evaluation, ``delete()``, clipping, activation checkpointing; per
+    model the dropless MoE row and the row that reduces gradients in bf16. The GPU tests count rows from
+    this list, not from a formula of their own."""
+    specs: List[FullRunSpec] = []
+    for m in models:
+        for s in strategies:
+            common = dict(model=model_config(m == "te"), steps=steps, capture_step=capture_step, sharding_strategy=s)
+            # one and two micro-batches, each with the eager Adam and with capturable Adam in an optimizer graph
+            for accum in (1, 2):
+                specs.append(FullRunSpec(**common, grad_accum=accum))
+                specs.append(FullRunSpec(**common, grad_accum=accum, capturable_optimizer=True, graph_optimizer=True))
+    extra = dict(model=model_config(False), steps=steps, capture_step=capture_step)
+    c = capture_step  # evaluations before the training capture too: they install parameters eagerly
+    specs.append(FullRunSpec(**extra, grad_accum=2, short_steps=(c + 4,),
+                             eval_steps=tuple(sorted({1, c - 1, c, c + 2, c + 3, c + 5, c + 6} - {0}))))
+    specs.append(FullRunSpec(**extra, capturable_optimizer=True, graph_optimizer=True, delete_step=capture_step + 3))
+    # sync-free clipping (its all-reduce included) inside the optimizer graph
+    specs.append(FullRunSpec(**extra, grad_accum=2, capturable_optimizer=True, graph_optimizer=True, max_norm=0.5))
+    # activation checkpointing: each layer's forward (and its gather) runs again inside the captured backward
+    specs.append(FullRunSpec(**extra, grad_accum=2, activation_checkpointing=True))
+    # dropless MoE (grouped_mm experts, bf16, no host sync): permute, grouped GEMMs, unpermute inside the graph
+    for m in models:
+        specs.append(FullRunSpec(model=model_config(m == "te", **GROUPED_MOE), steps=steps,
+                                 capture_step=capture_step, grad_accum=2, capturable_optimizer=True,
+                                 graph_optimizer=True))
+    # gradients reduced in bf16 into fp32 main gradients ([Note: reducing in another dtype]), each model
+    for m in models:
+        specs.append(FullRunSpec(model=model_config(m == "te"), steps=steps, capture_step=capture_step,
+                                 grad_accum=2, capturable_optimizer=True, graph_optimizer=True,
+                                 reduce_dtype=torch.bfloat16))
+    # gradients of the warmup steps, the capture and the first replay, compared too (see record_grad_steps)
+    specs = [dataclasses.replace(sp, record_grad_steps=capture_step + 2, optimizer=optimizer) for sp in specs]
+    return specs
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["torch", "te"], choices=["torch", "te"])
@@ -401,35 +439,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     models = ["torch"] if args.quick else [m for m in args.models if m != "te" or HAS_TE]
     skipped = [f"te: {TE_REASON}"] if "te" in args.models and not HAS_TE and not args.quick else []
     strategies = ["no_shard", "optim_grads_params"] if args.quick else STRATEGIES
-    specs: List[FullRunSpec] = []
-    for m in models:
-        for s in strategies:
-            common = dict(model=model_config(m == "te"), steps=args.steps, capture_step=args.capture_step, sharding_strategy=s)
-            # one and two micro-batches, each with the eager Adam and with capturable Adam in an optimizer graph
-            for accum in (1, 2):
-                specs.append(FullRunSpec(**common, grad_accum=accum))
-                specs.append(FullRunSpec(**common, grad_accum=accum, capturable_optimizer=True, graph_optimizer=True))
-    extra = dict(model=model_config(False), steps=args.steps, capture_step=args.capture_step)
-    c = args.capture_step  # evaluations before the training capture too: they install parameters eagerly
-    specs.append(FullRunSpec(**extra, grad_accum=2, short_steps=(c + 4,),
-                             eval_steps=tuple(sorted({1, c - 1, c, c + 2, c + 3, c + 5, c + 6} - {0}))))
-    specs.append(FullRunSpec(**extra, capturable_optimizer=True, graph_optimizer=True, delete_step=args.capture_step + 3))
-    # sync-free clipping (its all-reduce included) inside the optimizer graph
-    specs.append(FullRunSpec(**extra, grad_accum=2, capturable_optimizer=True, graph_optimizer=True, max_norm=0.5))
-    # activation checkpointing: each layer's forward (and its gather) runs again inside the captured backward
-    specs.append(FullRunSpec(**extra, grad_accum=2, activation_checkpointing=True))
-    # dropless MoE (grouped_mm experts, bf16, no host sync): permute, grouped GEMMs, unpermute inside the graph
-    for m in models:
-        specs.append(FullRunSpec(model=model_config(m == "te", **GROUPED_MOE), steps=args.steps,
-                                 capture_step=args.capture_step, grad_accum=2, capturable_optimizer=True,
-                                 graph_optimizer=True))
-    # gradients reduced in bf16 into fp32 main gradients ([Note: reducing in another dtype]), each model
-    for m in models:
-        specs.append(FullRunSpec(model=model_config(m == "te"), steps=args.steps, capture_step=args.capture_step,
-                                 grad_accum=2, capturable_optimizer=True, graph_optimizer=True,
-                                 reduce_dtype=torch.bfloat16))
-    # gradients of the warmup steps, the capture and the first replay, compared too (see record_grad_steps)
-    specs = [dataclasses.replace(sp, record_grad_steps=args.capture_step + 2, optimizer=args.optimizer) for sp in specs]
+    specs = plan_rows(models, strategies, steps=args.steps, capture_step=args.capture_step, optimizer=args.optimizer)
     # Determinism control: each model's first eager run, twice. A row can only be bit-exact if eager is
     # reproducible; a failing repeat says the mismatch is in the kernels, not in the graph.
     repeats = []

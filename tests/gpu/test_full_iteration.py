@@ -12,12 +12,12 @@ import torch
 
 from tests.gpu_utils import NO_GPU, launcher, run_json
 
+from fsdp_cudagraph.apps.full_iteration_align import STRATEGIES, plan_rows
 from fsdp_cudagraph.capture.te import HAS_TE
 
 # The full matrix takes about 80 s on one H100: it is opt-in (`pytest -m matrix`); `pytest -m gpu` runs the
 # TE and torch rows of one strategy each ([Note: the quick and the full matrix] in test_gpu.py).
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)]
-STRATEGIES = 4
 CONTROLS = {".item() in the step", "host sync only under capture", "CPU tensor in the step",
             "ZeRO-3 without double buffer", "strict shape change", "one token perturbed at step 4"}
 
@@ -27,14 +27,28 @@ def _run(tmp_path, nproc: int, extra=()) -> dict:
                     tmp_path / f"fi-align-{nproc}gpu.json")
 
 
+MODELS = ["torch", "te"] if HAS_TE else ["torch"]  # the app's default --models, TE's only where TE imports
+
+
+def _key(row: dict) -> tuple:
+    return (row["model"], row["moe_experts"], row["strategy"], row["grad_accum"], row["graph_optimizer"],
+            row["max_norm"], row["activation_checkpointing"], row["delete_step"])
+
+
+def _planned(steps: int = 20, capture_step: int = 3) -> list:
+    """The rows the app plans for its default command line (its own list: a count restated here would rot)."""
+    return [_key({"model": "te" if sp.model.use_te else "torch", "moe_experts": sp.model.moe_experts,
+                  "strategy": sp.sharding_strategy, "grad_accum": sp.grad_accum, "graph_optimizer": sp.graph_optimizer,
+                  "max_norm": sp.max_norm, "activation_checkpointing": sp.activation_checkpointing,
+                  "delete_step": sp.delete_step})
+            for sp in plan_rows(MODELS, STRATEGIES, steps=steps, capture_step=capture_step, optimizer="adam_fused")]
+
+
 def _check(res: dict, world: int) -> None:
     assert res["world_size"] == world and res["all_ok"]
     rows = res["rows"]
-    models = 2 if HAS_TE else 1
-    # per model and strategy: accumulation 1 and 2, each with the optimizer eager and graphed; then shape change
-    # with evaluation, delete(), clipping, activation checkpointing; per model, gradients reduced in bf16
-    assert len(rows) == models * STRATEGIES * 2 * 2 + 4 + models
-    assert sum(r["reduce_dtype"] == "torch.bfloat16" for r in rows) == models
+    assert [_key(r) for r in rows] == _planned(res["steps"], res["capture_step"])
+    assert sum(r["reduce_dtype"] == "torch.bfloat16" for r in rows) == len(MODELS)
     bad = [(r["model"], r["strategy"], r["grad_accum"], r["first_mismatch_step"]) for r in rows if not r["equal"]]
     assert not bad, bad
     # the graphed runs really replayed: capture at step 3 of 20, 17 replays (minus fallbacks and deletes)
@@ -53,7 +67,7 @@ def test_full_iteration_rows_1gpu(tmp_path):
     """Quick form: the no_shard rows (the last to go bit-exact) of both models, both optimizers, accum 1 and 2."""
     res = _run(tmp_path, 1, ["--no-controls", "--only", "te:no_shard", "torch:no_shard"])
     rows = res["rows"]
-    assert res["all_ok"] and len(rows) == (2 if HAS_TE else 1) * 4, [(r["model"], r["grad_accum"]) for r in rows]
+    assert res["all_ok"] and [_key(r) for r in rows] == [k for k in _planned() if k[2] == "no_shard"], rows
     bad = [(r["model"], r["strategy"], r["grad_accum"], r["first_mismatch_step"]) for r in rows if not r["equal"]]
     assert not bad, bad
 
