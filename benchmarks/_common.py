@@ -36,7 +36,7 @@ from fsdp_cudagraph.checker.records import versions  # noqa: E402
 
 __all__ = ["ROOT", "NVLS_OFF", "init_process_group", "cuda_time_ms", "record_fields"]
 
-#: NVLink multicast off (the lent GPU machines refuse it; KINDS.md of the device tool), set before NCCL starts.
+#: NVLink multicast off (the GPU machines used for the records refuse it), set before NCCL starts.
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 

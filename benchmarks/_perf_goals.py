@@ -1,9 +1,9 @@
 """The hardware floor of a training step and the verdicts of the performance goals: pure arithmetic, no GPU.
 
 ``bench_partial_graphs.py --suite full`` measures two device rates (bf16 matmul FLOP/s, device copy bytes/s),
-times the columns of ``bench_full_iteration`` and hands both to :func:`evaluate` with issue 22's :data:`GOALS`;
+times the columns of ``bench_full_iteration`` and hands both to :func:`evaluate` with the performance goals, :data:`GOALS`;
 ``bench_engines.py`` adds the collective rates for :func:`floor_with_comm_ms` and evaluates
-:data:`ENGINE_GOALS` (issues 38 and 35). This module stays free of CUDA so that ``tests/apps/test_perf_goals.py``
+:data:`ENGINE_GOALS` (the engines-at-scale and MoE goals). This module stays free of CUDA so that ``tests/apps/test_perf_goals.py``
 checks it on CPU.
 
 [Note: the floor of a step]
@@ -187,7 +187,7 @@ class Goal:
     goal: float
 
 
-#: Issue 22's goals. "full" is the ``full_iteration`` column (optimizer eager), the one of the issue's table.
+#: The performance goals. "full" is the ``full_iteration`` column (optimizer eager), the one of the goals' table.
 GOALS: List[Goal] = [
     Goal("eager step / floor", "compute", "ms", "eager", "floor", 1.3),
     Goal("eager step / FSDP2 eager", "compute", "ms", "eager", "fsdp2", 0.8),
@@ -202,7 +202,7 @@ GOALS: List[Goal] = [
 ]
 
 
-#: Issue 38's goals (config ``llama8b``) and issue 35's (config ``olmoe``) over ``bench_engines.py``'s columns.
+#: The engines-at-scale goals (config ``llama8b``) and the MoE goals (config ``olmoe``) over ``bench_engines.py``'s columns.
 #: A tokens/s goal "a >= x * b" with the same tokens per step is the step-time goal "a / b <= 1 / x".
 ENGINE_GOALS: List[Goal] = [
     Goal("ours eager step / floor with communication", "llama8b", "ms", "ours_eager", "floor", 1.2),

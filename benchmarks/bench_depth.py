@@ -25,7 +25,7 @@ depth, is the column's ms per layer (a run on a shared host can vary by 50%, so 
 figure). The graphed columns' losses are compared with their engine's eager column (``torch.equal``,
 recorded as ``equal``). ``--profile COLUMN`` then runs 5 more steps of that column at the largest depth under
 cProfile and prints where the host time goes (by own time), for the next cut. The physical floor of a graphed layer is one replay (~10 us) plus the engine's
-per-unit collectives launch and hooks; the issue's goal is <= 0.15 ms per layer, flat in depth.
+per-unit collectives launch and hooks; the goal is <= 0.15 ms per layer, flat in depth.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ ahead of a GPU-bound step it waits there, so it then reads as the step time: ``-
 K's CUDA runtime calls and operators by their own host time) and the first losses. Each
 column is reported against the floor with communication ([Note: the floor with communication] in
 ``_perf_goals.py``; the all-gather and reduce-scatter rates of a layer-sized collective measured in the same
-run) and the goals of issue 38 (llama8b) and issue 35 (olmoe) get PASS / NOISE / FAIL / MISSING verdicts
+run) and the engines-at-scale goals (llama8b) and the MoE goals (olmoe) get PASS / NOISE / FAIL / MISSING verdicts
 (``_perf_goals.ENGINE_GOALS``); a column that does not apply here (slots on one rank, NVIDIA on CPU) is
 ``skipped`` with its reason and its goals are N/A.
 
@@ -145,7 +145,7 @@ def _olmoe_config(args: argparse.Namespace, *, fuse_wgrad: bool, experts: str) -
     from fsdp_cudagraph.apps import model as gpt
 
     if not hasattr(gpt, "olmoe_config"):
-        raise ImportError("fsdp_cudagraph.apps.model has no olmoe_config yet (issue 35 item 1, the dropless MoE); "
+        raise ImportError("fsdp_cudagraph.apps.model has no olmoe_config yet (the dropless MoE); "
                           "--config olmoe needs it")
     if args.cpu_smoke:
         return gpt.olmoe_config(vocab_size=128, hidden_size=32, num_layers=args.layers, num_heads=4, seq_len=16,

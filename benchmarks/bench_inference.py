@@ -14,7 +14,7 @@ Sections (each compares ``inference_cuda_graph_scope`` none / layer / block on t
             after the capture: training losses, final parameters and training-graph replays against the same
             run without evaluation (torch.equal), graphed against eager evaluation losses
 
-Run (1 GPU; 2 GPUs when lent; ``--quick`` is the reduced run of tests/gpu/test_inference.py)::
+Run (1 GPU, or 2 GPUs; ``--quick`` is the reduced run of tests/gpu/test_inference.py)::
 
     python benchmarks/bench_inference.py --out inference-1gpu.json
     python benchmarks/bench_inference.py --cpu-smoke      # the logic on CPU (Gloo, protocol backends), no graphs

@@ -18,7 +18,7 @@ Run on 2 GPUs (1 GPU works too)::
 Reports median step time over the steps after ``--skip`` (capture happens at step 3), tokens/s over the
 whole data-parallel group, peak memory, capture time and the memory the graphs hold.
 
-The regression check of issue 22 (one GPU)::
+The regression check of the performance goals (one GPU)::
 
     python benchmarks/bench_partial_graphs.py --suite full --out benchmarks/results/perf_goals.json
 

@@ -16,7 +16,7 @@ JSON; this launcher merges them and adds ratios)::
 
     python benchmarks/bench_peers.py --engine all --wheel-dir .whl --out benchmarks/results/peers.json
 
-One engine at a time (NVLink multicast must stay off on the lent machines)::
+One engine at a time (NVLink multicast must stay off on the GPU machines used for the records)::
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     torchrun --nproc-per-node 2 benchmarks/bench_peers.py --engine ours --out /tmp/ours.json

@@ -11,7 +11,7 @@ Columns, all in one process on the same data (bf16 compute):
   ours_noclone        + clone_param_grads=False (TE returns its static gradient buffers)
   ours_noclone_fused  + fused Adam over the flat shards
 The ``ours_*`` graphed columns must keep losses bit-identical to ``ours_eager`` (checked and recorded); the
-ratio to ``nofsdp_graphed`` is the launch-bound goal of issue 17 (<= 1.05). ``--profile`` adds a
+ratio to ``nofsdp_graphed`` is the launch-bound goal of less work per replay (<= 1.05). ``--profile`` adds a
 torch.profiler table (top CPU ops) of ``ours_noclone_fused``'s replayed steps. Needs a CUDA GPU and TE.
 """
 

@@ -8,7 +8,7 @@ tensor above 10k elements is still reachable from Python.
 
     python benchmarks/diagnose/graph_memory.py
 
-H100, torch 2.11.0+cu130 (session 6): eager rows leave 65 MiB (the same after each); the graphed rows leave
+H100, torch 2.11.0+cu130 (2026-11-25, at `08d8793`): eager rows leave 65 MiB (the same after each); the graphed rows leave
 455, 715, 975 MiB (the first 390 MiB more, each later one 260 MiB more); plain ``make_graphed_callables``
 leaves 65 MiB more per build with no project code involved; no CUDA tensor is reachable from Python.
 """

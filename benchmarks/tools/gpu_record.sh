@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU record, by suite: versions, logs and JSON of each stage under $OUT (the device tool's output folder).
+# The GPU record, by suite: versions, logs and JSON of each stage under $OUT (default /tmp/out).
 #
 #   COMMIT=<sha> [NPROC=<n>] bash benchmarks/tools/gpu_record.sh <stage> [<stage> ...]
 #
-# Stages (each one call of the device tool, under its 10 minutes, except `all`; NPROC defaults to the GPUs
+# Stages (each sized to run in under 10 minutes, except `all`; NPROC defaults to the GPUs
 # visible, and the NPROC-GPU half of a stage is skipped on one GPU):
 #   align           the partial-graph alignment matrix (python -m fsdp_cudagraph.apps.align: TE and torch
 #                   backends) on 1 GPU and on NPROC                                  -> align-{1,N}gpu.json
@@ -43,7 +43,7 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD NCCL_NVLS_ENABLE=0
-# The records' "commit" (fsdp_cudagraph.checker.records.versions): the device's copy of .git can name an older
+# The records' "commit" (fsdp_cudagraph.checker.records.versions): a copy of .git on the GPU machine can name an older
 # HEAD than the tree that runs, so COMMIT, when given, wins.
 [ -n "${COMMIT:-}" ] && export GIT_COMMIT=${GIT_COMMIT:-$COMMIT}
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
