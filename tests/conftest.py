@@ -1,7 +1,9 @@
 """The suite's shared fixtures and its markers by folder.
 
 Markers (registered in pyproject.toml, run with ``--strict-markers``):
-- ``gpu``: every test under ``tests/gpu/`` (added here, by folder); each still skips without a GPU, with the reason.
+- ``gpu``: every test under ``tests/gpu/`` (added here, by folder) except the full matrices, which carry ``matrix``
+  and run with ``-m matrix`` ([Note: the quick and the full matrix] in ``tests/gpu/test_alignment.py``); each still
+  skips without a GPU, with the reason.
 - ``gloo``: tests that spawn CPU ranks with a Gloo process group; each such file says so itself (``pytestmark``).
 - ``quick``: the subset that ``bash scripts/test.sh -m quick`` runs in under two minutes on two cores: the
   unit tests (config, hooks, layout, arguments, buckets), the partial-graph protocol schedule on 2 Gloo ranks
@@ -57,8 +59,8 @@ def pytest_ignore_collect(collection_path, config: pytest.Config):
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     for item in items:
         relpath = os.path.relpath(str(item.path), _TESTS).replace(os.sep, "/")
-        if relpath.startswith("gpu/"):
-            item.add_marker(pytest.mark.gpu)
+        if relpath.startswith("gpu/") and item.get_closest_marker("matrix") is None:
+            item.add_marker(pytest.mark.gpu)  # a full matrix stays opt-in ([Note: the quick and the full matrix])
         if _is_quick(relpath, item.name):
             item.add_marker(pytest.mark.quick)
 

@@ -1,5 +1,6 @@
-"""One line per test file from each of pytest's JUnit XML files: how many passed, failed, errored and skipped, and why each
-non-passing test did not pass. ``gpu_record.sh pytest`` prints it last, so a red GPU suite is seen at a glance.
+"""One line per test file from each of pytest's JUnit XML files: how many passed, failed, errored and skipped,
+and why each non-passing test did not pass. ``gpu_record.sh pytest`` prints it last, so that a red GPU suite is
+seen at a glance.
 
     python3 benchmarks/tools/pytest_verdict.py run.xml [more.xml ...] [--json verdict.json]
 

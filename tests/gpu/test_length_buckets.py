@@ -8,34 +8,18 @@ gradient on padding, eager packed within tolerance (with a perturbed-model contr
 several buckets and the overflow fallback. Set FSDP_CUDAGRAPH_RESULTS to keep the JSON.
 """
 
-import json
 import os
-import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON
+from tests.gpu_utils import NO_GPU, ROOT, run_json
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-NO_GPU = "needs a CUDA GPU: CUDA graphs and NCCL only exist there (this machine has torch.cuda.is_available() == False)"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)]
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2,
                               reason=f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
-
-
-def _run(cmd, tmp_path, name: str) -> dict:
-    out = tmp_path / name
-    env = dict(os.environ, PYTHONPATH=ROOT, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-    proc = subprocess.run(cmd + ["--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
-    keep = os.environ.get("FSDP_CUDAGRAPH_RESULTS")
-    if keep and out.exists():
-        os.makedirs(keep, exist_ok=True)
-        shutil.copy(out, os.path.join(keep, name))
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
 
 
 def _assert_record(res: dict, world: int) -> None:
@@ -49,14 +33,15 @@ def _assert_record(res: dict, world: int) -> None:
 
 
 def test_vision_record_torch_backend_1gpu(tmp_path):
-    _assert_record(_run([sys.executable, "-m", "fsdp_cudagraph.apps.vision"], tmp_path, "length-buckets-record-1gpu.json"), 1)
+    res = run_json([sys.executable, "-m", "fsdp_cudagraph.apps.vision"], tmp_path / "length-buckets-record-1gpu.json")
+    _assert_record(res, 1)
 
 
 @pytest.mark.te
 @pytest.mark.skipif(not HAS_TE, reason=TE_REASON or "TE present")
 def test_vision_record_te_backend_1gpu(tmp_path):
-    res = _run([sys.executable, "-m", "fsdp_cudagraph.apps.vision", "--backend", "te"], tmp_path,
-               "length-buckets-record-te-1gpu.json")
+    res = run_json([sys.executable, "-m", "fsdp_cudagraph.apps.vision", "--backend", "te"],
+                   tmp_path / "length-buckets-record-te-1gpu.json")
     _assert_record(res, 1)
 
 
@@ -64,12 +49,12 @@ def test_vision_record_te_backend_1gpu(tmp_path):
 @TWO_GPUS
 def test_vision_record_2gpu(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "fsdp_cudagraph.apps.vision"]
-    _assert_record(_run(cmd, tmp_path, "length-buckets-record-2gpu.json"), 2)
+    _assert_record(run_json(cmd, tmp_path / "length-buckets-record-2gpu.json"), 2)
 
 
 def test_benchmark_smoke_1gpu(tmp_path):
-    res = _run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_length_buckets.py"), "--quick",
-                "--buckets", "256", "512", "--warm", "1", "--timed", "3"], tmp_path, "length-buckets-bench-smoke.json")
+    res = run_json([sys.executable, os.path.join(ROOT, "benchmarks", "bench_length_buckets.py"), "--quick",
+                "--buckets", "256", "512", "--warm", "1", "--timed", "3"], tmp_path / "length-buckets-bench-smoke.json")
     assert [r["bucket"] for r in res["rows"]] == [256, 512]
     assert all(r["graph_memory_bytes"] >= 0 and r["capture_seconds"] > 0 for r in res["rows"])
     assert res["runs"]["graphed"]["stats"]["eager_overflow"] == 0
