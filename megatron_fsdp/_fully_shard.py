@@ -238,6 +238,8 @@ class MegatronFSDP(nn.Module):
 
         self.units: List[FSDPUnit] = []
         self.root_unit: Optional[FSDPUnit] = None
+        #: further name of a tied parameter -> the name its unit holds it under ([Note: tied parameters])
+        self.tied_names: Dict[str, str] = {}
         self.slot_owner: List[Optional[FSDPUnit]] = [None, None]
         self._pending: "collections.deque[_PendingReduce]" = collections.deque()
         #: gradient slot -> the unit whose TE modules write into it during its backward ([Note: fused weight gradients])
@@ -378,6 +380,29 @@ class MegatronFSDP(nn.Module):
             self.root_unit = FSDPUnit(engine=self, name="", module=self.module, names=root_names, params=root_params, index=-1, is_root=True)
         for u in self.units:
             u.module._megatron_fsdp_unit = u  # type: ignore[attr-defined]
+        self.tied_names = self._tied_names()
+
+    def _tied_names(self) -> Dict[str, str]:
+        """Every further name of a tied parameter -> the name its unit holds it under (state-dict keys).
+
+        [Note: tied parameters]
+        A parameter reachable under several names (``head.weight = tok.weight``, or two modules of one unit
+        sharing a norm) lives once in its unit's flat buffer, under the first of its names the unit plan meets
+        (``named_parameters()``'s first, for the root). The unwrapped model's ``state_dict()`` holds every name, each the same
+        tensor, and so do FSDP2's and ``torch.distributed.checkpoint``'s state dicts: a checkpoint of ours must
+        load into them and theirs into ours. So ``state_dict()`` and ``sharded_state_dict()`` give every further
+        name the very tensor (DTensor) of the first, and DCP stores it under each name, the same values.
+        ``load_state_dict`` expects every name, as the unwrapped model's does, takes the value from whichever
+        names are present and refuses names of one parameter that disagree; ``load_sharded_state_dict`` reads the
+        first name, or another when the first is absent. The optimizer's state stays under the first name only
+        (the parameter is stepped once).
+        """
+        first = {id(p): n for u in self.all_units() for n, p in zip(u.names, u.all_params)}
+        tied: Dict[str, str] = {}
+        for pn, p in self.module.named_parameters(remove_duplicate=False):
+            if pn != first[id(p)]:
+                tied[_state_dict.clean_fqn(pn)] = _state_dict.clean_fqn(first[id(p)])
+        return tied
 
     @staticmethod
     def _own_params(m: nn.Module, unit_set: set) -> Iterator[Tuple[str, nn.Parameter]]:
@@ -761,7 +786,8 @@ class MegatronFSDP(nn.Module):
         """Full fp32 parameters and persistent buffers under the unwrapped model's keys, on every rank.
 
         The nn.Module API ([Note: state dict keys and values] in _state_dict.py): a collective (all-gather
-        per unit), so call it on every rank. Values are copies; ``keep_vars`` is accepted and ignored.
+        per unit), so call it on every rank. Values are copies; ``keep_vars`` is accepted and ignored. A tied
+        parameter appears under each of its names, one tensor ([Note: tied parameters]).
         """
         if args:
             raise TypeError("MegatronFSDP.state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
