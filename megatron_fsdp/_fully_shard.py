@@ -112,7 +112,10 @@ def fully_shard(
     Parameters with ``requires_grad=False`` at this call are frozen: sharded and gathered for compute,
     never given a gradient buffer or an optimizer shard. Checkpoints: ``state_dict()`` /
     ``load_state_dict()`` (full fp32, the unwrapped model's keys; a collective), ``sharded_state_dict()``
-    and ``optimizer_state_dict(optimizer)`` for ``torch.distributed.checkpoint`` (any world size).
+    and ``optimizer_state_dict(optimizer)`` for ``torch.distributed.checkpoint`` (any world size). A plain
+    ``optimizer.state_dict()`` holds one rank's shards: it loads back only at the same world size and strategy,
+    each rank its own (other shard sizes are refused). A tied parameter keeps each of its names in the state
+    dicts ([Note: tied parameters]).
 
     Hazards: a unit runs forward once per backward (activation checkpointing's recompute excepted);
     parameters may not be shared between units; outside forward the module's parameters are not
