@@ -37,7 +37,7 @@ parameter per backward and one per forward with gradients.
 For the same reason ``model.zero_grad()`` alone would clear nothing that matters: the main-gradient shards are
 not module parameters, so ``nn.Module.zero_grad`` never sees them, and a user who zeroes through the model
 instead of the optimizer would accumulate every step's gradient into the next with no error.
-:meth:`GradientMethods.zero_grad` clears them too, as ``optimizer.zero_grad()`` over
+:meth:`MegatronFSDP.zero_grad` (in ``_fully_shard.py``) clears them too, as ``optimizer.zero_grad()`` over
 ``optimizer_parameters()`` does.
 """
 
@@ -52,7 +52,7 @@ import torch.distributed as dist
 from . import _collectives as C
 from ._common import Engine, Unit
 
-__all__ = ["GradientMethods", "clip_grad_norm_", "guard_local_norms", "total_grad_norm", "make_no_gradients", "bind_no_gradient",
+__all__ = ["clip_grad_norm_", "guard_local_norms", "total_grad_norm", "make_no_gradients", "bind_no_gradient",
            "unbind_no_gradient", "holds_gradient"]
 
 _NORMS = {torch._foreach_norm, torch.linalg.vector_norm, torch.linalg.norm, torch.norm, torch.Tensor.norm}
@@ -220,40 +220,3 @@ def clip_grad_norm_(engine: Engine, max_norm: float, norm_type: float = 2.0,
     if grads:
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return total
-
-
-class GradientMethods:
-    """The wrapper's gradient methods (a mixin of ``MegatronFSDP``): clipping and the global norm over the main
-    gradients, and ``zero_grad`` that reaches them ([Note: compute parameters hold no gradient])."""
-
-    def clip_grad_norm_(self: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                        foreach: Optional[bool] = None) -> torch.Tensor:
-        """Clip the main gradients by their global norm (all ranks); return that norm (before clipping).
-
-        The FSDP2 / Megatron-FSDP spelling of ``torch.nn.utils.clip_grad_norm_``, which is refused over
-        ``optimizer_parameters()`` (one rank's shard: [Note: local norms]) and over ``parameters()`` (no gradient
-        there: [Note: compute parameters hold no gradient]).
-        A collective: call it on every rank after backward, before ``optimizer.step()``. ``foreach`` is
-        accepted for signature compatibility.
-        """
-        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
-
-    def total_grad_norm(self: Any, norm_type: float = 2.0) -> torch.Tensor:
-        """The global norm of the main gradients without clipping (a collective)."""
-        return total_grad_norm(self, norm_type)
-
-    def zero_grad(self: Any, set_to_none: bool = True) -> None:
-        """``nn.Module.zero_grad`` that also clears the fp32 main gradients (what ``optimizer.zero_grad()`` over
-        ``optimizer_parameters()`` clears): ``set_to_none`` drops them, ``False`` zeroes them in place."""
-        super().zero_grad(set_to_none)  # type: ignore[misc]  # the compute parameters (and their sentinels)
-        for p in self.optimizer_parameters():
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:  # as torch.optim.Optimizer.zero_grad: the main gradient may be a view of a flat buffer
-                if p.grad.grad_fn is not None:
-                    p.grad.detach_()
-                else:
-                    p.grad.requires_grad_(False)
-                p.grad.zero_()

@@ -121,6 +121,8 @@ def sharded_state_dict(engine: Engine) -> Dict[str, Any]:
         for layout, local in regions(u):
             for n, value in zip(layout.names, _region_dtensors(engine, layout, local)):
                 out[clean_fqn(n)] = value
+    for name, first in engine.tied_names.items():  # the same DTensor under every name ([Note: tied parameters])
+        out[name] = out[first]
     for n, b in persistent_buffers(engine.module):
         out[n] = b.detach()
     return out
@@ -131,16 +133,21 @@ def load_sharded_state_dict(engine: Engine, state_dict: Dict[str, Any]) -> None:
 
     A collective (an all-gather per DTensor): call it on every rank. Plain full tensors are accepted too.
     """
+    # A tied parameter is read from its first name, or from another of its names when the first is absent.
+    key = {n: n for n in state_dict}
+    for name, first in engine.tied_names.items():
+        if name in state_dict and first not in key:
+            key[first] = name
     expected = {clean_fqn(n) for u in engine.all_units() for layout, _ in regions(u) for n in layout.names}
     expected |= {n for n, _ in persistent_buffers(engine.module)}
-    missing = sorted(expected - set(state_dict))
+    missing = sorted(expected - set(key))
     if missing:
         raise ValueError(f"load_sharded_state_dict: missing keys {missing[:10]}; pass the dict returned by "
                          "sharded_state_dict() after torch.distributed.checkpoint.load filled it")
     for u in engine.all_units():
         for layout, local in regions(u):
             for i, n in enumerate(layout.names):
-                _copy_in(engine, layout, local, i, state_dict[clean_fqn(n)], clean_fqn(n))
+                _copy_in(engine, layout, local, i, state_dict[key[clean_fqn(n)]], key[clean_fqn(n)])
         mark_stale(u)
     with torch.no_grad():
         for n, b in persistent_buffers(engine.module):

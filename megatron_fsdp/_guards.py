@@ -13,6 +13,13 @@
   place without moving it, so the next forward would silently compute with the weights of before the step.
   A process-wide optimizer step post-hook marks the units whose main shards the optimizer holds stale after
   every step, whatever kernel the optimizer used.
+- **A plain optimizer state dict loaded into other shards.** ``optimizer.state_dict()`` of an optimizer over
+  ``model.optimizer_parameters()`` holds this rank's shards (``exp_avg`` of the shard's length). torch loads it
+  into any optimizer with as many parameters, whatever their sizes, and the next step fails deep inside the
+  optimizer with a size mismatch (or, where sizes happen to agree, trains on other ranks' moments). The step
+  pre-hook registers a ``load_state_dict`` pre-hook on every optimizer that steps main shards, and checks the
+  state of such an optimizer at its first step (a load before the first step): state whose size is not the
+  main shard's is refused, naming the sharded checkpoint path (``model.optimizer_state_dict`` and DCP).
 - **Calls that bypass the wrapper.** ``model.module(x)`` would skip the root's unshard and refresh; a
   forward-pre hook on the wrapped module refuses it. (Calls of a unit's submodules outside the unit are
   refused by the unit's call guards, ``_unit.make_call_guard``.)
@@ -23,7 +30,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -45,6 +52,8 @@ _state: Dict[str, Any] = {"handle": None, "post_handle": None}
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Tuple[Tuple[int, ...], list, list]]" = (
     weakref.WeakKeyDictionary()
 )
+#: optimizers that step main shards and carry the load_state_dict pre-hook (``_check_loaded_state``)
+_load_guarded: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
 def mark_compute_params(engine: Engine) -> None:
@@ -78,6 +87,12 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                 if unit is not None:
                     engines[id(unit.engine)] = unit.engine
                     units.append(weakref.ref(unit))
+        if units:  # it steps main shards: their state must be this rank's shards' (a load before this step)
+            _check_shard_state(optimizer, [(p, optimizer.state.get(p, {})) for g in optimizer.param_groups
+                                           for p in g["params"]], loading=False)
+            if optimizer not in _load_guarded:  # and a later load is checked when it happens
+                optimizer.register_load_state_dict_pre_hook(_check_loaded_state)
+                _load_guarded.add(optimizer)
         cached = (sizes, [weakref.ref(e) for e in engines.values()], units)
         _checked[optimizer] = cached
     for ref in cached[1]:
@@ -99,6 +114,62 @@ def _mark_stepped_units_stale(optimizer: torch.optim.Optimizer, args: Any, kwarg
         unit = ref()
         if unit is not None:
             unit.installed_version = -1  # _install_if_stale compares it with the main shard's version
+
+
+def _check_loaded_state(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> None:
+    """``load_state_dict`` pre-hook: refuse saved state whose sizes are not this rank's main shards'."""
+    saved_groups = state_dict.get("param_groups", [])
+    if len(saved_groups) != len(optimizer.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, optimizer.param_groups)):
+        return None  # torch refuses other group sizes itself, with its own message
+    saved_state = state_dict.get("state", {})
+    pairs = [(p, saved_state.get(i, {})) for s, g in zip(saved_groups, optimizer.param_groups)
+             for i, p in zip(s["params"], g["params"])]
+    _check_shard_state(optimizer, pairs, loading=True)
+    return None
+
+
+def _check_shard_state(optimizer: torch.optim.Optimizer, pairs: List[Tuple[torch.Tensor, Dict[str, Any]]], *,
+                       loading: bool) -> None:
+    """Refuse per-parameter optimizer state that belongs to other shards (``pairs``: main shard, its state).
+
+    A state tensor is compared with the optimizer's own state of the same name where it has one (an optimizer
+    that stepped); otherwise a vector of more than one element must have the main shard's length (element-wise
+    state, e.g. Adam's moments: what ``model.optimizer_state_dict`` handles). Other state is left alone.
+    """
+    for p, state in pairs:
+        unit = getattr(p, "_megatron_fsdp_unit", None)
+        if unit is None:
+            continue
+        own = optimizer.state.get(p, {}) if loading else {}
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            current = own.get(key)
+            if isinstance(current, torch.Tensor):
+                want = tuple(current.shape)
+            elif value.dim() == 1 and value.numel() > 1:
+                want = tuple(p.shape)
+            else:
+                continue
+            if tuple(value.shape) != want:
+                _refuse_foreign_shard_state(optimizer, unit, key, tuple(value.shape), want, loading)
+
+
+def _refuse_foreign_shard_state(optimizer: torch.optim.Optimizer, unit: Any, key: str, got: Tuple[int, ...],
+                                want: Tuple[int, ...], loading: bool) -> None:
+    engine, name = unit.engine, type(optimizer).__name__
+    what = (f"{name}.load_state_dict() got state {key!r}" if loading
+            else f"{name} was loaded, before its first step, with state {key!r}")
+    raise ValueError(
+        f"[rank {engine.rank}] megatron_fsdp: {what} of shape {got} for the main shard of unit {unit.name}, which "
+        f"needs shape {want} here (world size {engine.world_size}, strategy {engine.strategy.value}). A plain "
+        "optimizer.state_dict() holds one rank's shards: it loads only into the same model sharded the same way "
+        "(same world size and strategy, each rank its own file). To load at another world size or strategy, save "
+        "model.optimizer_state_dict(optimizer) with torch.distributed.checkpoint.save, and load it with "
+        "torch.distributed.checkpoint.load into model.optimizer_state_dict(optimizer), then "
+        "model.load_optimizer_state_dict(optimizer, state)"
+    )
 
 
 def _refuse_compute_param(optimizer: torch.optim.Optimizer, tag: Tuple[Any, str, str]) -> None:

@@ -43,7 +43,7 @@ def clean_fqn(name: str) -> str:
 
 def persistent_buffers(module: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
     """(key, buffer) for every buffer that ``module.state_dict()`` would include."""
-    for mname, m in module.named_modules():
+    for mname, m in module.named_modules(remove_duplicate=False):  # a shared module's buffers under every name
         for bname, b in m._buffers.items():
             if b is not None and bname not in m._non_persistent_buffers_set:
                 yield clean_fqn(f"{mname}.{bname}" if mname else bname), b
@@ -78,6 +78,8 @@ def full_state_dict(engine: Engine) -> Dict[str, torch.Tensor]:
             full = gather_region(engine, layout, local)
             for n, v in zip(layout.names, layout.views(full)):
                 out[clean_fqn(n)] = v.clone()
+    for name, first in engine.tied_names.items():  # the same tensor, as nn.Module gives ([Note: tied parameters])
+        out[name] = out[first]
     for n, b in persistent_buffers(engine.module):
         out[n] = b.detach().clone()
     return out
@@ -96,7 +98,8 @@ def load_full_state_dict(engine: Engine, state_dict: Mapping[str, Any], *,
             for n, o, numel, shape in zip(layout.names, layout.offsets, layout.numels, layout.shapes):
                 targets[clean_fqn(n)] = (u, layout, local, o, numel, shape)
     buffers = dict(persistent_buffers(engine.module))
-    expected = set(targets) | set(buffers)
+    tied = engine.tied_names
+    expected = set(targets) | set(tied) | set(buffers)
     missing = sorted(expected - set(state_dict))
     unexpected = sorted(set(state_dict) - expected)
     if strict and (missing or unexpected):
@@ -106,25 +109,52 @@ def load_full_state_dict(engine: Engine, state_dict: Mapping[str, Any], *,
             "to load a subset"
         )
     for name, value in state_dict.items():
-        want = targets[name][5] if name in targets else (buffers[name].shape if name in buffers else None)
+        target = targets.get(tied.get(name, name))
+        want = target[5] if target is not None else (buffers[name].shape if name in buffers else None)
         if want is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(want)):
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"load_state_dict: {name} is {got}, the model expects shape {tuple(want)}; load a state "
                              "dict of the same model")
+    values = _tied_values(state_dict, targets, tied)
     with torch.no_grad():
         for name, (u, layout, local, o, numel, _) in targets.items():
-            if name not in state_dict:
+            if name not in values:
                 continue
             start, length = shard_start(engine, layout), local.numel()
             lo, hi = max(o, start), min(o + numel, start + length)
             if lo < hi:
-                src = state_dict[name].detach().reshape(-1)[lo - o : hi - o]
+                src = values[name].detach().reshape(-1)[lo - o : hi - o]
                 local[lo - start : hi - start].copy_(src)
             mark_stale(u)
         for name, b in buffers.items():
             if name in state_dict:
                 b.copy_(state_dict[name])
     return missing, unexpected
+
+
+def _tied_values(state_dict: Mapping[str, Any], targets: Mapping[str, Any],
+                 tied: Mapping[str, str]) -> Dict[str, torch.Tensor]:
+    """The value of every parameter that ``state_dict`` names, under the name its unit holds it by.
+
+    A tied parameter takes its value from whichever of its names are present; names of one parameter that
+    carry different values are refused ([Note: tied parameters] in _fully_shard.py).
+    """
+    values = {n: state_dict[n] for n in targets if n in state_dict}
+    source = {n: n for n in values}
+    for name, first in tied.items():
+        if name not in state_dict:
+            continue
+        value = state_dict[name]
+        if first not in values:
+            values[first], source[first] = value, name
+        elif value is not values[first] and not torch.equal(
+                value.detach().to(values[first].device, values[first].dtype), values[first].detach()):
+            raise ValueError(
+                f"load_state_dict: {source[first]} and {name} name one tied parameter but hold different values; "
+                f"a tied parameter has one value: give both keys the same tensor, or drop {name} and load with "
+                "strict=False"
+            )
+    return values
 
 
 def mark_stale(u: Unit) -> None:

@@ -1,5 +1,5 @@
 """The root unit's gradients borrow a gradient slot ([Note: the root's gradients in a slot],
-``megatron_fsdp/_plan.py``), on Gloo.
+``megatron_fsdp/_fully_shard.py``), on Gloo.
 
 - Under the double buffer, the root (embeddings, head, final norm) has no gradient buffer of its own: its
   buffer is a slot's storage, and the engine's gradient storage is the slots alone; ``optim`` (ZeRO-1, a full
