@@ -16,12 +16,16 @@ NO_GPU = "needs a CUDA GPU: CUDA graphs and NCCL only exist there (this machine 
 
 
 def gpu_env() -> dict:
-    """This workplace's rule for NCCL on its machines (NVLink multicast off), plus the repository on the path
-    in front of the caller's own PYTHONPATH (packages installed there, e.g. megatron-core, stay importable:
-    a test that skips on their absence in this process must find them in the child too)."""
+    """NCCL with NVLink multicast off (the GPU machines of the records refuse it), the repository on the path in
+    front of the caller's own PYTHONPATH (packages installed there, e.g. megatron-core, stay importable: a test
+    that skips on their absence in this process must find them in the child too), and a free ``MASTER_PORT`` for
+    a one-process launch (the entry points' default ports are fixed, and two GPU test runs may share a host;
+    torchrun sets its own)."""
+    from tests.dist_utils import _free_port
+
     path = os.pathsep.join([ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     return dict(os.environ, PYTHONPATH=path, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-                NVSHMEM_DISABLE_NVLS="1")
+                NVSHMEM_DISABLE_NVLS="1", MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
 
 
 def launcher(nproc: int, target: Sequence[str]) -> List[str]:

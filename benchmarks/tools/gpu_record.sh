@@ -15,9 +15,10 @@
 #                   checker's FSDP2-setting rows)
 #                   pre-scaled SUM (tests/gpu/nccl_average.py) on NPROC; nvidia needs megatron-core
 #                   (e.g. PYTHONPATH=/tmp/site)                                       -> engines-*.json, check-*.json
-#   pytest          pytest -m gpu with per-test durations: the 1-GPU run on GPU 0 beside the multi-GPU tests on
-#                   NPROC, then one verdict line per test file (tools/pytest_verdict.py) -> pytest-verdict.json
-#                   (PYTEST_SELECT: a -k expression, to split a run over several calls)
+#   pytest          pytest -m gpu with per-test durations: the 1-GPU tests on one GPU beside the multi-GPU tests on
+#                   NPROC, four processes side by side on 2+ GPUs, then one verdict line per test file
+#                   (tools/pytest_verdict.py) -> pytest-verdict.json (PYTEST_MARK="gpu or matrix": with the full
+#                   matrices; PYTEST_SELECT: a -k expression, to split a run over several calls)
 #   perf            the performance suite (bench_partial_graphs.py --suite full) on 1 GPU and NPROC and its
 #                   1 -> N table (tools/scaling.py); bench_peers --engine all where .whl/ holds Megatron-FSDP;
 #                   the compute step's budget (diagnose/profile_step.py) and what is live at its peak
@@ -123,22 +124,30 @@ stage_engines() {
 }
 
 stage_pytest() {
-  # One GPU and all GPUs side by side: the 1-GPU half on GPU 0 alone (CUDA_VISIBLE_DEVICES=0: the multi-GPU tests
-  # skip there, naming the count), the multi-GPU tests on every GPU at once; then one verdict line per file.
+  # The 1-GPU half on one GPU alone (CUDA_VISIBLE_DEVICES: the multi-GPU tests skip there, naming the count) beside
+  # the multi-GPU tests on every GPU; with 2+ GPUs each half runs as two pytest processes side by side (1-GPU: one
+  # on GPU 0, one on GPU 1), split by PYTEST_SPLIT (a -k expression and its negation). Then one verdict line per
+  # file. PYTEST_MARK: the marker expression (default gpu; "gpu or matrix" adds the full matrices).
+  local mark=${PYTEST_MARK:-gpu} split=${PYTEST_SPLIT:-alignment or check_engines or args or length_buckets}
   local py="timeout ${PYTEST_S:-560} python3 -m pytest -q -p no:cacheprovider --durations=30 -rs"
+  local sel=${PYTEST_SELECT:+ and ($PYTEST_SELECT)}
   if multi; then
-    step pytest-gpu-1.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records" $ONE $py -m gpu ${PYTEST_SELECT:+-k "$PYTEST_SELECT"} \
-      --junitxml "$OUT/pytest-1gpu.xml" &
-    step pytest-gpu-${N}.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records" $py -m "gpu and multigpu" \
-      ${PYTEST_SELECT:+-k "$PYTEST_SELECT"} --junitxml "$OUT/pytest-${N}gpu.xml"
+    local part=0 k
+    for k in "($split)$sel" "not ($split)$sel"; do
+      part=$((part + 1))
+      step pytest-gpu-1-$part.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records" CUDA_VISIBLE_DEVICES=$((part - 1)) \
+        $py -m "$mark" -k "$k" --junitxml "$OUT/pytest-1gpu-$part.xml" &
+      step pytest-gpu-$N-$part.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records-$N-$part" $py -m "($mark) and multigpu" \
+        -k "$k" --junitxml "$OUT/pytest-${N}gpu-$part.xml" &
+    done
     wait
-    tail -25 "$OUT/pytest-gpu-1.log"; tail -25 "$OUT/pytest-gpu-${N}.log"
+    tail -n 4 "$OUT"/pytest-gpu-*.log
   else
-    step pytest-gpu-1.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records" $py -m gpu ${PYTEST_SELECT:+-k "$PYTEST_SELECT"} \
+    step pytest-gpu-1.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records" $py -m "$mark" ${PYTEST_SELECT:+-k "$PYTEST_SELECT"} \
       --junitxml "$OUT/pytest-1gpu.xml"
     tail -40 "$OUT/pytest-gpu-1.log"
   fi
-  python3 benchmarks/tools/pytest_verdict.py "$OUT"/pytest-*gpu.xml --json "$OUT/pytest-verdict.json"
+  python3 benchmarks/tools/pytest_verdict.py "$OUT"/pytest-*gpu*.xml --json "$OUT/pytest-verdict.json"
 }
 
 stage_perf() {
