@@ -25,7 +25,8 @@ from torch import nn
 
 # The sentinels and their reader are part of the engine contract (an adapter calls read_sentinel); re-exported.
 from fsdp_cudagraph.engines.contract import HOOK_DICTS, HOOK_KEYS, POST_SENTINEL, PRE_SENTINEL, HookPlan
-from fsdp_cudagraph.engines.hookplan import adapt, plan_bare_hooks, read_sentinel, sentinel_plan
+from fsdp_cudagraph.engines.hookplan import adapt, read_sentinel, sentinel_plan
+from fsdp_cudagraph.engines.registry import plan_bare_hooks
 
 __all__ = ["HOOK_KEYS", "HOOK_DICTS", "ExtractedHooks", "extract_hooks", "restore_hooks", "hooks_snapshot", "read_sentinel",
            "sentinel_plan", "adapt", "PRE_SENTINEL", "POST_SENTINEL"]
@@ -61,7 +62,7 @@ def extract_hooks(module: nn.Module, hook_plan: Optional[Callable[[Mapping[str, 
     """Phase 1 (copy and clear) then phase 2 (reroute) for one callable.
 
     ``hook_plan``: phase 2, e.g. an :class:`EngineAdapter`'s ``hook_plan``. Default: the plan of the registered
-    engine that recognises these hooks (``engines.hookplan.plan_bare_hooks``), else :func:`sentinel_plan`.
+    engine that recognises these hooks (``engines.registry.plan_bare_hooks``), else :func:`sentinel_plan`.
     """
     saved: Dict[str, "OrderedDict[int, Any]"] = {}
     for name in _DICTS + _FLAGS:

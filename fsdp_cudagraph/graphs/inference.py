@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from fsdp_cudagraph.config import WHOLE_STEP_BACKENDS, CudaGraphConfig, InferenceCudaGraphScope
-from fsdp_cudagraph.engines.contract import FORWARD_ONLY_BUFFERS
+from fsdp_cudagraph.engines.contract import FORWARD_ONLY_BUFFERS, StaticStepEngine, per_layer_engine, static_step_engine
 from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.capture import args as _args
 from fsdp_cudagraph.capture import protocol as _protocol
@@ -154,29 +154,38 @@ class InferenceCudaGraphs:
                             "Buckets.powers_of_two(8)")
         if isinstance(max_graph_sets, bool) or not isinstance(max_graph_sets, int) or max_graph_sets < 1:
             raise ValueError(f"max_graph_sets={max_graph_sets!r} must be an int >= 1")
-        #: The engine contract (None: a plain module); refuses an engine's inner module, naming the object to pass.
-        self.engine = adapter_for(model)
+        #: The engine contract (a plain module's adapter without an engine); refuses an engine's inner module, naming
+        #: the object to pass.
+        self.engine = per_layer_engine(adapter_for(model), "InferenceCudaGraphs")
+        #: The engine's static step (contract item 9), where it has one: block graphs then hold its work.
+        self.step = self.engine.static_step()
+        self._has_static_step = isinstance(self.step, StaticStepEngine)
         self.model = model
-        self.root = self.engine.root if self.engine is not None else model
+        self.root = self.engine.root
         self.config = config
         self.scope = InferenceCudaGraphScope(config.inference_cuda_graph_scope)
         self.batch_buckets, self.seq_buckets = batch_buckets, seq_buckets
         self.pad_value = pad_value
         self.max_graph_sets = max_graph_sets
-        self.rank = self.engine.rank if self.engine is not None else 0
+        self.rank = self.engine.rank
         params = list(model.parameters())
         self.device = params[0].device if params else torch.device("cpu")
         self.backend = _streams.graph_backend(backend, self.device, INFERENCE_BACKENDS)
         self._padding = BatchPadding(batch_buckets, seq_buckets, pad_value)
         if seq_buckets is not None:
             self._padding.check_causal(self.root, causal)
-        if self.engine is not None and self.scope is not InferenceCudaGraphScope.NONE:
-            # [Note: fixed addresses] in engines/contract.py: a forward-only graph reads the unshard buffers only.
-            self.engine.require_fixed_buffers(f"inference_cuda_graph_scope='{self.scope}'", FORWARD_ONLY_BUFFERS)
+        if self.scope is not InferenceCudaGraphScope.NONE:
+            what = f"inference_cuda_graph_scope='{self.scope}'"
+            if self._has_static_step:
+                # [Note: fixed addresses] in engines/contract.py: a forward-only graph reads the unshard buffers only.
+                self.step.require_fixed_buffers(what, FORWARD_ONLY_BUFFERS)
+            elif self.engine.unit_modules():
+                # Units that gather in hooks, and no static step to fix where they gather to: refused, naming both.
+                static_step_engine(self.engine, what)
         self._layers: List[_Layer] = self._select_layers(layer_modules) if self.scope is InferenceCudaGraphScope.LAYER else []
         #: block graphs of an engine hold its work, collectives included, as a static step (graph_contract.py)
-        self._static = self.scope is InferenceCudaGraphScope.BLOCK and self.engine is not None
-        self._agree = self._static and self.engine.world_size > 1
+        self._static = self.scope is InferenceCudaGraphScope.BLOCK and self._has_static_step
+        self._agree = self._static and self.step.world_size > 1
         self._blocks: Dict[Any, _Graph] = {}
         self._keys: set = set()
         self._limit_warned = False
@@ -192,8 +201,8 @@ class InferenceCudaGraphs:
     # ------------------------------------------------------------------ set-up
     def _select_layers(self, layer_modules: Optional[Sequence[Union[Type[nn.Module], str]]]) -> List[_Layer]:
         if layer_modules is None:
-            if self.engine is not None:
-                wanted = {id(u) for u in self.engine.unit_modules()}
+            wanted = {id(u) for u in self.engine.unit_modules()}
+            if wanted:
                 chosen = [(n, m) for n, m in self.root.named_modules() if id(m) in wanted]
             elif isinstance(getattr(type(self.root), "unit_class", None), property):
                 cls = self.root.unit_class
@@ -274,7 +283,7 @@ class InferenceCudaGraphs:
                 padded_batch = None
         if self._agree:
             padded_batch, padded_seq = self._padding.agree(leaves, padded_batch, padded_seq, device=self.device,
-                                                           group=self.engine.process_group, rank=self.rank)
+                                                           group=self.step.process_group, rank=self.rank)
             if padded_batch is None and self.config.cuda_graph_strict_signature:
                 raise ValueError(f"[rank {self.rank}] InferenceCudaGraphs: a rank's call exceeds the largest bucket "
                                  f"(batch buckets {list(self.batch_buckets.sizes)}); refused in strict mode on every rank")
@@ -370,9 +379,9 @@ class InferenceCudaGraphs:
             return _args.flatten(fn(*a, **kw))
 
         g = _Graph(name, body, static_in, static)
-        engine = self.engine
-        bound = engine.grads_bound() if static else frozenset()
-        start = (lambda: engine.begin_static_step(replace_grads=False)) if static else (lambda: None)
+        step = self.step
+        bound = step.grads_bound() if static else frozenset()
+        start = (lambda: step.begin_static_step(replace_grads=False)) if static else (lambda: None)
         meter = _recipe.CaptureMeter(self.device, cuda=self.backend == "torch")
         try:
             num_warmup = self.config.cuda_graph_num_warmup_iters
@@ -397,7 +406,7 @@ class InferenceCudaGraphs:
             raise
         finally:
             if static:  # as after a replay; a failed capture ran nothing that counts
-                engine.end_static_step(bound=bound)
+                step.end_static_step(bound=bound)
         g.params, g.param_ptrs = params, _recipe.addresses(params)
         shape = ", ".join(str(tuple(t.shape)) for t in leaves)
         self.captures.append(InferenceCapture(name, shape, meter.seconds(), meter.memory(), list(g.collectives)))
@@ -410,10 +419,10 @@ class InferenceCudaGraphs:
             _recipe.refuse_moved(g.params, g.param_ptrs, who=f"the inference graph of {g.name}", rank=self.rank,
                                  fix="Do not reassign parameters while inference graphs exist: delete() them and "
                                      "build a new InferenceCudaGraphs")
-        engine = self.engine
+        step = self.step
         if g.static:
-            engine.quiesce()  # an eager collective still in flight would race with the graph
-            bound = engine.grads_bound()
+            step.quiesce()  # an eager collective still in flight would race with the graph
+            bound = step.grads_bound()
         for s, t in zip(g.static_in, leaves):
             if t is not s:
                 s.copy_(t)
@@ -421,7 +430,7 @@ class InferenceCudaGraphs:
             g.graph.replay()  # protocol backend: checked against the capture (capture/protocol.py)
         finally:
             if g.static:
-                engine.end_static_step(bound=bound)
+                step.end_static_step(bound=bound)
         g.replays += 1
         self.counters["replays"] += 1
         return g.static_out
@@ -434,13 +443,12 @@ class InferenceCudaGraphs:
 
     def _guard(self, static: bool, log: List[str]) -> Any:
         """The engine's guard around a capture: collectives captured in a static (block) graph, refused otherwise."""
-        return (self.engine.static_capture_guard(allow_collectives=static, collective_log=log)
-                if self.engine is not None else contextlib.nullcontext())
+        return (self.step.static_capture_guard(allow_collectives=static, collective_log=log)
+                if self._has_static_step else contextlib.nullcontext())
 
     def _capture_pass(self, static: bool, log: List[str]) -> Any:
         """The protocol backend's capture pass: our capture flag, the engine's simulated capture and its guard."""
-        simulated = self.engine.simulated_capture() if self.engine is not None else None
-        return _protocol.capture_pass(simulated, self._guard(static, log))
+        return _protocol.capture_pass(self.engine.simulated_capture(), self._guard(static, log))
 
     def _all_graphs(self) -> List[_Graph]:
         return list(self._blocks.values()) + [g for layer in self._layers for g in layer.graphs.values()]

@@ -180,7 +180,7 @@ class LengthBucketGraphs:
         # needs a PartialCudaGraphs' own recording of the eager steps: inert here ("warn").
         self._core = PartialCudaGraphs(model, config, backend=backend, attention_backend="warn")
         self._core.stop_recording()  # the calls are recorded below, whatever the grad mode
-        #: The engine contract (None: a plain module), as the core resolved it.
+        #: The engine contract, as the core resolved it.
         self.engine = self._core.engine
         self._modules: Dict[str, nn.Module] = {c.name: c.module for c in self._core.callables}
         self._calls: Dict[str, Tuple[Tuple[torch.Tensor, ...], Any]] = {}
@@ -328,7 +328,7 @@ class LengthBucketGraphs:
         keys: Dict[str, str] = {}
         prev_unit, key = object(), ""
         for n in order:
-            unit = self.engine.unit_of(self._modules[n]) if self.engine is not None else None
+            unit = self.engine.unit_of(self._modules[n])
             if unit is None or unit is not prev_unit:
                 key = n
             keys[n] = key
