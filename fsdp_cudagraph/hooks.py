@@ -35,21 +35,14 @@ __all__ = ["HOOK_KEYS", "HOOK_DICTS", "ExtractedHooks", "extract_hooks", "restor
 _DICTS = HOOK_DICTS
 _FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
-@dataclasses.dataclass
-class ExtractedHooks:
-    """The hooks taken off one module: the untouched restore copy and the capture-time plan."""
+@dataclasses.dataclass(kw_only=True)
+class ExtractedHooks(HookPlan):
+    """The hooks taken off one module: the engine's :class:`HookPlan` of them (``capture_time``, ``withheld``,
+    ``unknown``, ``engine_only``) and the untouched restore copy."""
 
     module: nn.Module
     #: Exact copies of the module's hook dicts and flag dicts (same objects, ids, order).
     saved: Dict[str, "OrderedDict[int, Any]"]
-    #: TE-form capture-time hooks: key -> {hook_id: fn(module) -> None}.
-    capture_time: Dict[str, Dict[int, Callable[[nn.Module], None]]]
-    #: Hooks that were neither FSDP hooks nor sentinel wrappers: restored, reported, not run at capture.
-    unknown: List[Tuple[str, int, Any]]
-    #: Sentinel wrappers withheld from capture (their inner handlers run instead).
-    withheld: List[Tuple[str, int, Any]]
-    #: The engine's own hooks that nothing runs at capture (e.g. call guards): restored, not reported.
-    engine_only: List[Tuple[str, int, Any]] = dataclasses.field(default_factory=list)
 
 
 def hooks_snapshot(module: nn.Module) -> Dict[str, List[Tuple[int, Any]]]:
@@ -70,8 +63,7 @@ def extract_hooks(module: nn.Module, hook_plan: Optional[Callable[[Mapping[str, 
     for name in _DICTS + _FLAGS:
         getattr(module, name).clear()
     plan = hook_plan(saved) if hook_plan is not None else (plan_bare_hooks(saved) or sentinel_plan(saved))
-    return ExtractedHooks(module=module, saved=saved, capture_time=plan.capture_time, unknown=plan.unknown,
-                          withheld=plan.withheld, engine_only=plan.engine_only)
+    return ExtractedHooks(module=module, saved=saved, **{f.name: getattr(plan, f.name) for f in dataclasses.fields(HookPlan)})
 
 
 def restore_hooks(extracted: ExtractedHooks) -> None:

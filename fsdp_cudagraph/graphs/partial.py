@@ -26,7 +26,6 @@ Hazards (the rules that keep replay correct):
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import logging
 import time

@@ -157,7 +157,8 @@ class ActivationOffloader:
             raise ValueError(f"fraction={fraction!r} must be a number in (0, 1]; 1.0 offloads every group")
         if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
             raise ValueError(f"min_offload_bytes={min_offload_bytes!r} must be an int >= 0")
-        root = (model if isinstance(model, EngineAdapter) else adapter_for(model)).root
+        engine = model if isinstance(model, EngineAdapter) else adapter_for(model)
+        root = engine.root
         self.selected = select_offload_modules(root, modules, module_patterns)
         self.graphed_in = check_graph_boundaries(self.selected, graphed)
         self.fraction = float(fraction)
@@ -183,7 +184,7 @@ class ActivationOffloader:
         if taken:
             raise ValueError(f"modules {taken} are already offloaded by another ActivationOffloader (e.g. one that "
                              "PartialCudaGraphs built from the config); delete() it first, or use only one")
-        self._handles = [model.register_forward_pre_hook(self._begin_iteration)]
+        self._handles = [engine.model.register_forward_pre_hook(self._begin_iteration)]  # the wrapper: its forward
         self._installed: List[Tuple[nn.Module, bool, Any, Any]] = []
         for name, module in self.selected:
             self._install(name, module)

@@ -21,7 +21,6 @@ from torch import nn
 from fsdp_cudagraph.capture import schedules
 from fsdp_cudagraph.engines import HOOK_DICTS, HOOK_KEYS, adapter_for
 from fsdp_cudagraph.engines.plain import PlainModule
-from fsdp_cudagraph.engines import fsdp2
 from fsdp_cudagraph.engines.fsdp2 import adapter as fsdp2_adapter
 from fsdp_cudagraph.engines.fsdp2 import storage as fsdp2_storage
 from fsdp_cudagraph import keep_unsharded_storage, release_unsharded_storage

@@ -1,4 +1,4 @@
-"""The engine contract as our engine (engines/megatron_fsdp.py) and a toy engine answer it; the moved apps' aliases.
+"""The engine contract as our engine (engines/megatron_fsdp/adapter.py) and a toy engine answer it; the moved apps' aliases.
 
 No process group for the hook-plan tests; one Gloo rank for the adapter over a sharded model.
 """

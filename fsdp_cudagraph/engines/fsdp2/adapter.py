@@ -237,7 +237,7 @@ class FSDP2Engine(EngineAdapter, PerLayerEngine):
                     "next all-gather, so they move between capture and replay. Call "
                     "fsdp_cudagraph.keep_unsharded_storage(model) after fully_shard (same "
                     "numerics, unsharded parameters stay allocated), or "
-                    "fsdp_cudagraph.engines.fsdp2_slots.use_unsharded_slots(model) (same numerics, two slots "
+                    "fsdp_cudagraph.use_unsharded_slots(model) (same numerics, two slots "
                     "the size of the largest unit), or capture the whole step (full_iteration)")
             if g.reshard_after_backward and not kept:
                 raise NotImplementedError(

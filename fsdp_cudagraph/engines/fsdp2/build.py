@@ -14,7 +14,7 @@ model's: ``--device cpu`` means CPU whatever the machine has.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist

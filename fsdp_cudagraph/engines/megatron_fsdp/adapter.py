@@ -10,10 +10,9 @@ runs whole-step graphs.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import megatron_fsdp

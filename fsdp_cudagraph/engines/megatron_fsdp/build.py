@@ -6,14 +6,12 @@ main parameters stay fp32. Final parameters: full, gathered on every rank.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from fsdp_cudagraph.engines.build import (EngineBuilder, MakeOptimizer, ShardedRun, UnitSpec, cpu_copy, is_unit,
-                                          unit_classes)
+from fsdp_cudagraph.engines.build import EngineBuilder, MakeOptimizer, ShardedRun, UnitSpec, cpu_copy
 from fsdp_cudagraph.engines.registry import register_builder
 
 __all__ = ["BUILDER"]

@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_cudagraph.engines.build import (EngineBuilder, MakeOptimizer, ShardedRun, UnitSpec, cpu_copy, is_unit,
-                                          unit_classes)
+from fsdp_cudagraph.engines.build import EngineBuilder, MakeOptimizer, ShardedRun, UnitSpec, cpu_copy, unit_classes
 from fsdp_cudagraph.engines.registry import register_builder
 
 __all__ = ["BUILDER", "NVIDIA_PIP", "NVIDIA_WRAPPERS"]
