@@ -313,12 +313,11 @@ def fsdp2_builds(sources: Dict[str, str]) -> List[str]:
         if _under(name, "fsdp_cudagraph.engines") or name in FSDP2_BUILD_ALLOWED:
             continue
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed.fsdp") and any(
-                    a.name == "fully_shard" for a in node.names):
-                out.append(f"{name}:{node.lineno}: an FSDP2 build outside engines/ (use fsdp_cudagraph.engines.fsdp2's "
-                           "fsdp2_shard or shard_fsdp2: they pass a mesh on the model's device)")
-            elif isinstance(node, ast.Attribute) and node.attr == "fully_shard" and isinstance(node.value, ast.Attribute) \
-                    and node.value.attr == "fsdp" and ast.unparse(node.value).endswith("distributed.fsdp"):
+            imported = isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed.fsdp") \
+                and any(a.name == "fully_shard" for a in node.names)
+            called = isinstance(node, ast.Attribute) and node.attr == "fully_shard" \
+                and ast.unparse(node.value).endswith("distributed.fsdp")
+            if imported or called:
                 out.append(f"{name}:{node.lineno}: an FSDP2 build outside engines/ (use fsdp_cudagraph.engines.fsdp2's "
                            "fsdp2_shard or shard_fsdp2: they pass a mesh on the model's device)")
     return out
