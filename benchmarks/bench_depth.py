@@ -107,9 +107,10 @@ def _build(column: str, layers: int, args: argparse.Namespace, device: torch.dev
                             fsdp_db_use_persist_buf_on_alloc_fail=True)
         opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-4, fused=fused)
         return model, opt, PartialCudaGraphs(model, cfg, backend=backend) if graphed else None
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from fsdp_cudagraph.engines.fsdp2 import keep_unsharded_storage
+    from fsdp_cudagraph import keep_unsharded_storage
+    from fsdp_cudagraph.engines.fsdp2 import shard_fsdp2
 
     kw = {}
     if column.startswith("fsdp2_mp"):  # fp32 shards, bf16 compute, fp32 reduction
@@ -117,9 +118,7 @@ def _build(column: str, layers: int, args: argparse.Namespace, device: torch.dev
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=args.dtype, reduce_dtype=torch.float32)
     else:
         model = stack.to(args.dtype)
-    for layer in model.layers:
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
+    shard_fsdp2(model, list(model.layers), **kw)
     if graphed:
         keep_unsharded_storage(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=fused)

@@ -213,24 +213,22 @@ def _adam(device: torch.device) -> Callable[[List[nn.Parameter]], torch.optim.Op
 
 def _fsdp2_default(model: nn.Module, unit_class: type, device: torch.device) -> Sharded:
     """FSDP2 as its documentation runs it: no storage option (the checker's builder always picks one)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from fsdp_cudagraph.checker.engines import FSDP2_MIXED_PRECISION
+    from fsdp_cudagraph.engines.fsdp2 import shard_fsdp2
+    from fsdp_cudagraph.engines.fsdp2.build import FSDP2_MIXED_PRECISION
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # the policy the FSDP2 graph columns get from the checker's builder (mixed_precision="bf16"), by construction
     policy = MixedPrecisionPolicy(**FSDP2_MIXED_PRECISION["bf16"])
-    for m in reversed([m for m in model.modules() if isinstance(m, unit_class)]):
-        fully_shard(m, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    shard_fsdp2(model, list(reversed([m for m in model.modules() if isinstance(m, unit_class)])), device=device,
+                mp_policy=policy)
     return Sharded(model, _adam(device)(list(model.parameters())), False,
                    "fp32 sharded parameters, MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), "
                    "reshard_after_forward=True (default ZeRO-3)")
 
 
 def shard(column: str, model: Model, device: torch.device) -> Sharded:
-    from fsdp_cudagraph.checker.engines import engine_builder
+    from fsdp_cudagraph.engines.registry import engine_builder
 
     name, options, _ = COLUMN_SPECS[column]
     if name == "fsdp2_default":

@@ -81,8 +81,9 @@ def run_ours(column: str, cfg: GPTConfig, mbs: int, args: argparse.Namespace, de
 
 def run_fsdp2(cfg: GPTConfig, mbs: int, args: argparse.Namespace, device: torch.device, *, graphed: bool) -> Dict[str, Any]:
     """FSDP2 (torch.distributed.fsdp.fully_shard), eager or with forward+backward in one torch.cuda.graph."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fsdp_cudagraph.engines.fsdp2 import shard_fsdp2
 
     from _fsdp2_graph import Fsdp2GraphStep
 
@@ -92,12 +93,8 @@ def run_fsdp2(cfg: GPTConfig, mbs: int, args: argparse.Namespace, device: torch.
     torch.cuda.set_stream(default)  # a user's loop: the default stream (an earlier run may have moved it)
     torch.manual_seed(1234)
     model = GPT(cfg).to(device)
-    mesh = init_device_mesh("cuda", (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for m in model.modules():
-        if isinstance(m, model.unit_class):
-            fully_shard(m, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    shard_fsdp2(model, [m for m in model.modules() if isinstance(m, model.unit_class)], device=device, mp_policy=mp)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)  # the optimizer our columns use (apps default)
     batches = []
     for step in range(args.steps):

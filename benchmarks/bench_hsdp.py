@@ -124,14 +124,11 @@ def _build(engine: str, topology: str, args: argparse.Namespace, cfg: GPTConfig,
         opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-3)
         shard_numel = sum(u.layout.shard_numel for u in model.all_units() if u.grad_numel)
         return model, opt, lambda: {k: v.float().cpu() for k, v in model.full_state_dict().items()}, shard_numel
-    from torch.distributed.fsdp import fully_shard
-
-    from fsdp_cudagraph.engines.fsdp2 import keep_unsharded_storage
+    from fsdp_cudagraph import keep_unsharded_storage
+    from fsdp_cudagraph.engines.fsdp2 import shard_fsdp2
 
     gpt = gpt.to(dtype)
-    for layer in gpt.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(gpt, mesh=mesh)
+    shard_fsdp2(gpt, list(gpt.layers), mesh=mesh)
     keep_unsharded_storage(gpt)
     opt = torch.optim.Adam(gpt.parameters(), lr=1e-3)
     shard_numel = sum(p.to_local().numel() for p in gpt.parameters())

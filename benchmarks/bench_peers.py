@@ -145,15 +145,12 @@ def wrap_ours(model, TransformerBlock, dtype, args):
 
 
 def wrap_fsdp2(model, TransformerBlock, dtype, args):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    mesh = init_device_mesh(args.device, (dist.get_world_size(),))
+    from fsdp_cudagraph.engines.fsdp2 import shard_fsdp2
+
     mp = MixedPrecisionPolicy(param_dtype=dtype if dtype != torch.float32 else None, reduce_dtype=torch.float32)
-    for m in model.modules():
-        if isinstance(m, TransformerBlock):
-            fully_shard(m, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    shard_fsdp2(model, [m for m in model.modules() if isinstance(m, TransformerBlock)], device=args.device, mp_policy=mp)
     return model, torch.optim.Adam(model.parameters(), lr=args.lr), {"source": f"torch {torch.__version__}"}
 
 

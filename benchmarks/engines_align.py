@@ -58,10 +58,12 @@ def fsdp2_unavailable(engine: str) -> Optional[str]:
 
 def nvidia_unavailable() -> Optional[str]:
     """Why ``--engines nvidia`` cannot run here (None: it can): the alignment checker's own answer
-    (``fsdp_cudagraph.checker.engines``), which imports megatron-core only when asked."""
+    (``fsdp_cudagraph.engines``, one builder per engine folder), which imports megatron-core only when asked."""
     import torch
 
-    from fsdp_cudagraph.checker.engines import ENGINES as CHECKER_ENGINES, NVIDIA_PIP
+    from fsdp_cudagraph.engines.nvidia.build import NVIDIA_PIP
+    from fsdp_cudagraph.engines.registry import registered_builders
+    CHECKER_ENGINES = registered_builders()
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     why = CHECKER_ENGINES["nvidia"].unavailable(device)
@@ -111,21 +113,18 @@ def _model(engine: str, use_te: bool, seq: int, keep: bool = True):
     cfg = GPTConfig(vocab_size=1024, hidden_size=256, num_layers=4, num_heads=4, seq_len=seq, use_te=use_te)
     gpt = GPT(cfg).to(device)
     if engine.startswith("fsdp2"):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        from fsdp_cudagraph.engines.fsdp2 import keep_unsharded_storage
-        from fsdp_cudagraph.engines.fsdp2_slots import use_unsharded_slots
-
-        from fsdp_cudagraph.checker.engines import FSDP2_MIXED_PRECISION
+        from fsdp_cudagraph import keep_unsharded_storage, use_unsharded_slots
+        from fsdp_cudagraph.engines.fsdp2 import shard_fsdp2
+        from fsdp_cudagraph.engines.fsdp2.build import FSDP2_MIXED_PRECISION
 
         if engine.endswith("_mp"):  # fp32 shards, bf16 compute by FSDP2's policy (the checker's --fsdp2-mp bf16)
             policy = MixedPrecisionPolicy(**FSDP2_MIXED_PRECISION["bf16"])
         else:
             policy = MixedPrecisionPolicy()
             gpt = gpt.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
-        for layer in gpt.layers:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(gpt, mp_policy=policy)
+        shard_fsdp2(gpt, list(gpt.layers), device=device, mp_policy=policy)
         storage = "use_unsharded_slots" if "slots" in engine else "keep_unsharded_storage"
         if keep:
             (use_unsharded_slots if "slots" in engine else keep_unsharded_storage)(gpt)
@@ -165,7 +164,7 @@ def _move_a_parameter(engine: str, model) -> None:
     # NVIDIA's unshard hook points the compute parameters into its bucket again at every forward, which would
     # undo a move made here; move the parameter from a hook placed right after that unshard instead (what the
     # double buffer handing the unit the other slot would do), so the graph layer's check sees it.
-    from fsdp_cudagraph.engines.nvidia_hooks import identify_hook
+    from fsdp_cudagraph.engines.nvidia.hooks import identify_hook
 
     def move(module, args, kwargs):
         t.data = t.data.clone()
@@ -251,7 +250,7 @@ def run(engine: str, backend: str, args: argparse.Namespace, *, mode: str) -> Di
                 _move_a_parameter(engine, model)
             elif mode == "slot" and engine.startswith("fsdp2"):
                 try:  # the FSDP2 double buffer asked to move a captured unit to the other slot
-                    from fsdp_cudagraph.engines.fsdp2_slots import slots_of
+                    from fsdp_cudagraph.engines.fsdp2.storage import slots_of
 
                     slots = slots_of(model)
                     unit = model.layers[1]

@@ -16,6 +16,8 @@ from fsdp_cudagraph.graphs.inference import INFERENCE_BACKENDS, GraphLimitWarnin
 from fsdp_cudagraph.graphs.length_buckets import BucketReplayConflictWarning, LengthArg, LengthBucketGraphs, LengthBucketsReport
 from fsdp_cudagraph.graphs.partial import BACKENDS, CaptureReport, PartialCudaGraphs, match_graph_attention
 from fsdp_cudagraph.hooks import extract_hooks, hooks_snapshot, restore_hooks
+from fsdp_cudagraph.engines.fsdp2.storage import (keep_unsharded_storage, release_unsharded_slots,
+                                                  release_unsharded_storage, use_unsharded_slots)
 from fsdp_cudagraph.offload.offloader import ActivationOffloader
 from fsdp_cudagraph.capture.args import SignatureChangedWarning
 from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher
@@ -62,6 +64,10 @@ __all__ = [
     "extract_hooks",
     "restore_hooks",
     "hooks_snapshot",
+    "keep_unsharded_storage",
+    "release_unsharded_storage",
+    "use_unsharded_slots",
+    "release_unsharded_slots",
     "HAS_TE",
     "TE_REASON",
     "TE_VERSION",

@@ -379,7 +379,7 @@ class CudaGraphConfig:
         had at capture; ``fsdp_db_use_persist_buf_on_alloc_fail`` changes the double buffer and needs it.
         This is Megatron-LM's command-line rule, checked here as its argument checks do. The graph kinds
         check the model's engine itself, by the precise rule in the engine's contract
-        (``megatron_fsdp/graph_contract.py`` ``require_static_buffers``).
+        (``megatron_fsdp/graph_contract.py`` ``StaticStep.require_fixed_buffers``).
 
     Activation offloading (``fsdp_cudagraph.offload.offloader``; eager, or with impl ``local`` / ``transformer_engine``):
         activation_offload_modules: submodule kinds (``cuda_graph_module`` tags) whose saved activations go to

@@ -25,7 +25,8 @@ from torch import nn
 
 # The sentinels and their reader are part of the engine contract (an adapter calls read_sentinel); re-exported.
 from fsdp_cudagraph.engines.contract import HOOK_DICTS, HOOK_KEYS, POST_SENTINEL, PRE_SENTINEL, HookPlan
-from fsdp_cudagraph.engines.hookplan import adapt, plan_bare_hooks, read_sentinel, sentinel_plan
+from fsdp_cudagraph.engines.hookplan import adapt, read_sentinel, sentinel_plan
+from fsdp_cudagraph.engines.registry import plan_bare_hooks
 
 __all__ = ["HOOK_KEYS", "HOOK_DICTS", "ExtractedHooks", "extract_hooks", "restore_hooks", "hooks_snapshot", "read_sentinel",
            "sentinel_plan", "adapt", "PRE_SENTINEL", "POST_SENTINEL"]
@@ -34,21 +35,14 @@ __all__ = ["HOOK_KEYS", "HOOK_DICTS", "ExtractedHooks", "extract_hooks", "restor
 _DICTS = HOOK_DICTS
 _FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
-@dataclasses.dataclass
-class ExtractedHooks:
-    """The hooks taken off one module: the untouched restore copy and the capture-time plan."""
+@dataclasses.dataclass(kw_only=True)
+class ExtractedHooks(HookPlan):
+    """The hooks taken off one module: the engine's :class:`HookPlan` of them (``capture_time``, ``withheld``,
+    ``unknown``, ``engine_only``) and the untouched restore copy."""
 
     module: nn.Module
     #: Exact copies of the module's hook dicts and flag dicts (same objects, ids, order).
     saved: Dict[str, "OrderedDict[int, Any]"]
-    #: TE-form capture-time hooks: key -> {hook_id: fn(module) -> None}.
-    capture_time: Dict[str, Dict[int, Callable[[nn.Module], None]]]
-    #: Hooks that were neither FSDP hooks nor sentinel wrappers: restored, reported, not run at capture.
-    unknown: List[Tuple[str, int, Any]]
-    #: Sentinel wrappers withheld from capture (their inner handlers run instead).
-    withheld: List[Tuple[str, int, Any]]
-    #: The engine's own hooks that nothing runs at capture (e.g. call guards): restored, not reported.
-    engine_only: List[Tuple[str, int, Any]] = dataclasses.field(default_factory=list)
 
 
 def hooks_snapshot(module: nn.Module) -> Dict[str, List[Tuple[int, Any]]]:
@@ -61,7 +55,7 @@ def extract_hooks(module: nn.Module, hook_plan: Optional[Callable[[Mapping[str, 
     """Phase 1 (copy and clear) then phase 2 (reroute) for one callable.
 
     ``hook_plan``: phase 2, e.g. an :class:`EngineAdapter`'s ``hook_plan``. Default: the plan of the registered
-    engine that recognises these hooks (``engines.hookplan.plan_bare_hooks``), else :func:`sentinel_plan`.
+    engine that recognises these hooks (``engines.registry.plan_bare_hooks``), else :func:`sentinel_plan`.
     """
     saved: Dict[str, "OrderedDict[int, Any]"] = {}
     for name in _DICTS + _FLAGS:
@@ -69,8 +63,7 @@ def extract_hooks(module: nn.Module, hook_plan: Optional[Callable[[Mapping[str, 
     for name in _DICTS + _FLAGS:
         getattr(module, name).clear()
     plan = hook_plan(saved) if hook_plan is not None else (plan_bare_hooks(saved) or sentinel_plan(saved))
-    return ExtractedHooks(module=module, saved=saved, capture_time=plan.capture_time, unknown=plan.unknown,
-                          withheld=plan.withheld, engine_only=plan.engine_only)
+    return ExtractedHooks(module=module, saved=saved, **{f.name: getattr(plan, f.name) for f in dataclasses.fields(HookPlan)})
 
 
 def restore_hooks(extracted: ExtractedHooks) -> None:

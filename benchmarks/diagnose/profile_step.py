@@ -196,14 +196,12 @@ def _run(column: str, cfg: Any, args: argparse.Namespace, device: torch.device) 
     gpt = GPT(cfg).to(device)
     graphs = None
     if column == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+        from fsdp_cudagraph.engines.fsdp2 import shard_fsdp2
+
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in gpt.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        model = fully_shard(gpt, mesh=mesh, mp_policy=mp)
+        model = shard_fsdp2(gpt, list(gpt.layers), device=device, mp_policy=mp)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=args.fused)
     else:
         from megatron_fsdp import fully_shard

@@ -508,7 +508,7 @@ def run(*, model: str, engine: str, scope: str, device: torch.device, steps: int
     :class:`~fsdp_cudagraph.check.AlignmentReport` (``equal``: every loss and final parameter ``torch.equal``
     on every rank). Needs an initialised process group and, on the CPU, :func:`cpu_shims` entered.
     ``nvidia_wrapper`` (engine nvidia): ``fully_shard`` (default) or ``mcore`` (megatron-core's
-    ``FullyShardedDataParallel``; see ``checker/engines.py``)."""
+    ``FullyShardedDataParallel``; see ``engines/nvidia/build.py``)."""
     from fsdp_cudagraph.check import check_alignment
 
     shape = shape or base_shape(device, model)

@@ -24,6 +24,7 @@ from megatron_fsdp import MegatronFSDP, fully_shard
 
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch
 from fsdp_cudagraph.config import CudaGraphConfig
+from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.graphs.partial import CaptureReport, PartialCudaGraphs, match_graph_attention, select_modules
 from fsdp_cudagraph.checker.records import exit_process  # noqa: F401 - re-exported for the entry points
 
@@ -298,7 +299,7 @@ def _user_hooks(model: MegatronFSDP, config: CudaGraphConfig) -> Tuple[Dict[str,
     """A user's forward hook and full backward hook on each module of the scope, recording what they see."""
     values: Dict[str, List[torch.Tensor]] = {}
     handles = []
-    for name, module in select_modules(model.module, model, config):
+    for name, module in select_modules(adapter_for(model), config):
         fwd = values.setdefault(f"{name}:forward", [])
         bwd = values.setdefault(f"{name}:backward", [])
 

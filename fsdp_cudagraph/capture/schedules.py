@@ -60,16 +60,14 @@ class GraphedCallable:
 
     name: str
     module: nn.Module
-    #: The engine unit's module that owns this callable (None: no engine, or the root).
+    #: The engine unit's module that owns this callable (None: a plain module's callable, or the root's).
     unit: Optional[nn.Module]
     sample_args: Optional[Tuple[torch.Tensor, ...]] = None
     sample_kwargs: Optional[Dict[str, torch.Tensor]] = None
     extracted: Optional[ExtractedHooks] = None
     plan: Dict[str, Dict[int, Any]] = dataclasses.field(default_factory=lambda: {k: {} for k in HOOK_KEYS})
-    params: Tuple[nn.Parameter, ...] = ()
     #: ``module.parameters()`` when the graph maker is called: what TE makes the graph's inputs (contract item 6).
     capture_params: Tuple[torch.Tensor, ...] = ()
-    param_ptrs: Tuple[int, ...] = ()
     #: (name, address) of every tensor a replay reads or writes by address (the engine's replay_tensors).
     replay_ptrs: Tuple[Tuple[str, int], ...] = ()
     #: The engine's replay probe (resolved at capture): the addresses of replay_ptrs as they are now, in O(1).

@@ -21,7 +21,7 @@ The factory protocol (a few lines for any model)::
             loss=lambda model, batch: model(**batch).loss,
         )
 
-Engines (``engine=`` / ``--engine``; how each shards the model: ``checker/engines.py``):
+Engines (``engine=`` / ``--engine``; how each shards the model: ``engines/<engine>/build.py``):
 
 - ``megatron_fsdp`` (default): this project's ``fully_shard``, ZeRO-3 with its double buffer; compute in
   ``--dtype``, fp32 main parameters. CPU (Gloo) or GPU.
@@ -70,7 +70,8 @@ from fsdp_cudagraph.config import CudaGraphConfig
 from fsdp_cudagraph.graphs import partial as _capture
 from fsdp_cudagraph.capture.te import HAS_TE
 from fsdp_cudagraph.checker.divergence import StepRecorder, describe_divergence, first_divergence
-from fsdp_cudagraph.checker.engines import ENGINES, EngineBuilder, check_options, engine_builder
+from fsdp_cudagraph.engines.build import EngineBuilder, check_options
+from fsdp_cudagraph.engines.registry import adapter_for, engine_builder, registered_builders
 from fsdp_cudagraph.checker.records import write_record
 
 __all__ = ["ModelSpec", "AlignmentReport", "check_alignment", "main"]
@@ -222,7 +223,7 @@ def _train(factory: Callable[[torch.device], ModelSpec], *, engine: EngineBuilde
     run = engine.build(spec.model, unit_modules=spec.unit_modules, make_optimizer=spec.make_optimizer, device=device,
                        sharding_strategy=sharding_strategy, compute_dtype=compute_dtype, **extra)
     model, opt, root, precision = run.model, run.optimizer, run.root, run.precision
-    watched = _capture.select_modules(root, model, config)
+    watched = _capture.select_modules(adapter_for(model), config)
     graphs = _capture.PartialCudaGraphs(model, config, backend=backend) if graphed else None
     matcher = None if graphed else _capture.match_graph_attention(model, config)
     recorder = StepRecorder(watched)
@@ -291,7 +292,7 @@ def check_alignment(
     ``engine``: ``megatron_fsdp`` (default), ``fsdp2`` or ``nvidia`` (see the module docstring); an unknown
     name (``ValueError``) or an engine this machine cannot run (``ImportError``/``RuntimeError``, e.g.
     ``nvidia`` without a GPU) is refused before the factory is called. ``engine_options``: the engine's own
-    settings (``fsdp2``: ``storage`` keep|slots, ``mixed_precision`` None|bf16; see ``checker/engines.py``);
+    settings (``fsdp2``: ``storage`` keep|slots, ``mixed_precision`` None|bf16; see ``engines/fsdp2/build.py``);
     a key the engine does not take is refused (``ValueError``) before any work. ``sharding_strategy`` and
     ``compute_dtype`` are read per engine (``fsdp2``: the model is cast to ``compute_dtype`` unless
     ``mixed_precision`` is set).
@@ -439,7 +440,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="default: te (TE installed) or torch on CUDA, protocol on CPU")
     p.add_argument("--modules", nargs="*", default=[], help="cuda_graph_modules tags (attn, mlp, ...)")
     p.add_argument("--patterns", nargs="*", default=[], help="cuda_graph_module_patterns (globs or class names)")
-    p.add_argument("--engine", choices=sorted(ENGINES), default="megatron_fsdp",
+    p.add_argument("--engine", choices=sorted(registered_builders()), default="megatron_fsdp",
                    help="the FSDP engine both runs train under (default megatron_fsdp; nvidia needs a GPU and "
                         "megatron-core)")
     p.add_argument("--strategy", default="optim_grads_params",

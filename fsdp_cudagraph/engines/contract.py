@@ -1,8 +1,13 @@
 """The engine contract: what a sharded data-parallel engine tells the graph layer.
 
-The graph kinds never read an engine's internals. They ask one :class:`EngineAdapter`, built by
-``engines.registry.adapter_for`` from whatever the user passed, the questions below. A new engine is one
-module in this folder with one subclass and one ``register_engine`` call; no graph kind changes.
+The graph kinds never read an engine's internals. Each entry point asks ``engines.registry.adapter_for`` once
+for the model's :class:`EngineAdapter` (an unwrapped module gets ``engines/plain.py``'s) and passes that adapter
+on. The adapter answers for the model tree (its root, rank, device) and implements the roles its engine supports,
+each a small ABC: :class:`PerLayerEngine` (items 1-8 below: per-layer graphs) and :class:`StaticStepEngine`
+(item 9: whole-step graphs), reached through :meth:`EngineAdapter.static_step`. A graph kind tests for the role
+it needs (:func:`per_layer_engine`, :func:`static_step_engine`) and refuses with NotImplementedError naming the
+engine and itself. A new engine is one folder here with one adapter and one ``register_engine`` call; no graph
+kind changes.
 
 [Note: the engine contract]
 An FSDP engine drives its communication from module hooks. A per-layer graph needs, from the engine:
@@ -52,13 +57,13 @@ An FSDP engine drives its communication from module hooks. A per-layer graph nee
    graph layer needs around it: ``require_fixed_buffers``, the process group, its backend and world size
    (the full-iteration barrier, the cross-rank comparisons of full-iteration and inference block graphs),
    the device, and the clipping a graphed optimizer step runs (inference selects layers by item 1's units).
-   An engine without these raises ``NotImplementedError`` naming itself
-   and the graph kind (:meth:`EngineAdapter.no_static_step`); partial graphs need none of them.
+   These are :class:`StaticStepEngine`; an engine without one is refused by :func:`static_step_engine`,
+   naming itself and the graph kind. Partial graphs need none of them.
 
 [Note: fixed addresses]
 The one address rule: a graph reads and writes the engine's buffers at the addresses of its capture, so
 every buffer *a replay touches* must be allocated once, never on demand. Which buffers that is depends on
-the graph kind, and is the ``buffers`` argument of :meth:`EngineAdapter.require_fixed_buffers`:
+the graph kind, and is the ``buffers`` argument of :meth:`StaticStepEngine.require_fixed_buffers`:
 
 - per-layer graphs (``PartialCudaGraphs``, ``LengthBucketGraphs``) and whole training steps
   (``FullIterationCudaGraph``): ``("unshard", "gradient")``: the parameters a forward reads, and the
@@ -78,7 +83,7 @@ from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterable, Lis
 import torch
 from torch import nn
 
-__all__ = ["EngineAdapter", "HookPlan", "HOOK_KEYS", "HOOK_DICTS", "PRE_SENTINEL", "POST_SENTINEL", "CaptureTimeHook",
+__all__ = ["EngineAdapter", "PerLayerEngine", "StaticStepEngine", "per_layer_engine", "static_step_engine", "HookPlan", "HOOK_KEYS", "HOOK_DICTS", "PRE_SENTINEL", "POST_SENTINEL", "CaptureTimeHook",
            "ReplayProbe", "PER_LAYER_BUFFERS", "FORWARD_ONLY_BUFFERS", "parameter_slots"]
 
 #: TE's capture_time_hooks keys, in the order TE runs them in a step.
@@ -95,7 +100,7 @@ PER_LAYER_BUFFERS = ("unshard", "gradient")
 FORWARD_ONLY_BUFFERS = ("unshard",)
 
 CaptureTimeHook = Callable[[nn.Module], None]
-#: What :meth:`EngineAdapter.replay_probe` returns: the current addresses, in ``replay_tensors`` order.
+#: What :meth:`PerLayerEngine.replay_probe` returns: the current addresses, in ``replay_tensors`` order.
 ReplayProbe = Callable[[], Tuple[int, ...]]
 
 
@@ -122,7 +127,7 @@ class HookPlan:
 def parameter_slots(module: nn.Module) -> List[Tuple[Dict[str, Any], str]]:
     """(owning module's ``_parameters`` dict, name) per parameter, in ``module.named_parameters()`` order.
 
-    For a :meth:`EngineAdapter.replay_probe`: resolved once, then ``d[name].data_ptr()`` reads the parameter
+    For a :meth:`PerLayerEngine.replay_probe`: resolved once, then ``d[name].data_ptr()`` reads the parameter
     registered now (an engine that swaps parameter objects, or a user who reassigns one, is seen) in O(1).
     """
     seen, out = set(), []
@@ -135,17 +140,19 @@ def parameter_slots(module: nn.Module) -> List[Tuple[Dict[str, Any], str]]:
 
 
 class EngineAdapter(abc.ABC):
-    """One wrapped model as the graph layer sees it (see [Note: the engine contract])."""
+    """One model as the graph layer sees it: the engine that wraps it (or none), its tree, rank and device.
+
+    What the engine supports is a role: :class:`PerLayerEngine` (every built-in adapter) and, through
+    :meth:`static_step`, :class:`StaticStepEngine`. Built once per model by ``registry.adapter_for`` at a graph
+    kind's entry point and passed on; nothing resolves the model again.
+    """
 
     #: Short name for messages, e.g. ``"megatron_fsdp"`` or ``"torch FSDP2"``.
     name: str = "engine"
-    #: The settings that keep replay tensors still, for the message of a refused replay (one sentence).
-    address_hint: str = "Keep the engine's settings that hold its buffers at fixed addresses."
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
-    # -- recognition ------------------------------------------------------------------------------
     @classmethod
     @abc.abstractmethod
     def recognizes(cls, model: nn.Module) -> bool:
@@ -163,13 +170,11 @@ class EngineAdapter(abc.ABC):
 
     @classmethod
     def bare_hook_plan(cls, hooks: Mapping[str, Mapping[int, Any]]) -> Optional[HookPlan]:
-        """:meth:`hook_plan` without a wrapped model (``extract_hooks`` on a bare module); None: not supported.
-
-        Asked by ``hookplan.plan_bare_hooks`` of every registered engine in turn.
+        """:meth:`PerLayerEngine.hook_plan` without a wrapped model (``extract_hooks`` on a bare module); None: not
+        supported. Asked by ``registry.plan_bare_hooks`` of every registered engine in turn.
         """
         return None
 
-    # -- 1. units ---------------------------------------------------------------------------------
     @property
     @abc.abstractmethod
     def root(self) -> nn.Module:
@@ -182,17 +187,38 @@ class EngineAdapter(abc.ABC):
             return torch.distributed.get_rank()
         return 0
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes (the first parameter's device; CPU for a model without parameters)."""
+        p = next(iter(self.model.parameters()), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def static_step(self) -> object:
+        """The engine's :class:`StaticStepEngine` (this adapter itself by default; an engine may answer with an
+        object of its own). Whole-step graph kinds ask it through :func:`static_step_engine`, which refuses
+        anything that is not a :class:`StaticStepEngine`."""
+        return self
+
+
+class PerLayerEngine(abc.ABC):
+    """Items 1-8 of [Note: the engine contract]: what per-layer graphs (partial, length buckets, inference
+    layers) ask of an engine whose hooks run around each graphed callable."""
+
+    #: The settings that keep replay tensors still, for the message of a refused replay (one sentence).
+    address_hint: str = "Keep the engine's settings that hold its buffers at fixed addresses."
+
+    # -- 1. units ---------------------------------------------------------------------------------
     @abc.abstractmethod
     def unit_modules(self) -> List[nn.Module]:
-        """The modules that carry the engine's per-unit hooks, in forward order."""
+        """The modules that carry the engine's per-unit hooks, in forward order (none for a plain module)."""
 
     @abc.abstractmethod
     def unit_of(self, module: nn.Module) -> Optional[nn.Module]:
         """The unit module that owns ``module`` (itself or its nearest unit ancestor), None if none does."""
 
     def unit_name(self, unit: nn.Module) -> str:
-        """The unit's qualified name in :attr:`root` (for messages)."""
-        for name, m in self.root.named_modules():
+        """The unit's qualified name in the adapter's root (for messages)."""
+        for name, m in self.root.named_modules():  # type: ignore[attr-defined]
             if m is unit:
                 return name or type(unit).__name__
         return type(unit).__name__
@@ -262,81 +288,101 @@ class EngineAdapter(abc.ABC):
         the engine's handlers gather only the unit they are called for inside it (the default: nothing to do)."""
         return contextlib.nullcontext()
 
-    # -- 9. a static step (whole-step graphs) ----------------------------------------------------
-    def no_static_step(self, graph_kind: str) -> NotImplementedError:
-        """The refusal of every item-9 member this engine does not implement."""
-        return NotImplementedError(
-            f"{graph_kind} needs an engine with a static step; {self.name} has none; use megatron_fsdp.fully_shard "
-            "or partial graphs (PartialCudaGraphs)")
 
+class StaticStepEngine(abc.ABC):
+    """Item 9 of [Note: the engine contract]: an engine that can fix its host decisions for a captured step,
+    so that whole-step graphs (``FullIterationCudaGraph``, its optimizer graph, ``InferenceCudaGraphs``' block
+    graphs) may hold its work, collectives included.
+
+    Lifecycle: ``require_fixed_buffers`` at build; ``begin_static_step`` before a capture and before every eager
+    step standing in for a replay; ``grads_bound`` right after capture, ``keep_main_grads`` for a training step;
+    ``quiesce`` and ``end_static_step`` around every replay; ``release_main_grads`` when the graph is deleted.
+    Implemented by an engine's own object where it can be (``megatron_fsdp.graph_contract.StaticStep``,
+    registered as a virtual subclass by its adapter), so that no adapter forwards one-liners.
+    """
+
+    @abc.abstractmethod
     def require_fixed_buffers(self, graph_kind: str, buffers: Sequence[str] = PER_LAYER_BUFFERS) -> None:
         """Raise ValueError unless every engine buffer of the kinds ``buffers`` keeps its address ([Note: fixed
         addresses]); ``graph_kind`` names the caller in the message."""
-        raise self.no_static_step(graph_kind)
-
-    def supports_static_step(self) -> bool:
-        """Whether the members of item 9 are implemented (``InferenceCudaGraphs`` graphs blocks eagerly otherwise)."""
-        return False
 
     @property
+    @abc.abstractmethod
     def device(self) -> torch.device:
-        """Where the model computes (the first parameter's device; CPU for a model without parameters)."""
-        p = next(iter(self.model.parameters()), None)
-        return p.device if p is not None else torch.device("cpu")
+        """Where the engine computes."""
 
     @property
+    @abc.abstractmethod
     def process_group(self) -> Any:
         """The data-parallel process group whose collectives a static step captures."""
-        raise self.no_static_step("a whole-step graph")
 
     @property
+    @abc.abstractmethod
     def collective_backend(self) -> str:
         """That group's backend for this model's device (``"nccl"``, ``"gloo"``): the barrier needs it."""
-        raise self.no_static_step("a whole-step graph")
 
     @property
+    @abc.abstractmethod
     def world_size(self) -> int:
         """The size of :attr:`process_group`."""
-        raise self.no_static_step("a whole-step graph")
 
+    @abc.abstractmethod
     def static_capture_guard(self, *, allow_collectives: bool, collective_log: Optional[List[str]] = None
                              ) -> ContextManager[None]:
         """Entered around a whole-step capture (and each protocol replay): collectives are captured when
         ``allow_collectives``, refused otherwise; each one appends its description to ``collective_log``."""
-        raise self.no_static_step("a whole-step graph")
 
+    @abc.abstractmethod
     def quiesce(self) -> None:
         """Before a replay: wait for collectives in flight, units to idle (cheap when nothing is pending)."""
-        raise self.no_static_step("a whole-step graph")
 
+    @abc.abstractmethod
     def begin_static_step(self, *, replace_grads: bool = True) -> None:
         """Put the host state at the fixed start of a static step (before capture and any stand-in eager step)."""
-        raise self.no_static_step("a whole-step graph")
 
+    @abc.abstractmethod
     def end_static_step(self, *, bound: Iterable[str]) -> None:
         """Make the host state what a replayed static step leaves (a replay runs no Python)."""
-        raise self.no_static_step("a whole-step graph")
 
+    @abc.abstractmethod
     def grads_bound(self) -> FrozenSet[str]:
         """The units whose main gradients are bound now (what a training step wrote)."""
-        raise self.no_static_step("a whole-step graph")
 
+    @abc.abstractmethod
     def keep_main_grads(self) -> None:
         """Hold the main gradients at their addresses from now on (after capturing a training step)."""
-        raise self.no_static_step("FullIterationCudaGraph")
 
+    @abc.abstractmethod
     def release_main_grads(self) -> None:
         """The captured training step :meth:`keep_main_grads` was called for is gone."""
-        raise self.no_static_step("FullIterationCudaGraph")
 
+    @abc.abstractmethod
     def mark_params_stale(self) -> None:
         """Every unit re-installs its compute parameters before its next eager use (after a graphed optimizer)."""
-        raise self.no_static_step("a whole-step graph")
 
+    @abc.abstractmethod
     def recording_phases(self) -> ContextManager[List[Tuple[str, str, bool]]]:
         """Record the engine's unit phases in the block (what the protocol backend compares with its capture)."""
-        raise self.no_static_step("a whole-step graph")
 
     def clip_grad_norm(self) -> Optional[Callable[[float], torch.Tensor]]:
         """The engine's global-norm clipping ``fn(max_norm) -> norm``, or None where it has none."""
         return None
+
+
+def per_layer_engine(engine: EngineAdapter, graph_kind: str) -> PerLayerEngine:
+    """``engine`` as a :class:`PerLayerEngine`, or NotImplementedError naming the engine and ``graph_kind``."""
+    if not isinstance(engine, PerLayerEngine):
+        raise NotImplementedError(
+            f"{graph_kind} needs an engine whose hooks can run around per-layer graphs (a PerLayerEngine); "
+            f"{engine.name}'s adapter {type(engine).__name__} is none; implement PerLayerEngine in its adapter")
+    return engine
+
+
+def static_step_engine(engine: EngineAdapter, graph_kind: str) -> StaticStepEngine:
+    """``engine``'s :class:`StaticStepEngine`, or NotImplementedError naming the engine and ``graph_kind``."""
+    step = engine.static_step()
+    if not isinstance(step, StaticStepEngine):
+        raise NotImplementedError(
+            f"{graph_kind} needs an engine with a static step; {engine.name} has none; use megatron_fsdp.fully_shard "
+            "or partial graphs (PartialCudaGraphs)")
+    return step

@@ -2,19 +2,18 @@
 
 Phase 2 of the hook extraction in ``fsdp_cudagraph.hooks`` (see [Note: why two phases] there): an adapter's
 ``hook_plan`` calls :func:`read_sentinel` first for each hook, and :func:`adapt` to put an engine hook in TE's
-``fn(module) -> None`` form. :func:`plan_bare_hooks` is phase 2 for a module no wrapped model is known for.
+``fn(module) -> None`` form. ``registry.plan_bare_hooks`` is phase 2 for a module no wrapped model is known for.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping
 
 from torch import nn
 
 from fsdp_cudagraph.engines.contract import HOOK_DICTS, POST_SENTINEL, PRE_SENTINEL, HookPlan
-from fsdp_cudagraph.engines.registry import registered_engines
 
-__all__ = ["adapt", "read_sentinel", "sentinel_plan", "plan_bare_hooks"]
+__all__ = ["adapt", "read_sentinel", "sentinel_plan"]
 
 
 def adapt(fn: Callable[..., Any], kind: str) -> Callable[[nn.Module], None]:
@@ -58,12 +57,3 @@ def sentinel_plan(hook_dicts: Mapping[str, Mapping[int, Any]]) -> HookPlan:
             if not read_sentinel(hook, hid, dict_name, plan):
                 plan.unknown.append((dict_name, hid, hook))
     return plan
-
-
-def plan_bare_hooks(hooks: Mapping[str, Mapping[int, Any]]) -> Optional[HookPlan]:
-    """The plan of the first registered engine whose ``bare_hook_plan`` recognises any of these hooks, or None."""
-    for cls in registered_engines():
-        plan = cls.bare_hook_plan(hooks)
-        if plan is not None and plan.claims_any():
-            return plan
-    return None

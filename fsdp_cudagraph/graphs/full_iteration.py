@@ -69,7 +69,7 @@ import torch
 from torch import nn
 
 from fsdp_cudagraph.config import WHOLE_STEP_BACKENDS, CudaGraphConfig, CudaGraphImpl
-from fsdp_cudagraph.engines.contract import PER_LAYER_BUFFERS
+from fsdp_cudagraph.engines.contract import PER_LAYER_BUFFERS, static_step_engine
 from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.graphs.optimizer import FullIterationReport, OptimizerGraph
 from fsdp_cudagraph.graphs.partial import refuse_graph_unsafe
@@ -162,41 +162,40 @@ class FullIterationCudaGraph:
     ) -> None:
         self.host_sync_check = host_sync_check
         engine = adapter_for(model)  # refuses an engine's inner module, naming the object to pass
-        if engine is None:
-            raise TypeError(f"FullIterationCudaGraph needs a megatron_fsdp.MegatronFSDP model (from fully_shard), got "
-                            f"{type(model).__name__}; wrap the model with megatron_fsdp.fully_shard first")
-        if not engine.supports_static_step():
-            raise engine.no_static_step("FullIterationCudaGraph")
+        step = static_step_engine(engine, "FullIterationCudaGraph")
         if not callable(forward_step) or (eval_step is not None and not callable(eval_step)):
             raise TypeError("forward_step (and eval_step) must be callables: fn(model, *micro_batch) -> tensor")
         config = config if config is not None else CudaGraphConfig(cuda_graph_impl="full_iteration")
         if config.cuda_graph_impl != CudaGraphImpl.FULL_ITERATION:
             raise ValueError(f"FullIterationCudaGraph got cuda_graph_impl='{config.cuda_graph_impl}'; pass a config with "
                              "cuda_graph_impl='full_iteration', or use PartialCudaGraphs for per-layer graphs")
-        backend = _streams.graph_backend(backend, engine.device, FULL_ITERATION_BACKENDS)
+        backend = _streams.graph_backend(backend, step.device, FULL_ITERATION_BACKENDS)
         check_policy(attention_backend)
         _recipe.check_generators(generators, cuda=backend == "torch")
         if backend == "torch":
             config.check_runtime()
-        engine.require_fixed_buffers("FullIterationCudaGraph", PER_LAYER_BUFFERS)  # [Note: fixed addresses]
+        step.require_fixed_buffers("FullIterationCudaGraph", PER_LAYER_BUFFERS)  # [Note: fixed addresses]
         # The whole step is one graph: any module that cannot be captured refuses it ([Note: graph-unsafe
         # modules] in config.py); per-layer graphs can leave such a module eager between graphs.
         refuse_graph_unsafe([("", engine.root)], what="FullIterationCudaGraph's model")
         #: The model the step functions are given; every question to its engine goes through ``engine``.
         self.model = model
         self.engine = engine
+        #: The engine's static step (contract item 9): every host decision of a captured step goes through it.
+        self.static_step = step
         self.forward_step = forward_step
         self.eval_step = eval_step if eval_step is not None else forward_step
         self.config = config
         self.backend = backend
-        self.device = engine.device
+        self.device = step.device
         self.graph_optimizer = graph_optimizer
         self.generators = tuple(generators)
         self.attention_backend = attention_backend
         warmup = config.cuda_graph_warmup_steps
         self._train = _Slot("train", warmup)
         self._eval = _Slot("eval", warmup)
-        self._opt = OptimizerGraph(engine, backend=backend, warmup=warmup, enabled=graph_optimizer, agree=self._agree)
+        self._opt = OptimizerGraph(step, engine_name=engine.name, backend=backend, warmup=warmup, enabled=graph_optimizer,
+                                   agree=self._agree)
         self.deleted = False
         self._steps_before_side_stream = 0
         self._attention: Optional[AttentionBackendMatcher] = None
@@ -273,13 +272,13 @@ class FullIterationCudaGraph:
             torch.cuda.synchronize(self.device)
         self._opt.reset()
         if self._train.captured:
-            self.engine.release_main_grads()  # kept for this graph since its capture
+            self.static_step.release_main_grads()  # kept for this graph since its capture
         for slot in (self._train, self._eval):
             _recipe.reset_graph(slot.graph)
             slot.graph, slot.captured = None, False
             slot.static_leaves, slot.static_batch, slot.output = [], None, None
-        self.engine.quiesce()
-        self.engine.mark_params_stale()
+        self.static_step.quiesce()
+        self.static_step.mark_params_stale()
         if self._attention is not None:
             self._attention.uninstall()
         self.deleted = True
@@ -349,7 +348,7 @@ class FullIterationCudaGraph:
         return outs
 
     def _eager(self, slot: _Slot, micro_batches: Sequence[Any], *, check: bool) -> Any:
-        start = lambda: self.engine.begin_static_step(replace_grads=slot.kind == "train")  # noqa: E731
+        start = lambda: self.static_step.begin_static_step(replace_grads=slot.kind == "train")  # noqa: E731
         if check:  # run once under the host-sync check, discarded: [Note: the host-sync rehearsal] in capture_safety.py
             with rehearsal(self.device, _KINDS[slot.kind], start=start, generators=self.generators):
                 self._body(slot)(micro_batches)
@@ -381,37 +380,37 @@ class FullIterationCudaGraph:
         train = slot.kind == "train"
         static_leaves = [torch.empty(t.shape, dtype=t.dtype, device=self.device).copy_(t) for t in leaves]
         static_batch = _args.rebuild(sig, static_leaves)[0][0]
-        bindings = self.engine.grads_bound()
-        self.engine.begin_static_step(replace_grads=train)
+        bindings = self.static_step.grads_bound()
+        self.static_step.begin_static_step(replace_grads=train)
         log: List[str] = []
         meter = _recipe.CaptureMeter(self.device, cuda=self.backend == "torch")
         try:
             if self.backend == "torch":
                 torch.cuda.synchronize(self.device)
-                _recipe.barrier(self.engine.process_group, device=self.device,  # ranks capture together
-                                nccl=self.engine.collective_backend == "nccl")
+                _recipe.barrier(self.static_step.process_group, device=self.device,  # ranks capture together
+                                nccl=self.static_step.collective_backend == "nccl")
                 graph, out = _recipe.capture_graph(
                     lambda: self._body(slot)(static_batch), device=self.device, phase=what, generators=self.generators,
-                    guard=lambda: self.engine.static_capture_guard(allow_collectives=True, collective_log=log))
+                    guard=lambda: self.static_step.static_capture_guard(allow_collectives=True, collective_log=log))
             else:
                 out, decisions = self._run_protocol(slot, static_batch, log)
                 graph = _protocol.ProtocolGraph(
                     what, rank=self.engine.rank, run=lambda lg: self._run_protocol(slot, static_batch, lg),
-                    start=lambda: self.engine.begin_static_step(replace_grads=train), collectives=log,
+                    start=lambda: self.static_step.begin_static_step(replace_grads=train), collectives=log,
                     decisions=decisions, outputs=out)
-            bound = self.engine.grads_bound() if train else bindings
+            bound = self.static_step.grads_bound() if train else bindings
         except BaseException as exc:
             # nothing of the failed capture runs; drop its host state without waiting on captured work
-            self.engine.end_static_step(bound=frozenset() if train else bindings)
+            self.static_step.end_static_step(bound=frozenset() if train else bindings)
             slot.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             _recipe.raise_translated(exc, what)
             raise
-        self.engine.end_static_step(bound=bound)  # host state as after a replay: nothing ran yet
+        self.static_step.end_static_step(bound=bound)  # host state as after a replay: nothing ran yet
         self._agree(log, what)
         slot.graph, slot.output, slot.collectives = graph, out, log
         slot.static_leaves, slot.static_batch, slot.signature, slot.bound = static_leaves, static_batch, sig, bound
         if train:
-            self.engine.keep_main_grads()  # the graph writes them at these addresses; delete() releases
+            self.static_step.keep_main_grads()  # the graph writes them at these addresses; delete() releases
         slot.captured = True
         slot.report = FullIterationReport(slot.kind, self.backend, meter.seconds(), meter.memory(), len(static_batch),
                                           list(log), sorted(bound) if train else [])
@@ -427,28 +426,28 @@ class FullIterationCudaGraph:
             before_capture(self._attention, self.attention_backend, logger, notice=("warn",))
 
     def _agree(self, log: List[str], what: str) -> None:  # the group is read now: the engine holds it weakly
-        _recipe.agree_collectives(log, what, rank=self.engine.rank, world_size=self.engine.world_size,
-                                  group=self.engine.process_group)
+        _recipe.agree_collectives(log, what, rank=self.engine.rank, world_size=self.static_step.world_size,
+                                  group=self.static_step.process_group)
 
     def _run_protocol(self, slot: _Slot, static_batch: Any, log: List[str]) -> Tuple[Any, Dict[str, Any]]:
         """One capture or replay on the protocol backend: the step under simulated capture; its outputs and host
         decisions (phases, and the units whose gradients a training step wrote)."""
-        guard = self.engine.static_capture_guard(allow_collectives=True, collective_log=log)
-        with self.engine.recording_phases() as trace, _protocol.capture_pass(
+        guard = self.static_step.static_capture_guard(allow_collectives=True, collective_log=log)
+        with self.static_step.recording_phases() as trace, _protocol.capture_pass(
                 self.engine.simulated_capture(), guard, CaptureSafetyCheck(self.device, _KINDS[slot.kind])):
             out = self._body(slot)(static_batch)
-        units = sorted(self.engine.grads_bound()) if slot.kind == "train" else None
+        units = sorted(self.static_step.grads_bound()) if slot.kind == "train" else None
         return out, {"phases": trace, "gradient units": units}
 
     # ------------------------------------------------------------------ replay
     def _replay(self, slot: _Slot, leaves: List[torch.Tensor]) -> Any:
-        engine = self.engine
-        engine.quiesce()  # an eager collective still in flight would race with the graph
+        step = self.static_step
+        step.quiesce()  # an eager collective still in flight would race with the graph
         for s, t in zip(slot.static_leaves, leaves):
             s.copy_(t)
-        bound = slot.bound if slot.kind == "train" else engine.grads_bound()
+        bound = slot.bound if slot.kind == "train" else step.grads_bound()
         slot.graph.replay()  # protocol backend: checked against the capture (capture/protocol.py)
-        engine.end_static_step(bound=bound)
+        step.end_static_step(bound=bound)
         slot.replays += 1
         return slot.output.clone() if slot.kind == "train" else tuple(o.clone() for o in slot.output)
 

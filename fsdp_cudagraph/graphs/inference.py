@@ -25,7 +25,7 @@ Scopes:
   schedule] in ``megatron_fsdp/graph_contract.py``).
 - ``none``: ``graphs(...)`` is ``model(...)``.
 
-Padding: [Note: inference buckets and padding] in ``capture/buckets.py`` (:class:`BatchPadding`).
+Padding: [Note: inference buckets and padding] (:class:`BatchPadding`, below).
 
 [Note: one memory pool]
 All graphs of one instance share one CUDA memory pool. A graph captured later may take memory that an
@@ -45,26 +45,146 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp_cudagraph.config import WHOLE_STEP_BACKENDS, CudaGraphConfig, InferenceCudaGraphScope
-from fsdp_cudagraph.engines.contract import FORWARD_ONLY_BUFFERS
+from fsdp_cudagraph.engines.contract import FORWARD_ONLY_BUFFERS, StaticStepEngine, per_layer_engine, static_step_engine
 from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.capture import args as _args
 from fsdp_cudagraph.capture import protocol as _protocol
 from fsdp_cudagraph.capture import streams as _streams
-from fsdp_cudagraph.capture.buckets import BatchPadding, Buckets
+from fsdp_cudagraph.capture.buckets import Buckets, pad_to, unpad
 from fsdp_cudagraph.capture import recipe as _recipe
 from fsdp_cudagraph.capture.capture_safety import CaptureSafetyCheck
 
 __all__ = ["InferenceCudaGraphs", "InferenceCapture", "INFERENCE_BACKENDS", "GraphLimitWarning"]
 
 logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------- inference padding
+
+
+class BatchPadding:
+    """How InferenceCudaGraphs pads a call's tensors to its buckets and cuts the outputs back.
+
+    [Note: inference buckets and padding]
+    A graph replays one shape. Calls are padded at the END of the batch dimension (dim 0 of every tensor
+    argument that has one) up to the smallest of ``batch_buckets`` that holds them, and every output tensor is
+    cut back to the real rows (outputs must therefore carry the batch in dim 0; others are refused). Rows of a
+    transformer are independent, so padding rows never changes the real rows in exact arithmetic, and with a
+    given kernel the values of the other rows never reach a real row. Calls whose batch exceeds the largest
+    bucket run eagerly, unpadded (one ``BucketOverflowWarning`` per size; ``cuda_graph_strict_signature``
+    raises instead). All other dimensions are keyed exactly: each distinct shape gets its own graphs, at most
+    ``max_graph_sets`` of them (then eager, with one warning). ``seq_buckets`` also pads dim 1 at the end, for
+    causal models only (later positions never reach earlier ones); it is opt-in because attention then reduces
+    over a longer, masked key range, which may change the real positions' last bits (measured in docs/design.md).
+    """
+
+    def __init__(self, batch_buckets: Buckets, seq_buckets: Optional[Buckets], pad_value: Union[int, float]) -> None:
+        self.batch_buckets, self.seq_buckets, self.pad_value = batch_buckets, seq_buckets, pad_value
+
+    def check_causal(self, root: Any, causal: Optional[bool]) -> None:
+        """Refuse ``seq_buckets`` unless the model is causal (declared by ``root`` or by ``causal=True``)."""
+        # A model may declare itself causal with a bounded number of positions (the reference GPT does:
+        # ``causal = True`` and ``max_positions``, the size of its positional embedding); the graph layer reads
+        # the declaration instead of importing the application's class.
+        seq_buckets = self.seq_buckets
+        assert seq_buckets is not None
+        if getattr(root, "causal", None) is True and isinstance(getattr(root, "max_positions", None), int):
+            n = root.max_positions
+            name = type(root).__name__
+            if seq_buckets.max_size > n:
+                raise ValueError(
+                    f"seq_buckets={list(seq_buckets.sizes)} pads sequences up to {seq_buckets.max_size}, but "
+                    f"the {name}'s positional embedding has {n} positions (max_positions={n}); drop the larger "
+                    f"buckets (largest <= {n}) or build the model with more positions")
+            if causal is False:
+                raise ValueError(f"causal=False with seq_buckets: the {name} declares causal=True; drop causal=False")
+            return
+        if causal is not True:
+            raise ValueError(
+                f"seq_buckets={list(seq_buckets.sizes)} with causal={causal}: padding positions at the end of a "
+                f"sequence leaves the real positions unchanged only in a causal model ({type(root).__name__} is "
+                "not known to be one); pass causal=True if position i never attends to later positions, or drop "
+                "seq_buckets (every sequence length then gets graphs of its own)")
+
+    def sizes(self, leaves: List[torch.Tensor]) -> Tuple[int, Optional[int]]:
+        """The call's batch size (dim 0) and, with ``seq_buckets``, its sequence length (dim 1)."""
+        batched = [t for t in leaves if t.dim() >= 1]
+        if not batched:
+            raise ValueError("InferenceCudaGraphs: no tensor argument has a batch dimension (dim 0) to pad")
+        batch = int(batched[0].shape[0])
+        if any(int(t.shape[0]) != batch for t in batched):
+            raise ValueError(f"InferenceCudaGraphs: tensor arguments disagree on the batch size (dim 0): "
+                             f"{[tuple(t.shape) for t in batched]}; every tensor argument with dimensions must carry "
+                             "the batch in dim 0 (0-dim tensors are passed as they are)")
+        if self.seq_buckets is None:
+            return batch, None
+        seqd = [t for t in batched if t.dim() >= 2]
+        if not seqd or any(int(t.shape[1]) != int(seqd[0].shape[1]) for t in seqd):
+            raise ValueError(f"InferenceCudaGraphs with seq_buckets: tensor arguments must share the sequence length "
+                             f"in dim 1, got {[tuple(t.shape) for t in batched]}")
+        return batch, int(seqd[0].shape[1])
+
+    def pad(self, t: torch.Tensor, batch: int, seq: Optional[int]) -> torch.Tensor:
+        """``t`` padded at the end to ``batch`` rows (and ``seq`` positions with ``seq_buckets``)."""
+        if t.dim() == 0:
+            return t
+        t = pad_to(t, batch, 0, self.pad_value)
+        if self.seq_buckets is not None and t.dim() >= 2:
+            t = pad_to(t, seq, 1, self.pad_value)
+        return t
+
+    def cut(self, out_leaves: Sequence[torch.Tensor], real: Tuple[int, Optional[int]],
+            padded: Tuple[int, Optional[int]], model_name: str) -> List[torch.Tensor]:
+        """Fresh copies of the outputs cut back from the ``padded`` (batch, seq) to the ``real`` ones."""
+        (batch, seq), (padded_batch, padded_seq) = real, padded
+        cut = []
+        for i, t in enumerate(out_leaves):
+            if t.dim() == 0 or t.shape[0] != padded_batch or (
+                    self.seq_buckets is not None and (t.dim() < 2 or t.shape[1] != padded_seq)):
+                raise NotImplementedError(
+                    f"InferenceCudaGraphs: output tensor {i} of {model_name} has shape {tuple(t.shape)}, "
+                    f"without the padded batch {padded_batch} in dim 0"
+                    + (f" and the padded length {padded_seq} in dim 1" if self.seq_buckets is not None else "")
+                    + "; padded rows could not be cut out of it. Return per-row outputs (e.g. logits) and reduce "
+                    "them (e.g. the loss) outside the graphed call")
+            t = unpad(t, batch, 0)
+            if self.seq_buckets is not None:
+                t = unpad(t, seq, 1)
+            cut.append(t.clone())
+        return cut
+
+    def agree(self, leaves: Sequence[torch.Tensor], batch: Optional[int], seq: Optional[int], *, device: torch.device,
+              group: Any, rank: int) -> Tuple[Optional[int], Optional[int]]:
+        """The padded (batch, seq) every rank of ``group`` uses for this call (the largest; None on every rank when
+        one rank's call fits no bucket). Block graphs hold collectives: every rank must replay (or run eagerly)
+        the same graph at the same call, so the shapes outside the padded dimensions must agree too."""
+        skip = 1 if self.seq_buckets is None else 2  # the dimensions that are padded, and so may differ
+        rest = repr([(tuple(t.shape[skip:]) if t.dim() else (), str(t.dtype)) for t in leaves])
+        digest = int.from_bytes(hashlib.sha1(rest.encode()).digest()[:7], "big")
+        none = 1 << 40  # "no bucket" wins the maximum: if one rank runs eagerly, all do
+        vals = torch.tensor([none if batch is None else batch, seq or 0, digest, -digest], dtype=torch.int64,
+                            device=device)
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=group)
+        b, s, hi, neg_lo = vals.tolist()
+        if hi != -neg_lo:
+            raise ValueError(
+                f"[rank {rank}] InferenceCudaGraphs: the ranks called a block graph of a sharded model with "
+                "different shapes outside the padded dimensions; its collectives must run on every rank together. "
+                "Pass the same shapes on every rank (only the padded dimensions may differ), or use "
+                "inference_cuda_graph_scope='layer'")
+        if b == none:
+            return None, None
+        return b, (s if self.seq_buckets is not None else None)
 
 #: torch: torch.cuda.graph; protocol: the same schedule without graphs (CPU): "capture" and every "replay" run
 #: the captured function under the engine's (simulated) capture guard, and a replay must issue what the capture did
@@ -154,29 +274,38 @@ class InferenceCudaGraphs:
                             "Buckets.powers_of_two(8)")
         if isinstance(max_graph_sets, bool) or not isinstance(max_graph_sets, int) or max_graph_sets < 1:
             raise ValueError(f"max_graph_sets={max_graph_sets!r} must be an int >= 1")
-        #: The engine contract (None: a plain module); refuses an engine's inner module, naming the object to pass.
-        self.engine = adapter_for(model)
+        #: The engine contract (a plain module's adapter without an engine); refuses an engine's inner module, naming
+        #: the object to pass.
+        self.engine = per_layer_engine(adapter_for(model), "InferenceCudaGraphs")
+        #: The engine's static step (contract item 9), where it has one: block graphs then hold its work.
+        self.step = self.engine.static_step()
+        self._has_static_step = isinstance(self.step, StaticStepEngine)
         self.model = model
-        self.root = self.engine.root if self.engine is not None else model
+        self.root = self.engine.root
         self.config = config
         self.scope = InferenceCudaGraphScope(config.inference_cuda_graph_scope)
         self.batch_buckets, self.seq_buckets = batch_buckets, seq_buckets
         self.pad_value = pad_value
         self.max_graph_sets = max_graph_sets
-        self.rank = self.engine.rank if self.engine is not None else 0
+        self.rank = self.engine.rank
         params = list(model.parameters())
         self.device = params[0].device if params else torch.device("cpu")
         self.backend = _streams.graph_backend(backend, self.device, INFERENCE_BACKENDS)
         self._padding = BatchPadding(batch_buckets, seq_buckets, pad_value)
         if seq_buckets is not None:
             self._padding.check_causal(self.root, causal)
-        if self.engine is not None and self.scope is not InferenceCudaGraphScope.NONE:
-            # [Note: fixed addresses] in engines/contract.py: a forward-only graph reads the unshard buffers only.
-            self.engine.require_fixed_buffers(f"inference_cuda_graph_scope='{self.scope}'", FORWARD_ONLY_BUFFERS)
+        if self.scope is not InferenceCudaGraphScope.NONE:
+            what = f"inference_cuda_graph_scope='{self.scope}'"
+            if self._has_static_step:
+                # [Note: fixed addresses] in engines/contract.py: a forward-only graph reads the unshard buffers only.
+                self.step.require_fixed_buffers(what, FORWARD_ONLY_BUFFERS)
+            elif self.engine.unit_modules():
+                # Units that gather in hooks, and no static step to fix where they gather to: refused, naming both.
+                static_step_engine(self.engine, what)
         self._layers: List[_Layer] = self._select_layers(layer_modules) if self.scope is InferenceCudaGraphScope.LAYER else []
         #: block graphs of an engine hold its work, collectives included, as a static step (graph_contract.py)
-        self._static = self.scope is InferenceCudaGraphScope.BLOCK and self.engine is not None
-        self._agree = self._static and self.engine.world_size > 1
+        self._static = self.scope is InferenceCudaGraphScope.BLOCK and self._has_static_step
+        self._agree = self._static and self.step.world_size > 1
         self._blocks: Dict[Any, _Graph] = {}
         self._keys: set = set()
         self._limit_warned = False
@@ -192,8 +321,8 @@ class InferenceCudaGraphs:
     # ------------------------------------------------------------------ set-up
     def _select_layers(self, layer_modules: Optional[Sequence[Union[Type[nn.Module], str]]]) -> List[_Layer]:
         if layer_modules is None:
-            if self.engine is not None:
-                wanted = {id(u) for u in self.engine.unit_modules()}
+            wanted = {id(u) for u in self.engine.unit_modules()}
+            if wanted:
                 chosen = [(n, m) for n, m in self.root.named_modules() if id(m) in wanted]
             elif isinstance(getattr(type(self.root), "unit_class", None), property):
                 cls = self.root.unit_class
@@ -274,7 +403,7 @@ class InferenceCudaGraphs:
                 padded_batch = None
         if self._agree:
             padded_batch, padded_seq = self._padding.agree(leaves, padded_batch, padded_seq, device=self.device,
-                                                           group=self.engine.process_group, rank=self.rank)
+                                                           group=self.step.process_group, rank=self.rank)
             if padded_batch is None and self.config.cuda_graph_strict_signature:
                 raise ValueError(f"[rank {self.rank}] InferenceCudaGraphs: a rank's call exceeds the largest bucket "
                                  f"(batch buckets {list(self.batch_buckets.sizes)}); refused in strict mode on every rank")
@@ -370,9 +499,9 @@ class InferenceCudaGraphs:
             return _args.flatten(fn(*a, **kw))
 
         g = _Graph(name, body, static_in, static)
-        engine = self.engine
-        bound = engine.grads_bound() if static else frozenset()
-        start = (lambda: engine.begin_static_step(replace_grads=False)) if static else (lambda: None)
+        step = self.step
+        bound = step.grads_bound() if static else frozenset()
+        start = (lambda: step.begin_static_step(replace_grads=False)) if static else (lambda: None)
         meter = _recipe.CaptureMeter(self.device, cuda=self.backend == "torch")
         try:
             num_warmup = self.config.cuda_graph_num_warmup_iters
@@ -397,7 +526,7 @@ class InferenceCudaGraphs:
             raise
         finally:
             if static:  # as after a replay; a failed capture ran nothing that counts
-                engine.end_static_step(bound=bound)
+                step.end_static_step(bound=bound)
         g.params, g.param_ptrs = params, _recipe.addresses(params)
         shape = ", ".join(str(tuple(t.shape)) for t in leaves)
         self.captures.append(InferenceCapture(name, shape, meter.seconds(), meter.memory(), list(g.collectives)))
@@ -410,10 +539,10 @@ class InferenceCudaGraphs:
             _recipe.refuse_moved(g.params, g.param_ptrs, who=f"the inference graph of {g.name}", rank=self.rank,
                                  fix="Do not reassign parameters while inference graphs exist: delete() them and "
                                      "build a new InferenceCudaGraphs")
-        engine = self.engine
+        step = self.step
         if g.static:
-            engine.quiesce()  # an eager collective still in flight would race with the graph
-            bound = engine.grads_bound()
+            step.quiesce()  # an eager collective still in flight would race with the graph
+            bound = step.grads_bound()
         for s, t in zip(g.static_in, leaves):
             if t is not s:
                 s.copy_(t)
@@ -421,7 +550,7 @@ class InferenceCudaGraphs:
             g.graph.replay()  # protocol backend: checked against the capture (capture/protocol.py)
         finally:
             if g.static:
-                engine.end_static_step(bound=bound)
+                step.end_static_step(bound=bound)
         g.replays += 1
         self.counters["replays"] += 1
         return g.static_out
@@ -434,13 +563,12 @@ class InferenceCudaGraphs:
 
     def _guard(self, static: bool, log: List[str]) -> Any:
         """The engine's guard around a capture: collectives captured in a static (block) graph, refused otherwise."""
-        return (self.engine.static_capture_guard(allow_collectives=static, collective_log=log)
-                if self.engine is not None else contextlib.nullcontext())
+        return (self.step.static_capture_guard(allow_collectives=static, collective_log=log)
+                if self._has_static_step else contextlib.nullcontext())
 
     def _capture_pass(self, static: bool, log: List[str]) -> Any:
         """The protocol backend's capture pass: our capture flag, the engine's simulated capture and its guard."""
-        simulated = self.engine.simulated_capture() if self.engine is not None else None
-        return _protocol.capture_pass(simulated, self._guard(static, log))
+        return _protocol.capture_pass(self.engine.simulated_capture(), self._guard(static, log))
 
     def _all_graphs(self) -> List[_Graph]:
         return list(self._blocks.values()) + [g for layer in self._layers for g in layer.graphs.values()]

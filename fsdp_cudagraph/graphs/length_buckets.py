@@ -75,13 +75,140 @@ from fsdp_cudagraph.capture import args as _args
 from fsdp_cudagraph.capture import recipe as _recipe
 from fsdp_cudagraph.capture import schedules as _schedules
 from fsdp_cudagraph.capture.schedules import CaptureReport, GraphedCallable
-from fsdp_cudagraph.capture.buckets import (Buckets, LengthArg, LengthSpec, PendingReplay, ReplayDone, block_diagonal_mask,
-                                             segment_ids_from_cu_seqlens, unpad_output)
+from fsdp_cudagraph.capture.buckets import Buckets, pad_to
 
 __all__ = ["LengthBucketGraphs", "LengthArg", "LengthBucketsReport", "BucketCaptureReport", "BucketReplayConflictWarning",
-           "segment_ids_from_cu_seqlens", "block_diagonal_mask"]  # the last two: attention helpers from capture/buckets.py
+           "segment_ids_from_cu_seqlens", "block_diagonal_mask", "LengthSpec", "unpad_output"]
 
 logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------- length buckets
+# What LengthBucketGraphs pads, cuts and tracks; see [Note: length buckets].
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthArg:
+    """An argument that varies in length along ``dim``; padded with ``pad_value`` up to the bucket."""
+
+    dim: int = 0
+    pad_value: Union[int, float] = 0
+
+
+# ---------------------------------------------------------------------------------------------- attention helpers
+
+
+def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Per-token sequence index (int64, ``[total]``) of a packed batch described by ``cu_seqlens`` ([N + 1]).
+
+    No host sync: token ``t`` belongs to the sequence ``i`` with ``cu_seqlens[i] <= t < cu_seqlens[i + 1]``.
+    Values are checked only on CPU (a check on the GPU would synchronise); ``cu_seqlens[-1]`` must be ``total``.
+    """
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [num_sequences + 1] starting at 0, got shape "
+                         f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
+    if cu_seqlens.device.type == "cpu":
+        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+            raise ValueError(f"cu_seqlens={cu_seqlens.tolist()} must start at 0, never decrease and end at the "
+                             f"number of tokens ({total})")
+    positions = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True).long()
+
+
+def block_diagonal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[L, L]`` mask, True where query and key share a segment (``attn_mask`` of SDPA: True attends).
+
+    Padding carries one segment id of its own (``-1``), so padded tokens attend to each other only: every row
+    has a True entry, and no real token sees a padded one.
+    """
+    return segment_ids[:, None] == segment_ids[None, :]
+
+
+# ---------------------------------------------------------------------------------------------- call shapes
+
+
+class LengthSpec:
+    """The length arguments of one callable, resolved against its forward's parameter names."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], length_args: Mapping[str, LengthArg], output_dim: int):
+        self.name = name
+        names = _args.arg_names(fn)
+        self.items = [(n, names.index(n) if n in names else None, a.dim, a.pad_value) for n, a in length_args.items()]
+        self.output_dim = output_dim
+
+    def _get(self, args: Sequence[Any], kwargs: Mapping[str, Any], pos: Optional[int], name: str) -> Any:
+        return args[pos] if pos is not None and pos < len(args) else kwargs.get(name)
+
+    def length(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
+        """The call's length; raises when the length arguments disagree or none is given."""
+        n, first = None, None
+        for name, pos, dim, _ in self.items:
+            t = self._get(args, kwargs, pos, name)
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"length-bucketed callable {self.name}: length argument `{name}` is a "
+                                f"{type(t).__name__}, not a tensor; length_args name tensor arguments only")
+            m = t.shape[dim]
+            if n is None:
+                n, first = m, name
+            elif m != n:
+                raise ValueError(f"length-bucketed callable {self.name}: `{name}` has length {m} along dim {dim} but "
+                                 f"`{first}` has {n}; the length arguments of one call must have one length")
+        if n is None:
+            raise ValueError(f"length-bucketed callable {self.name} was called without any of its length arguments "
+                             f"{[i[0] for i in self.items]}; pass them, or fix length_args")
+        return n
+
+    def resize(self, args: Sequence[Any], kwargs: Mapping[str, Any], size: int) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        """The call with every length argument padded (or, for sample args, cut) to ``size``."""
+        args, kwargs = list(args), dict(kwargs)
+        for name, pos, dim, value in self.items:
+            in_args = pos is not None and pos < len(args)
+            t = args[pos] if in_args else kwargs.get(name)
+            if t is None:
+                continue
+            t = t.narrow(dim, 0, size) if t.shape[dim] > size else pad_to(t, size, dim, value)
+            if in_args:
+                args[pos] = t
+            else:
+                kwargs[name] = t
+        return tuple(args), kwargs
+
+
+def unpad_output(out: Any, n: int, dim: int) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.narrow(dim, 0, n)
+    leaves, sig = _args.flatten(out)
+    return _args.rebuild(sig, [t.narrow(dim, 0, n) for t in leaves])
+
+
+# ---------------------------------------------------------------------------------------------- pending replays
+
+
+@dataclasses.dataclass(eq=False)
+class PendingReplay:
+    name: str
+    order: int
+    bucket: int
+    #: weakref to the ReplayDone hook on the replay's autograd node: dead once the step's autograd graph is freed.
+    hook: Any = None
+    done: bool = False
+
+    def alive(self) -> bool:
+        return not self.done and self.hook is not None and self.hook() is not None
+
+
+class ReplayDone:
+    """Pre-hook on a replay's autograd node: its backward is starting, so the replay is no longer pending."""
+
+    __slots__ = ("pending", "__weakref__")
+
+    def __init__(self, pending: PendingReplay) -> None:
+        self.pending = pending
+
+    def __call__(self, grad_outputs: Any) -> None:
+        self.pending.done = True
 
 
 class BucketReplayConflictWarning(RuntimeWarning):
@@ -180,7 +307,7 @@ class LengthBucketGraphs:
         # needs a PartialCudaGraphs' own recording of the eager steps: inert here ("warn").
         self._core = PartialCudaGraphs(model, config, backend=backend, attention_backend="warn")
         self._core.stop_recording()  # the calls are recorded below, whatever the grad mode
-        #: The engine contract (None: a plain module), as the core resolved it.
+        #: The engine contract, as the core resolved it.
         self.engine = self._core.engine
         self._modules: Dict[str, nn.Module] = {c.name: c.module for c in self._core.callables}
         self._calls: Dict[str, Tuple[Tuple[torch.Tensor, ...], Any]] = {}
@@ -315,7 +442,7 @@ class LengthBucketGraphs:
     def _check_addresses(self, first: _Bucket, cap: _Bucket) -> None:
         """One address check serves every bucket: the parameters must sit where they sat for the first bucket."""
         for c, oc in zip(first.callables, cap.callables):
-            if oc.param_ptrs != c.param_ptrs or oc.replay_ptrs != c.replay_ptrs:
+            if oc.replay_ptrs != c.replay_ptrs:
                 raise RuntimeError(f"fsdp_cudagraph: the parameters (or gradient buffer) of {c.name} moved between the "
                                    f"captures of buckets {first.bucket} and {cap.bucket}; length buckets need "
                                    "address-stable parameters (fsdp_double_buffer and fsdp_db_use_persist_buf_on_alloc_fail)")
@@ -328,7 +455,7 @@ class LengthBucketGraphs:
         keys: Dict[str, str] = {}
         prev_unit, key = object(), ""
         for n in order:
-            unit = self.engine.unit_of(self._modules[n]) if self.engine is not None else None
+            unit = self.engine.unit_of(self._modules[n])
             if unit is None or unit is not prev_unit:
                 key = n
             keys[n] = key

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from fsdp_cudagraph.engines.contract import EngineAdapter
+from fsdp_cudagraph.engines.contract import StaticStepEngine
 
 from fsdp_cudagraph.capture import recipe as _recipe
 
@@ -58,9 +58,10 @@ class OptimizerGraph:
     On the ``protocol`` backend every "replay" runs the step eagerly after the same checks.
     """
 
-    def __init__(self, engine: EngineAdapter, *, backend: str, warmup: int, enabled: bool,
+    def __init__(self, step: StaticStepEngine, *, engine_name: str, backend: str, warmup: int, enabled: bool,
                  agree: Callable[[List[str], str], None]) -> None:
-        self.engine = engine
+        self.static = step
+        self.engine_name = engine_name
         self.backend = backend
         self.warmup_left = warmup
         self.enabled = enabled
@@ -80,9 +81,9 @@ class OptimizerGraph:
         if self.optimizer is not None and self.optimizer is not optimizer:
             raise ValueError("optimizer_step() got another optimizer than before; one FullIterationCudaGraph graphs one "
                              "optimizer (build the optimizer once, before training)")
-        if max_norm is not None and self.engine.clip_grad_norm() is None:
+        if max_norm is not None and self.static.clip_grad_norm() is None:
             raise NotImplementedError(f"optimizer_step(max_norm=...) needs the engine's global-norm clipping, which "
-                                      f"{self.engine.name} does not offer; clip in forward_step's caller, or pass "
+                                      f"{self.engine_name} does not offer; clip in forward_step's caller, or pass "
                                       "max_norm=None")
         self.optimizer = optimizer
         if not self.enabled or not self.captured and self.warmup_left > 0:
@@ -102,7 +103,7 @@ class OptimizerGraph:
         self.norm = None
 
     def _clip_and_step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float]) -> Optional[torch.Tensor]:
-        norm = self.engine.clip_grad_norm()(max_norm) if max_norm is not None else None
+        norm = self.static.clip_grad_norm()(max_norm) if max_norm is not None else None
         optimizer.step()
         return norm
 
@@ -120,12 +121,12 @@ class OptimizerGraph:
         t0 = time.perf_counter()
         log: List[str] = []
         if self.backend == "torch":
-            device = self.engine.device
+            device = self.static.device
             torch.cuda.synchronize(device)
             # clipping all-reduces the ranks' norms: a collective inside this graph too
             self.graph, self.norm = _recipe.capture_graph(
                 lambda: self._clip_and_step(optimizer, max_norm), device=device, phase=_PHASE,
-                guard=lambda: self.engine.static_capture_guard(allow_collectives=True, collective_log=log))
+                guard=lambda: self.static.static_capture_guard(allow_collectives=True, collective_log=log))
             self.agree(log, _PHASE)
         self.captured = True
         n = sum(g is not None for g in self.grads)
@@ -159,7 +160,7 @@ class OptimizerGraph:
         else:
             norm = self._clip_and_step(optimizer, max_norm)
         self.replays += 1
-        self.engine.mark_params_stale()  # a replay changes the main shards behind their version counters
+        self.static.mark_params_stale()  # a replay changes the main shards behind their version counters
         return norm.clone() if norm is not None else None
 
 

@@ -26,7 +26,6 @@ Hazards (the rules that keep replay correct):
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import logging
 import time
@@ -38,7 +37,7 @@ from torch import nn
 # te: TE's make_graphed_callables; torch: torch.cuda.make_graphed_callables; protocol: the same warmup/capture
 # schedule and hook calls without graphs (runs on CPU). [Note: backends] in config.py.
 from fsdp_cudagraph.config import BACKENDS, CudaGraphConfig, graph_unsafe_modules, module_tag
-from fsdp_cudagraph.engines.contract import EngineAdapter
+from fsdp_cudagraph.engines.contract import PerLayerEngine, per_layer_engine
 from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.hooks import HOOK_DICTS, extract_hooks, restore_hooks
 from fsdp_cudagraph.offload import offloader as _offload
@@ -57,13 +56,10 @@ logger = logging.getLogger(__name__)
 
 
 
-def select_modules(root: nn.Module, engine: Any, config: CudaGraphConfig) -> List[Tuple[str, nn.Module]]:
-    """The (qualified name, module) pairs that ``config`` selects as graphed callables, in module order.
-
-    ``engine``: the engine's adapter, or the wrapped model itself (its adapter is looked up), or None.
-    """
-    if engine is not None and not isinstance(engine, EngineAdapter):
-        engine = adapter_for(engine)
+def select_modules(engine: PerLayerEngine, config: CudaGraphConfig) -> List[Tuple[str, nn.Module]]:
+    """The (qualified name, module) pairs of ``engine.root`` that ``config`` selects as graphed callables, in
+    module order. ``engine``: the model's adapter (``adapter_for(model)``, resolved once by the caller)."""
+    root = engine.root
     cfg = config
     named = list(root.named_modules())
     if cfg.cuda_graph_module_patterns:
@@ -72,9 +68,9 @@ def select_modules(root: nn.Module, engine: Any, config: CudaGraphConfig) -> Lis
         if not chosen:
             raise ValueError(f"cuda_graph_module_patterns={pats} match no submodule; patterns are globs over qualified names (e.g. 'layers.*.attn') or class names")
     elif not cfg.cuda_graph_modules:
-        if engine is None:
-            raise ValueError("cuda_graph_modules=[] (whole layers) needs a sharded model (e.g. megatron_fsdp) whose units are the layers, or cuda_graph_module_patterns")
         unit_ids = {id(m) for m in engine.unit_modules()}
+        if not unit_ids:
+            raise ValueError("cuda_graph_modules=[] (whole layers) needs a sharded model (e.g. megatron_fsdp) whose units are the layers, or cuda_graph_module_patterns")
         chosen = [(n, m) for n, m in named if id(m) in unit_ids]
     else:
         wanted = {getattr(v, "value", v) for v in cfg.cuda_graph_modules}
@@ -146,9 +142,10 @@ class PartialCudaGraphs:
         self.config = config
         self.attention_backend = attention_backend
         self.clone_param_grads = clone_param_grads
-        #: The engine contract (None: a plain module); every question to the engine goes through it.
-        self.engine = adapter_for(model)
-        self.root = self.engine.root if self.engine is not None else model
+        #: The engine contract (a plain module's adapter without an engine); every question to the engine goes
+        #: through it, and everything this object builds is handed it (nothing resolves the model again).
+        self.engine = per_layer_engine(adapter_for(model), "PartialCudaGraphs")
+        self.root = self.engine.root
         if backend is None:
             backend = config.backend
         if backend not in BACKENDS:
@@ -161,16 +158,15 @@ class PartialCudaGraphs:
             # The machine first, before any hook or stream changes: a missing GPU or TE is known now, not
             # after the warmup steps.
             config.check_runtime()
-        if self.engine is not None:
-            self.engine.check_partial_graphs()
+        self.engine.check_partial_graphs()
         self.callables = self._select()
         # config.activation_offload_*: built now (the next eager step is recorded), boundaries checked here.
-        self.offload = _offload.offloader_for(model, config, [(c.name, c.module) for c in self.callables])
+        self.offload = _offload.offloader_for(self.engine, config, [(c.name, c.module) for c in self.callables])
         # Before the eager steps that precede capture: no autograd node of theirs may live on the legacy
         # default stream ([Note: the default stream and graph capture]).
         self._steps_before_side_stream = 0
         if backend in ("te", "torch") and _streams.on_legacy_default_stream():
-            self._steps_before_side_stream = self.engine.num_forward_calls if self.engine is not None else 0
+            self._steps_before_side_stream = self.engine.num_forward_calls
             _streams.use_side_stream()
         self._attention = AttentionBackendMatcher(
             {c.name: c.module for c in self.callables}, force=attention_backend == "match_graph"
@@ -181,14 +177,15 @@ class PartialCudaGraphs:
         ]
         self._checks: List[Any] = []
         self.captured = False
+        #: Set by delete(): the recorders and hooks are gone, so these graphs can never capture again.
+        self.deleted = False
         self.report: Optional[CaptureReport] = None
 
     # ------------------------------------------------------------------ selection
     def _select(self) -> List[_Callable]:
         out = []
-        for n, m in select_modules(self.root, self.engine, self.config):
-            unit = self.engine.unit_of(m) if self.engine is not None else None
-            out.append(_Callable(name=n, module=m, unit=unit))
+        for n, m in select_modules(self.engine, self.config):
+            out.append(_Callable(name=n, module=m, unit=self.engine.unit_of(m)))
         return out
 
     def _recorder(self, c: _Callable):
@@ -208,6 +205,10 @@ class PartialCudaGraphs:
     # ------------------------------------------------------------------ capture
     def capture(self) -> CaptureReport:
         """Capture every selected callable (after at least one eager step). Restores hooks on failure."""
+        if self.deleted:
+            raise RuntimeError("capture() after delete(): these graphs no longer record the eager steps they would "
+                               "capture from; build a new PartialCudaGraphs(model, config), run at least one eager "
+                               "training step, then call its capture()")
         if self.captured:
             raise RuntimeError("capture() was already called; delete() these graphs and build a new PartialCudaGraphs "
                                "to capture again")
@@ -272,8 +273,7 @@ class PartialCudaGraphs:
         gives one graph-maker call's extra arguments. Hooks are taken off and put back exactly, and a failure
         undoes what was installed. Returns (seconds, graph memory bytes, memory reserved before, unknown hooks).
         """
-        if self.engine is not None:
-            self.engine.reset()
+        self.engine.reset()
         for c in order:
             c.extracted = None
             c.had_forward_attr = "forward" in c.module.__dict__
@@ -282,13 +282,11 @@ class PartialCudaGraphs:
         reserved0 = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
         t0 = time.perf_counter()
         try:
-            hook_plan = self.engine.hook_plan if self.engine is not None else None  # phase 2: the engine's reading
             for c in order:
-                c.extracted = extract_hooks(c.module, hook_plan=hook_plan)
-            _schedules.plan_hooks(order, (lambda unit: self.engine.hook_plan(
-                {name: getattr(unit, name) for name in HOOK_DICTS}).capture_time) if self.engine is not None else None)
-            if self.engine is not None:
-                self.engine.prepare_capture(list({id(c.unit): c.unit for c in order if c.unit is not None}.values()))
+                c.extracted = extract_hooks(c.module, hook_plan=self.engine.hook_plan)  # phase 2: the engine's reading
+            _schedules.plan_hooks(order, lambda unit: self.engine.hook_plan(
+                {name: getattr(unit, name) for name in HOOK_DICTS}).capture_time)
+            self.engine.prepare_capture(list({id(c.unit): c.unit for c in order if c.unit is not None}.values()))
             for c in order:
                 c.capture_params = tuple(c.module.parameters())
             with _streams.stale_stream_override(), _offload.graph_maker(self.offload), _schedules.parked_grad_hooks(order):
@@ -305,8 +303,7 @@ class PartialCudaGraphs:
             for c in order:
                 if c.extracted is not None:
                     restore_hooks(c.extracted)
-            if self.engine is not None:
-                self.engine.reset()
+            self.engine.reset()
         seconds = time.perf_counter() - t0
         unknown = [f"{c.name}.{d}[{hid}]={getattr(h, '__qualname__', repr(h))}" for c in order for d, hid, h in c.extracted.unknown]
         if unknown:
@@ -316,13 +313,11 @@ class PartialCudaGraphs:
 
     def arm_address_check(self, c: _Callable) -> Callable[[nn.Module, Tuple[Any, ...]], None]:
         """Record, right after capture, the addresses a replay of ``c`` reads; return its pre-replay check."""
-        # Under an engine, what a replay reads by address is the engine's answer (its parameters may be
-        # swapped in by its own pre-forward hook, as FSDP2's are); a plain module's are its parameters.
-        c.params = tuple(c.module.parameters()) if self.engine is None else ()
-        c.param_ptrs = tuple(p.data_ptr() for p in c.params)
+        # What a replay reads by address is the engine's answer (its parameters may be swapped in by its own
+        # pre-forward hook, as FSDP2's are; a plain module's are its parameters), read through one probe.
         c.replay_ptrs = self._replay_ptrs(c)
-        c.probe = self.engine.replay_probe(c.module) if self.engine is not None else None
-        if c.probe is not None and c.probe() != tuple(ptr for _, ptr in c.replay_ptrs):
+        c.probe = self.engine.replay_probe(c.module)
+        if c.probe() != tuple(ptr for _, ptr in c.replay_ptrs):
             raise RuntimeError(f"fsdp_cudagraph: the {self.engine.name} adapter's replay_probe({c.name}) disagrees "
                                "with its replay_tensors (same tensors, same order); fix the adapter")
         return self._address_check(c)
@@ -333,10 +328,9 @@ class PartialCudaGraphs:
         n = self.config.cuda_graph_num_warmup_iters
         if self.backend == "torch":
             # [Note: the engine contract] item 8: the engine's handlers gather only the unit being captured.
-            scope = self.engine.one_unit_at_a_time if self.engine is not None else contextlib.nullcontext
             return _schedules.capture_torch(order, wrappers, num_warmup_iters=n, install=install,
-                                            pool_for=pool_for, unit_scope=scope)
-        who = self.engine.name if self.engine is not None else "the model"
+                                            pool_for=pool_for, unit_scope=self.engine.one_unit_at_a_time)
+        who = self.engine.name
         hooks = [_schedules.capture_time_hooks(c, guard=lambda c=c: _schedules.check_params(c, who)) for c in order]
         if self.backend == "te":
             return _schedules.capture_te(order, wrappers, hooks, te=require_te("cuda_graph_impl='transformer_engine'"),
@@ -347,9 +341,8 @@ class PartialCudaGraphs:
                                     region=self._simulated_capture)
 
     def _simulated_capture(self) -> ContextManager[None]:
-        # Our capture flag (offloading reads it) and, under an engine, the engine's guard ([Note: the engine
-        # contract], item 4).
-        return _protocol.capture_pass(self.engine.simulated_capture() if self.engine is not None else None)
+        # Our capture flag (offloading reads it) and the engine's guard ([Note: the engine contract], item 4).
+        return _protocol.capture_pass(self.engine.simulated_capture())
 
     # ------------------------------------------------------------------ calls with constants (see capture/args.py)
     def _wrappers(self, order: List[_Callable]) -> Dict[_Callable, _args.CallWrapper]:
@@ -367,20 +360,16 @@ class PartialCudaGraphs:
 
     def _on_replay(self, c: _Callable) -> Optional[Callable[[], None]]:
         """What a replay of ``c`` tells the engine (which module's graph ran), or None."""
-        return self.engine.replay_notice(c.module) if self.engine is not None else None
+        return self.engine.replay_notice(c.module)
 
     def _replay_ptrs(self, c: _Callable) -> Tuple[Tuple[str, int], ...]:
         """(name, address) of every tensor the engine says a replay of ``c`` reads or writes, read live."""
-        if self.engine is None:
-            return ()
         return tuple((n, t.data_ptr()) for n, t in self.engine.replay_tensors(c.module))
 
     def _address_check(self, c: _Callable):
-        rank = self.engine.rank if self.engine is not None else 0
-        unit_name = self.engine.unit_name(c.unit) if self.engine is not None and c.unit is not None else "-"
-
-        data_ptr = torch.Tensor.data_ptr
-        hint = self.engine.address_hint if self.engine is not None else ""
+        rank = self.engine.rank
+        unit_name = self.engine.unit_name(c.unit) if c.unit is not None else "-"
+        hint = self.engine.address_hint
 
         probe, probed = c.probe, tuple(ptr for _, ptr in c.replay_ptrs)
 
@@ -388,10 +377,7 @@ class PartialCudaGraphs:
             # The hot path is one tuple comparison per replay, its addresses read by the probe resolved at capture
             # (no model walk: flat in depth); names are looked up only to report.
             moved = None
-            if c.params and tuple(map(data_ptr, c.params)) != c.param_ptrs:
-                moved = [(f"parameter {n}", ptr, p.data_ptr())
-                         for (n, p), ptr in zip(module.named_parameters(), c.param_ptrs) if p.data_ptr() != ptr]
-            elif probe is not None and probe() != probed:
+            if probe() != probed:
                 now = self._replay_ptrs(c)
                 if now != c.replay_ptrs:
                     moved = [(n if n.startswith("gradient") else f"parameter {n}", ptr, new)
@@ -431,6 +417,7 @@ class PartialCudaGraphs:
         for c in self.callables:
             c.sample_args, c.sample_kwargs = None, None
         self.captured = False
+        self.deleted = True
         self._order = []
         if self.offload is not None:  # after the forwards above are back: it restores the modules' own
             self.offload.delete()
@@ -445,6 +432,5 @@ def match_graph_attention(model: nn.Module, config: CudaGraphConfig) -> Attentio
     its own eager steps by default; see [Note: attention backends under capture]). Call ``.uninstall()``
     on the result when the run ends. Inert without TE.
     """
-    engine = adapter_for(model)
-    root = engine.root if engine is not None else model
-    return AttentionBackendMatcher(dict(select_modules(root, engine, config)), force=True)
+    return AttentionBackendMatcher(dict(select_modules(per_layer_engine(adapter_for(model), "match_graph_attention"),
+                                                       config)), force=True)

@@ -41,7 +41,7 @@ import functools
 import logging
 import math
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -49,7 +49,8 @@ from torch import nn
 from fsdp_cudagraph.capture.state import is_capturing
 
 from fsdp_cudagraph.config import module_tag
-from fsdp_cudagraph.engines import root_of
+from fsdp_cudagraph.engines.contract import EngineAdapter
+from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.offload.host_copies import GroupRecord, HostBufferPool, _Group, _unpack
 
 __all__ = [
@@ -138,7 +139,8 @@ class ActivationOffloader:
     """Offload what chosen submodules save for backward to host memory (see [Note: activation offloading]).
 
     Args:
-        model: a model an engine wraps (e.g. :class:`megatron_fsdp.MegatronFSDP`) or a plain module; its forward starts an iteration.
+        model: a model an engine wraps (e.g. :class:`megatron_fsdp.MegatronFSDP`) or a plain module; its forward starts an
+            iteration. A graph kind passes the model's adapter instead (``adapter_for(model)``, resolved once there).
         modules / module_patterns: the modules to offload, by ``cuda_graph_module`` tag or by pattern.
         fraction: in (0, 1]: keep the last ``floor(n * (1 - fraction))`` of the ``n`` recorded groups on the device.
         graphed: the graphed callables ((name, module) pairs from the same root) for the boundary rule.
@@ -148,14 +150,15 @@ class ActivationOffloader:
     :meth:`graph_maker` around a capture -> :meth:`delete`. The host pool and copy streams live as long as it.
     """
 
-    def __init__(self, model: nn.Module, *, modules: Sequence[Any] = (), module_patterns: Sequence[str] = (),
+    def __init__(self, model: Union[nn.Module, EngineAdapter], *, modules: Sequence[Any] = (), module_patterns: Sequence[str] = (),
                  fraction: float = 1.0, graphed: Sequence[Tuple[str, nn.Module]] = (),
                  min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES) -> None:
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
             raise ValueError(f"fraction={fraction!r} must be a number in (0, 1]; 1.0 offloads every group")
         if isinstance(min_offload_bytes, bool) or not isinstance(min_offload_bytes, int) or min_offload_bytes < 0:
             raise ValueError(f"min_offload_bytes={min_offload_bytes!r} must be an int >= 0")
-        root = root_of(model)
+        engine = model if isinstance(model, EngineAdapter) else adapter_for(model)
+        root = engine.root
         self.selected = select_offload_modules(root, modules, module_patterns)
         self.graphed_in = check_graph_boundaries(self.selected, graphed)
         self.fraction = float(fraction)
@@ -181,13 +184,13 @@ class ActivationOffloader:
         if taken:
             raise ValueError(f"modules {taken} are already offloaded by another ActivationOffloader (e.g. one that "
                              "PartialCudaGraphs built from the config); delete() it first, or use only one")
-        self._handles = [model.register_forward_pre_hook(self._begin_iteration)]
+        self._handles = [engine.model.register_forward_pre_hook(self._begin_iteration)]  # the wrapper: its forward
         self._installed: List[Tuple[nn.Module, bool, Any, Any]] = []
         for name, module in self.selected:
             self._install(name, module)
 
     @classmethod
-    def from_config(cls, model: nn.Module, config: Any, *, graphed: Sequence[Tuple[str, nn.Module]] = ()) -> "ActivationOffloader":
+    def from_config(cls, model: Union[nn.Module, EngineAdapter], config: Any, *, graphed: Sequence[Tuple[str, nn.Module]] = ()) -> "ActivationOffloader":
         """Build from a :class:`~fsdp_cudagraph.CudaGraphConfig` (its ``activation_offload_*`` fields)."""
         return cls(model, modules=config.activation_offload_modules,
                    module_patterns=config.activation_offload_module_patterns,
@@ -364,11 +367,11 @@ class ActivationOffloader:
         self.state = OffloadState.DELETED
 
 
-def offloader_for(model: nn.Module, config: Any, graphed: Sequence[Tuple[str, nn.Module]]) -> Optional[ActivationOffloader]:
-    """The offloader ``config`` asks for (None when offloading is off); the graph layer's entry point."""
+def offloader_for(engine: EngineAdapter, config: Any, graphed: Sequence[Tuple[str, nn.Module]]) -> Optional[ActivationOffloader]:
+    """The offloader ``config`` asks for (None when offloading is off) over the adapter a graph kind resolved."""
     if not (config.activation_offload_modules or config.activation_offload_module_patterns):
         return None
-    return ActivationOffloader.from_config(model, config, graphed=graphed)
+    return ActivationOffloader.from_config(engine, config, graphed=graphed)
 
 
 def graph_maker(offloader: Optional[ActivationOffloader]) -> contextlib.AbstractContextManager:

@@ -37,14 +37,14 @@ def _no_deprecation_warnings():
 
 
 def _fsdp2(seed: int, world: int):
-    from torch.distributed.fsdp import fully_shard
+    from fsdp_cudagraph.engines.fsdp2 import fsdp2_shard
 
     gpt, cfg = build_gpt(seed)
     mesh = init_device_mesh("cpu", (world,))
     for m in gpt.modules():
         if isinstance(m, TransformerBlock):
-            fully_shard(m, mesh=mesh)
-    fully_shard(gpt, mesh=mesh)
+            fsdp2_shard(m, mesh=mesh)
+    fsdp2_shard(gpt, mesh=mesh)
     return gpt, cfg, adam(gpt.parameters())
 
 

@@ -20,8 +20,10 @@ from torch import nn
 
 from fsdp_cudagraph.capture import schedules
 from fsdp_cudagraph.engines import HOOK_DICTS, HOOK_KEYS, adapter_for
-from fsdp_cudagraph.engines import fsdp2
-from fsdp_cudagraph.engines.fsdp2 import keep_unsharded_storage, release_unsharded_storage
+from fsdp_cudagraph.engines.plain import PlainModule
+from fsdp_cudagraph.engines.fsdp2 import adapter as fsdp2_adapter
+from fsdp_cudagraph.engines.fsdp2 import storage as fsdp2_storage
+from fsdp_cudagraph import keep_unsharded_storage, release_unsharded_storage
 from fsdp_cudagraph.hooks import extract_hooks, hooks_snapshot, restore_hooks
 from tests.dist_utils import run_gloo
 
@@ -48,12 +50,12 @@ class Net(nn.Module):
 
 def build(*, reshard_after_forward: bool = True, reshard_after_backward: bool = True, keep: bool = False,
           **kwargs: Any) -> Net:
-    from torch.distributed.fsdp import fully_shard
+    from fsdp_cudagraph.engines.fsdp2 import fsdp2_shard
     torch.manual_seed(0)
     model = Net()
     for layer in model.layers:
-        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+        fsdp2_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    fsdp2_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     if not reshard_after_backward:
         model.set_reshard_after_backward(False)
     if keep:
@@ -235,11 +237,11 @@ def job(rank: int, world: int) -> Dict[str, Any]:
             refused[label] = None
         except NotImplementedError as exc:
             refused[label] = str(exc)
-    from torch.distributed.fsdp import fully_shard
+    from fsdp_cudagraph.engines.fsdp2 import fsdp2_shard
     torch.manual_seed(0)
     m = Net()
-    fully_shard([m.layers[0], m.layers[1]], reshard_after_forward=False)
-    fully_shard(m, reshard_after_forward=False)
+    fsdp2_shard([m.layers[0], m.layers[1]], reshard_after_forward=False)
+    fsdp2_shard(m, reshard_after_forward=False)
     keep_unsharded_storage(m)
     m(batch(0, rank)).sum().backward()
     try:
@@ -255,7 +257,7 @@ def job(rank: int, world: int) -> Dict[str, Any]:
     model(batch(0, rank)).sum().backward()
     layer = model.layers[0]
     state = layer._get_fsdp_state()
-    group = fsdp2._groups(state)[0]
+    group = fsdp2_storage.param_groups(state)[0]
     group.unshard()
     group.wait_for_unshard()
     named = adapter.replay_tensors(layer)
@@ -272,7 +274,7 @@ def job(rank: int, world: int) -> Dict[str, Any]:
     adapter = adapter_for(model)
     model(batch(0, rank)).sum().backward()
     layer = model.layers[0]
-    group = fsdp2._groups(layer._get_fsdp_state())[0]
+    group = fsdp2_storage.param_groups(layer._get_fsdp_state())[0]
     group.unshard()
     group.wait_for_unshard()
     kept = adapter.replay_tensors(layer)
@@ -287,15 +289,15 @@ def job(rank: int, world: int) -> Dict[str, Any]:
     release_unsharded_storage(model)
     report["released"] = kept[0][1].untyped_storage().size() == 0
     # A torch whose FSDP2 lacks a name the adapter drives is refused when the adapter is built.
-    saved_names = fsdp2._GROUP_NAMES
-    fsdp2._GROUP_NAMES = saved_names + ("_no_such_fsdp2_name",)
+    saved_names = fsdp2_adapter._GROUP_NAMES
+    fsdp2_adapter._GROUP_NAMES = saved_names + ("_no_such_fsdp2_name",)
     try:
-        fsdp2.FSDP2Engine(model)  # built anew: adapter_for hands back the adapter held above (one per model)
+        fsdp2_adapter.FSDP2Engine(model)  # built anew: adapter_for hands back the adapter held above (one per model)
         report["missing_name"] = None
     except NotImplementedError as exc:
         report["missing_name"] = str(exc)
     finally:
-        fsdp2._GROUP_NAMES = saved_names
+        fsdp2_adapter._GROUP_NAMES = saved_names
     report["unit_of_linear"] = adapter.unit_of(layer[0]) is layer
     report["unit_of_head"] = adapter.unit_of(model.head) is model
     return report
@@ -377,4 +379,4 @@ def test_missing_fsdp2_internal_is_refused(reports):
 
 
 def test_recognizes_only_fsdp2_roots():
-    assert adapter_for(nn.Linear(2, 2)) is None
+    assert isinstance(adapter_for(nn.Linear(2, 2)), PlainModule)

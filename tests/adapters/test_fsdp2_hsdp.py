@@ -26,18 +26,18 @@ CAPTURE_AT = 1
 
 
 def _build(mesh, storage: str):
-    from torch.distributed.fsdp import fully_shard
+    from fsdp_cudagraph.engines.fsdp2 import fsdp2_shard
 
     from fsdp_cudagraph.apps.model import GPT, GPTConfig
-    from fsdp_cudagraph.engines.fsdp2 import keep_unsharded_storage
-    from fsdp_cudagraph.engines.fsdp2_slots import use_unsharded_slots
+    from fsdp_cudagraph import keep_unsharded_storage
+    from fsdp_cudagraph import use_unsharded_slots
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, seq_len=8)
     model = GPT(cfg)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fsdp2_shard(layer, mesh=mesh)
+    fsdp2_shard(model, mesh=mesh)
     slots = None
     if storage == "keep":
         keep_unsharded_storage(model)

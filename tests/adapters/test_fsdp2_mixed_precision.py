@@ -39,19 +39,19 @@ def _policy(kind: str):
 
 
 def _build(policy: str):
-    from torch.distributed.fsdp import fully_shard
+    from fsdp_cudagraph.engines.fsdp2 import fsdp2_shard
 
     from fsdp_cudagraph.apps.model import GPT, GPTConfig
-    from fsdp_cudagraph.engines.fsdp2 import keep_unsharded_storage
+    from fsdp_cudagraph import keep_unsharded_storage
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=64, hidden_size=32, num_layers=3, num_heads=2, seq_len=16)
     model = GPT(cfg)
     for layer in model.layers:
-        fully_shard(layer, mp_policy=_policy(policy))
+        fsdp2_shard(layer, mp_policy=_policy(policy))
     # With output_dtype=fp32 the layers hand fp32 to the root's final LayerNorm, so the root keeps fp32
     # parameters (its bf16 LayerNorm would refuse fp32 input in eager FSDP2 too).
-    fully_shard(model, mp_policy=_policy("fp32" if policy == "bf16_out32" else policy))
+    fsdp2_shard(model, mp_policy=_policy("fp32" if policy == "bf16_out32" else policy))
     keep_unsharded_storage(model)
     return model, cfg
 

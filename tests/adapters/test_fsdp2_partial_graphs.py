@@ -26,17 +26,17 @@ CAPTURE_AT = 2
 
 
 def _build(keep: bool = True):
-    from torch.distributed.fsdp import fully_shard
+    from fsdp_cudagraph.engines.fsdp2 import fsdp2_shard
 
     from fsdp_cudagraph.apps.model import GPT, GPTConfig
-    from fsdp_cudagraph.engines.fsdp2 import keep_unsharded_storage
+    from fsdp_cudagraph import keep_unsharded_storage
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=64, hidden_size=32, num_layers=3, num_heads=2, seq_len=16)
     model = GPT(cfg)
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fsdp2_shard(layer)
+    fsdp2_shard(model)
     if keep:
         keep_unsharded_storage(model)
     return model, cfg

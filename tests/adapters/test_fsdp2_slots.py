@@ -30,10 +30,11 @@ CAPTURE_AT = 2
 
 
 def _build(slots: Optional[int], bf16: bool = False, reshard_after_forward: bool = True):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from fsdp_cudagraph.engines.fsdp2 import fsdp2_shard
 
     from fsdp_cudagraph.apps.model import GPT, GPTConfig
-    from fsdp_cudagraph.engines.fsdp2_slots import use_unsharded_slots
+    from fsdp_cudagraph import use_unsharded_slots
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=2, seq_len=16)
@@ -41,8 +42,8 @@ def _build(slots: Optional[int], bf16: bool = False, reshard_after_forward: bool
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
           else MixedPrecisionPolicy())
     for layer in model.layers:
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mp_policy=mp)
+        fsdp2_shard(layer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fsdp2_shard(model, mp_policy=mp)
     if slots is not None:
         use_unsharded_slots(model, num_slots=slots)
     return model, cfg
@@ -50,8 +51,8 @@ def _build(slots: Optional[int], bf16: bool = False, reshard_after_forward: bool
 
 def _in_slots(model) -> Dict[str, Any]:
     """Which slot buffer each layer's unsharded parameters lie in (None: outside every slot)."""
-    from fsdp_cudagraph.engines.fsdp2 import _fsdp_params
-    from fsdp_cudagraph.engines.fsdp2_slots import slots_of
+    from fsdp_cudagraph.engines.fsdp2.storage import fsdp_params as _fsdp_params
+    from fsdp_cudagraph.engines.fsdp2.storage import slots_of
 
     slots = slots_of(model)
     spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in slots.buffers]
@@ -72,7 +73,7 @@ def _train(rank: int, world: int, slots: Optional[int], scope: Optional[List[str
            move: Optional[str] = None, zero2: bool = False, release_at: Optional[int] = None) -> Dict[str, Any]:
     from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
     from fsdp_cudagraph.apps.model import loss_fn, synthetic_batch
-    from fsdp_cudagraph.engines.fsdp2_slots import release_unsharded_slots, slots_of
+    from fsdp_cudagraph.engines.fsdp2.storage import release_unsharded_slots, slots_of
 
     model, cfg = _build(slots, bf16, reshard_after_forward=not zero2)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)

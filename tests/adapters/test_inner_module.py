@@ -17,6 +17,7 @@ from fsdp_cudagraph import CudaGraphConfig, FullIterationCudaGraph, InferenceCud
 from fsdp_cudagraph.capture.buckets import Buckets
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn
 from fsdp_cudagraph.engines import adapter_for
+from fsdp_cudagraph.engines.plain import PlainModule
 from megatron_fsdp import fully_shard
 
 
@@ -60,4 +61,4 @@ def test_the_wrapper_is_accepted_and_has_one_adapter(sharded):
     assert adapter_for(model) is graphs.engine  # one adapter per model while anything holds it
     graphs.delete()
     plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    assert adapter_for(plain) is None  # a module no engine wraps stays a plain module
+    assert isinstance(adapter_for(plain), PlainModule)  # a module no engine wraps stays a plain module

@@ -194,7 +194,9 @@ def test_bad_dispatcher_refused() -> None:
 def test_nvidia_wrapper_option_refusals() -> None:
     """The checker's nvidia builder: an unknown wrapper, and wrapper='mcore' on a model without megatron-core's
     TransformerConfig, are refused before NVIDIA's engine is built (so on the CPU too)."""
-    from fsdp_cudagraph.checker.engines import ENGINES, check_options
+    from fsdp_cudagraph.engines.build import check_options
+    from fsdp_cudagraph.engines.registry import registered_builders
+    ENGINES = registered_builders()
 
     builder = ENGINES["nvidia"]
     assert check_options(builder, {"wrapper": "mcore"}) == {"wrapper": "mcore"}

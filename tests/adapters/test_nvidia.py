@@ -1,4 +1,4 @@
-"""CPU tests of the NVIDIA Megatron-FSDP adapter (``fsdp_cudagraph.engines.nvidia_megatron_fsdp``).
+"""CPU tests of the NVIDIA Megatron-FSDP adapter (``fsdp_cudagraph.engines.nvidia``).
 
 NVIDIA's ``MegatronFSDP.__init__`` needs CUDA (it builds CUDA streams and buffers), but its hook registration
 does not: the tests build the object with ``__new__``, set the attributes ``_register_fsdp_hooks`` reads
@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from fsdp_cudagraph.engines import HOOK_KEYS, adapter_for, registered_engines
-from fsdp_cudagraph.engines import nvidia_hooks as nvh
-from fsdp_cudagraph.engines import nvidia_megatron_fsdp as nvm
+from fsdp_cudagraph.engines.plain import PlainModule
+from fsdp_cudagraph.engines.nvidia import hooks as nvh
+from fsdp_cudagraph.engines.nvidia import adapter as nvm
 
 SKIP_REASON = "NVIDIA Megatron-FSDP (megatron-core 0.16.1) is not installed: pip install 'megatron-core==0.16.1'"
 try:
@@ -134,7 +135,7 @@ def test_registered_and_recognises_by_class_path_without_megatron():
 
 def test_recognition_imports_no_megatron():
     code = ("import sys, torch; from fsdp_cudagraph.engines import adapter_for; "
-            "assert adapter_for(torch.nn.Linear(2, 2)) is None; "
+            "assert adapter_for(torch.nn.Linear(2, 2)).name == 'the model'; "
             "print(sorted(k for k in sys.modules if k == 'megatron' or k.startswith('megatron.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
@@ -565,4 +566,4 @@ def test_the_inner_module_is_refused_naming_the_engine():
     for inner in (e.module, e.module.layers[0]):
         with pytest.raises(ValueError, match=r"pass NVIDIA's MegatronFSDP around Net .*not its inner module"):
             adapter_for(inner)
-    assert adapter_for(nn.Sequential(nn.Linear(2, 2))) is None
+    assert isinstance(adapter_for(nn.Sequential(nn.Linear(2, 2))), PlainModule)

@@ -1,4 +1,4 @@
-"""The engine contract as our engine (engines/megatron_fsdp.py) and a toy engine answer it; the moved apps' aliases.
+"""The engine contract as our engine (engines/megatron_fsdp/adapter.py) and a toy engine answer it; the moved apps' aliases.
 
 No process group for the hook-plan tests; one Gloo rank for the adapter over a sharded model.
 """
@@ -15,6 +15,8 @@ from fsdp_cudagraph.apps.model import GPT, GPTConfig
 import fsdp_cudagraph.engines.registry as registry
 from fsdp_cudagraph.engines import (HOOK_DICTS, EngineAdapter, HookPlan, adapt, adapter_for, read_sentinel, register_engine,
                                     registered_engines, root_of, unavailable_engines)
+from fsdp_cudagraph.engines.contract import PerLayerEngine
+from fsdp_cudagraph.engines.plain import PlainModule
 from fsdp_cudagraph.engines.megatron_fsdp import MegatronFSDPEngine, plan_hooks
 from megatron_fsdp import fully_shard
 
@@ -50,7 +52,7 @@ def test_registry_holds_our_engine():
     assert MegatronFSDPEngine in registered_engines()
     assert "megatron_fsdp" not in unavailable_engines()
     plain = nn.Linear(2, 2)
-    assert adapter_for(plain) is None and root_of(plain) is plain
+    assert isinstance(adapter_for(plain), PlainModule) and root_of(plain) is plain
 
 
 def test_unplanned_roles_are_engine_only_not_unknown():
@@ -129,7 +131,7 @@ class _Wrapper(nn.Module):
         return self.module(x)
 
 
-class _ToyEngine(EngineAdapter):
+class _ToyEngine(EngineAdapter, PerLayerEngine):
     name = "toy"
     resets = 0
 
@@ -194,7 +196,7 @@ def test_partial_graphs_speak_to_any_engine_through_the_contract(toy_engine):
 
 
 def test_whole_step_kinds_name_an_engine_without_a_static_step(toy_engine):
-    # Contract item 9 defaults to NotImplementedError naming the engine and the graph kind.
+    # An engine without a StaticStepEngine is refused with NotImplementedError naming the engine and the graph kind.
     from fsdp_cudagraph import FullIterationCudaGraph, InferenceCudaGraphs
     from fsdp_cudagraph.capture.buckets import Buckets
     model = _Wrapper(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))

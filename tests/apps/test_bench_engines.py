@@ -64,14 +64,15 @@ def test_llama_torch_layer_equals_transformers_llama_decoder_layer():
 
 
 def _rope_dtype_under_fsdp2_mixed_precision(rank: int, world: int) -> str:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from fsdp_cudagraph.engines.fsdp2 import fsdp2_shard
 
     torch.manual_seed(0)
     model = Llama(LlamaConfig(num_layers=2))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fsdp2_shard(layer, mp_policy=policy)
+    fsdp2_shard(model, mp_policy=policy)
     seen = []
     model.layers[1].block.register_forward_pre_hook(
         lambda m, args, kwargs: seen.append(kwargs["rotary_pos_emb"].dtype), with_kwargs=True)

@@ -24,7 +24,10 @@ import torch.distributed as dist
 
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
 from fsdp_cudagraph.check import ModelSpec, check_alignment
-from fsdp_cudagraph.checker.engines import ENGINES, NVIDIA_PIP
+from fsdp_cudagraph.engines.nvidia.build import NVIDIA_PIP
+from fsdp_cudagraph.engines.registry import registered_builders
+
+ENGINES = registered_builders()
 from tests.dist_utils import run_gloo
 from tests.gpu_utils import NO_GPU, ROOT, gpu_env, keep, run_entry
 from tests.apps._models import gpt_factory

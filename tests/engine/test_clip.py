@@ -172,7 +172,8 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
         res["zero_grad_drops_main"] = all(p.grad is None for p in model.optimizer_parameters())
         # After a replayed static step (full-iteration graph: no Python ran), as after an eager backward.
         _backward(model, rank, 1)
-        graph_contract.end_static_step(model, bound=graph_contract.grads_bound(model))
+        step = graph_contract.StaticStep(model)
+        step.end_static_step(bound=step.grads_bound())
         res["after_static_step"] = _error(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
         # Training: with torch's (refused) clipping in every step against a run without it.
         net, model = _build(kwargs)

@@ -196,7 +196,7 @@ def _dcp(rank: int, mesh, ckpt: str) -> Dict[str, Any]:
     load(flat, flat_opt)
     out["1x4"] = (flat.state_dict(), _full_opt(flat, flat_opt))
     # into PyTorch FSDP2 HSDP on the same 2 x 2 mesh: its DTensors (Replicate, Shard(0)) load our checkpoint
-    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+    from fsdp_cudagraph.engines.fsdp2 import fsdp2_shard
 
     fsdp2 = _gpt()[0]
     for layer in fsdp2.layers:

@@ -30,12 +30,13 @@ SCOPES = {"layers": [], "attn+mlp": ["attn", "mlp"]}
 
 def train(storage: Optional[str], precision: str, scope: Optional[List[str]], device: torch.device,
           backend: str) -> Dict[str, Any]:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from fsdp_cudagraph.engines.fsdp2 import fsdp2_shard
 
     from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
     from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch
-    from fsdp_cudagraph.engines.fsdp2 import keep_unsharded_storage
-    from fsdp_cudagraph.engines.fsdp2_slots import use_unsharded_slots
+    from fsdp_cudagraph import keep_unsharded_storage
+    from fsdp_cudagraph import use_unsharded_slots
 
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
@@ -48,8 +49,8 @@ def train(storage: Optional[str], precision: str, scope: Optional[List[str]], de
         model = model.to(low)
         mp = MixedPrecisionPolicy()
     for layer in model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fsdp2_shard(layer, mp_policy=mp)
+    fsdp2_shard(model, mp_policy=mp)
     if storage == "keep":
         keep_unsharded_storage(model)
     elif storage == "slots":

@@ -18,7 +18,7 @@ import torch
 import fsdp_cudagraph.apps.vision as vision
 from fsdp_cudagraph import BucketReplayConflictWarning, CudaGraphConfig, LengthArg, LengthBucketGraphs, hooks_snapshot
 from fsdp_cudagraph.capture.buckets import BucketOverflowWarning, Buckets
-from fsdp_cudagraph.capture.buckets import LengthSpec as _LengthSpec, unpad_output as _unpad_output
+from fsdp_cudagraph.graphs.length_buckets import LengthSpec as _LengthSpec, unpad_output as _unpad_output
 from fsdp_cudagraph.graphs.length_buckets import block_diagonal_mask, segment_ids_from_cu_seqlens
 from fsdp_cudagraph.apps.vision import LENGTH_ARGS, VisionBlock, VisionConfig, VisionEncoder, synthetic_images
 

@@ -13,7 +13,13 @@ Rules:
    ``checker/``) build models with engines and may;
 4. ``megatron_fsdp`` never imports ``fsdp_cudagraph``;
 5. a graph kind (``fsdp_cudagraph/graphs/*``) imports of the library only the capture core (``capture/``),
-   the door (``engines.contract``, ``engines.registry``), ``config``, ``hooks``, ``offload/`` and other kinds.
+   the door (``engines.contract``, ``engines.registry``), ``config``, ``hooks``, ``offload/`` and other kinds;
+6. no "no engine" branch in a graph kind: every model has an adapter (``engines/plain.py`` for an unwrapped
+   one), so ``engine is None`` / ``self.engine is not None`` never appears in ``graphs/``;
+7. one FSDP2 builder: nothing outside ``fsdp_cudagraph/engines/`` imports torch's ``fully_shard`` (library,
+   applications, benchmarks and tests go through ``engines.fsdp2.fsdp2_shard`` / ``shard_fsdp2``, which always
+   pass a mesh on the model's device);
+8. no private import across engine folders: a module outside ``engines/<engine>/`` imports no ``_name`` of it.
 """
 
 from __future__ import annotations
@@ -188,11 +194,11 @@ def graph() -> Graph:
 
 def test_the_graph_sees_the_house(graph):
     # Guard the reader itself: it finds the rooms and the arrows it must judge.
-    assert {"fsdp_cudagraph.graphs.partial", "fsdp_cudagraph.engines.megatron_fsdp", "megatron_fsdp._unit",
+    assert {"fsdp_cudagraph.graphs.partial", "fsdp_cudagraph.engines.megatron_fsdp.adapter", "megatron_fsdp._unit",
             "fsdp_cudagraph.apps.train", "benchmarks.bench_full_iteration", "benchmarks._flops"} <= set(graph)
     assert ("fsdp_cudagraph.engines.registry", 0) not in graph["fsdp_cudagraph.graphs.partial"]
     assert "fsdp_cudagraph.engines.registry" in {d for d, _ in graph["fsdp_cudagraph.graphs.partial"]}
-    assert "torch.distributed.fsdp" in {d for d, _ in graph["fsdp_cudagraph.engines.fsdp2"]}  # an external engine
+    assert "torch.distributed.fsdp" in {d for d, _ in graph["fsdp_cudagraph.engines.fsdp2.adapter"]}  # external
     assert "benchmarks._flops" in {d for d, _ in graph["benchmarks.bench_full_iteration"]}  # a deferred bare import
     assert "megatron_fsdp._unit" in {d for d, _ in graph["megatron_fsdp._fully_shard"]}
 
@@ -236,7 +242,7 @@ def test_the_door_rules_catch_planted_imports():
         "fsdp_cudagraph.capture.planted": "import megatron_fsdp.graph_contract\n"
                                           "from torch.distributed.fsdp import FSDPModule\n",
         "fsdp_cudagraph.graphs.planted": "from fsdp_cudagraph.engines import adapter_for\n"
-                                         "from fsdp_cudagraph.engines.megatron_fsdp import MegatronFSDPEngine\n"
+                                         "from fsdp_cudagraph.engines.megatron_fsdp.adapter import MegatronFSDPEngine\n"
                                          "from fsdp_cudagraph.checker import records\n"
                                          "from fsdp_cudagraph.engines.registry import adapter_for\n",
         "fsdp_cudagraph.checker.planted": "from megatron_fsdp import fully_shard\n",
@@ -247,7 +253,7 @@ def test_the_door_rules_catch_planted_imports():
     assert any(v.startswith("fsdp_cudagraph.capture.planted:1 -> megatron_fsdp.graph_contract: " + door) for v in found)
     assert any(v.startswith("fsdp_cudagraph.capture.planted:2 -> torch.distributed.fsdp: " + door) for v in found)
     assert any(v.startswith("fsdp_cudagraph.graphs.planted:1 -> fsdp_cudagraph.engines: " + kind) for v in found)
-    assert any(v.startswith("fsdp_cudagraph.graphs.planted:2 -> fsdp_cudagraph.engines.megatron_fsdp: " + kind)
+    assert any(v.startswith("fsdp_cudagraph.graphs.planted:2 -> fsdp_cudagraph.engines.megatron_fsdp.adapter: " + kind)
                for v in found)
     assert any(v.startswith("fsdp_cudagraph.graphs.planted:3 -> fsdp_cudagraph.checker.records: " + kind) for v in found)
     assert not any(v.startswith("fsdp_cudagraph.graphs.planted:4") for v in found)  # the registry is the door
@@ -256,10 +262,115 @@ def test_the_door_rules_catch_planted_imports():
 
 
 def test_engine_adapters_are_the_one_door(graph):
-    # engines/megatron_fsdp.py is the library's only importer of megatron_fsdp; the contract names no engine.
+    # engines/megatron_fsdp/ is the library's only importer of megatron_fsdp; the contract names no engine.
     importers = {src for src, edges in graph.items() for d, _ in edges if is_library(src) and is_engine(d)}
-    assert "fsdp_cudagraph.engines.megatron_fsdp" in importers and "fsdp_cudagraph.engines.fsdp2" in importers
+    assert "fsdp_cudagraph.engines.megatron_fsdp.adapter" in importers
+    assert "fsdp_cudagraph.engines.fsdp2.adapter" in importers and "fsdp_cudagraph.engines.fsdp2.build" in importers
     ours = {src for src in importers if any(_under(d, "megatron_fsdp") for d, _ in graph[src])}
-    assert ours == {"fsdp_cudagraph.engines.megatron_fsdp"}
-    assert not importers & {"fsdp_cudagraph.engines", "fsdp_cudagraph.engines.contract",
-                            "fsdp_cudagraph.engines.registry", "fsdp_cudagraph.engines.hookplan"}
+    assert ours == {"fsdp_cudagraph.engines.megatron_fsdp.adapter", "fsdp_cudagraph.engines.megatron_fsdp.build"}
+    assert not importers & {"fsdp_cudagraph.engines", "fsdp_cudagraph.engines.contract", "fsdp_cudagraph.engines.plain",
+                            "fsdp_cudagraph.engines.registry", "fsdp_cudagraph.engines.hookplan",
+                            "fsdp_cudagraph.engines.build"}
+
+
+# ---------------------------------------------------------------------------------------------- rules 6-8
+#: Where rule 7 looks for FSDP2 builds: everything that runs, tests included.
+BUILD_SCAN = ("fsdp_cudagraph", "megatron_fsdp", "benchmarks", "tests", "examples", "scripts")
+ENGINE_FOLDERS = ("megatron_fsdp", "fsdp2", "nvidia")
+#: Modules that call torch's fully_shard on purpose: the CPU-mesh test's control (torch's own call, no mesh).
+FSDP2_BUILD_ALLOWED = ("tests.adapters.test_fsdp2_cpu_mesh",)
+
+
+def _sources(packages) -> Dict[str, str]:
+    """module name -> source text of every ``*.py`` under ``packages`` (those that exist)."""
+    return {_module_name(p): p.read_text() for pkg in packages if (ROOT / pkg).is_dir() for p in (ROOT / pkg).rglob("*.py")}
+
+
+def _engine_ref(node: ast.AST) -> bool:
+    """``engine`` or ``<anything>.engine``: the adapter a graph kind holds."""
+    return (isinstance(node, ast.Name) and node.id == "engine") or (isinstance(node, ast.Attribute) and node.attr == "engine")
+
+
+def none_branches(sources: Dict[str, str]) -> List[str]:
+    """Rule 6: every ``engine is None`` / ``engine is not None`` in a graph kind, as 'module:line: rule'."""
+    out = []
+    for name, text in sorted(sources.items()):
+        if not _under(name, "fsdp_cudagraph.graphs"):
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+                sides = [node.left, *node.comparators]
+                if any(_engine_ref(x) for x in sides) and any(isinstance(x, ast.Constant) and x.value is None for x in sides):
+                    out.append(f"{name}:{node.lineno}: a 'no engine' branch in a graph kind (every model has an adapter, "
+                               "engines/plain.py for an unwrapped one: ask it, or test for a role with isinstance)")
+    return out
+
+
+def fsdp2_builds(sources: Dict[str, str]) -> List[str]:
+    """Rule 7: every import of torch's ``fully_shard`` outside ``fsdp_cudagraph/engines/``."""
+    out = []
+    for name, text in sorted(sources.items()):
+        if _under(name, "fsdp_cudagraph.engines") or name in FSDP2_BUILD_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            imported = isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed.fsdp") \
+                and any(a.name == "fully_shard" for a in node.names)
+            called = isinstance(node, ast.Attribute) and node.attr == "fully_shard" \
+                and ast.unparse(node.value).endswith("distributed.fsdp")
+            if imported or called:
+                out.append(f"{name}:{node.lineno}: an FSDP2 build outside engines/ (use fsdp_cudagraph.engines.fsdp2's "
+                           "fsdp2_shard or shard_fsdp2: they pass a mesh on the model's device)")
+    return out
+
+
+def private_engine_imports(sources: Dict[str, str]) -> List[str]:
+    """Rule 8: every import of a ``_private`` name or module of an engine folder from outside that folder."""
+    out = []
+    for name, text in sorted(sources.items()):
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.ImportFrom) or not node.module or node.level:
+                continue
+            parts = node.module.split(".")
+            if parts[:2] != ["fsdp_cudagraph", "engines"] or len(parts) < 3 or parts[2] not in ENGINE_FOLDERS:
+                continue
+            folder = ".".join(parts[:3])
+            if _under(name, folder):
+                continue
+            private = [a.name for a in node.names if a.name.startswith("_")] + [p for p in parts[3:] if p.startswith("_")]
+            if private:
+                out.append(f"{name}:{node.lineno}: imports {private} of {folder}, private to that engine folder (make it "
+                           "public there, or move the shared piece into engines/)")
+    return out
+
+
+def test_no_none_engine_branch_in_graph_kinds():
+    assert none_branches(_sources(("fsdp_cudagraph",))) == []
+
+
+def test_no_fsdp2_build_outside_engines():
+    assert fsdp2_builds(_sources(BUILD_SCAN)) == []
+
+
+def test_no_private_import_across_engine_folders():
+    assert private_engine_imports(_sources(("fsdp_cudagraph", "benchmarks"))) == []
+
+
+def test_rules_6_to_8_catch_planted_violations():
+    # Each rule fails on one planted file (in memory), so the three checks above could fail.
+    planted = {
+        "fsdp_cudagraph.graphs.planted": "def f(self):\n    if self.engine is not None:\n        pass\n"
+                                         "    return engine if engine is None else 1\n",
+        "benchmarks.planted": "def build(m):\n    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard\n"
+                              "    fully_shard(m)\n",
+        "tests.planted": "import torch.distributed.fsdp\n\ntorch.distributed.fsdp.fully_shard(None)\n",
+        "fsdp_cudagraph.engines.nvidia.planted": "from fsdp_cudagraph.engines.fsdp2.storage import _aligned\n",
+        "fsdp_cudagraph.engines.fsdp2.planted": "from fsdp_cudagraph.engines.fsdp2.storage import _aligned\n",
+    }
+    branches = none_branches(planted)
+    assert [v.split(":")[:2] for v in branches] == [["fsdp_cudagraph.graphs.planted", "2"],
+                                                    ["fsdp_cudagraph.graphs.planted", "4"]], branches
+    builds = fsdp2_builds(planted)
+    assert [v.split(":")[:2] for v in builds] == [["benchmarks.planted", "2"], ["tests.planted", "3"]], builds
+    private = private_engine_imports(planted)
+    assert len(private) == 1 and private[0].startswith("fsdp_cudagraph.engines.nvidia.planted:1: imports ['_aligned'] "
+                                                       "of fsdp_cudagraph.engines.fsdp2"), private

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from fsdp_cudagraph.capture import attention
-from fsdp_cudagraph.engines.nvidia_hooks import DEVICE_WARNING_FILTER
+from fsdp_cudagraph.engines.nvidia.hooks import DEVICE_WARNING_FILTER
 
 MISMATCH = {"layers.0.attn": {"eager": "FusedAttention (1)", "graph": "UnfusedDotProductAttention",
                               "eager_used": "UnfusedDotProductAttention"},

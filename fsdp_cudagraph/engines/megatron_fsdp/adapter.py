@@ -2,24 +2,24 @@
 
 The only module of the library that imports ``megatron_fsdp``: it reads the engine's public surface
 (``MegatronFSDP``, its units, ``reset_step_state``, ``simulated_capture``, ``capture_guard``) and the sentinels
-its hooks carry, and answers the contract's questions with them, the static step (item 9) included, over
-``megatron_fsdp.graph_contract``. Only this engine has a static step, so only it runs whole-step graphs.
+its hooks carry, and answers the per-layer questions with them; its static step (item 9) is the engine's own
+``megatron_fsdp.graph_contract.StaticStep``, handed over as is. Only this engine has a static step, so only it
+runs whole-step graphs.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import megatron_fsdp
 from megatron_fsdp import graph_contract
 
-from fsdp_cudagraph.engines.contract import (HOOK_DICTS, PER_LAYER_BUFFERS, EngineAdapter, HookPlan, ReplayProbe,
-                                             parameter_slots)
+from fsdp_cudagraph.engines.contract import (HOOK_DICTS, PER_LAYER_BUFFERS, EngineAdapter, HookPlan, PerLayerEngine,
+                                             ReplayProbe, StaticStepEngine, parameter_slots)
 from fsdp_cudagraph.engines.hookplan import adapt, read_sentinel
 from fsdp_cudagraph.engines.registry import register_engine
 
@@ -61,8 +61,13 @@ def plan_hooks(saved: Mapping[str, Mapping[int, Any]]) -> HookPlan:
     return plan
 
 
+# The engine's static step is its own object (megatron_fsdp never imports this package, so it cannot subclass the
+# ABC): registered here as a virtual subclass, which is what static_step_engine() tests for.
+StaticStepEngine.register(graph_contract.StaticStep)
+
+
 @register_engine
-class MegatronFSDPEngine(EngineAdapter):
+class MegatronFSDPEngine(EngineAdapter, PerLayerEngine):
     """A :class:`megatron_fsdp.MegatronFSDP` model."""
 
     name = "megatron_fsdp"
@@ -74,6 +79,7 @@ class MegatronFSDPEngine(EngineAdapter):
         self.engine: megatron_fsdp.MegatronFSDP = model
         #: id(module) -> its unit (None: the root's), filled by the first lookup: a model walk per module, once.
         self._units_by_module: Dict[int, Any] = {}
+        self._static_step: Optional[graph_contract.StaticStep] = None
 
     @classmethod
     def recognizes(cls, model: nn.Module) -> bool:
@@ -131,7 +137,7 @@ class MegatronFSDPEngine(EngineAdapter):
     # -- 3. what must not move
     def check_partial_graphs(self) -> None:
         # [Note: fixed addresses]: a per-layer replay reads the unshard buffers and may write the gradient buffer.
-        self.require_fixed_buffers("a per-layer CUDA graph under megatron_fsdp", PER_LAYER_BUFFERS)
+        self.static_step().require_fixed_buffers("a per-layer CUDA graph under megatron_fsdp", PER_LAYER_BUFFERS)
 
     def replay_tensors(self, module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
         # Parameters by their name in ``module``; then the owning unit's gradient buffer, read live (the engine
@@ -170,71 +176,15 @@ class MegatronFSDPEngine(EngineAdapter):
     def reset(self) -> None:
         self.engine.reset_step_state()
 
-    # -- 9. the static step, over megatron_fsdp.graph_contract ([Note: the static schedule] there)
-    def supports_static_step(self) -> bool:
-        return True
-
-    def require_fixed_buffers(self, graph_kind: str, buffers: Sequence[str] = PER_LAYER_BUFFERS) -> None:
-        graph_contract.require_static_buffers(self.engine, what=graph_kind, roles=tuple(buffers))
+    # -- 9. the static step: the engine's own object ([Note: the static schedule] in megatron_fsdp/graph_contract.py)
+    def static_step(self) -> graph_contract.StaticStep:
+        if self._static_step is None:
+            self._static_step = graph_contract.StaticStep(self.engine)
+        return self._static_step
 
     @property
     def device(self) -> torch.device:
         return self.engine.device
-
-    @property
-    def process_group(self) -> Any:
-        # Under HSDP a whole-step graph holds the all-reduce across replicas too, so every data-parallel rank
-        # captures and agrees together: the world, when it is exactly the R x S ranks.
-        if self.engine.hsdp.hybrid:
-            if dist.get_world_size() != self.engine.dp_world_size:
-                raise NotImplementedError(
-                    f"[rank {self.engine.rank}] fsdp_cudagraph: a whole-step graph of a model under hybrid sharding "
-                    f"needs the data-parallel ranks (replicate {self.engine.hsdp.replicate_size} x shard "
-                    f"{self.engine.world_size} = {self.engine.dp_world_size}) to be the whole world "
-                    f"({dist.get_world_size()} ranks), so that they capture together; use partial graphs "
-                    "(PartialCudaGraphs) or a world of only data-parallel ranks")
-            return dist.group.WORLD
-        return self.engine.group
-
-    @property
-    def collective_backend(self) -> str:
-        return self.engine.backend
-
-    @property
-    def world_size(self) -> int:
-        return dist.get_world_size(self.process_group)
-
-    def static_capture_guard(self, *, allow_collectives: bool, collective_log: Optional[List[str]] = None
-                             ) -> ContextManager[None]:
-        mode = megatron_fsdp.CaptureGuardMode.ALLOW_COLLECTIVES if allow_collectives else megatron_fsdp.CaptureGuardMode.REFUSE
-        return megatron_fsdp.capture_guard(mode, collective_log=collective_log)
-
-    def quiesce(self) -> None:
-        graph_contract.quiesce(self.engine)
-
-    def begin_static_step(self, *, replace_grads: bool = True) -> None:
-        graph_contract.begin_static_step(self.engine, replace_grads=replace_grads)
-
-    def end_static_step(self, *, bound: Iterable[str]) -> None:
-        graph_contract.end_static_step(self.engine, bound=bound)
-
-    def grads_bound(self) -> FrozenSet[str]:
-        return graph_contract.grads_bound(self.engine)
-
-    def keep_main_grads(self) -> None:
-        graph_contract.keep_main_grads(self.engine)
-
-    def release_main_grads(self) -> None:
-        graph_contract.release_main_grads(self.engine)
-
-    def mark_params_stale(self) -> None:
-        graph_contract.mark_params_stale(self.engine)
-
-    def recording_phases(self) -> ContextManager[List[Tuple[str, str, bool]]]:
-        return graph_contract.recording_phases(self.engine)
-
-    def clip_grad_norm(self) -> Optional[Callable[[float], torch.Tensor]]:
-        return getattr(self.engine, "clip_grad_norm_", None)
 
     # -- 6. and 7. fused weight gradients ([Note: fused weight gradients] in megatron_fsdp/_fused_wgrad.py)
     def prepare_capture(self, units: List[nn.Module]) -> None:

@@ -1,7 +1,10 @@
-"""Address-stable FSDP2 ZeRO-3 at double-buffer memory: unsharded parameters in a few preallocated slots.
+"""FSDP2's unsharded parameters at fixed addresses: every unit's kept, or a few preallocated slots shared by turns.
 
-:func:`fsdp_cudagraph.engines.fsdp2.keep_unsharded_storage` makes FSDP2's resharding address-stable by never
-freeing any unit's unsharded parameters: every unit's full parameters are held for the whole run.
+Two user-facing ways (both exported from ``fsdp_cudagraph``), and the readers of FSDP2's per-module state they and
+the adapter (``adapter.py``) share (:func:`state_of`, :func:`param_groups`, :func:`fsdp_params`).
+
+:func:`keep_unsharded_storage` makes FSDP2's resharding address-stable by never freeing any unit's unsharded
+parameters: every unit's full parameters are held for the whole run.
 :func:`use_unsharded_slots` holds ``num_slots`` (default 2) buffers instead, each sized to the largest unit,
 and draws every unit's unsharded parameters from one of them, units alternating in module order (unit ``i``
 in slot ``i % num_slots``), as Megatron-FSDP's double buffer does.
@@ -46,14 +49,87 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["UnshardedSlots", "use_unsharded_slots", "release_unsharded_slots", "slots_of"]
+__all__ = ["keep_unsharded_storage", "release_unsharded_storage", "UnshardedSlots", "use_unsharded_slots",
+           "release_unsharded_slots", "slots_of", "state_of", "param_groups", "fsdp_params", "KEEP_MARK", "SLOT_MARK"]
 
 #: Marks an FSDPParam whose unsharded storage is a slot view (check_partial_graphs accepts it as kept).
 SLOT_MARK = "_fsdp_cudagraph_slot"
-#: The root module's attribute holding its UnshardedSlots (the FSDP2 adapter reads it by this name: fsdp2.py
-#: does not import this module, which imports it).
+#: The root module's attribute holding its UnshardedSlots (read by :func:`slots_of`).
 SLOTS_ATTR = "_fsdp_cudagraph_slots"
 _ALIGN = 256
+
+
+def state_of(module: nn.Module):
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+    return _get_module_fsdp_state(module)
+
+
+KEEP_MARK = "_fsdp_cudagraph_keep_storage"
+
+
+def param_groups(state) -> List[Any]:
+    """The unit's param groups: ``_fsdp_param_groups`` (torch 2.13) or the one ``_fsdp_param_group`` (2.11)."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    if hasattr(state, "_fsdp_param_group"):
+        return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
+    raise NotImplementedError(
+        f"fsdp_cudagraph: torch {torch.__version__}'s FSDPState has neither _fsdp_param_groups (2.13) nor "
+        "_fsdp_param_group (2.11), which the FSDP2 adapter reads; use torch 2.11 to 2.13 (the versions checked) "
+        "or report the version")
+
+
+def fsdp_params(model: nn.Module) -> List[Any]:
+    seen, out = set(), []
+    for m in model.modules():
+        state = state_of(m)
+        if state is None or id(state) in seen:
+            continue
+        seen.add(id(state))
+        for g in param_groups(state):
+            out.extend(g.fsdp_params)
+    return out
+
+
+def keep_storage(*_: Any) -> None:
+    """Stands in for ``FSDPParam.free_unsharded_param``: the unsharded storage stays allocated."""
+
+
+def keep_unsharded_storage(model: nn.Module) -> int:
+    """Keep every FSDP2 unit's unsharded parameter storage allocated, so resharding no longer moves it.
+
+    [Note: address-stable resharding]
+    FSDP2 reshards by swapping the module's parameter back to the sharded DTensor and freeing the unsharded
+    storage (``FSDPParam.free_unsharded_param``: ``untyped_storage().resize_(0)``); the next unshard resizes
+    it back (a new allocation, a new address) and copies the all-gather result in. After this call the free
+    is skipped: the swap still happens, every unshard still all-gathers the current shards (so the optimizer's
+    updates are seen, unlike ``set_reshard_after_backward(False)``), and the copy lands at the same address
+    each time. Numerics are unchanged; the memory cost is every unit's unsharded parameters held for the
+    whole run (as with ``reshard_after_forward=False`` plus no reshard after backward). Returns the number of
+    parameters kept. Call after ``fully_shard`` and before capture; undo with :func:`release_unsharded_storage`.
+    """
+    params = fsdp_params(model)
+    if not params:
+        raise ValueError(f"fsdp_cudagraph: {type(model).__name__} has no FSDP2 parameters; call "
+                         "keep_unsharded_storage on the model after fully_shard")
+    for fp in params:
+        if not callable(getattr(fp, "free_unsharded_param", None)):
+            raise NotImplementedError(
+                f"fsdp_cudagraph: torch {torch.__version__}'s FSDPParam has no free_unsharded_param, which "
+                "keep_unsharded_storage replaces; use torch 2.11 to 2.13 (the versions checked)")
+        fp.free_unsharded_param = keep_storage  # an instance attribute shadows the method
+        setattr(fp, KEEP_MARK, True)
+    return len(params)
+
+
+def release_unsharded_storage(model: nn.Module) -> None:
+    """Undo :func:`keep_unsharded_storage`; storage of parameters that are sharded now is freed at once."""
+    for fp in fsdp_params(model):
+        if fp.__dict__.pop(KEEP_MARK, False):
+            del fp.free_unsharded_param
+            if getattr(fp, "_unsharded_param", None) is not None and fp.sharded_state.name != "UNSHARDED":
+                fp.free_unsharded_param()
+
 
 
 def _gathered_dtype(fp: Any) -> torch.dtype:
@@ -110,10 +186,9 @@ class UnshardedSlots:
         return None if gid is None else self._names[gid]
 
     def _group_of(self, unit: nn.Module) -> Any:
-        from fsdp_cudagraph.engines.fsdp2 import _groups, _state_of
 
-        state = _state_of(unit)
-        gs = _groups(state) if state is not None else []
+        state = state_of(unit)
+        gs = param_groups(state) if state is not None else []
         if not gs or id(gs[0]) not in self._slot_of:
             raise ValueError(f"fsdp_cudagraph: {type(unit).__name__} is not a unit with an unsharded-parameter slot; "
                              f"pass a fully_shard'ed submodule of the model given to use_unsharded_slots (units: "
@@ -234,28 +309,27 @@ def use_unsharded_slots(model: nn.Module, num_slots: int = 2) -> UnshardedSlots:
     """Draw the unsharded parameters of every FSDP2 unit below ``model`` from ``num_slots`` preallocated slots.
 
     See [Note: FSDP2 unsharded-parameter slots]. Call after ``fully_shard`` (units and root) and between steps;
-    the root's own parameters are kept as :func:`~fsdp_cudagraph.engines.fsdp2.keep_unsharded_storage` keeps
+    the root's own parameters are kept as :func:`keep_unsharded_storage` keeps
     them. Returns the :class:`UnshardedSlots` (also :func:`slots_of`); undo with :func:`release_unsharded_slots`.
     """
-    from fsdp_cudagraph.engines.fsdp2 import _KEEP, _groups, _keep, _state_of
 
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"fsdp_cudagraph: num_slots={num_slots!r} must be a positive int (2: a double buffer)")
     if slots_of(model) is not None:
         raise RuntimeError("fsdp_cudagraph: use_unsharded_slots was already called on this model; call "
                            "release_unsharded_slots(model) first (between steps, with no graphs alive)")
-    root = _state_of(model)
+    root = state_of(model)
     if root is None:
         raise ValueError(f"fsdp_cudagraph: {type(model).__name__} is not an FSDP2 root; call use_unsharded_slots "
                          "on the model after fully_shard(model)")
     units: List[Tuple[str, Any]] = []
     seen = {id(root)}
     for name, m in model.named_modules():
-        state = _state_of(m)
+        state = state_of(m)
         if state is None or id(state) in seen:
             continue
         seen.add(id(state))
-        units += [(name, g) for g in _groups(state)]
+        units += [(name, g) for g in param_groups(state)]
     if not units:
         raise ValueError(f"fsdp_cudagraph: {type(model).__name__} has no fully_shard'ed submodules (units); slots "
                          "hold units' unsharded parameters: fully_shard each layer before the root")
@@ -268,7 +342,7 @@ def use_unsharded_slots(model: nn.Module, num_slots: int = 2) -> UnshardedSlots:
     for name, g in units:
         for fp in g.fsdp_params:
             pname = f"{name}.{fp._module_info.param_name}"
-            if getattr(fp, _KEEP, False):
+            if getattr(fp, KEEP_MARK, False):
                 raise RuntimeError(f"fsdp_cudagraph: {pname} is under keep_unsharded_storage; call "
                                    "release_unsharded_storage(model) before use_unsharded_slots")
             local = getattr(fp, "_sharded_local_tensor", None)
@@ -294,17 +368,16 @@ def use_unsharded_slots(model: nn.Module, num_slots: int = 2) -> UnshardedSlots:
             fp.alloc_all_gather_outputs = lambda g=g, fp=fp: slots._alloc(g, fp)
             fp.free_unsharded_param = lambda g=g, fp=fp: slots._free(g, fp)
             setattr(fp, SLOT_MARK, True)
-    for g in _groups(root):  # the root's own parameters: held, as keep_unsharded_storage holds them
+    for g in param_groups(root):  # the root's own parameters: held, as keep_unsharded_storage holds them
         for fp in g.fsdp_params:
-            fp.free_unsharded_param = _keep
-            setattr(fp, _KEEP, True)
+            fp.free_unsharded_param = keep_storage
+            setattr(fp, KEEP_MARK, True)
     model.__dict__[SLOTS_ATTR] = slots
     return slots
 
 
 def release_unsharded_slots(model: nn.Module) -> None:
     """Undo :func:`use_unsharded_slots` (between steps): units and root go back to FSDP2's own storage."""
-    from fsdp_cudagraph.engines.fsdp2 import _KEEP, _groups, _state_of
 
     slots = slots_of(model)
     if slots is None:
@@ -312,9 +385,9 @@ def release_unsharded_slots(model: nn.Module) -> None:
                          "was not called on it, or they were released)")
     slots._release()
     del model.__dict__[SLOTS_ATTR]
-    for g in _groups(_state_of(model)):
+    for g in param_groups(state_of(model)):
         for fp in g.fsdp_params:
-            if fp.__dict__.pop(_KEEP, False):
+            if fp.__dict__.pop(KEEP_MARK, False):
                 del fp.free_unsharded_param
                 if getattr(fp, "_unsharded_param", None) is not None and fp.sharded_state.name != "UNSHARDED":
                     fp.free_unsharded_param()

@@ -1,6 +1,6 @@
 """How NVIDIA's Megatron-FSDP is recognised: its engine classes by path, its hooks by structure.
 
-Read by the adapter (``nvidia_megatron_fsdp.py``); like it, this module imports nothing of megatron. Importing it
+Read by the adapter (``adapter.py``); like it, this module imports nothing of megatron. Importing it
 installs :data:`DEVICE_WARNING_FILTER` on the engine modules' loggers.
 
 [Note: NVIDIA Megatron-FSDP internals relied on]

@@ -10,7 +10,7 @@ param group directly, as TE's ``capture_time_hooks``.
 [Note: FSDP2 internals relied on]
 Checked against torch 2.11 and 2.13 (``torch/distributed/fsdp/_fully_shard/``): ``FSDPModule``,
 ``FSDPState._pre_forward``/``_post_forward``/``_root_post_backward_final_callback``/``_fsdp_param_groups``
-(2.13; 2.11 has one optional ``_fsdp_param_group``, read through :func:`_groups`)/
+(2.13; 2.11 has one optional ``_fsdp_param_group``, read through :func:`param_groups`)/
 ``_training_state``/``_state_ctx``, ``FSDPParamGroup.unshard``/``wait_for_unshard``/``reshard``/
 ``pre_backward``/``post_backward``/``_record_post_forward``/``_reshard_after_forward``/
 ``reshard_after_backward``/``fsdp_params``/``offload_policy``/``mp_policy``, ``FSDPParam._unsharded_param``
@@ -27,10 +27,11 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from fsdp_cudagraph.engines.contract import EngineAdapter, HookPlan, ReplayProbe
+from fsdp_cudagraph.engines.contract import EngineAdapter, HookPlan, PerLayerEngine, ReplayProbe
 from fsdp_cudagraph.engines.registry import register_engine
+from fsdp_cudagraph.engines.fsdp2.storage import KEEP_MARK, SLOT_MARK, param_groups, slots_of, state_of
 
-__all__ = ["FSDP2Engine", "keep_unsharded_storage", "release_unsharded_storage"]
+__all__ = ["FSDP2Engine"]
 
 #: The torch.distributed functions FSDP2 looks up at call time (2.11: *_into_tensor / *_tensor; 2.13: *_single).
 _COLLECTIVES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
@@ -60,80 +61,8 @@ def _internals():
     return FSDPModule, _fsdp_state.FSDPState, _fsdp_common.TrainingState
 
 
-def _state_of(module: nn.Module):
-    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
-    return _get_module_fsdp_state(module)
-
-
-_KEEP = "_fsdp_cudagraph_keep_storage"
-
-
-def _groups(state) -> List[Any]:
-    """The unit's param groups: ``_fsdp_param_groups`` (torch 2.13) or the one ``_fsdp_param_group`` (2.11)."""
-    if hasattr(state, "_fsdp_param_groups"):
-        return list(state._fsdp_param_groups)
-    if hasattr(state, "_fsdp_param_group"):
-        return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
-    raise NotImplementedError(
-        f"fsdp_cudagraph: torch {torch.__version__}'s FSDPState has neither _fsdp_param_groups (2.13) nor "
-        "_fsdp_param_group (2.11), which the FSDP2 adapter reads; use torch 2.11 to 2.13 (the versions checked) "
-        "or report the version")
-
-
-def _fsdp_params(model: nn.Module) -> List[Any]:
-    seen, out = set(), []
-    for m in model.modules():
-        state = _state_of(m)
-        if state is None or id(state) in seen:
-            continue
-        seen.add(id(state))
-        for g in _groups(state):
-            out.extend(g.fsdp_params)
-    return out
-
-
-def _keep(*_: Any) -> None:
-    """Stands in for ``FSDPParam.free_unsharded_param``: the unsharded storage stays allocated."""
-
-
-def keep_unsharded_storage(model: nn.Module) -> int:
-    """Keep every FSDP2 unit's unsharded parameter storage allocated, so resharding no longer moves it.
-
-    [Note: address-stable resharding]
-    FSDP2 reshards by swapping the module's parameter back to the sharded DTensor and freeing the unsharded
-    storage (``FSDPParam.free_unsharded_param``: ``untyped_storage().resize_(0)``); the next unshard resizes
-    it back (a new allocation, a new address) and copies the all-gather result in. After this call the free
-    is skipped: the swap still happens, every unshard still all-gathers the current shards (so the optimizer's
-    updates are seen, unlike ``set_reshard_after_backward(False)``), and the copy lands at the same address
-    each time. Numerics are unchanged; the memory cost is every unit's unsharded parameters held for the
-    whole run (as with ``reshard_after_forward=False`` plus no reshard after backward). Returns the number of
-    parameters kept. Call after ``fully_shard`` and before capture; undo with :func:`release_unsharded_storage`.
-    """
-    params = _fsdp_params(model)
-    if not params:
-        raise ValueError(f"fsdp_cudagraph: {type(model).__name__} has no FSDP2 parameters; call "
-                         "keep_unsharded_storage on the model after fully_shard")
-    for fp in params:
-        if not callable(getattr(fp, "free_unsharded_param", None)):
-            raise NotImplementedError(
-                f"fsdp_cudagraph: torch {torch.__version__}'s FSDPParam has no free_unsharded_param, which "
-                "keep_unsharded_storage replaces; use torch 2.11 to 2.13 (the versions checked)")
-        fp.free_unsharded_param = _keep  # an instance attribute shadows the method
-        setattr(fp, _KEEP, True)
-    return len(params)
-
-
-def release_unsharded_storage(model: nn.Module) -> None:
-    """Undo :func:`keep_unsharded_storage`; storage of parameters that are sharded now is freed at once."""
-    for fp in _fsdp_params(model):
-        if fp.__dict__.pop(_KEEP, False):
-            del fp.free_unsharded_param
-            if getattr(fp, "_unsharded_param", None) is not None and fp.sharded_state.name != "UNSHARDED":
-                fp.free_unsharded_param()
-
-
 @register_engine
-class FSDP2Engine(EngineAdapter):
+class FSDP2Engine(EngineAdapter, PerLayerEngine):
     """A model wrapped by PyTorch FSDP2's ``fully_shard`` (its root is an ``FSDPModule``).
 
     Units are the ``fully_shard``'ed submodules below the root, in module order (which is forward order for
@@ -156,12 +85,12 @@ class FSDP2Engine(EngineAdapter):
         """Refuse at once a torch whose FSDP2 lacks an attribute the capture-time hooks use."""
         missing = set()
         for m in self.model.modules():
-            state = _state_of(m)
+            state = state_of(m)
             if state is None:
                 continue
             missing |= {f"FSDPState.{n}" for n in _STATE_NAMES + ("_states_to_backward_prefetch",)
                         if not hasattr(state, n)}
-            for g in _groups(state):
+            for g in param_groups(state):
                 missing |= {f"FSDPParamGroup.{n}" for n in _GROUP_NAMES if not hasattr(g, n)}
                 for fp in g.fsdp_params:
                     missing |= {f"FSDPParam.{n}" for n in ("_module_info", "sharded_param", "free_unsharded_param")
@@ -185,21 +114,21 @@ class FSDP2Engine(EngineAdapter):
 
     # -- units ------------------------------------------------------------------------------------
     def unit_modules(self) -> List[nn.Module]:
-        return [m for m in self.model.modules() if m is not self.model and _state_of(m) is not None]
+        return [m for m in self.model.modules() if m is not self.model and state_of(m) is not None]
 
     def unit_of(self, module: nn.Module) -> Optional[nn.Module]:
         owner = None
         for m in self.model.modules():
-            if _state_of(m) is not None and any(s is module for s in m.modules()):
+            if state_of(m) is not None and any(s is module for s in m.modules()):
                 owner = m  # modules() is pre-order: the last hit is the nearest ancestor
         return owner
 
     def _group(self, unit: nn.Module):
-        state = _state_of(unit)
+        state = state_of(unit)
         if state is None:
             raise ValueError(f"fsdp_cudagraph: module {type(unit).__name__} is not a fully_shard'ed unit of "
                              f"{self.name}; pass a module from unit_modules()")
-        groups = _groups(state)
+        groups = param_groups(state)
         return state, (groups[0] if groups else None)
 
     # -- hooks ------------------------------------------------------------------------------------
@@ -238,14 +167,14 @@ class FSDP2Engine(EngineAdapter):
         if fname == "_pre_forward":
             def forward_pre(module: nn.Module) -> None:
                 state._training_state = TS.FORWARD
-                for g in _groups(state):
+                for g in param_groups(state):
                     g._training_state = TS.FORWARD
                     g.unshard(g.unshard_async_op)
                     g.wait_for_unshard()
                 self._pending.add(state)
 
             def backward(module: nn.Module) -> None:
-                for g in _groups(state):
+                for g in param_groups(state):
                     g.post_backward()  # reduce-scatter the unsharded grads into the sharded .grad; reshard
                 self._pending.discard(state)
                 if not self._pending:
@@ -253,7 +182,7 @@ class FSDP2Engine(EngineAdapter):
             return {"forward_pre_hooks": forward_pre, "backward_hooks": backward}
 
         def forward(module: nn.Module) -> None:
-            for g in _groups(state):
+            for g in param_groups(state):
                 g.reshard()  # a no-op unless it reshards after forward
                 g._record_post_forward()
                 g._training_state = TS.IDLE
@@ -261,13 +190,13 @@ class FSDP2Engine(EngineAdapter):
 
         def backward_pre(module: nn.Module) -> None:
             state._training_state = TS.PRE_BACKWARD
-            for g in _groups(state):
+            for g in param_groups(state):
                 g.pre_backward(len(state._states_to_backward_prefetch) == 0)
         return {"forward_hooks": forward, "backward_pre_hooks": backward_pre}
 
     def _final_callback(self) -> None:
         """What autograd's queued ``_root_post_backward_final_callback`` does at the end of an eager backward."""
-        root = _state_of(self.model)
+        root = state_of(self.model)
         if root is not None:
             root._root_post_backward_final_callback()
 
@@ -275,13 +204,13 @@ class FSDP2Engine(EngineAdapter):
         # Between steps an FSDP2 unit registers its sharded DTensors; its pre-forward swaps in the unsharded
         # parameters. TE's graph maker reads module.parameters() before that hook runs, so without this the
         # graph's inputs would be the DTensors, and a replay's gradients would reach no parameter FSDP2 reduces.
-        slots = self.model.__dict__.get("_fsdp_cudagraph_slots")  # fsdp2_slots.use_unsharded_slots (SLOTS_ATTR)
+        slots = slots_of(self.model)  # storage.use_unsharded_slots
         for unit in units:
             if slots is not None and slots.is_slotted(unit):
-                slots.register_unsharded(unit)  # not gathered: units share slots (see fsdp2_slots.py)
+                slots.register_unsharded(unit)  # not gathered: units share slots (see storage.py)
                 continue
-            state = _state_of(unit)
-            for g in (_groups(state) if state is not None else ()):
+            state = state_of(unit)
+            for g in (param_groups(state) if state is not None else ()):
                 g.unshard(g.unshard_async_op)
                 g.wait_for_unshard()  # registers the unsharded parameters on the modules
         if slots is not None:
@@ -300,22 +229,22 @@ class FSDP2Engine(EngineAdapter):
                     f"{len(state._modules)} modules sharded together by fully_shard([...]); their hooks are "
                     "group wrappers the FSDP2 adapter does not plan. Apply fully_shard to each layer on its own "
                     "for per-layer graphs")
-            kept = all(getattr(fp, _KEEP, False) or getattr(fp, "_fsdp_cudagraph_slot", False) for fp in g.fsdp_params)
+            kept = all(getattr(fp, KEEP_MARK, False) or getattr(fp, SLOT_MARK, False) for fp in g.fsdp_params)
             if g._reshard_after_forward and not kept:
                 raise NotImplementedError(
                     f"[rank {self.rank}] fsdp_cudagraph: FSDP2 unit {name} has reshard_after_forward=True "
                     "(ZeRO-3): FSDP2 frees its unsharded parameters after forward and re-allocates them at the "
                     "next all-gather, so they move between capture and replay. Call "
-                    "fsdp_cudagraph.engines.fsdp2.keep_unsharded_storage(model) after fully_shard (same "
+                    "fsdp_cudagraph.keep_unsharded_storage(model) after fully_shard (same "
                     "numerics, unsharded parameters stay allocated), or "
-                    "fsdp_cudagraph.engines.fsdp2_slots.use_unsharded_slots(model) (same numerics, two slots "
+                    "fsdp_cudagraph.use_unsharded_slots(model) (same numerics, two slots "
                     "the size of the largest unit), or capture the whole step (full_iteration)")
             if g.reshard_after_backward and not kept:
                 raise NotImplementedError(
                     f"[rank {self.rank}] fsdp_cudagraph: FSDP2 unit {name} has reshard_after_backward=True: "
                     "its unsharded parameters are freed after backward and re-allocated at the next all-gather, "
                     "so they move between capture and replay. Call "
-                    "fsdp_cudagraph.engines.fsdp2.keep_unsharded_storage(model) after fully_shard, or capture "
+                    "fsdp_cudagraph.keep_unsharded_storage(model) after fully_shard, or capture "
                     "the whole step (full_iteration). (model.set_reshard_after_backward(False) would keep them "
                     "too, but FSDP2 then skips the next all-gather, so a forward after optimizer.step() would "
                     "not see the update: it is meant for micro-batches of one step)")

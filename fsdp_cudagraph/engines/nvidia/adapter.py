@@ -5,7 +5,7 @@ only through objects the user built: this module imports nothing of megatron. It
 this project's ``megatron_fsdp``, so use it through megatron-core's bundled copy,
 ``megatron.core.distributed.fsdp.src.megatron_fsdp``.
 
-The engine's classes and hooks are read in ``nvidia_hooks.py`` ([Note: NVIDIA Megatron-FSDP internals
+The engine's classes and hooks are read in ``hooks.py`` ([Note: NVIDIA Megatron-FSDP internals
 relied on]); this module holds the adapter, the version check, the double buffer's slot pin and the capture guard.
 
 [Note: NVIDIA's double buffer and replay]
@@ -38,9 +38,10 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping,
 import torch
 from torch import nn
 
-from fsdp_cudagraph.engines.contract import HOOK_DICTS, EngineAdapter, HookPlan, ReplayProbe, parameter_slots
+from fsdp_cudagraph.engines.contract import (HOOK_DICTS, EngineAdapter, HookPlan, PerLayerEngine, ReplayProbe,
+                                             parameter_slots)
 from fsdp_cudagraph.engines.hookplan import read_sentinel
-from fsdp_cudagraph.engines.nvidia_hooks import (_PLANS, _engine_of, _is_engine, _is_mcore_wrapper, _local_name,
+from fsdp_cudagraph.engines.nvidia.hooks import (_PLANS, _engine_of, _is_engine, _is_mcore_wrapper, _local_name,
                                                  _owner, _te_form, identify_hook)
 from fsdp_cudagraph.engines.registry import register_engine
 
@@ -48,7 +49,7 @@ __all__ = ["NvidiaMegatronFSDPEngine", "TESTED_VERSIONS", "check_version", "iden
            "pin_double_buffer_slots", "unpin_double_buffer_slots"]
 
 #: Megatron-FSDP versions whose hook structure and allocators were checked (see the note above and
-#: [Note: NVIDIA Megatron-FSDP internals relied on] in nvidia_hooks.py).
+#: [Note: NVIDIA Megatron-FSDP internals relied on] in hooks.py).
 TESTED_VERSIONS: Dict[str, str] = {
     "0.3.1": "bundled in megatron-core 0.16.1 (run on CPU)",
     "0.6.1": "bundled in megatron-core 0.19.2 and released as megatron-fsdp 0.6.1 (source read)",
@@ -240,7 +241,7 @@ def _refusing(name: str, rank: int, what: str) -> Callable[..., Any]:
 
 
 @register_engine
-class NvidiaMegatronFSDPEngine(EngineAdapter):
+class NvidiaMegatronFSDPEngine(EngineAdapter, PerLayerEngine):
     """A model wrapped by NVIDIA's Megatron-FSDP: its ``MegatronFSDP``, or megatron-core's
     ``FullyShardedDataParallel`` around one.
 

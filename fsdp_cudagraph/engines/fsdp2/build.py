@@ -1,0 +1,157 @@
+"""How the checker, apps and benchmarks shard a model with PyTorch FSDP2: the one place in the repository that calls
+``torch.distributed.fsdp.fully_shard``.
+
+:func:`fsdp2_shard` is the one ``fully_shard`` call, always with a mesh on the model's device ([Note: the FSDP2
+mesh]); :func:`shard_fsdp2` shards units then the root with it;
+:data:`BUILDER` wraps it for the checker (``storage``, ``mixed_precision`` options, see ``checker/check.py``).
+
+[Note: the FSDP2 mesh]
+``fully_shard`` without ``mesh=`` builds its default mesh on the machine's accelerator (``_init_default_fully_shard_mesh``
+asks ``torch.accelerator``), so on a GPU machine a CPU (Gloo) run would get a CUDA mesh and FSDP2 would move every
+parameter to cuda:0 while the data stays on the CPU. Every FSDP2 build passes a mesh whose device type is the
+model's: ``--device cpu`` means CPU whatever the machine has.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_cudagraph.engines.build import (EngineBuilder, MakeOptimizer, ShardedRun, UnitSpec, cpu_copy, is_unit,
+                                          unit_classes)
+from fsdp_cudagraph.engines.registry import register_builder
+from fsdp_cudagraph.engines.fsdp2.storage import keep_unsharded_storage, use_unsharded_slots
+
+__all__ = ["BUILDER", "shard_fsdp2", "fsdp2_shard", "fsdp2_mesh", "FSDP2_MIXED_PRECISION", "FSDP2_STORAGE"]
+
+
+def fsdp2_mesh(device: Union[torch.device, str], group: Any = None) -> Any:
+    """A one-dimensional DeviceMesh over ``group``'s ranks (default: the world) whose device type is ``device``'s."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    device_type = torch.device(device).type
+    if group is None:
+        return init_device_mesh(device_type, (dist.get_world_size(),))
+    return DeviceMesh.from_group(group, device_type)
+
+
+def fsdp2_shard(module: Union[nn.Module, List[nn.Module]], *, device: Union[torch.device, str, None] = None,
+                mesh: Any = None, **fully_shard_kwargs: Any) -> Any:
+    """torch's ``fully_shard(module, mesh=...)`` with a mesh on ``device`` (default: the first parameter's device of
+    ``module``, or of the first module of a list: one FSDP2 unit of several modules). ``mesh``: one to use instead,
+    refused unless its device type is ``device``'s. Returns what ``fully_shard`` returns. [Note: the FSDP2 mesh]."""
+    from torch.distributed.fsdp import fully_shard
+
+    if device is None:
+        first = module[0] if isinstance(module, (list, tuple)) else module
+        p = next(iter(first.parameters()), None)
+        device = p.device if p is not None else torch.device("cpu")
+    device = torch.device(device)
+    if mesh is None:
+        mesh = fsdp2_mesh(device)
+    elif mesh.device_type != device.type:
+        raise ValueError(f"mesh.device_type={mesh.device_type!r} is not the model's device type {device.type!r}; FSDP2 "
+                         "would move the parameters to the mesh's device: pass a mesh on the model's device, or none")
+    return fully_shard(module, mesh=mesh, **fully_shard_kwargs)
+
+
+def shard_fsdp2(model: nn.Module, units: Sequence[nn.Module] = (), *, device: Union[torch.device, str, None] = None,
+                mesh: Any = None, **fully_shard_kwargs: Any) -> nn.Module:
+    """``fully_shard`` on each of ``units`` in the order given (inner units before the units that contain them, as
+    FSDP2 wants nested units sharded bottom-up), then on ``model``, all with one mesh on the model's device.
+
+    ``device``: where the model computes (default: its first parameter's device); ``mesh``: a mesh to use instead
+    (its device type must be ``device``'s). Other keyword arguments go to every ``fully_shard`` call
+    (``reshard_after_forward``, ``mp_policy``, ...). Returns ``model`` (now an ``FSDPModule``). See
+    [Note: the FSDP2 mesh].
+    """
+    if device is None:
+        p = next(iter(model.parameters()), None)
+        device = p.device if p is not None else torch.device("cpu")
+    if mesh is None:
+        mesh = fsdp2_mesh(device)
+    for m in units:
+        fsdp2_shard(m, device=device, mesh=mesh, **fully_shard_kwargs)
+    fsdp2_shard(model, device=device, mesh=mesh, **fully_shard_kwargs)
+    return model
+
+
+#: Our strategy names -> FSDP2's reshard_after_forward (FSDP2 always shards parameters between steps).
+_FSDP2_RESHARD = {"optim_grads_params": True, "optim_grads": False}
+
+
+#: ``mixed_precision`` option -> FSDP2 MixedPrecisionPolicy arguments (fp32 sharded parameters).
+FSDP2_MIXED_PRECISION = {"bf16": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}}
+FSDP2_STORAGE = ("keep", "slots")
+
+
+def _build_fsdp2(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_optimizer: MakeOptimizer,
+                 device: torch.device, sharding_strategy: str, compute_dtype: Optional[torch.dtype],
+                 options: Optional[Dict[str, Any]] = None) -> ShardedRun:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    options = options or {}
+    storage, mixed = options.get("storage", "keep"), options.get("mixed_precision")
+    if storage not in FSDP2_STORAGE:
+        raise ValueError(f"engine_options storage={storage!r} is not one of {FSDP2_STORAGE} (keep: "
+                         "keep_unsharded_storage; slots: use_unsharded_slots, the double buffer)")
+    if mixed is not None and mixed not in FSDP2_MIXED_PRECISION:
+        raise ValueError(f"engine_options mixed_precision={mixed!r} is not None or one of "
+                         f"{sorted(FSDP2_MIXED_PRECISION)}")
+    if mixed is not None and compute_dtype not in (None, torch.float32):
+        raise ValueError(f"engine_options mixed_precision={mixed!r} keeps fp32 sharded parameters and computes in the "
+                         f"policy's param_dtype, but compute_dtype={compute_dtype} would cast the model first; pass "
+                         "compute_dtype=None (--dtype fp32 or no --dtype) with it")
+    if storage == "slots" and dist.get_world_size() < 2:
+        raise RuntimeError(f"engine_options storage='slots' needs 2+ ranks (world size {dist.get_world_size()}): "
+                           "on one rank FSDP2 copies its all-gather into the outputs' storage directly; use "
+                           "storage='keep' on one rank")
+
+    if sharding_strategy not in _FSDP2_RESHARD:
+        raise ValueError(
+            f"sharding_strategy={sharding_strategy!r} with engine='fsdp2': FSDP2 shards parameters, gradients and "
+            f"optimizer state alike; choose one of {sorted(_FSDP2_RESHARD)} (optim_grads_params: "
+            "reshard_after_forward=True, ZeRO-3; optim_grads: reshard_after_forward=False)")
+    reshard = _FSDP2_RESHARD[sharding_strategy]
+    if compute_dtype is not None and mixed is None:
+        model = model.to(compute_dtype)
+    unit_classes(model, unit_modules, engine="fsdp2")  # refuses specs that select nothing
+    units = [m for m in model.modules() if m is not model and is_unit(m, unit_modules)]
+    policy = MixedPrecisionPolicy(**FSDP2_MIXED_PRECISION[mixed]) if mixed else MixedPrecisionPolicy()
+    # inner units first, as FSDP2 wants nested units sharded bottom-up
+    shard_fsdp2(model, list(reversed(units)), device=device, reshard_after_forward=reshard, mp_policy=policy)
+    if storage == "slots":
+        use_unsharded_slots(model)
+    else:
+        keep_unsharded_storage(model)
+    # The sharded DTensors the optimizer holds: FSDP2 registers them on the modules between steps, and writes
+    # the reduced gradient shard into their .grad at post-backward.
+    named = list(model.named_parameters())
+    dtype = next(model.parameters()).dtype
+    if mixed:
+        precision = (f"{dtype} sharded parameters and optimizer state, MixedPrecisionPolicy(param_dtype=bfloat16, "
+                     "reduce_dtype=float32)")
+    else:
+        precision = f"parameters, gradients and optimizer state in {dtype} (model cast before fully_shard)"
+    storage_text = "keep_unsharded_storage" if storage == "keep" else "use_unsharded_slots (2 slots)"
+    return ShardedRun(
+        model=model, root=model, optimizer=make_optimizer([p for _, p in named]),
+        named_parameters=lambda: named,
+        final_parameters=lambda: {n: cpu_copy(p.full_tensor()) for n, p in model.named_parameters()},
+        precision=f"{precision}, reshard_after_forward={reshard}, {storage_text}",
+    )
+
+
+def _fsdp2_unavailable(device: torch.device) -> Optional[Exception]:
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the torch build
+        return ImportError(f"this torch ({torch.__version__}) has no torch.distributed.fsdp.fully_shard ({exc})")
+    return None
+
+
+BUILDER = register_builder(EngineBuilder("fsdp2", _build_fsdp2, _fsdp2_unavailable, False, fix="use torch >= 2.11",
+                                         options=("storage", "mixed_precision")))

@@ -1,0 +1,158 @@
+"""How the checker, apps and benchmarks shard a model with NVIDIA Megatron-FSDP (megatron-core's bundled copy).
+
+ZeRO-3 with ``fsdp_double_buffer`` and, where the version has it (0.6.1), ``fsdp_db_use_persist_buf_on_alloc_fail``;
+the module is cast to ``compute_dtype`` with fp32 main parameters and gradients. Option ``wrapper``:
+``fully_shard`` (default) or ``mcore`` (megatron-core's ``FullyShardedDataParallel``). Needs CUDA and
+megatron-core (:data:`NVIDIA_PIP`). Final parameters: this rank's shard of each main parameter.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_cudagraph.engines.build import EngineBuilder, MakeOptimizer, ShardedRun, UnitSpec, cpu_copy, unit_classes
+from fsdp_cudagraph.engines.registry import register_builder
+
+__all__ = ["BUILDER", "NVIDIA_PIP", "NVIDIA_WRAPPERS"]
+
+#: What installs NVIDIA Megatron-FSDP 0.6.1 (megatron-core's bundled copy), the version checked on a GPU.
+NVIDIA_PIP = "pip install 'megatron-core==0.19.2'"
+
+
+def _nvidia_unavailable(device: torch.device) -> Optional[Exception]:
+    reasons, missing = [], False
+    try:
+        from megatron.core.distributed.fsdp.src import megatron_fsdp  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a megatron-core that fails at import
+        reasons.append(f"megatron-core is not importable ({type(exc).__name__}: {exc})")
+        missing = True
+    if device.type != "cuda" or not torch.cuda.is_available():
+        reasons.append(f"NVIDIA's MegatronFSDP builds CUDA streams and buffers when it is constructed, so it needs a "
+                       f"GPU (device {device}, torch.cuda.is_available() == {torch.cuda.is_available()})")
+    if not reasons:
+        return None
+    return (ImportError if missing else RuntimeError)("; ".join(reasons))
+
+
+#: ``wrapper`` option of engine nvidia: how NVIDIA's ``MegatronFSDP`` is built around the model.
+NVIDIA_WRAPPERS = ("fully_shard", "mcore")
+
+
+def _build_nvidia(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_optimizer: MakeOptimizer,
+                  device: torch.device, sharding_strategy: str, compute_dtype: Optional[torch.dtype],
+                  options: Optional[Dict[str, Any]] = None) -> ShardedRun:
+    from megatron.core.distributed.fsdp.src import megatron_fsdp as mf
+
+    wrapper = (options or {}).get("wrapper", "fully_shard")
+    if wrapper not in NVIDIA_WRAPPERS:
+        raise ValueError(f"engine_options wrapper={wrapper!r} is not one of {NVIDIA_WRAPPERS} (fully_shard: the "
+                         "bundled megatron_fsdp.fully_shard; mcore: megatron-core's FullyShardedDataParallel with a "
+                         "DistributedDataParallelConfig(use_megatron_fsdp=True), for megatron-core models)")
+    # NVIDIA's string unit specs are import paths; ours are class names: hand it the classes.
+    classes = unit_classes(model, unit_modules, engine="nvidia")
+    if compute_dtype is not None:
+        model = model.to(compute_dtype)  # NVIDIA computes in the module's dtype
+    if wrapper == "mcore":
+        return _build_nvidia_mcore(model, classes=classes, make_optimizer=make_optimizer, device=device,
+                                   sharding_strategy=sharding_strategy, compute_dtype=compute_dtype)
+    accepted = inspect.signature(mf.fully_shard).parameters
+    options: Dict[str, Any] = dict(fsdp_unit_modules=classes, zero_dp_strategy=sharding_strategy, device=device,
+                                   overlap_grad_reduce=True, overlap_param_gather=True,
+                                   sync_model_each_microbatch=True)
+    if sharding_strategy == "optim_grads_params":  # ZeRO-3: unit buckets at stable addresses (docs/engines.md)
+        options["fsdp_double_buffer"] = True
+        if "fsdp_db_use_persist_buf_on_alloc_fail" in accepted:  # 0.6.1; 0.3.1 has no such option
+            options["fsdp_db_use_persist_buf_on_alloc_fail"] = True
+    if "mixed_precision_policy" in accepted:  # 0.6.1
+        options["mixed_precision_policy"] = mf.MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                                                    main_grads_dtype=torch.float32)
+        mains = "fp32 main parameters and gradients"
+    else:  # 0.3.1: preserve_fp32_weights (default True) keeps fp32 main weights; gradients as its defaults
+        mains = "fp32 main parameters (preserve_fp32_weights), gradients per grad_reduce_in_fp32=False"
+    if "expt_device_mesh" in accepted and any(".experts." in n for n, _ in model.named_parameters()):
+        # NVIDIA's engine takes a parameter named ``*.experts.*`` for an expert parameter and shards it over the
+        # expert data-parallel group, which fully_shard only has from expt_device_mesh. EP = 1: every rank, as
+        # the default mesh fully_shard builds for the other parameters (its dimension names).
+        from torch.distributed.device_mesh import init_device_mesh
+
+        options["expt_device_mesh"] = init_device_mesh(device.type, (dist.get_world_size(), 1),
+                                                       mesh_dim_names=("fsdp", "tp"))
+    sharded, optimizer = mf.fully_shard(model, make_optimizer(list(model.parameters())), **options)
+    optimizer.state.clear()  # fully_shard_optimizer's eager zero step would start Adam's count at 1
+    # fully_shard registered the engine's distributed main parameters on the module and gave them to the
+    # optimizer, in module order: name them now (the module gets its compute parameters back at each forward).
+    return _nvidia_run(sharded, sharded.module, optimizer, list(sharded.module.named_parameters()),
+                       wrapping="megatron-core's fully_shard",
+                       precision=(f"module in {compute_dtype or 'its own dtype'}, {mains} (this rank's shards "
+                                  f"compared), megatron_fsdp {getattr(mf, '__version__', '?')}, {sharding_strategy}"))
+
+
+def _nvidia_run(model: nn.Module, root: nn.Module, optimizer: torch.optim.Optimizer,
+                named: List[Tuple[str, torch.Tensor]], *, wrapping: str, precision: str) -> ShardedRun:
+    """The run of either NVIDIA wrapping, once the optimizer holds the module's distributed main parameters in
+    module order (checked: the gradient recorder and the final comparison name them by module name)."""
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    if [id(p) for _, p in named] != [id(p) for p in held]:
+        raise RuntimeError(
+            f"engine='nvidia': after {wrapping} the optimizer holds {len(held)} parameters that are not the module's "
+            f"{len(named)} distributed parameters in module order; this megatron-core is not one the checker "
+            f"knows: {NVIDIA_PIP}")
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    return ShardedRun(model=model, root=root, optimizer=optimizer, named_parameters=lambda: named,
+                      final_parameters=lambda: {n: cpu_copy(local(p)) for n, p in named}, precision=precision)
+
+
+def _build_nvidia_mcore(model: nn.Module, *, classes: Sequence[type], make_optimizer: MakeOptimizer,
+                        device: torch.device, sharding_strategy: str,
+                        compute_dtype: Optional[torch.dtype]) -> ShardedRun:
+    """NVIDIA Megatron-FSDP as megatron-core ships it: ``FullyShardedDataParallel(config, ddp_config, module)``
+    builds the same ``MegatronFSDP`` as ``fully_shard`` (same hooks, buffers and double buffer), with its
+    process groups from ``megatron.core.parallel_state`` (which the model's builder initialised) and its
+    precision from the ``DistributedDataParallelConfig``; NVIDIA's ``fully_shard_optimizer`` wires the optimizer
+    (grad sync before ``step``, weights installed after), as ``fully_shard`` does."""
+    import dataclasses as _dc
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.distributed.fsdp.src import megatron_fsdp as mf
+
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "cuda_graph_impl"):
+        raise ValueError(f"engine_options wrapper='mcore' wraps a megatron-core model (one with a TransformerConfig "
+                         f"as .config); {type(model).__name__} has none: use wrapper='fully_shard'")
+    fields = {f.name for f in _dc.fields(DistributedDataParallelConfig)}
+    ddp: Dict[str, Any] = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=sharding_strategy,
+                               overlap_grad_reduce=True, overlap_param_gather=True)
+    if sharding_strategy == "optim_grads_params":  # ZeRO-3: unit buckets at stable addresses (docs/engines.md)
+        ddp["fsdp_double_buffer"] = True
+        if "fsdp_db_use_persist_buf_on_alloc_fail" in fields:
+            ddp["fsdp_db_use_persist_buf_on_alloc_fail"] = True
+    if "megatron_fsdp_main_params_dtype" in fields:  # 0.19: the mixed-precision policy comes from here
+        ddp.update(megatron_fsdp_main_params_dtype=torch.float32, megatron_fsdp_main_grads_dtype=torch.float32)
+        mains = "fp32 main parameters and gradients"
+    else:  # 0.16.1 (Megatron-FSDP 0.3.1): preserve_fp32_weights keeps fp32 main weights
+        mains = "fp32 main parameters (preserve_fp32_weights), gradients per grad_reduce_in_fp32=False"
+    wrapped = FullyShardedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(**ddp), module=model,
+                                       fsdp_unit_modules=list(classes), device=device)
+    user = wrapped.module.module  # FullyShardedDataParallel -> MegatronFSDP -> the model
+    named = list(user.named_parameters())
+    optimizer = mf.fully_shard_optimizer(make_optimizer([p for _, p in named]))
+    optimizer.state.clear()  # fully_shard_optimizer's eager zero step would start Adam's count at 1
+    return _nvidia_run(
+        wrapped, user, optimizer, named, wrapping="megatron-core's FullyShardedDataParallel (wrapper='mcore')",
+        precision=(f"module in {compute_dtype or 'its own dtype'}, {mains} (this rank's shards compared), "
+                   f"megatron-core FullyShardedDataParallel (megatron_fsdp {getattr(mf, '__version__', '?')}), "
+                   f"{sharding_strategy}"),
+    )
+
+
+BUILDER = register_builder(EngineBuilder("nvidia", _build_nvidia, _nvidia_unavailable, True,
+                                         fix=f"{NVIDIA_PIP} and run on a GPU (--device cuda)", options=("wrapper",)))
