@@ -3,7 +3,7 @@
 ``bench_partial_graphs.py --suite full`` measures two device rates (bf16 matmul FLOP/s, device copy bytes/s),
 times the columns of ``bench_full_iteration`` and hands both to :func:`evaluate` with the performance goals, :data:`GOALS`;
 ``bench_engines.py`` adds the collective rates for :func:`floor_with_comm_ms` and evaluates
-:data:`ENGINE_GOALS` (the engines-at-scale and MoE goals). This module stays free of CUDA so that ``tests/apps/test_perf_goals.py``
+:data:`ENGINE_GOALS` (the engines-at-scale and MoE goals). This module stays free of CUDA so that ``tests/benchmarks/test_perf_goals.py``
 checks it on CPU.
 
 [Note: the floor of a step]

@@ -214,7 +214,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_partial_graphs needs a CUDA GPU (it times CUDA graphs and measures the device's matmul rate "
               "and bandwidth); no GPU is visible, so nothing was measured (exit 2). The floor and verdict "
-              "arithmetic is tested on CPU by tests/apps/test_perf_goals.py.", file=sys.stderr)
+              "arithmetic is tested on CPU by tests/benchmarks/test_perf_goals.py.", file=sys.stderr)
         return 2
     if args.backend == "te" and not HAS_TE:
         sys.exit("bench_partial_graphs: --backend te needs TransformerEngine; pass --backend torch")

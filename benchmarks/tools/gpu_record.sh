@@ -13,7 +13,7 @@
 #                   setting on NPROC (FSDP2 mixed precision also on 1), NCCL's AVG against the
 #                   (ENGINES_1 / ENGINES_N: engines_align's --engines on 1 / NPROC; CHECKS_FROM=3: only the
 #                   checker's FSDP2-setting rows)
-#                   pre-scaled SUM (tests/gpu/nccl_average.py) on NPROC; nvidia needs megatron-core
+#                   pre-scaled SUM (tests/gpu/scripts/nccl_average.py) on NPROC; nvidia needs megatron-core
 #                   (e.g. PYTHONPATH=/tmp/site)                                       -> engines-*.json, check-*.json
 #   pytest          pytest -m gpu with per-test durations: the 1-GPU tests on one GPU beside the multi-GPU tests on
 #                   NPROC, four processes side by side on 2+ GPUs, then one verdict line per test file
@@ -30,7 +30,7 @@
 #   moe             the MoE rows of the alignment matrices (align --rows MoE, full_iteration_align --moe-only)
 #                   and the MoE layer's CUDA tests, on 1 GPU and NPROC                  -> align-moe-*.json
 #   mcore           megatron-core's GPTModel (dense, MoE alltoall/allgather) under our engine, NVIDIA's
-#                   fully_shard and megatron-core's FullyShardedDataParallel (tests/gpu/mcore_gpt.py), on 1
+#                   fully_shard and megatron-core's FullyShardedDataParallel (tests/gpu/scripts/mcore_gpt.py), on 1
 #                   GPU and NPROC; needs megatron-core (PYTHONPATH=/tmp/site)        -> mcore-*.json
 #   bench           the engines side by side (benchmarks/bench_engines.py): the Llama-3-8B-shaped config and
 #                   the OLMoE-shaped one on NPROC (BENCH_CONFIGS, BENCH_ARGS)       -> bench-*.json
@@ -118,7 +118,7 @@ stage_engines() {
         --model tests.apps.test_check_engines:dense_gpt_factory --json "$OUT/check-$tag-${N}gpu.json"
       tail -3 "$OUT/check-$tag-${N}gpu.log"
     done
-    step nccl-average-${N}gpu.log timeout 60 $RUN_N tests/gpu/nccl_average.py --out "$OUT/nccl-average-${N}gpu.json"
+    step nccl-average-${N}gpu.log timeout 60 $RUN_N tests/gpu/scripts/nccl_average.py --out "$OUT/nccl-average-${N}gpu.json"
     tail -3 "$OUT/nccl-average-${N}gpu.log"
   fi
 }
@@ -224,10 +224,10 @@ stage_moe() {
 
 stage_mcore() {
   for b in ${MCORE_BACKENDS:-te}; do
-    step mcore-$b-1gpu.log $ONE timeout 200 python3 tests/gpu/mcore_gpt.py --backend $b --out "$OUT/mcore-$b-1gpu.json"
+    step mcore-$b-1gpu.log $ONE timeout 200 python3 tests/gpu/scripts/mcore_gpt.py --backend $b --out "$OUT/mcore-$b-1gpu.json"
     grep -E "ok=|\"ok\"" "$OUT/mcore-$b-1gpu.log" | tail -21
     if multi; then
-      step mcore-$b-${N}gpu.log timeout 200 $RUN_N tests/gpu/mcore_gpt.py --backend $b --out "$OUT/mcore-$b-${N}gpu.json"
+      step mcore-$b-${N}gpu.log timeout 200 $RUN_N tests/gpu/scripts/mcore_gpt.py --backend $b --out "$OUT/mcore-$b-${N}gpu.json"
       grep -E "ok=|\"ok\"" "$OUT/mcore-$b-${N}gpu.log" | tail -21
     fi
   done

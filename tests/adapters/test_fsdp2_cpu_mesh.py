@@ -103,10 +103,10 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
         sharding_strategy="optim_grads_params", compute_dtype=None)
     out["checker"] = _all_on_cpu(run.model)
 
-    # The scripts and tests that train FSDP2 on the CPU (tests/gpu/fsdp2_storage.py --device cpu, the rotary
-    # check of tests/apps/test_bench_engines.py) build through the same helper.
-    from tests.apps.test_bench_engines import _rope_dtype_under_fsdp2_mixed_precision
-    from tests.gpu.fsdp2_storage import train
+    # The scripts and tests that train FSDP2 on the CPU (tests/gpu/scripts/fsdp2_storage.py --device cpu, the rotary
+    # check of tests/benchmarks/test_bench_engines.py) build through the same helper.
+    from tests.benchmarks.test_bench_engines import _rope_dtype_under_fsdp2_mixed_precision
+    from tests.gpu.scripts.fsdp2_storage import train
 
     _but_runs_on_the_cpu()
     out["rope_dtype"] = _rope_dtype_under_fsdp2_mixed_precision(rank, world)

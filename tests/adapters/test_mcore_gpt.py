@@ -16,7 +16,7 @@ layers through the checker (the experts' ``cuda_graph_unsafe`` tag, 1 rank); wit
 ``moe_preprocess``, ``moe``, whole MoE layers, Megatron's own graphs on, CPU without the shims.
 
 Skipped without megatron-core (the reason names the pip line). NVIDIA Megatron-FSDP needs CUDA: its rows are
-in ``tests/gpu/mcore_gpt.py``.
+in ``tests/gpu/scripts/mcore_gpt.py``.
 """
 
 from __future__ import annotations

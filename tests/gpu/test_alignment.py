@@ -89,7 +89,7 @@ def test_readme_loop_default_stream_2gpu(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
 def test_engine_parity_nccl_2gpu(tmp_path):
     out = tmp_path / "parity.json"
-    cmd = launcher(2, [os.path.join(ROOT, "tests", "gpu", "engine_parity.py"), str(out)])
+    cmd = launcher(2, [os.path.join(ROOT, "tests", "gpu", "scripts", "engine_parity.py"), str(out)])
     proc = subprocess.run(cmd, cwd=ROOT, env=gpu_env(), capture_output=True, text=True)
     keep(str(out), "engine-parity-2gpu.json")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -103,7 +103,7 @@ def test_engine_parity_nccl_2gpu(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
 def test_nccl_average_equals_prescaled_sum_2gpu(tmp_path):
     """NCCL's AVG gives the pre-scaled SUM's bits (fp32, bf16), and the engine trains bit-identically either way."""
-    script = os.path.join(ROOT, "tests", "gpu", "nccl_average.py")
+    script = os.path.join(ROOT, "tests", "gpu", "scripts", "nccl_average.py")
     res = run_json(launcher(2, [script]), tmp_path / "avg.json", name="nccl-average-2gpu.json", tail=4000)
     assert res["ok"] and res["world_size"] == 2, res
 
@@ -113,7 +113,7 @@ def test_nccl_average_equals_prescaled_sum_2gpu(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 CUDA GPUs, this machine has {torch.cuda.device_count()}")
 def test_dcp_across_world_sizes_2gpu(tmp_path):
     """Saved at 2 GPUs, loaded (every tensor equal) and saved again at 1, resumed at 2 bit for bit (NCCL)."""
-    script = os.path.join(ROOT, "tests", "gpu", "dcp_worlds.py")
+    script = os.path.join(ROOT, "tests", "gpu", "scripts", "dcp_worlds.py")
     for phase, nproc in (("save", 2), ("resave", 1), ("resume", 2)):
         res = run_json(launcher(nproc, [script]) + ["--phase", phase, "--dir", str(tmp_path)], tmp_path / f"{phase}.json",
                        name=f"dcp-worlds-{phase}-{nproc}gpu.json", tail=4000)
@@ -126,7 +126,7 @@ def test_dcp_across_world_sizes_2gpu(tmp_path):
 def test_fsdp2_storage_and_mixed_precision_2gpu(tmp_path):
     """FSDP2 with keep_unsharded_storage or two slots, bf16 or MixedPrecisionPolicy(bf16, fp32), whole layers and
     attn+mlp, graphed with the torch backend: every loss and final parameter equal to plain eager FSDP2."""
-    script = os.path.join(ROOT, "tests", "gpu", "fsdp2_storage.py")
+    script = os.path.join(ROOT, "tests", "gpu", "scripts", "fsdp2_storage.py")
     res = run_json(launcher(2, [script]), tmp_path / "storage.json", name="fsdp2-storage-2gpu.json", tail=4000)
     assert res["ok"] and res["world_size"] == 2, res
     assert sum("equal" in r for r in res["rows"]) == 8, res["rows"]

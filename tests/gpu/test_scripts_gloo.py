@@ -1,6 +1,6 @@
 """The scripts the 2-GPU tests launch, run on Gloo (CPU) with the same phases, so that they cannot rot between
-GPU sessions: tests/gpu/dcp_worlds.py (a DCP checkpoint across world sizes, resumed bit for bit) and
-tests/gpu/fsdp2_storage.py (FSDP2's storage options and mixed precision under partial graphs)."""
+GPU sessions: tests/gpu/scripts/dcp_worlds.py (a DCP checkpoint across world sizes, resumed bit for bit) and
+tests/gpu/scripts/fsdp2_storage.py (FSDP2's storage options and mixed precision under partial graphs)."""
 
 import os
 
@@ -8,7 +8,7 @@ import pytest
 
 from tests.gpu_utils import ROOT, launcher, run_json
 
-SCRIPT = os.path.join(ROOT, "tests", "gpu", "dcp_worlds.py")
+SCRIPT = os.path.join(ROOT, "tests", "gpu", "scripts", "dcp_worlds.py")
 
 
 @pytest.mark.gloo
@@ -24,8 +24,8 @@ def test_dcp_worlds_script_on_gloo(tmp_path):
 
 @pytest.mark.gloo
 def test_fsdp2_storage_script_on_gloo(tmp_path):
-    # tests/gpu/fsdp2_storage.py on 2 Gloo ranks (protocol backend): both storage options, both precisions
-    cmd = launcher(2, [os.path.join(ROOT, "tests", "gpu", "fsdp2_storage.py")]) + [
+    # tests/gpu/scripts/fsdp2_storage.py on 2 Gloo ranks (protocol backend): both storage options, both precisions
+    cmd = launcher(2, [os.path.join(ROOT, "tests", "gpu", "scripts", "fsdp2_storage.py")]) + [
         "--device", "cpu"]
     result = run_json(cmd, tmp_path / "storage.json")
     assert result["ok"] and result["world_size"] == 2, result

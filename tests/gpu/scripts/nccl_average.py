@@ -1,6 +1,6 @@
 """NCCL's AVG against the pre-scaled SUM it replaces ([Note: averaging in the collective]), on N GPUs.
 
-    torchrun --nproc-per-node 2 tests/gpu/nccl_average.py --out avg.json
+    torchrun --nproc-per-node 2 tests/gpu/scripts/nccl_average.py --out avg.json
 
 1. Collectives: for fp32 and bf16 gradients (values over the whole range, signed zeros and subnormals
    included), ``reduce_scatter`` and ``all_reduce`` with AVG equal, bit for bit (``torch.equal``), the same
@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Any, Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

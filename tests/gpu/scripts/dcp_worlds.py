@@ -1,8 +1,8 @@
 """A DCP checkpoint across world sizes on NCCL: saved at 2 GPUs, loaded and saved again at 1, resumed at 2.
 
-    torchrun --nproc-per-node 2 tests/gpu/dcp_worlds.py --phase save   --dir D --out save.json
-    python                       tests/gpu/dcp_worlds.py --phase resave --dir D --out resave.json
-    torchrun --nproc-per-node 2 tests/gpu/dcp_worlds.py --phase resume --dir D --out resume.json
+    torchrun --nproc-per-node 2 tests/gpu/scripts/dcp_worlds.py --phase save   --dir D --out save.json
+    python                       tests/gpu/scripts/dcp_worlds.py --phase resave --dir D --out resave.json
+    torchrun --nproc-per-node 2 tests/gpu/scripts/dcp_worlds.py --phase resume --dir D --out resume.json
 
 The model is the reference GPT under ``megatron_fsdp`` (ZeRO-3, bf16 compute, double buffer, fp32 main
 weights), trained with Adam and ``clip_grad_norm_`` on a global batch of 4 split over the ranks.
@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Any, Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -1,7 +1,7 @@
 """FSDP2 as its users run it, under our partial graphs, on N GPUs: the two storage options and mixed precision.
 
-    torchrun --nproc-per-node 2 tests/gpu/fsdp2_storage.py --out fsdp2-storage.json                  # NCCL, torch backend
-    torchrun --nproc-per-node 2 tests/gpu/fsdp2_storage.py --out fsdp2-storage.json --device cpu     # Gloo, protocol
+    torchrun --nproc-per-node 2 tests/gpu/scripts/fsdp2_storage.py --out fsdp2-storage.json                  # NCCL, torch backend
+    torchrun --nproc-per-node 2 tests/gpu/scripts/fsdp2_storage.py --out fsdp2-storage.json --device cpu     # Gloo, protocol
 
 Rows: storage ``keep`` (``keep_unsharded_storage``) or ``slots`` (``use_unsharded_slots``, two slots; needs two or
 more ranks) x precision ``bf16`` (the model cast to bf16) or ``mp`` (fp32 shards,
@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

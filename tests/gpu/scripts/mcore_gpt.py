@@ -1,8 +1,8 @@
 """megatron-core's GPTModel (dense, MoE alltoall, MoE allgather) under each FSDP engine with partial graphs, on N GPUs.
 
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 python tests/gpu/mcore_gpt.py --out mcore-1.json                      # 1 GPU
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun --nproc-per-node 2 tests/gpu/mcore_gpt.py --out mcore-2.json  # 2 GPUs
-    torchrun --nproc-per-node 2 tests/gpu/mcore_gpt.py --device cpu --out mcore-cpu.json                   # Gloo
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 python tests/gpu/scripts/mcore_gpt.py --out mcore-1.json                      # 1 GPU
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun --nproc-per-node 2 tests/gpu/scripts/mcore_gpt.py --out mcore-2.json  # 2 GPUs
+    torchrun --nproc-per-node 2 tests/gpu/scripts/mcore_gpt.py --device cpu --out mcore-cpu.json                   # Gloo
 
 Needs megatron-core (0.19.2 on the GPU image: ``pip install --no-deps --target /tmp/site .whl/*.whl``); TE is
 used when importable (TE's layer spec, grouped GEMM and fused permute for MoE), else megatron-core's local spec.
@@ -26,7 +26,7 @@ import sys
 import traceback
 from typing import Any, Dict, List, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

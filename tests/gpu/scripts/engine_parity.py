@@ -1,8 +1,8 @@
 """megatron_fsdp against a single-device plain-torch reference: final parameters and losses (used by test_gpu.py).
 
-    python tests/gpu/engine_parity.py OUT.json                               # 1 GPU (NCCL, one rank)
-    torchrun --nproc-per-node 2 tests/gpu/engine_parity.py OUT.json          # 2 GPUs
-    torchrun --nproc-per-node 2 tests/gpu/engine_parity.py OUT.json --device cpu   # Gloo: checks the script
+    python tests/gpu/scripts/engine_parity.py OUT.json                               # 1 GPU (NCCL, one rank)
+    torchrun --nproc-per-node 2 tests/gpu/scripts/engine_parity.py OUT.json          # 2 GPUs
+    torchrun --nproc-per-node 2 tests/gpu/scripts/engine_parity.py OUT.json --device cpu   # Gloo: checks the script
 
 Every strategy (with the double buffer the graph layer uses, and ZeRO-3 also without it), in fp32 and in
 bf16 compute, trains 10 SGD steps (lr 0.3, momentum 0.9: SGD is linear in the gradient, so summation-order
@@ -38,7 +38,7 @@ import os
 import sys
 from typing import Any, Dict, List, Tuple
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
