@@ -10,11 +10,11 @@ leave ``Replicate()``. Keys are the unwrapped model's, as in ``model.state_dict(
 
 Our flat per-unit shards do not split along dim 0: a rank owns a contiguous element range of the unit's
 flat buffer, which cuts parameters mid-row and puts a parameter's rows on other ranks than ``Shard(0)``
-would. We redistribute at save and load time rather than change the flat layout (see "Checkpoints as
-DTensors" in docs/design.md for why): building the state dict all-gathers each region of a unit once (as
-``state_dict()`` does) and copies out this rank's rows of every parameter; loading takes each DTensor's full
-value (``full_tensor()``, an all-gather) and writes this rank's flat slice. Both are collectives: call them
-on every rank, in the same order. The dict holds copies, so after ``dcp.load`` fills it,
+would. We redistribute at save and load time rather than change the flat layout (see "Why redistribute
+instead of padding the flat layout" under "DCP" in docs/engines.md): building the state dict all-gathers each
+region of a unit once (as ``state_dict()`` does) and copies out this rank's rows of every parameter; loading
+takes each DTensor's full value (``full_tensor()``, an all-gather) and writes this rank's flat slice. Both are
+collectives: call them on every rank, in the same order. The dict holds copies, so after ``dcp.load`` fills it,
 ``load_sharded_state_dict`` (and ``load_optimizer_state_dict``) must be called to write the values back.
 
 DCP then reshards on load like any DTensor checkpoint: N ranks to M ranks, any strategy, into the plain

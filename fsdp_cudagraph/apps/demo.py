@@ -23,7 +23,8 @@ import resource
 
 os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # both columns must run deterministic kernels
 # cuBLAS keeps one workspace per stream it runs on; graphs add two streams (warmup, capture). ":16:8" (128 KiB,
-# deterministic like ":4096:8") keeps that from doubling a small model's memory; see docs/HISTORY.md (S8).
+# deterministic like ":4096:8") keeps that from doubling a small model's memory; see docs/HISTORY.md,
+# "2026-11-25 (commits `26f9a30`..`b72eab5`)", "Graph memory on small models is cuBLAS workspaces".
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":16:8")
 
 import torch

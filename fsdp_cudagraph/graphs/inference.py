@@ -85,7 +85,8 @@ class BatchPadding:
     raises instead). All other dimensions are keyed exactly: each distinct shape gets its own graphs, at most
     ``max_graph_sets`` of them (then eager, with one warning). ``seq_buckets`` also pads dim 1 at the end, for
     causal models only (later positions never reach earlier ones); it is opt-in because attention then reduces
-    over a longer, masked key range, which may change the real positions' last bits (measured in docs/design.md).
+    over a longer, masked key range, which may change the real positions' last bits (measured: docs/graph-kinds.md,
+    "Buckets and padding").
     """
 
     def __init__(self, batch_buckets: Buckets, seq_buckets: Optional[Buckets], pad_value: Union[int, float]) -> None:

@@ -1,6 +1,6 @@
 """What a user's model can do to the engine: each either trains like the single-process reference or raises
-before any wrong value is used, naming the unit, the rule and the fix (see "What the engine refuses" in
-docs/design.md).
+before any wrong value is used, naming the unit, the rule and the fix (see "What the engine refuses, and
+what it trains correctly" in docs/engines.md).
 
 On 2 Gloo ranks, fp32, SGD, against the same model trained in one process on the whole batch (tolerance:
 [Note: matching tolerance] in _common.py), for ZeRO-3 with and without double buffering and for no_shard:

@@ -42,7 +42,7 @@ def _check(res: dict) -> None:
             # TE captures every callable into one pool, so what offloading frees is reused by later layers
             # (S2.5: 1.34 of 1.75 GiB offloaded saved). PyTorch's graph maker gives each unit a pool of its own:
             # the graphed torch rows save almost nothing (S2.5: 0.07 of what was offloaded; S8 on 2 GPUs,
-            # --quick: -0.02 GiB), which docs/design.md ("Memory under graphs, by backend") states.
+            # --quick: -0.02 GiB), which docs/graph-kinds.md ("Memory under graphs, by backend") states.
             assert v["graphed_saved_gib"] > 0, (model, v)
         assert r["rows"]["graphed/offload"]["captured_offload_gib"] > 0
 

@@ -136,7 +136,7 @@ def test_sequence_buckets_pad_at_the_end(scope):
         padded[:3, :5] = x
         assert out.shape == (3, 5, VOCAB) and torch.equal(out, model(padded)[:3, :5])
         # Against the unpadded forward: equal in exact arithmetic; attention over 8 instead of 5 keys sums in
-        # another order, measured max |diff| 3.6e-7 (fp32, CPU; see docs/design.md), hence 1e-6.
+        # another order, measured max |diff| 3.6e-7 (fp32, CPU; see docs/graph-kinds.md), hence 1e-6.
         torch.testing.assert_close(out, model(x), rtol=0, atol=1e-6)
         assert graphs(_tokens(4, 7)).shape == (4, 7, VOCAB) and graphs.counters["captures"] == (3 if scope == "layer" else 1)
 
