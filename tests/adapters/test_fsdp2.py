@@ -352,7 +352,7 @@ def test_unsafe_settings_refused(reports):
         # not advised: without a reshard after backward FSDP2 skips the all-gather after the optimizer step
         assert "set_reshard_after_backward(False)" not in refused["zero3"]
         assert "reshard_after_backward=True" in refused["reshard_after_backward"]
-        # FSDP2's casts run in its hooks, which wrap a replay as they wrap the eager call (issue 38 item 3;
+        # FSDP2's casts run in its hooks, which wrap a replay as they wrap the eager call (FSDP2's mixed precision;
         # bit-exact in tests/adapters/test_fsdp2_mixed_precision.py)
         assert refused["bf16"] is None, refused["bf16"]
         assert "fully_shard([...])" in refused["grouped"] and "layers.0" in refused["grouped"]

@@ -1,4 +1,4 @@
-"""FSDP2 ZeRO-3 with unsharded parameters in two preallocated slots (issue 38 item 2): 2 Gloo ranks, protocol.
+"""FSDP2 ZeRO-3 with unsharded parameters in two preallocated slots (use_unsharded_slots): 2 Gloo ranks, protocol.
 
 The reference GPT with 4 layers (layers 0 and 2 share slot 0, layers 1 and 3 slot 1) under FSDP2's default ZeRO-3
 (``reshard_after_forward=True``, reshard after backward), ``use_unsharded_slots(model)``, trained eagerly and with

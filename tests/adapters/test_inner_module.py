@@ -1,4 +1,4 @@
-"""Every graph kind refuses, at build, an engine's inner module instead of the engine's wrapper (issue 34).
+"""Every graph kind refuses, at build, an engine's inner module instead of the engine's wrapper.
 
 Graphs of ``fully_shard(gpt)``'s inner ``gpt`` (or of one of its units) would run without the engine's
 gathers and reductions: before the registry refused it, a plain-module reading accepted it and the capture

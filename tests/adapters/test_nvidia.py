@@ -561,7 +561,7 @@ def test_partial_graphs_protocol_capture_with_nvidia_hooks():
 
 @needs_mcore
 def test_the_inner_module_is_refused_naming_the_engine():
-    # Issue 34: graphs of the engine's inner module would bypass its hooks; every graph kind asks adapter_for.
+    # Graphs of the engine's inner module would bypass its hooks; every graph kind asks adapter_for.
     e, _ = build_engine(Net())
     for inner in (e.module, e.module.layers[0]):
         with pytest.raises(ValueError, match=r"pass NVIDIA's MegatronFSDP around Net .*not its inner module"):

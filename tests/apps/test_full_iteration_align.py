@@ -1,7 +1,7 @@
 """The full-iteration alignment's own training loop (``full_iteration_align.run_full``/``run_row``) on Gloo.
 
 The GPU record runs this loop; here it runs on the CPU protocol backend, so a broken loop (a wrong call, a
-comparison that cannot fail) shows up before a GPU session is spent on it.
+comparison that cannot fail) shows up on every CI run, before a GPU run is spent on it.
 """
 
 from __future__ import annotations

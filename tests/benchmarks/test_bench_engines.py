@@ -127,7 +127,7 @@ def test_bench_engines_cpu_smoke_olmoe_megatron_scopes(tmp_path):
     from fsdp_cudagraph.apps import model
 
     if not hasattr(model, "olmoe_config"):
-        pytest.skip("fsdp_cudagraph.apps.model has no olmoe_config yet (the dropless MoE of issue 35 item 1)")
+        pytest.skip("fsdp_cudagraph.apps.model has no olmoe_config yet (the dropless MoE benchmark model)")
     r = _smoke(tmp_path, "olmoe", "--config", "olmoe", "--columns", "ours_eager", "ours_partial", "ours_full",
                "--isolate", "none", "--profile-step", "3")
     _check_graphed_equal(r, ["ours_partial", "ours_full"])
@@ -180,7 +180,7 @@ def test_bench_engines_records_a_failing_column_and_exits_1(tmp_path):
     from fsdp_cudagraph.apps import model
 
     if not hasattr(model, "olmoe_config"):
-        pytest.skip("fsdp_cudagraph.apps.model has no olmoe_config yet (the dropless MoE of issue 35 item 1)")
+        pytest.skip("fsdp_cudagraph.apps.model has no olmoe_config yet (the dropless MoE benchmark model)")
     out = tmp_path / "bad.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_engines.py"), *SMOKE, "--config", "olmoe",
            "--moe-experts", "no_such_path", "--columns", "ours_eager", "ours_full", "--nproc-per-node", "2",

@@ -1,5 +1,5 @@
 """The scripts the 2-GPU tests launch, run on Gloo (CPU) with the same phases, so that they cannot rot between
-GPU sessions: tests/gpu/scripts/dcp_worlds.py (a DCP checkpoint across world sizes, resumed bit for bit) and
+GPU runs: tests/gpu/scripts/dcp_worlds.py (a DCP checkpoint across world sizes, resumed bit for bit) and
 tests/gpu/scripts/fsdp2_storage.py (FSDP2's storage options and mixed precision under partial graphs)."""
 
 import os

@@ -522,7 +522,7 @@ def test_refusals_and_errors(ranks):
         assert e["no_double_buffer"][0] == "ValueError" and "fixed address" in e["no_double_buffer"][1]
         assert "fsdp_double_buffer=True" in e["no_double_buffer"][1] and "unshard buffer of unit" in e["no_double_buffer"][1]
         assert e["wrong_impl"][0] == "ValueError" and "cuda_graph_impl='none'" in e["wrong_impl"][1]
-        # the engine's inner module is refused at build, naming the object to pass (issue 34)
+        # the engine's inner module is refused at build, naming the object to pass
         assert e["not_fsdp"][0] == "ValueError" and "pass the object fully_shard returned" in e["not_fsdp"][1]
         kind, msg = e["strict"]
         assert kind == "ValueError" and "captured for other inputs" in msg and "micro_batches[0][0]" in msg

@@ -1,4 +1,4 @@
-"""The pre-replay address check costs the same per layer at any depth (issue 38, item 1).
+"""The pre-replay address check costs the same per layer at any depth.
 
 One Gloo rank, ``megatron_fsdp`` with the double buffer, whole-layer partial graphs on the protocol backend.
 Each graphed layer's check (its forward-pre hook) is called directly, as ``nn.Module.__call__`` calls it before
