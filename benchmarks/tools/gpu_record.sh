@@ -128,7 +128,7 @@ stage_pytest() {
   # the multi-GPU tests on every GPU; with 2+ GPUs each half runs as two pytest processes side by side (1-GPU: one
   # on GPU 0, one on GPU 1), split by PYTEST_SPLIT (a -k expression and its negation). Then one verdict line per
   # file. PYTEST_MARK: the marker expression (default gpu; "gpu or matrix" adds the full matrices).
-  local mark=${PYTEST_MARK:-gpu} split=${PYTEST_SPLIT:-alignment or check_engines or args or length_buckets}
+  local mark=${PYTEST_MARK:-gpu} split=${PYTEST_SPLIT:-alignment or check_engines or args}
   local py="timeout ${PYTEST_S:-560} python3 -m pytest -q -p no:cacheprovider --durations=30 -rs"
   local sel=${PYTEST_SELECT:+ and ($PYTEST_SELECT)}
   if multi; then
