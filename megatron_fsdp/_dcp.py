@@ -237,12 +237,10 @@ def optimizer_state_dict(engine: Engine, optimizer: torch.optim.Optimizer) -> Di
 
 
 def _expert_names(engine: Engine) -> set:
-    """Every expert parameter name of the model, this rank's and the other EP ranks' (empty without EP)."""
+    """Every expert parameter name of the model: this rank's (tagged, at any EP) and the other EP ranks'."""
     topo = engine.expert_topology
-    if topo is None:
-        return set()
-    own = {clean_fqn(n) for u in engine.all_units() if u.is_expert for n in u.layout.names}
-    return own | {clean_fqn(n) for n in topo.foreign_names}
+    foreign = {clean_fqn(n) for n in topo.foreign_names} if topo is not None else set()
+    return set(engine.expert_param_names) | foreign
 
 
 def load_optimizer_state_dict(engine: Engine, optimizer: torch.optim.Optimizer,
@@ -257,8 +255,9 @@ def load_optimizer_state_dict(engine: Engine, optimizer: torch.optim.Optimizer,
                          f"{len(groups)}; build the optimizer with the same groups")
     for gi, (g, units, saved) in enumerate(zip(optimizer.param_groups, groups, saved_groups)):
         names = {clean_fqn(n) for u in units for n in u.layout.names}
-        # Under expert parallelism DCP keeps one rank's list, whose experts may be another EP rank's: compare the
-        # dense names only ([Note: expert parallelism] in _expert.py).
+        # DCP keeps one rank's list, whose experts are that rank's (at EP > 1 another EP rank's may differ, and a
+        # checkpoint may come from another EP): compare the dense names only ([Note: expert parallelism] in
+        # _expert.py); a missing expert's state is refused below.
         experts = _expert_names(engine)
         if set(saved["params"]) - experts != names - experts:
             diff = sorted((set(saved["params"]) ^ names) - experts)[:5]

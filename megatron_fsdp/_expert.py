@@ -147,10 +147,10 @@ def resolve(*, dp_group: dist.ProcessGroup, hybrid: bool, expert_parallel_size: 
     """Check ``fully_shard``'s expert arguments; the topology, or None when ``EP = 1`` (every parameter dense)."""
     given = (expert_parallel_group is not None, expert_data_parallel_group is not None)
     if given[0] != given[1]:
-        missing = "expert_data_parallel_group" if given[0] else "expert_parallel_group"
-        raise ValueError(f"fully_shard got one of expert_parallel_group= and expert_data_parallel_group= without "
-                         f"{missing}; pass both (e.g. from megatron_fsdp.expert_parallel_groups(ep)) or neither "
-                         "(expert_parallel_size= builds them)")
+        got, missing = (("expert_parallel_group", "expert_data_parallel_group") if given[0]
+                        else ("expert_data_parallel_group", "expert_parallel_group"))
+        raise ValueError(f"fully_shard got {got}= without {missing}=; pass both (e.g. from "
+                         "megatron_fsdp.expert_parallel_groups(ep)) or neither (expert_parallel_size= builds them)")
     ep_size = expert_parallel_size
     if given[0]:
         got = dist.get_world_size(expert_parallel_group)
@@ -240,32 +240,35 @@ def check_expert_plan(topo: ExpertTopology, dp_group: dist.ProcessGroup,
     every: List[Any] = [None] * world
     dist.all_gather_object(every, (me, topo.ep_rank, topo.edp_rank, list(plan)), group=dp_group)
     mine = list(plan)
-    for rank, ep_rank, edp_rank, theirs in every:
-        if [(u, d, bool(e)) for u, d, e in theirs] != [(u, d, bool(e)) for u, d, e in mine]:
-            diff = _first_diff([(u, d, bool(e)) for u, d, e in mine], [(u, d, bool(e)) for u, d, e in theirs])
-            raise ValueError(f"[rank {me}] the dense parameters or the units with experts of rank {rank} differ from this "
-                             f"rank's ({diff}); every data-parallel rank must build the same model apart from its "
-                             "local experts")
-        if edp_rank != topo.edp_rank and ep_rank == topo.ep_rank:  # an EDP peer holds the same experts
-            for (u, _, e_mine), (_, _, e_theirs) in zip(mine, theirs):
-                if e_mine != e_theirs:
-                    n_mine = sum(_numel(s) for _, s in e_mine)
-                    n_theirs = sum(_numel(s) for _, s in e_theirs)
-                    raise ValueError(
-                        f"[rank {me}] unit {u} holds expert parameters of {n_mine} elements "
-                        f"({[n for n, _ in e_mine][:4]}...) but its expert-data-parallel peer, rank {rank}, holds "
-                        f"{n_theirs} ({[n for n, _ in e_theirs][:4]}...); the ranks of an expert-data-parallel group "
-                        "shard the same local experts: build E/EP experts on every rank, the same ones on ranks "
-                        f"with the same expert-parallel rank ({topo.ep_rank})")
+    # Every rank checks every rank's plan, so that all raise together (none is left waiting in a collective).
+    # An expert-only unit (e.g. each expert a unit) is named after its expert, which differs between EP ranks.
+    def skeleton(p: Any) -> List[Any]:
+        return [(u if d else "<experts>", d, bool(e)) for u, d, e in p]
+
+    shape = skeleton(every[0][3])
+    first_of_ep: Dict[int, Any] = {}
+    for rank, ep_rank, _, theirs in every:
+        if skeleton(theirs) != shape:
+            diff = _first_diff(shape, skeleton(theirs))
+            raise ValueError(f"[rank {me}] the dense parameters or the units with experts of rank {rank} differ from "
+                             f"rank {every[0][0]}'s ({diff}); every data-parallel rank must build the same model apart "
+                             "from its local experts")
+        peer = first_of_ep.setdefault(ep_rank, (rank, theirs))
+        for (u, _, e_peer), (_, _, e_theirs) in zip(peer[1], theirs):
+            if e_peer != e_theirs:  # expert-data-parallel peers hold the same local experts
+                n_peer, n_theirs = (sum(_numel(s) for _, s in e) for e in (e_peer, e_theirs))
+                raise ValueError(
+                    f"[rank {me}] unit {u} holds expert parameters of {n_theirs} elements on rank {rank} "
+                    f"({[n for n, _ in e_theirs][:4]}) but {n_peer} on rank {peer[0]} ({[n for n, _ in e_peer][:4]}), "
+                    f"its expert-data-parallel peer (expert-parallel rank {ep_rank} of both); the ranks of an "
+                    "expert-data-parallel group shard the same local experts: build E/EP experts on every rank, the "
+                    "same ones (names and shapes) on ranks with the same expert-parallel rank")
+    # Names: the experts of one EP group's ranks must differ (decided on every rank alike, as state dicts are
+    # collectives), and the other EP ranks' names are what load_state_dict skips.
+    names_of = [(ep_rank, edp_rank, {n for _, _, e in theirs for n, _ in e}) for _, ep_rank, edp_rank, theirs in every]
+    topo.names_collide = any(a[2] & b[2] for a in names_of for b in names_of if a[1] == b[1] and a[0] < b[0])
     own = {n for _, _, e in mine for n, _ in e}
-    peers = [{n for _, _, e in theirs for n, _ in e} for rank, ep_rank, edp_rank, theirs in every
-             if edp_rank == topo.edp_rank and ep_rank != topo.ep_rank]
-    foreign: Set[str] = set()
-    for names in peers:
-        if names & own:
-            topo.names_collide = True
-        foreign |= names
-    topo.foreign_names = foreign - own
+    topo.foreign_names = set().union(*(n for _, edp_rank, n in names_of if edp_rank == topo.edp_rank)) - own
 
 
 def _numel(shape: Tuple[int, ...]) -> int:

@@ -398,7 +398,11 @@ class MegatronFSDP(nn.Module):
             )
         unit_set = {id(m) for _, m in unit_modules}
         topo = self.expert_topology
-        experts = _expert.expert_param_ids(self.module) if topo is not None else set()
+        tagged = _expert.expert_param_ids(self.module)
+        #: names of the parameters tagged as experts, at any EP (what optimizer-state loads compare loosely)
+        self.expert_param_names = {_state_dict.clean_fqn(n) for n, p in self.module.named_parameters()
+                                   if id(p) in tagged}
+        experts = tagged if topo is not None else set()
         plan: List[Tuple[str, List[Tuple[str, Tuple[int, ...]]], List[Tuple[str, Tuple[int, ...]]]]] = []
         for index, (name, m) in enumerate(unit_modules):
             names, ps = [], []

@@ -10,7 +10,9 @@ checkpoint of an EP=2 run; the 2-rank job trains EP=2 on 2 ranks and loads that 
   reference's within ``RTOL`` ([Note: EP tolerance]); dense parameters are bit-equal across ranks;
 - a checkpoint saved at 4 ranks EP=2 loads at 2 ranks EP=2 with bit-equal parameters and optimizer state, and
   two more steps there equal (``torch.equal``) the same 2-rank model loaded from the gathered full state, and
-  the reference continued within ``RTOL``.
+  the reference continued within ``RTOL``; the same checkpoint loads into the EP=1 model (all experts on every
+  rank) with bit-equal parameters and continues the reference too. A unit plan with every expert its own unit
+  (expert-only units nested in the blocks) trains like the rest.
 
 [Note: EP tolerance]
 Everything is fp32 and deterministic; the runs differ from the reference only in how the gradient's terms are
@@ -48,13 +50,16 @@ CASES = {
     "optim_grads": dict(sharding_strategy="optim_grads"),
     "optim": dict(sharding_strategy="optim"),
     "no_shard": dict(sharding_strategy="no_shard"),
+    # every expert its own unit (an expert-only unit) nested in a block (the block's dense bucket)
+    "zero3+expert_units": dict(sharding_strategy="optim_grads_params", fsdp_unit_modules=[net.Block, net.Expert]),
 }
 
 
 def _shard(model, **kw):
     from megatron_fsdp import fully_shard
 
-    return fully_shard(model, fsdp_unit_modules=[net.Block], **kw)
+    kw.setdefault("fsdp_unit_modules", [net.Block])
+    return fully_shard(model, **kw)
 
 
 def _train(rank: int, world: int, model, opt, steps: range, clip: Any = None) -> Dict[str, List[float]]:
@@ -167,6 +172,17 @@ def _two_ranks(rank: int, world: int, ckpt: str, saved: Dict[str, Any]) -> Dict[
 
     res["dcp_after_load"], res["dcp_continued"] = resumed(True)
     res["full_after_load"], res["full_continued"] = resumed(False)
+    # The same checkpoint into the EP=1 model (every expert on every rank): a global expert's key and shape do not
+    # depend on EP ([Note: expert parallelism], Checkpoints).
+    model = _shard(net.build(None, seed=7))
+    opt = net.adam(model.optimizer_parameters())
+    sd, osd = model.sharded_state_dict(), model.optimizer_state_dict(opt)
+    dcp.load({"model": sd, "optim": osd}, checkpoint_id=ckpt)
+    model.load_sharded_state_dict(sd)
+    model.load_optimizer_state_dict(opt, osd)
+    res["ep1_after_load"] = model.state_dict()
+    res["ep1_continued"] = _train(rank, world, model, opt, range(STEPS, STEPS + 2))
+    res["ep1_continued"]["params"] = model.state_dict()
     return res
 
 
@@ -269,5 +285,14 @@ def test_checkpoint_loads_at_another_world_size(four, two, reference):
         assert r["dcp_continued"]["params"].keys() == r["full_continued"]["params"].keys()
         assert all(torch.equal(v, r["full_continued"]["params"][k]) for k, v in r["dcp_continued"]["params"].items())
     ref = reference["continued"]
-    _check_run([dict(r["dcp_continued"], norms=[]) for r in two],
-               {"losses": ref["losses"][STEPS:], "norms": [], "params": ref["params"]})
+    continued = {"losses": ref["losses"][STEPS:], "norms": [], "params": ref["params"]}
+    _check_run([r["dcp_continued"] for r in two], continued)
+
+
+def test_checkpoint_loads_at_expert_parallel_size_one(four, two, reference):
+    saved = net.merge_states([r["saved"]["params"] for r in four])
+    for r in two:
+        assert r["ep1_after_load"].keys() == saved.keys()
+        assert all(torch.equal(r["ep1_after_load"][k], saved[k]) for k in saved)
+    ref = reference["continued"]
+    _check_run([r["ep1_continued"] for r in two], {"losses": ref["losses"][STEPS:], "norms": [], "params": ref["params"]})
