@@ -6,6 +6,8 @@ _moe_net.py) with EP=2 (``expert_parallel_size=2``) and EP=4 (explicit groups fr
 checkpoint of an EP=2 run; the 2-rank job trains EP=2 on 2 ranks and loads that checkpoint. What must hold:
 
 - the layout of [Note: expert parallelism] (megatron_fsdp/_expert.py): EP groups {0,1},{2,3}, EDP {0,2},{1,3};
+- under ``fsdp_double_buffer`` dense buckets use unshard slots 0/1 and expert buckets 2/3, every buffer at
+  the same address at every step;
 - every run's per-step global loss, its clipping norms and its final parameters equal the single-process EP=1
   reference's within ``RTOL`` ([Note: EP tolerance]); dense parameters are bit-equal across ranks;
 - a checkpoint saved at 4 ranks EP=2 loads at 2 ranks EP=2 with bit-equal parameters and optimizer state, and
@@ -65,7 +67,7 @@ def _shard(model, **kw):
 def _train(rank: int, world: int, model, opt, steps: range, clip: Any = None) -> Dict[str, List[float]]:
     import torch.distributed as dist
 
-    losses, norms = [], []
+    losses, norms, addresses = [], [], []
     for step in steps:
         x, y = net.local_rows(step, rank, world)
         loss = net.loss_fn(model(x), y)
@@ -77,7 +79,8 @@ def _train(rank: int, world: int, model, opt, steps: range, clip: Any = None) ->
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(float(total) / world)
-    return {"losses": losses, "norms": norms}
+        addresses.append(model.buffer_addresses())
+    return {"losses": losses, "norms": norms, "addresses": addresses}
 
 
 def _run(rank: int, world: int, ep: int, kw: Dict[str, Any], *, explicit: bool, clip: Any = None):
@@ -244,6 +247,16 @@ def test_group_layout(four):
 @pytest.mark.parametrize("case", list(CASES))
 def test_four_ranks_match_reference(four, reference, ep, case):
     _check_run([r[f"ep{ep}/{case}"] for r in four], reference["plain"])
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_double_buffer_addresses_fixed(four, ep):
+    for r in four:
+        steps = r[f"ep{ep}/zero3+double_buffer"]["addresses"]
+        assert all(a == steps[0] for a in steps)  # every buffer at the same address every step
+        slots = {name: a["param_slot"] for name, a in steps[0].items()}
+        assert slots == {"layers.0": 0, "layers.0 [experts]": 2, "layers.1": 1, "layers.1 [experts]": 3, "<root>": None}
+        assert steps[0]["layers.0"]["param"] != steps[0]["layers.0 [experts]"]["param"]
 
 
 def test_clipping_matches_reference(four, two, reference):
