@@ -1,8 +1,8 @@
 """Expert parallelism in megatron_fsdp against the EP=1 reference, on Gloo.
 
 Two spawned jobs (module fixtures): one on 4 ranks, one on 2. The 4-rank job trains ``MoENet`` (tests/engine/
-_moe_net.py) with EP=2 (``expert_parallel_size=2``) and EP=4 (explicit groups from
-``megatron_fsdp.expert_parallel_groups``) under several strategies, with and without clipping, and saves a DCP
+_moe_net.py) with EP=2 (``expert_parallel_size=2``; ``optim`` through a 2-D ``expert_mesh``) and EP=4 (explicit
+groups from ``megatron_fsdp.expert_parallel_groups``) under several strategies, with and without clipping, and saves a DCP
 checkpoint of an EP=2 run; the 2-rank job trains EP=2 on 2 ranks and loads that checkpoint. What must hold:
 
 - the layout of [Note: expert parallelism] (megatron_fsdp/_expert.py): EP groups {0,1},{2,3}, EDP {0,2},{1,3};
@@ -83,13 +83,21 @@ def _train(rank: int, world: int, model, opt, steps: range, clip: Any = None) ->
     return {"losses": losses, "norms": norms, "addresses": addresses}
 
 
-def _run(rank: int, world: int, ep: int, kw: Dict[str, Any], *, explicit: bool, clip: Any = None):
+def _run(rank: int, world: int, ep: int, kw: Dict[str, Any], *, explicit: Any, clip: Any = None):
+    """``explicit``: False passes ``expert_parallel_size``, True the two groups, "mesh" a 2-D expert mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     import megatron_fsdp
 
     groups = megatron_fsdp.expert_parallel_groups(ep)
-    model = _shard(net.build(groups[0]), **kw, **(dict(expert_parallel_group=groups[0],
-                                                       expert_data_parallel_group=groups[1]) if explicit
-                                                  else dict(expert_parallel_size=ep)))
+    if explicit == "mesh":
+        mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        how: Dict[str, Any] = dict(expert_mesh=mesh)
+    elif explicit:
+        how = dict(expert_parallel_group=groups[0], expert_data_parallel_group=groups[1])
+    else:
+        how = dict(expert_parallel_size=ep)
+    model = _shard(net.build(groups[0]), **kw, **how)
     opt = net.adam(model.optimizer_parameters())
     out = _train(rank, world, model, opt, range(STEPS), clip)
     out["params"] = model.state_dict()
@@ -111,7 +119,7 @@ def _four_ranks(rank: int, world: int, ckpt: str) -> Dict[str, Any]:
     }
     for name, kw in CASES.items():
         if name != "zero3":
-            res[f"ep2/{name}"] = _run(rank, world, 2, kw, explicit=False)[2]
+            res[f"ep2/{name}"] = _run(rank, world, 2, kw, explicit="mesh" if name == "optim" else False)[2]
         res[f"ep4/{name}"] = _run(rank, world, 4, kw, explicit=True)[2]
     res["ep2/zero3+clip"] = _run(rank, world, 2, CASES["zero3+double_buffer"], explicit=False, clip=CLIP)[2]
     res["ep4/no_shard+clip"] = _run(rank, world, 4, CASES["no_shard"], explicit=True, clip=CLIP)[2]
