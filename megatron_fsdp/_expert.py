@@ -29,8 +29,9 @@ and the expert bucket, sharded over the EDP group (its flat buffers, main shard 
 with the unit's prefetch, recompute and fixed-address rules. Under ``fsdp_double_buffer`` the expert buckets
 alternate between a pair of unshard slots of their own (2 and 3), the dense ones between 0 and 1, so a layer's
 two buckets never evict each other; the one gradient slot is shared (a bucket's reduction is retired before
-the next bucket folds into it). Expert parameters must live in a unit: the root's reduction has no second
-group.
+the next bucket folds into it). A layer's two buckets are partners: the unit that prefetches the layer
+(the next in forward, the previous in backward) gathers both. Expert parameters must live in a unit: the
+root's reduction has no second group.
 
 *Gradient averaging.* The reference is the same model at ``EP = 1`` on the same global batch: every rank's
 loss is the mean over its own tokens, and the gradient is ``(1/W) * sum_r dL_r/dtheta``. With EP the all-to-all

@@ -375,7 +375,7 @@ class MegatronFSDP(nn.Module):
 
     def expert_unit_of(self, unit: FSDPUnit) -> Optional[FSDPUnit]:
         """The expert bucket over ``unit``'s module (None when it has none), for a dense unit or an expert one."""
-        return next((u for u in self.units if u.is_expert and u.module is unit.module), None)
+        return unit if unit.is_expert else unit.partner
 
     @property
     def grad_scale(self) -> float:
@@ -436,6 +436,8 @@ class MegatronFSDP(nn.Module):
                 self.units.append(FSDPUnit(engine=self, name=name, module=m, names=[n for n, _ in expert],
                                            params=[p for _, p in expert], index=len(self.units), is_root=False,
                                            expert=True))
+                if dense:
+                    self.units[-2].partner, self.units[-1].partner = self.units[-1], self.units[-2]
         for pn, p in self.module.named_parameters(remove_duplicate=False):
             # A unit parameter also reachable outside that unit (tied to the root, e.g. a norm or a head) would
             # be read through the unit's buffer while the unit is resharded.

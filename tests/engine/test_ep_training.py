@@ -6,6 +6,8 @@ groups from ``megatron_fsdp.expert_parallel_groups``) under several strategies, 
 checkpoint of an EP=2 run; the 2-rank job trains EP=2 on 2 ranks and loads that checkpoint. What must hold:
 
 - the layout of [Note: expert parallelism] (megatron_fsdp/_expert.py): EP groups {0,1},{2,3}, EDP {0,2},{1,3};
+- in backward, the layer before gathers both its buckets while the later layer computes (partners prefetch
+  together);
 - under ``fsdp_double_buffer`` dense buckets use unshard slots 0/1 and expert buckets 2/3, every buffer at
   the same address at every step;
 - every run's per-step global loss, its clipping norms and its final parameters equal the single-process EP=1
@@ -140,6 +142,15 @@ def _four_ranks(rank: int, world: int, ckpt: str) -> Dict[str, Any]:
                 for n, view in zip(u.layout.names, u.layout.views(full)):
                     full_opt.setdefault(n, {})[k] = view.clone()
     res["saved"] = {"params": model.state_dict(), "optim": full_opt}
+    # The order of the engine's collectives in one step (ZeRO-3, on-demand buffers)
+    from megatron_fsdp import CaptureGuardMode, capture_guard
+
+    model = _shard(net.build(megatron_fsdp.expert_parallel_groups(2)[0]), expert_parallel_size=2)
+    x, y = net.local_rows(0, rank, world)
+    log: List[str] = []
+    with capture_guard(CaptureGuardMode.REFUSE, collective_log=log):
+        net.loss_fn(model(x), y).backward()
+    res["collectives"] = log
     # inf-norm clipping on the same gradients as the reference's: one backward, no step
     x, y = net.local_rows(0, rank, world)
     fresh = _shard(net.build(megatron_fsdp.expert_parallel_groups(2)[0]), expert_parallel_size=2)
@@ -265,6 +276,17 @@ def test_double_buffer_addresses_fixed(four, ep):
         slots = {name: a["param_slot"] for name, a in steps[0].items()}
         assert slots == {"layers.0": 0, "layers.0 [experts]": 2, "layers.1": 1, "layers.1 [experts]": 3, "<root>": None}
         assert steps[0]["layers.0"]["param"] != steps[0]["layers.0 [experts]"]["param"]
+
+
+def test_backward_prefetches_both_buckets_of_a_layer(four):
+    log = four[0]["collectives"]
+    first_reduce_of_layer1 = min(i for i, c in enumerate(log) if c.startswith("reduce-scatter of gradients of unit "
+                                                                              "layers.1"))
+    for bucket in ("layers.0", "layers.0 [experts]"):  # gathered again for backward while layers.1 computes
+        last_gather = max(i for i, c in enumerate(log) if c == f"all-gather of unit {bucket}")
+        assert last_gather < first_reduce_of_layer1, log
+    # each bucket reduces on its own group: an expert bucket's reduce-scatter names it
+    assert "reduce-scatter of gradients of unit layers.1 [experts]" in log
 
 
 def test_clipping_matches_reference(four, two, reference):
