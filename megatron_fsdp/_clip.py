@@ -176,28 +176,49 @@ def total_grad_norm(engine: Engine, norm_type: float = 2.0) -> torch.Tensor:
     norm_type = float(norm_type)
     if norm_type <= 0 and not math.isinf(norm_type):
         raise ValueError(f"norm_type={norm_type} must be positive or inf; use 2.0 (Euclidean) or float('inf')")
-    grads = [u._main_grad_data for u in engine.all_units() if u.grad_numel and u.main_shard.grad is not None]
     dev = engine.device
-    if math.isinf(norm_type):
-        local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=dev)
-    else:
-        local = (torch.stack(torch._foreach_norm(grads, norm_type)).pow(norm_type).sum()
-                 if grads else torch.zeros((), device=dev))
-    local = local.to(torch.float32).reshape(1)
-    if engine.strategy.shards_optimizer and engine.world_size > 1:
-        if math.isinf(norm_type):
-            # A max over ranks through the engine's all-gather (the SUM all-reduce cannot take a max).
-            every = torch.empty(engine.world_size, dtype=torch.float32, device=dev)
-            work = C.all_gather(every, local, engine.group, "the local inf-norms of the gradients")
-            if work is not None:
-                work.wait()
-            local = every.max().reshape(1)
+    inf = math.isinf(norm_type)
+
+    def local_part(expert: bool) -> torch.Tensor:
+        grads = [u._main_grad_data for u in engine.all_units()
+                 if u.grad_numel and u.main_shard.grad is not None and u.is_expert == expert]
+        if not grads:
+            return torch.zeros(1, dtype=torch.float32, device=dev)
+        if inf:
+            part = torch.stack([g.abs().max() for g in grads]).max()
         else:
-            work = C.all_reduce(local, engine.group, "the local gradient norms")
-            if work is not None:
-                work.wait()
+            part = torch.stack(torch._foreach_norm(grads, norm_type)).pow(norm_type).sum()
+        return part.to(torch.float32).reshape(1)
+
+    local = local_part(False)
+    sharded = engine.strategy.shards_optimizer
+    topo = engine.expert_topology
+    if topo is not None:
+        # [Note: expert parallelism] in _expert.py, Clipping: sharded, every element is held once in the DP group;
+        # no_shard holds the experts once per EP group.
+        expert = local_part(True)
+        if not sharded:
+            expert = _reduce_local(engine, expert, inf, topo.ep_group, topo.ep_size, "expert gradient norms")
+        local = torch.maximum(local, expert) if inf else local + expert
+    if sharded and engine.world_size > 1:
+        local = _reduce_local(engine, local, inf, engine.group, engine.world_size, "gradient norms")
     total = local[0]
     return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
+def _reduce_local(engine: Engine, local: torch.Tensor, inf: bool, group: Any, size: int, what: str) -> torch.Tensor:
+    """Sum (or, for the inf norm, the maximum) of ``local`` over ``group``'s ``size`` ranks, on every rank."""
+    if inf:
+        # A max over ranks through the engine's all-gather (the SUM all-reduce cannot take a max).
+        every = torch.empty(size, dtype=torch.float32, device=local.device)
+        work = C.all_gather(every, local, group, f"the local inf-norms of the {what}")
+        if work is not None:
+            work.wait()
+        return every.max().reshape(1)
+    work = C.all_reduce(local, group, f"the local {what}")
+    if work is not None:
+        work.wait()
+    return local
 
 
 def clip_grad_norm_(engine: Engine, max_norm: float, norm_type: float = 2.0,

@@ -26,13 +26,14 @@ hyperparameters travel in ``param_groups`` with the parameters' names: the layou
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._common import Engine, Unit
+from ._expert import refuse_colliding_names
 from ._state_dict import clean_fqn, gather_region, mark_stale, persistent_buffers, regions, shard_start
 
 if TYPE_CHECKING:
@@ -49,47 +50,58 @@ def row_range(dim0: int, world: int, rank: int) -> Tuple[int, int]:
     return lo, min(lo + per, dim0)
 
 
-def mesh_of(engine: Engine, device: torch.device) -> DeviceMesh:
-    """A 1-D DeviceMesh over the engine's process group, or under HSDP the 2-D ``(replicate, shard)`` mesh
-    (built once per device type)."""
+def mesh_of(engine: Engine, device: torch.device, unit: Optional[Unit] = None) -> DeviceMesh:
+    """A 1-D DeviceMesh over the engine's process group, or under HSDP the 2-D ``(replicate, shard)`` mesh, or for
+    an expert bucket a 1-D mesh over the expert-data-parallel group (built once per device type)."""
     meshes = engine.__dict__.setdefault("_dcp_meshes", {})
-    if device.type not in meshes:
+    expert = unit is not None and unit.is_expert
+    key = (device.type, expert)
+    if key not in meshes:
         hsdp = engine.hsdp
-        meshes[device.type] = (hsdp.device_mesh(device.type) if hsdp.hybrid
-                               else DeviceMesh.from_group(engine.group, device.type))
-    return meshes[device.type]
+        if expert:
+            meshes[key] = DeviceMesh.from_group(unit.group, device.type)
+        else:
+            meshes[key] = (hsdp.device_mesh(device.type) if hsdp.hybrid
+                           else DeviceMesh.from_group(engine.group, device.type))
+    return meshes[key]
 
 
-def _placements(engine: Engine, inner: Any) -> List[Any]:
+def _placements(engine: Engine, inner: Any, unit: Optional[Unit] = None) -> List[Any]:
     """``inner`` over the shard dimension; under HSDP, ``Replicate()`` over the replicate dimension before it."""
-    return [Replicate(), inner] if engine.hsdp.hybrid else [inner]
+    return [Replicate(), inner] if engine.hsdp.hybrid and not (unit is not None and unit.is_expert) else [inner]
 
 
-def _dtensor(engine: Engine, full: torch.Tensor) -> DTensor:
-    """``full`` (this parameter's whole value, the same on every rank) as a DTensor holding a copy of our rows."""
-    mesh = mesh_of(engine, full.device)
+def _dtensor(engine: Engine, full: torch.Tensor, unit: Optional[Unit] = None) -> DTensor:
+    """``full`` (this parameter's whole value, the same on every rank of the unit's group) as a DTensor holding a
+    copy of our rows."""
+    mesh = mesh_of(engine, full.device, unit)
     shape = tuple(full.shape)
     if not shape:
-        return DTensor.from_local(full.detach().clone(), mesh, _placements(engine, Replicate()), run_check=False)
-    lo, hi = row_range(shape[0], engine.world_size, engine.rank)
+        return DTensor.from_local(full.detach().clone(), mesh, _placements(engine, Replicate(), unit), run_check=False)
+    size, rank = (unit.shard_size, unit.shard_rank) if unit is not None else (engine.world_size, engine.rank)
+    lo, hi = row_range(shape[0], size, rank)
     local = full.detach()[lo:hi].clone()
-    return DTensor.from_local(local, mesh, _placements(engine, Shard(0)), run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
+    return DTensor.from_local(local, mesh, _placements(engine, Shard(0), unit), run_check=False,
+                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
 
-def _region_dtensors(engine: Engine, layout: "FlatLayout", local: torch.Tensor) -> List[DTensor]:
+def _region_dtensors(engine: Engine, layout: "FlatLayout", local: torch.Tensor, unit: Optional[Unit] = None
+                     ) -> List[DTensor]:
     """Every parameter of one region as a DTensor (a collective: one all-gather of the region)."""
-    full = gather_region(engine, layout, local.detach())
-    return [_dtensor(engine, v) for v in layout.views(full)]
+    full = gather_region(engine, layout, local.detach(), unit)
+    return [_dtensor(engine, v, unit) for v in layout.views(full)]
 
 
-def _full_value(engine: Engine, value: Any, shape: Tuple[int, ...], name: str) -> torch.Tensor:
+def _full_value(engine: Engine, value: Any, shape: Tuple[int, ...], name: str, unit: Optional[Unit] = None
+                ) -> torch.Tensor:
     """The whole value of ``value`` (a DTensor, collected from all ranks, or a plain tensor), checked against ``shape``."""
     if isinstance(value, DTensor):
-        if value.device_mesh.size() != engine.dp_world_size:
-            raise ValueError(f"{name} is a DTensor over a mesh of {value.device_mesh.size()} ranks, this model runs on "
-                             f"{engine.dp_world_size}; fill the dict returned by this model's sharded_state_dict() "
-                             "(torch.distributed.checkpoint.load reshards)")
+        want = unit.shard_size if unit is not None and unit.is_expert else engine.dp_world_size
+        if value.device_mesh.size() != want:
+            raise ValueError(f"{name} is a DTensor over a mesh of {value.device_mesh.size()} ranks, this model "
+                             f"{'shards it over' if want != engine.dp_world_size else 'runs on'} {want}; fill the dict "
+                             "returned by this model's sharded_state_dict() (torch.distributed.checkpoint.load "
+                             "reshards)")
         value = value.full_tensor()
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -99,11 +111,11 @@ def _full_value(engine: Engine, value: Any, shape: Tuple[int, ...], name: str) -
 
 
 def _copy_in(engine: Engine, layout: "FlatLayout", local: torch.Tensor, i: int, value: Any,
-             name: str) -> None:
+             name: str, unit: Optional[Unit] = None) -> None:
     """Write parameter ``i``'s values from ``value`` (a DTensor or a full tensor) into ``local``, this rank's flat."""
     o, n, shape = layout.offsets[i], layout.numels[i], tuple(layout.shapes[i])
-    full = _full_value(engine, value, shape, name)
-    start, length = shard_start(engine, layout), local.numel()
+    full = _full_value(engine, value, shape, name, unit)
+    start, length = shard_start(engine, layout, unit), local.numel()
     lo, hi = max(o, start), min(o + n, start + length)
     if lo < hi:
         with torch.no_grad():
@@ -116,10 +128,11 @@ def sharded_state_dict(engine: Engine) -> Dict[str, Any]:
 
     A collective (an all-gather per region): call it on every rank ([Note: DCP sharding metadata]).
     """
+    refuse_colliding_names(engine.expert_topology, "sharded_state_dict()")
     out: Dict[str, Any] = {}
     for u in engine.all_units():
         for layout, local in regions(u):
-            for n, value in zip(layout.names, _region_dtensors(engine, layout, local)):
+            for n, value in zip(layout.names, _region_dtensors(engine, layout, local, u)):
                 out[clean_fqn(n)] = value
     for name, first in engine.tied_names.items():  # the same DTensor under every name ([Note: tied parameters])
         out[name] = out[first]
@@ -133,6 +146,7 @@ def load_sharded_state_dict(engine: Engine, state_dict: Dict[str, Any]) -> None:
 
     A collective (an all-gather per DTensor): call it on every rank. Plain full tensors are accepted too.
     """
+    refuse_colliding_names(engine.expert_topology, "load_sharded_state_dict()")
     # A tied parameter is read from its first name, or from another of its names when the first is absent.
     key = {n: n for n in state_dict}
     for name, first in engine.tied_names.items():
@@ -147,7 +161,7 @@ def load_sharded_state_dict(engine: Engine, state_dict: Dict[str, Any]) -> None:
     for u in engine.all_units():
         for layout, local in regions(u):
             for i, n in enumerate(layout.names):
-                _copy_in(engine, layout, local, i, state_dict[key[clean_fqn(n)]], key[clean_fqn(n)])
+                _copy_in(engine, layout, local, i, state_dict[key[clean_fqn(n)]], key[clean_fqn(n)], u)
         mark_stale(u)
     with torch.no_grad():
         for n, b in persistent_buffers(engine.module):
@@ -195,6 +209,7 @@ def optimizer_state_dict(engine: Engine, optimizer: torch.optim.Optimizer) -> Di
     An optimizer without state yet (never stepped) gets it from one step at learning rate 0, which leaves
     the parameters unchanged but counts as a step (Adam's ``step`` becomes 1 until a load replaces it).
     """
+    refuse_colliding_names(engine.expert_topology, "optimizer_state_dict()")
     groups = _units_of(engine, optimizer)
     _init_state(optimizer, [u.main_shard for units in groups for u in units])
     state: Dict[str, Dict[str, Any]] = {}
@@ -210,7 +225,7 @@ def optimizer_state_dict(engine: Engine, optimizer: torch.optim.Optimizer) -> Di
             entries = [state.setdefault(clean_fqn(n), {}) for n in u.layout.names]
             for k, v in optimizer.state[u.main_shard].items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    for entry, value in zip(entries, _region_dtensors(engine, u.layout, v)):
+                    for entry, value in zip(entries, _region_dtensors(engine, u.layout, v, u)):
                         entry[k] = value
                 else:
                     for entry in entries:
@@ -221,9 +236,17 @@ def optimizer_state_dict(engine: Engine, optimizer: torch.optim.Optimizer) -> Di
     return {"state": state, "param_groups": param_groups}
 
 
+def _expert_names(engine: Engine) -> set:
+    """Every expert parameter name of the model: this rank's (tagged, at any EP) and the other EP ranks'."""
+    topo = engine.expert_topology
+    foreign = {clean_fqn(n) for n in topo.foreign_names} if topo is not None else set()
+    return set(engine.expert_param_names) | foreign
+
+
 def load_optimizer_state_dict(engine: Engine, optimizer: torch.optim.Optimizer,
                               state_dict: Dict[str, Any]) -> None:
     """Take optimizer state from a dict shaped like ``optimizer_state_dict()`` (e.g. filled by ``dcp.load``)."""
+    refuse_colliding_names(engine.expert_topology, "load_optimizer_state_dict()")
     groups = _units_of(engine, optimizer)
     _init_state(optimizer, [u.main_shard for units in groups for u in units])
     saved_groups = state_dict["param_groups"]
@@ -232,8 +255,12 @@ def load_optimizer_state_dict(engine: Engine, optimizer: torch.optim.Optimizer,
                          f"{len(groups)}; build the optimizer with the same groups")
     for gi, (g, units, saved) in enumerate(zip(optimizer.param_groups, groups, saved_groups)):
         names = {clean_fqn(n) for u in units for n in u.layout.names}
-        if set(saved["params"]) != names:
-            diff = sorted(set(saved["params"]) ^ names)[:5]
+        # DCP keeps one rank's list, whose experts are that rank's (at EP > 1 another EP rank's may differ, and a
+        # checkpoint may come from another EP): compare the dense names only ([Note: expert parallelism] in
+        # _expert.py); a missing expert's state is refused below.
+        experts = _expert_names(engine)
+        if set(saved["params"]) - experts != names - experts:
+            diff = sorted((set(saved["params"]) ^ names) - experts)[:5]
             raise ValueError(f"optimizer param group {gi} covers other parameters than in the checkpoint (e.g. "
                              f"{diff}); build the optimizer with the same groups")
         for k, v in saved.items():
@@ -255,7 +282,7 @@ def load_optimizer_state_dict(engine: Engine, optimizer: torch.optim.Optimizer,
                 v = st[k]
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     for i, (f, value) in enumerate(zip(fqns, values)):
-                        _copy_in(engine, u.layout, v, i, value, f"state.{f}.{k}")
+                        _copy_in(engine, u.layout, v, i, value, f"state.{f}.{k}", u)
                 elif isinstance(v, torch.Tensor):
                     if any(not torch.equal(torch.as_tensor(x).to(v), torch.as_tensor(values[0]).to(v)) for x in values):
                         raise ValueError(f"optimizer state {k!r} differs between the parameters of unit {u.name} in the "

@@ -25,7 +25,7 @@ from torch.autograd import Variable
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _clip, _dcp, _guards, _hsdp, _state_dict
+from . import _clip, _dcp, _expert, _guards, _hsdp, _state_dict
 from . import _collectives as C
 from ._collectives import backend_for
 from ._common import COMPUTING, ShardingStrategy, TrainingState, _cast_floating, is_capturing, log_rank0, phase
@@ -69,6 +69,10 @@ def fully_shard(
     fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
     fsdp_double_buffer_numel: Optional[int] = None,
     prefetch: bool = True,
+    expert_parallel_size: Optional[int] = None,
+    expert_parallel_group: Optional[dist.ProcessGroup] = None,
+    expert_data_parallel_group: Optional[dist.ProcessGroup] = None,
+    expert_mesh: Optional[DeviceMesh] = None,
 ) -> "MegatronFSDP":
     """Shard ``module`` over ``process_group`` and return the wrapper to train with.
 
@@ -103,6 +107,23 @@ def fully_shard(
         fsdp_double_buffer_numel: elements per slot; default the largest unit's size.
         prefetch: all-gather the next unit (forward) or the previous unit (backward) while the current
             unit computes.
+        expert_parallel_size: expert parallelism (EP) over the data-parallel ranks ([Note: expert parallelism] in
+            _expert.py): groups of ``EP`` contiguous ranks share the experts between them (the model's
+            all-to-all), and the ``W/EP`` ranks holding the same local experts (strided by ``EP``) shard them.
+            Expert parameters (a module with ``is_expert = True`` on their path, or a name segment ``experts``)
+            hold only this rank's ``E/EP`` local experts, as the model built them; they are sharded and reduced over
+            the expert-data-parallel group, everything else over the data-parallel group as without EP. A unit
+            holding both gets two buckets, each on its own group. Expert gradients are summed over that group and
+            divided by the whole data-parallel size, so ``EP = k`` trains as ``EP = 1`` does on the same global
+            batch. Default 1 (no split); not with hybrid sharding. Needs ``process_group`` to be the world (the
+            groups are built with ``new_group``); otherwise pass the two groups.
+        expert_parallel_group, expert_data_parallel_group: the same, given as the two groups this rank belongs to
+            (both or neither; e.g. from ``megatron_fsdp.expert_parallel_groups(ep)``, whose EP group the model's
+            all-to-all uses too). They must tile the data-parallel group as a grid; ``expert_parallel_size``, if
+            given too, must equal the EP group's size.
+        expert_mesh: the same as a 2-D ``DeviceMesh`` ``(expert_data_parallel, expert_parallel)`` over the
+            data-parallel ranks (torchtitan's ``(efsdp, ep)``; NVIDIA Megatron-FSDP's expert device mesh), e.g.
+            ``init_device_mesh(device_type, (W // EP, EP))``; not with the two groups.
 
     Lifecycle: build the optimizer over ``model.optimizer_parameters()`` (fp32 main shards; an optimizer
     over ``model.parameters()`` is refused at its first step); call ``model(...)``, ``loss.backward()``
@@ -138,6 +159,10 @@ def fully_shard(
         fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
         fsdp_double_buffer_numel=fsdp_double_buffer_numel,
         prefetch=prefetch,
+        expert_parallel_size=expert_parallel_size,
+        expert_parallel_group=expert_parallel_group,
+        expert_data_parallel_group=expert_data_parallel_group,
+        expert_mesh=expert_mesh,
     )
 
 
@@ -167,6 +192,10 @@ class MegatronFSDP(nn.Module):
         mesh: Optional[DeviceMesh] = None,
         replicate_group: Optional[dist.ProcessGroup] = None,
         shard_group: Optional[dist.ProcessGroup] = None,
+        expert_parallel_size: Optional[int] = None,
+        expert_parallel_group: Optional[dist.ProcessGroup] = None,
+        expert_data_parallel_group: Optional[dist.ProcessGroup] = None,
+        expert_mesh: Optional[DeviceMesh] = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -194,6 +223,11 @@ class MegatronFSDP(nn.Module):
                 f"process_group does not contain global rank {dist.get_rank()}; pass the data-parallel group "
                 "this rank belongs to"
             )
+        #: The expert groups ([Note: expert parallelism] in _expert.py), or None without expert parallelism.
+        self.expert_topology = _expert.resolve(
+            dp_group=group, hybrid=hsdp.hybrid, expert_parallel_size=expert_parallel_size,
+            expert_parallel_group=expert_parallel_group, expert_data_parallel_group=expert_data_parallel_group,
+            expert_mesh=expert_mesh)
         self.prefetch = prefetch
         self.fsdp_double_buffer = fsdp_double_buffer
         self.fsdp_db_use_persist_buf_on_alloc_fail = fsdp_db_use_persist_buf_on_alloc_fail
@@ -243,7 +277,8 @@ class MegatronFSDP(nn.Module):
         self.root_unit: Optional[FSDPUnit] = None
         #: further name of a tied parameter -> the name its unit holds it under ([Note: tied parameters])
         self.tied_names: Dict[str, str] = {}
-        self.slot_owner: List[Optional[FSDPUnit]] = [None, None]
+        #: unshard slot -> the unit whose values it holds: 0 and 1 dense, 2 and 3 expert buckets
+        self.slot_owner: List[Optional[FSDPUnit]] = [None, None, None, None]
         self._pending: "collections.deque[_PendingReduce]" = collections.deque()
         #: gradient slot -> the unit whose TE modules write into it during its backward ([Note: fused weight gradients])
         self.grad_slot_holder: Dict[int, FSDPUnit] = {}
@@ -275,9 +310,9 @@ class MegatronFSDP(nn.Module):
         self._guard_handles = [_guards.guard_direct_calls(self)] + _state_dict.guard_module_state_dicts(self)
         log_rank0(
             logging.INFO,
-            "megatron_fsdp: %d units + root, strategy %s, world %d (replicate %d x shard %d), compute %s, "
-            "double buffer %s", len(self.units), self.strategy.value, self.dp_world_size, hsdp.replicate_size,
-            self.world_size, self.compute_dtype, fsdp_double_buffer,
+            "megatron_fsdp: %d units + root, strategy %s, world %d (replicate %d x shard %d), expert parallel %d, "
+            "compute %s, double buffer %s", len(self.units), self.strategy.value, self.dp_world_size, hsdp.replicate_size,
+            self.world_size, self.expert_parallel_size, self.compute_dtype, fsdp_double_buffer,
         )
 
     @property
@@ -324,6 +359,25 @@ class MegatronFSDP(nn.Module):
         return group
 
     @property
+    def expert_parallel_size(self) -> int:
+        """EP: the ranks that share the experts between them (1 without expert parallelism)."""
+        return self.expert_topology.ep_size if self.expert_topology is not None else 1
+
+    @property
+    def expert_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's expert-parallel group (the model's all-to-all), or None without expert parallelism."""
+        return self.expert_topology.ep_group if self.expert_topology is not None else None
+
+    @property
+    def expert_data_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        """The group that shards this rank's local experts (None without expert parallelism)."""
+        return self.expert_topology.edp_group if self.expert_topology is not None else None
+
+    def expert_unit_of(self, unit: FSDPUnit) -> Optional[FSDPUnit]:
+        """The expert bucket over ``unit``'s module (None when it has none), for a dense unit or an expert one."""
+        return unit if unit.is_expert else unit.partner
+
+    @property
     def grad_scale(self) -> float:
         """What the gradient fold multiplies by before a summing collective (1.0: no scale pass)."""
         return 1.0 if self.reduce_average else 1.0 / self.dp_world_size
@@ -350,6 +404,13 @@ class MegatronFSDP(nn.Module):
                 f"{type(self.module).__name__}; its module classes are {found[:20]}; name one of those"
             )
         unit_set = {id(m) for _, m in unit_modules}
+        topo = self.expert_topology
+        tagged = _expert.expert_param_ids(self.module)
+        #: names of the parameters tagged as experts, at any EP (what optimizer-state loads compare loosely)
+        self.expert_param_names = {_state_dict.clean_fqn(n) for n, p in self.module.named_parameters()
+                                   if id(p) in tagged}
+        experts = tagged if topo is not None else set()
+        plan: List[Tuple[str, List[Tuple[str, Tuple[int, ...]]], List[Tuple[str, Tuple[int, ...]]]]] = []
         for index, (name, m) in enumerate(unit_modules):
             names, ps = [], []
             for pn, p in self._own_params(m, unit_set):
@@ -362,8 +423,21 @@ class MegatronFSDP(nn.Module):
                 names.append(f"{name}.{pn}")
                 ps.append(p)
             self._check_params(name, names, ps)
-            if ps:
-                self.units.append(FSDPUnit(engine=self, name=name, module=m, names=names, params=ps, index=len(self.units), is_root=False))
+            # [Note: expert parallelism] in _expert.py: a unit's expert parameters form a second unit (bucket) over
+            # the same module, sharded over the expert-data-parallel group.
+            dense = [(n, p) for n, p in zip(names, ps) if id(p) not in experts]
+            expert = [(n, p) for n, p in zip(names, ps) if id(p) in experts]
+            if topo is not None:
+                plan.append((name, [(n, tuple(p.shape)) for n, p in dense], [(n, tuple(p.shape)) for n, p in expert]))
+            if dense:
+                self.units.append(FSDPUnit(engine=self, name=name, module=m, names=[n for n, _ in dense],
+                                           params=[p for _, p in dense], index=len(self.units), is_root=False))
+            if expert:
+                self.units.append(FSDPUnit(engine=self, name=name, module=m, names=[n for n, _ in expert],
+                                           params=[p for _, p in expert], index=len(self.units), is_root=False,
+                                           expert=True))
+                if dense:
+                    self.units[-2].partner, self.units[-1].partner = self.units[-1], self.units[-2]
         for pn, p in self.module.named_parameters(remove_duplicate=False):
             # A unit parameter also reachable outside that unit (tied to the root, e.g. a norm or a head) would
             # be read through the unit's buffer while the unit is resharded.
@@ -378,11 +452,25 @@ class MegatronFSDP(nn.Module):
             if id(p) not in owner_of:
                 root_names.append(pn)
                 root_params.append(p)
+        if topo is not None:
+            outside = [n for n, p in zip(root_names, root_params) if id(p) in experts]
+            if outside:
+                raise ValueError(
+                    f"expert parameters {outside[:5]} are in no FSDP unit (they would be in the root, whose reduction "
+                    "has no expert group); with expert_parallel_size > 1 every expert parameter must live in a unit: "
+                    "add the class of the layer holding the experts to fsdp_unit_modules")
+            if not experts:
+                raise ValueError(
+                    f"expert_parallel_size={topo.ep_size} but the model has no expert parameters (a module with "
+                    "is_expert = True, or a parameter name with a segment 'experts'); tag the experts module with "
+                    "is_expert = True, or pass expert_parallel_size=1")
+            _expert.check_expert_plan(topo, self.group, plan)
         if root_params:
             self._check_params("<root>", root_names, root_params)
             self.root_unit = FSDPUnit(engine=self, name="", module=self.module, names=root_names, params=root_params, index=-1, is_root=True)
         for u in self.units:
-            u.module._megatron_fsdp_unit = u  # type: ignore[attr-defined]
+            if not u.is_expert or getattr(u.module, "_megatron_fsdp_unit", None) is None:
+                u.module._megatron_fsdp_unit = u  # type: ignore[attr-defined]  # the dense bucket, if any
         self.tied_names = self._tied_names()
 
     def _tied_names(self) -> Dict[str, str]:
@@ -448,7 +536,9 @@ class MegatronFSDP(nn.Module):
                     )
         self.slot_numel = slot_numel or 0
         use_p_slots = bool(db_units) and self.strategy.shards_params
-        slots_p = [torch.zeros(self.slot_numel, dtype=cdt, device=dev) for _ in range(2)] if use_p_slots else []
+        # Expert buckets alternate between slots 2 and 3 of their own ([Note: expert parallelism] in _expert.py).
+        n_pslots = 4 if any(u.is_expert for u in db_units) else 2
+        slots_p = [torch.zeros(self.slot_numel, dtype=cdt, device=dev) for _ in range(n_pslots)] if use_p_slots else []
         # [Note: one gradient slot] Unshard buffers need two slots (the running unit's and the prefetched
         # one's); gradient buffers one: a unit's buffer is read only by its own reduce-scatter, and the engine
         # keeps one reduction in flight, which the next unit's fold retires before it overwrites the slot,
@@ -468,14 +558,17 @@ class MegatronFSDP(nn.Module):
         # prefetches (the next in forward, the previous in backward) then never share a slot; units that nest
         # or run out of plan order can, and unshard refuses to take a slot its owner still computes in. The
         # gradient slot is the same parity folded onto the number of gradient slots ([Note: one gradient slot]).
-        slot_of = {id(u): i % 2 for i, u in enumerate(db_units)}
+        slot_of = {id(u): i % 2 for i, u in enumerate(x for x in db_units if not x.is_expert)}
+        slot_of.update({id(u): 2 + i % 2 for i, u in enumerate(x for x in db_units if x.is_expert)})
         root_gslot = self._root_grad_slot(db_units, n_gslots)
         with torch.no_grad():
             for u in all_units:
                 flat = torch.zeros(u.numel, dtype=torch.float32, device=dev)
                 for p, v in zip(u.all_params, u.views(flat)):
                     v.copy_(p.detach())
-                for dim, group in broadcast_order(self.hsdp):  # [Note: hybrid sharding]: from mesh (0, 0)
+                # [Note: hybrid sharding]: from mesh (0, 0); an expert bucket from its EDP group's first rank
+                order = [("expert-data-parallel", u.group)] if u.is_expert else broadcast_order(self.hsdp)
+                for dim, group in order:
                     what = f"initial values of unit {u.name}" + (f" over the {dim} group" if self.hsdp.hybrid else "")
                     C.broadcast(flat, 0, group, what)
                 s = slot_of.get(id(u))

@@ -114,13 +114,13 @@ def reduce_grads(unit: Unit, grads: List[Optional[torch.Tensor]], written: Optio
         holes = _grad_holes(unit, gbuf, [g is None and not w for g, w in zip(grads, done)])
         if holes:
             torch._foreach_zero_(holes)
-        if eng.grad_scale != 1.0:
-            torch._foreach_mul_(copy_views + written_views, eng.grad_scale)
+        if unit.grad_scale != 1.0:
+            torch._foreach_mul_(copy_views + written_views, unit.grad_scale)
     for p in unit.params:
         p.grad = None
     accumulate = unit._bound_main_grad() is not None
     if eng.strategy is ShardingStrategy.NO_SHARD:
-        work = C.all_reduce(flat, eng.group, f"gradients of unit {unit.name}", average=eng.reduce_average)
+        work = C.all_reduce(flat, unit.group, f"gradients of unit {unit.name}", average=unit.reduce_average)
         out, adopt = flat, False
     else:
         if eng.reduce_dtype != eng.main_grad_dtype:
@@ -133,7 +133,7 @@ def reduce_grads(unit: Unit, grads: List[Optional[torch.Tensor]], written: Optio
             kept = unit._main_grad_data if unit._main_grad_kept is not None else None
             out = torch.empty_like(unit.main_shard, dtype=eng.main_grad_dtype) if accumulate or kept is None else kept
             adopt = not accumulate and kept is None
-        work = C.reduce_scatter(out, flat, eng.group, f"gradients of unit {unit.name}", average=eng.reduce_average)
+        work = C.reduce_scatter(out, flat, unit.group, f"gradients of unit {unit.name}", average=unit.reduce_average)
     eng.add_pending_reduce(_PendingReduce(unit, work, out, accumulate, adopt))
 
 

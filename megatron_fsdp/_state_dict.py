@@ -19,12 +19,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
 from . import _collectives as C
+from . import _expert
 from ._common import COMPUTING, Engine, Unit
 
 if TYPE_CHECKING:
@@ -54,17 +55,22 @@ def regions(u: Unit) -> List[Tuple["FlatLayout", torch.Tensor]]:
     return [(u.layout, u.main_shard.detach()), (u.frozen_layout, u.frozen_shard)]
 
 
-def shard_start(engine: Engine, layout: "FlatLayout") -> int:
-    """Where this rank's shard of a region starts in the region's flat layout."""
-    return engine.rank * layout.shard_numel if engine.strategy.shards_optimizer else 0
+def shard_start(engine: Engine, layout: "FlatLayout", unit: Optional[Unit] = None) -> int:
+    """Where this rank's shard of a region starts in the region's flat layout (of ``unit``: an expert bucket
+    is sharded over its own group; default the engine's group)."""
+    rank = unit.shard_rank if unit is not None else engine.rank
+    return rank * layout.shard_numel if engine.strategy.shards_optimizer else 0
 
 
-def gather_region(engine: Engine, layout: "FlatLayout", local: torch.Tensor) -> torch.Tensor:
-    """The full fp32 flat of one region (a collective for the sharded strategies)."""
+def gather_region(engine: Engine, layout: "FlatLayout", local: torch.Tensor, unit: Optional[Unit] = None
+                  ) -> torch.Tensor:
+    """The full fp32 flat of one region of ``unit`` (a collective over the unit's group for the sharded strategies;
+    default the engine's group)."""
     if not engine.strategy.shards_optimizer or layout.total_numel == 0:
         return local
     full = torch.empty(layout.total_numel, dtype=local.dtype, device=local.device)
-    work = C.all_gather(full, local, engine.group, "a state dict's main shards")
+    group = unit.group if unit is not None else engine.group
+    work = C.all_gather(full, local, group, "a state dict's main shards")
     if work is not None:
         work.wait()
     return full
@@ -72,10 +78,11 @@ def gather_region(engine: Engine, layout: "FlatLayout", local: torch.Tensor) -> 
 
 def full_state_dict(engine: Engine) -> Dict[str, torch.Tensor]:
     """Gathered fp32 parameters and the persistent buffers, keys as the unwrapped model's, on every rank."""
+    _expert.refuse_colliding_names(engine.expert_topology, "state_dict()")
     out: Dict[str, torch.Tensor] = collections.OrderedDict()
     for u in engine.all_units():
         for layout, local in regions(u):
-            full = gather_region(engine, layout, local)
+            full = gather_region(engine, layout, local, u)
             for n, v in zip(layout.names, layout.views(full)):
                 out[clean_fqn(n)] = v.clone()
     for name, first in engine.tied_names.items():  # the same tensor, as nn.Module gives ([Note: tied parameters])
@@ -97,11 +104,14 @@ def load_full_state_dict(engine: Engine, state_dict: Mapping[str, Any], *,
         for layout, local in regions(u):
             for n, o, numel, shape in zip(layout.names, layout.offsets, layout.numels, layout.shapes):
                 targets[clean_fqn(n)] = (u, layout, local, o, numel, shape)
+    _expert.refuse_colliding_names(engine.expert_topology, "load_state_dict()")
     buffers = dict(persistent_buffers(engine.module))
     tied = engine.tied_names
     expected = set(targets) | set(tied) | set(buffers)
+    # the other EP ranks' experts: expected in a whole model's dict, skipped ([Note: expert parallelism])
+    foreign = engine.expert_topology.foreign_names if engine.expert_topology is not None else set()
     missing = sorted(expected - set(state_dict))
-    unexpected = sorted(set(state_dict) - expected)
+    unexpected = sorted(set(state_dict) - expected - foreign)
     if strict and (missing or unexpected):
         raise RuntimeError(
             f"Error(s) in loading state_dict for MegatronFSDP: missing keys {missing[:10]}, unexpected keys "
@@ -120,7 +130,7 @@ def load_full_state_dict(engine: Engine, state_dict: Mapping[str, Any], *,
         for name, (u, layout, local, o, numel, _) in targets.items():
             if name not in values:
                 continue
-            start, length = shard_start(engine, layout), local.numel()
+            start, length = shard_start(engine, layout, u), local.numel()
             lo, hi = max(o, start), min(o + numel, start + length)
             if lo < hi:
                 src = values[name].detach().reshape(-1)[lo - o : hi - o]
@@ -231,7 +241,7 @@ def summon_full_params(engine: Engine, *, writeback: bool = False) -> Iterator[N
     engine.reset_step_state()  # waits for in-flight collectives; the compute views are rebuilt before use
     fulls = []
     for u in engine.all_units():
-        flats = [gather_region(engine, layout, local).clone() for layout, local in regions(u)]
+        flats = [gather_region(engine, layout, local, u).clone() for layout, local in regions(u)]
         fulls.append((u, flats))
     saved = [(p, p.data) for u in engine.all_units() for p in u.all_params]
     with torch.no_grad():
@@ -252,6 +262,6 @@ def summon_full_params(engine: Engine, *, writeback: bool = False) -> Iterator[N
             if writeback and ok:
                 for u, flats in fulls:
                     for (layout, local), flat in zip(regions(u), flats):
-                        start = shard_start(engine, layout)
+                        start = shard_start(engine, layout, u)
                         local.copy_(flat[start : start + local.numel()])
                     mark_stale(u)

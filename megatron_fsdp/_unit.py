@@ -67,12 +67,22 @@ class FSDPUnit:
         params: Sequence[nn.Parameter],
         index: int,
         is_root: bool,
+        expert: bool = False,
     ) -> None:
         self.engine = engine
-        self.name = name or "<root>"
+        self.name = (name or "<root>") + (" [experts]" if expert else "")
         self.module = module
         self.index = index
         self.is_root = is_root
+        #: The expert bucket of a unit ([Note: expert parallelism] in _expert.py): sharded and reduced over the
+        #: expert-data-parallel group instead of the engine's group.
+        self.is_expert = expert
+        #: The other bucket over the same module (dense <-> expert), prefetched with this one; None if none.
+        self.partner: Optional["FSDPUnit"] = None
+        topo = engine.expert_topology if expert else None
+        #: this rank's place and the number of ranks in the group that shards this unit
+        self.shard_rank = topo.edp_rank if topo is not None else engine.rank
+        self.shard_size = topo.edp_size if topo is not None else engine.world_size
         trainable = [(n, p) for n, p in zip(names, params) if p.requires_grad]
         frozen = [(n, p) for n, p in zip(names, params) if not p.requires_grad]
         #: Trainable compute parameters, in the order of ``layout`` and of ``grad_views``.
@@ -80,8 +90,8 @@ class FSDPUnit:
         #: Frozen compute parameters, in the order of ``frozen_layout``.
         self.frozen_params: List[nn.Parameter] = [p for _, p in frozen]
         self.all_params: List[nn.Parameter] = self.params + self.frozen_params
-        self.layout = FlatLayout([n for n, _ in trainable], self.params, engine.world_size)
-        self.frozen_layout = FlatLayout([n for n, _ in frozen], self.frozen_params, engine.world_size)
+        self.layout = FlatLayout([n for n, _ in trainable], self.params, self.shard_size)
+        self.frozen_layout = FlatLayout([n for n, _ in frozen], self.frozen_params, self.shard_size)
         self.state = TrainingState.IDLE
         self.param_buffer: Optional[_Buffer] = None
         self.grad_buffer: Optional[_Buffer] = None
@@ -117,6 +127,23 @@ class FSDPUnit:
 
     # ------------------------------------------------------------------ set-up
     @property
+    def group(self) -> dist.ProcessGroup:
+        """The group that shards this unit: the engine's, or the expert-data-parallel group for an expert bucket."""
+        eng = self.engine
+        return eng.expert_topology.edp_group if self.is_expert else eng.group
+
+    @property
+    def grad_scale(self) -> float:
+        """What the gradient fold multiplies by before a summing collective: the engine's, or for an expert bucket
+        one over the whole data-parallel size ([Note: expert parallelism] in _expert.py, Gradient averaging)."""
+        return 1.0 / self.engine.dp_world_size if self.is_expert else self.engine.grad_scale
+
+    @property
+    def reduce_average(self) -> bool:
+        """Whether the gradient collective averages (never for experts: AVG would divide by the EDP size)."""
+        return False if self.is_expert else self.engine.reduce_average
+
+    @property
     def numel(self) -> int:
         """Elements of the unshard buffer: the trainable region, then the frozen region."""
         return self.layout.total_numel + self.frozen_layout.total_numel
@@ -140,7 +167,7 @@ class FSDPUnit:
         eng = self.engine
         if eng.strategy.shards_optimizer:
             s = layout.shard_numel
-            region = region[eng.rank * s : (eng.rank + 1) * s]
+            region = region[self.shard_rank * s : (self.shard_rank + 1) * s]
         return region.detach().clone().to(eng.main_param_dtype)
 
     def init_storage(self, full_flat_fp32: torch.Tensor, param_buffer: _Buffer, grad_buffer: _Buffer) -> None:
@@ -215,7 +242,7 @@ class FSDPUnit:
 
         eng = self.engine
         grad = data
-        if eng.strategy.shards_optimizer and eng.world_size > 1:
+        if eng.strategy.shards_optimizer and self.shard_size > 1:
             grad = guard_local_norms(data, self)
             grad._megatron_fsdp_data = data  # type: ignore[attr-defined]
         self._main_grad_ref = weakref.ref(grad)
@@ -291,7 +318,7 @@ class FSDPUnit:
                 if eng.strategy is ShardingStrategy.NO_SHARD:
                     pb[lo:hi].copy_(main)
                 else:
-                    works.append(C.all_gather(pb[lo:hi], main.detach().to(eng.compute_dtype), eng.group, what))
+                    works.append(C.all_gather(pb[lo:hi], main.detach().to(eng.compute_dtype), self.group, what))
         if eng.strategy.shards_params:
             self.data_valid = False  # the next unshard all-gathers the new values
         if works:
@@ -324,7 +351,7 @@ class FSDPUnit:
             return
         buf.allocate(f"the unshard buffer of unit {self.name}")
         self._install_views()
-        t, group = self.grad_numel, self.engine.group
+        t = self.grad_numel
         works: List[Optional[dist.Work]] = []
         if t:
             works.append(self._gather(buf.tensor[:t], self.main_shard.detach(), f"unit {self.name}"))
@@ -346,12 +373,12 @@ class FSDPUnit:
         (forward and backward) on the current stream, ordered after whatever last read the slot.
         """
         if not self._cast_on_gather:
-            return C.all_gather(out, shard, self.engine.group, what)
+            return C.all_gather(out, shard, self.group, what)
         n = shard.numel()
-        local = out[self.engine.rank * n : (self.engine.rank + 1) * n]
+        local = out[self.shard_rank * n : (self.shard_rank + 1) * n]
         with torch.no_grad():
             local.copy_(shard)
-        return C.all_gather(out, local, self.engine.group, what)
+        return C.all_gather(out, local, self.group, what)
 
     def wait_unshard(self) -> None:
         if self.pending_ag is not None:
@@ -395,9 +422,7 @@ class FSDPUnit:
             self.state = TrainingState.FORWARD
             eng.note_forward(self)
             if eng.prefetch:
-                nxt = eng.neighbour(self, +1)
-                if nxt is not None and nxt.can_prefetch(backward=False):
-                    nxt.unshard()
+                self._prefetch(eng.neighbour(self, +1), backward=False)
 
     def _pre_recompute(self) -> None:
         """A forward during backward: activation checkpointing recomputes this unit for its backward.
@@ -445,9 +470,14 @@ class FSDPUnit:
     def _prefetch_backward(self) -> None:
         eng = self.engine
         if eng.prefetch:
-            prv = eng.neighbour(self, -1)
-            if prv is not None and prv.can_prefetch(backward=True):
-                prv.unshard()
+            self._prefetch(eng.neighbour(self, -1), backward=True)
+
+    def _prefetch(self, unit: Optional["FSDPUnit"], *, backward: bool) -> None:
+        """Start gathering ``unit`` and its other bucket, if it has one ([Note: expert parallelism] in _expert.py:
+        a layer's dense and expert buckets compute together, so the layer's neighbour gathers both)."""
+        for u in (unit, unit.partner if unit is not None else None):
+            if u is not None and u is not self and u.can_prefetch(backward=backward):
+                u.unshard()
 
     def post_backward(self, *_: Any) -> None:
         """Reduce this unit's parameter gradients (if any) and reshard. Safe to call once per backward."""
