@@ -17,6 +17,11 @@ One MoE block (tag ``moe``) is four steps; ``GPTConfig.moe_experts`` picks how t
 4. Unpermute (in :class:`MoEBlock`, eager unless ``moe`` is graphed): weight each row by its probability,
    undo the permutation by indexing with the inverse map, ``view(T, K, h).sum(1)``, add the residual.
 
+Expert parallelism (``GPTConfig.expert_parallel_size > 1``, ``apps/moe_ep.py``): :class:`Experts` holds only
+this rank's ``E/EP`` experts (tagged ``is_expert`` for the engine) and, in step 3, exchanges the counts over the
+expert-parallel group, reads them on the host once, sends the rows to their experts' ranks, runs its local
+experts (``split``, ``grouped_mm`` or ``te_grouped``) and sends the outputs back; steps 1, 2 and 4 are unchanged.
+
 [Note: deterministic dispatch] Every step is deterministic and uses no floating-point atomics. The forward
 gathers (``rows[order]``, ``rows[inverse]``) index with a permutation, so their backward (``index_put_``
 with accumulate) writes each destination row exactly once onto zeros: exact, whatever the order. The K
@@ -32,7 +37,8 @@ depend on data) says so with a ``cuda_graph_unsafe`` attribute holding the reaso
 such a module (``fsdp_cudagraph.config.graph_unsafe_modules``). So scope ``moe`` (or whole layers) is
 refused with ``split``/``te_grouped`` experts, as Megatron refuses ``moe`` for dropless MoE, and accepted with
 ``grouped_mm``, ``capacity`` and ``dense``; the Megatron scopes ``attn moe_router moe_preprocess`` run the
-experts eagerly between the graphs. torch's CUDA ``grouped_mm`` has a fast (no-sync) kernel only for bf16 on
+experts eagerly between the graphs. With expert parallelism the experts are unsafe whatever the mode: their
+all-to-alls are collectives with host split sizes, so only the Megatron scopes are accepted. torch's CUDA ``grouped_mm`` has a fast (no-sync) kernel only for bf16 on
 sm90+; other dtypes take a fallback loop that copies the offsets to the host, so fp32 ``grouped_mm`` on CUDA
 is refused (``moe_grouped_mm_dtype="bfloat16"`` computes the experts in bf16).
 """
