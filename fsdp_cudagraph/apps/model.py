@@ -29,6 +29,7 @@ from fsdp_cudagraph.apps.moe_ep import merge_expert_state_dicts, slice_expert_st
 __all__ = ["GPTConfig", "GPT", "TransformerBlock", "SelfAttention", "MLP", "MoEBlock", "Router", "MoEPreprocess",
            "Experts", "SharedExpert", "unpermute", "MOE_EXPERTS", "olmoe_config", "mixtral_config", "loss_fn",
            "synthetic_batch", "moe_checker_spec", "moe_split", "moe_grouped_mm", "moe_capacity", "EP_EXPERTS",
+           "check_expert_parallel",
            "slice_expert_state_dict", "merge_expert_state_dicts"]
 
 
@@ -282,6 +283,37 @@ def _check_ep_group(cfg: GPTConfig, group: Optional[Any]) -> Optional[Any]:
                          f"agree: pass the group of megatron_fsdp.expert_parallel_groups({ep}) or set "
                          f"expert_parallel_size={got}")
     return group
+
+
+def check_expert_parallel(sharded: Any) -> None:
+    """After ``fully_shard``: the GPT's experts and all-to-all must match the engine's expert parallelism.
+
+    ``sharded``: what ``megatron_fsdp.fully_shard`` returned around a :class:`GPT`. The engine shards and reduces
+    the expert parameters by its EP and expert-data-parallel groups; a model whose ``expert_parallel_size`` or
+    all-to-all group differs would train wrong gradients without an error, so call this once after wrapping.
+    Raises ValueError naming both sizes or both rank lists and the fix.
+    """
+    import torch.distributed as dist
+
+    gpt = getattr(sharded, "module", None)
+    if not isinstance(gpt, GPT):
+        raise TypeError(f"check_expert_parallel takes what fully_shard returned around a GPT, got "
+                        f"{type(sharded).__name__}; pass the sharded model")
+    want = gpt.cfg.expert_parallel_size
+    got = getattr(sharded, "expert_parallel_size", 1)
+    if got != want:
+        raise ValueError(f"fully_shard(expert_parallel_size={got}) around GPTConfig(expert_parallel_size={want}): "
+                         "the engine would shard and reduce the experts for another layout than the model's "
+                         f"all-to-all; pass expert_parallel_size={want} to both")
+    if want > 1:
+        mine = dist.get_process_group_ranks(gpt.expert_parallel_group)
+        theirs = dist.get_process_group_ranks(sharded.expert_parallel_group)
+        if mine != theirs:
+            raise ValueError(f"[rank {dist.get_rank()}] the GPT's expert_parallel_group has ranks {mine} but the "
+                             f"engine's expert-parallel group has {theirs}: the all-to-all and the engine's expert "
+                             "reduction must use the same groups; build the model with "
+                             f"megatron_fsdp.expert_parallel_groups({want})[0] (or pass the model's groups to "
+                             "fully_shard as expert_parallel_group= and expert_data_parallel_group=)")
 
 
 def _layer(cfg: GPTConfig, layer_number: int, ep_group: Optional[Any] = None) -> nn.Module:

@@ -15,7 +15,8 @@ trains its slice of one global batch per step. What must hold:
   scaled by 1.01 after capture fails graphed-vs-eager; each rank holding the next EP rank's experts fails the
   EP-vs-reference check;
 - misuse refused with the value, the rule and the fix: the model's EP group of another size than
-  ``expert_parallel_size``, scope ``moe`` and whole layers with EP. Config misuse is checked without processes.
+  ``expert_parallel_size``; ``check_expert_parallel`` on an engine whose EP size or EP ranks differ from the
+  model's; scope ``moe`` and whole layers with EP. Config misuse is checked without processes.
 
 [Note: EP tolerance of the GPT]
 fp32 and deterministic. The EP=k run computes every token's forward on the same rows as EP=1 (each rank's rows
@@ -59,7 +60,8 @@ def _cfg(ep: int, experts: str = "split") -> GPTConfig:
     return GPTConfig(moe_experts=experts, expert_parallel_size=ep, **MODEL)
 
 
-def _build(ep: int, experts: str = "split", *, wrong_rank: bool = False, nudge_router: bool = False):
+def _build(ep: int, experts: str = "split", *, wrong_rank: bool = False, nudge_router: bool = False,
+           engine_ep: Optional[int] = None, group: Any = None):
     import torch.distributed as dist
 
     import megatron_fsdp
@@ -67,7 +69,8 @@ def _build(ep: int, experts: str = "split", *, wrong_rank: bool = False, nudge_r
 
     from fsdp_cudagraph.apps.model import TransformerBlock
 
-    group = megatron_fsdp.expert_parallel_groups(ep)[0] if ep > 1 else None
+    if group is None and ep > 1:
+        group = megatron_fsdp.expert_parallel_groups(ep)[0]
     torch.manual_seed(0)
     model = GPT(_cfg(ep, experts), expert_parallel_group=group)
     with torch.no_grad():
@@ -80,7 +83,7 @@ def _build(ep: int, experts: str = "split", *, wrong_rank: bool = False, nudge_r
             model.layers[1].moe.router.gate.weight[0, 0] += 1e-3
     return fully_shard(model, fsdp_unit_modules=[TransformerBlock], sharding_strategy="optim_grads_params",
                        fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True,
-                       expert_parallel_size=ep)
+                       expert_parallel_size=engine_ep or ep)
 
 
 def _scale_router_replay(graphs: Any, root: torch.nn.Module) -> None:
@@ -101,7 +104,7 @@ def _train(rank: int, world: int, ep: int, experts: str = "split", *, graphed: b
     import torch.distributed as dist
 
     from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
-    from fsdp_cudagraph.apps.model import loss_fn, synthetic_batch
+    from fsdp_cudagraph.apps.model import check_expert_parallel, loss_fn, synthetic_batch
 
     model = _build(ep, experts, **build)
     opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-3, eps=1e-3)
@@ -125,9 +128,7 @@ def _train(rank: int, world: int, ep: int, experts: str = "split", *, graphed: b
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(float(total) / world)
-    if ep > 1:  # the model's all-to-all group is the engine's EP group (the same layout, built twice)
-        assert dist.get_process_group_ranks(model.module.expert_parallel_group) == \
-            dist.get_process_group_ranks(model.expert_parallel_group)
+    check_expert_parallel(model)  # the model's all-to-all group is the engine's EP group (one layout, built twice)
     with model.summon_full_params():  # state_dict() refuses EP models whose expert names repeat across EP ranks
         params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     out: Dict[str, Any] = {"losses": losses, "params": params}
@@ -139,6 +140,8 @@ def _train(rank: int, world: int, ep: int, experts: str = "split", *, graphed: b
 
 
 def _refusals(rank: int, world: int) -> Dict[str, Optional[str]]:
+    import torch.distributed as dist
+
     import megatron_fsdp
 
     from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
@@ -159,6 +162,21 @@ def _refusals(rank: int, world: int) -> Dict[str, Optional[str]]:
             out[name] = None
         except ValueError as exc:
             out[name] = str(exc)
+    # the engine's expert parallelism must be the model's: sizes, then ranks (EP groups strided instead of contiguous)
+    from fsdp_cudagraph.apps.model import check_expert_parallel
+
+    strided = None
+    for members in ([0, 2], [1, 3]):  # every rank creates every group
+        g = dist.new_group(members)
+        if rank in members:
+            strided = g
+    for name, kw in (("engine_ep4", dict(ep=2, engine_ep=4)), ("engine_ep2", dict(ep=1, engine_ep=2)),
+                     ("ranks", dict(ep=2, group=strided))):
+        try:
+            check_expert_parallel(_build(**kw))
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
     return out
 
 
@@ -173,6 +191,7 @@ def _four(rank: int, world: int) -> Dict[str, Any]:
     res["ep4/wrong_rank"] = _train(rank, world, 4, wrong_rank=True)
     res["ep2/graphed/perturbed"] = _train(rank, world, 2, graphed=True, perturb_replay=True)
     res["refused"] = _refusals(rank, world)
+    res["rank"] = rank
     return res
 
 
@@ -268,6 +287,14 @@ def test_misuse_refused(four):
         msg = r["refused"]
         assert msg["group_size"] is not None and "expert_parallel_group has 2 ranks" in msg["group_size"], msg
         assert "expert_parallel_size=4" in msg["group_size"] and "expert_parallel_groups(4)" in msg["group_size"]
+        assert "fully_shard(expert_parallel_size=4) around GPTConfig(expert_parallel_size=2)" in msg["engine_ep4"], msg
+        assert "fully_shard(expert_parallel_size=2) around GPTConfig(expert_parallel_size=1)" in msg["engine_ep2"], msg
+        assert "pass expert_parallel_size=2 to both" in msg["engine_ep4"]
+        assert msg["ranks"] is not None and "expert_parallel_groups(2)[0]" in msg["ranks"], msg
+        q = r["rank"]
+        mine, theirs = [q % 2, q % 2 + 2], [q // 2 * 2, q // 2 * 2 + 1]
+        assert f"[rank {q}] the GPT's expert_parallel_group has ranks {mine} but the engine's expert-parallel group " \
+               f"has {theirs}" in msg["ranks"], msg["ranks"]
         for key, callable_name in (("moe", "'layers.0.moe'"), ("layers", "'layers.0'")):
             got = msg[key]
             assert got is not None, key
