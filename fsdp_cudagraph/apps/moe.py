@@ -38,9 +38,10 @@ such a module (``fsdp_cudagraph.config.graph_unsafe_modules``). So scope ``moe``
 refused with ``split``/``te_grouped`` experts, as Megatron refuses ``moe`` for dropless MoE, and accepted with
 ``grouped_mm``, ``capacity`` and ``dense``; the Megatron scopes ``attn moe_router moe_preprocess`` run the
 experts eagerly between the graphs. With expert parallelism the experts are unsafe whatever the mode: their
-all-to-alls are collectives with host split sizes, so only the Megatron scopes are accepted. torch's CUDA ``grouped_mm`` has a fast (no-sync) kernel only for bf16 on
-sm90+; other dtypes take a fallback loop that copies the offsets to the host, so fp32 ``grouped_mm`` on CUDA
-is refused (``moe_grouped_mm_dtype="bfloat16"`` computes the experts in bf16).
+all-to-alls are collectives with host split sizes, so only the Megatron scopes are accepted. torch's CUDA
+``grouped_mm`` has a fast (no-sync) kernel only for bf16 on sm90+; other dtypes take a fallback loop that copies
+the offsets to the host, so fp32 ``grouped_mm`` on CUDA is refused (``moe_grouped_mm_dtype="bfloat16"`` computes
+the experts in bf16).
 """
 
 from __future__ import annotations

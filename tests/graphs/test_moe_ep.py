@@ -196,7 +196,8 @@ def _four(rank: int, world: int) -> Dict[str, Any]:
 
 
 def _two(rank: int, world: int) -> Dict[str, Any]:
-    return {"ref": _train(rank, world, 1), "ep2": _train(rank, world, 2), "ep2/graphed": _train(rank, world, 2, graphed=True),
+    return {"ref": _train(rank, world, 1), "ep2": _train(rank, world, 2),
+            "ep2/graphed": _train(rank, world, 2, graphed=True),
             "ep2/wrong_rank": _train(rank, world, 2, wrong_rank=True)}
 
 
