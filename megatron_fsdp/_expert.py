@@ -29,8 +29,9 @@ and the expert bucket, sharded over the EDP group (its flat buffers, main shard 
 with the unit's prefetch, recompute and fixed-address rules. Under ``fsdp_double_buffer`` the expert buckets
 alternate between a pair of unshard slots of their own (2 and 3), the dense ones between 0 and 1, so a layer's
 two buckets never evict each other; the one gradient slot is shared (a bucket's reduction is retired before
-the next bucket folds into it). Expert parameters must live in a unit: the root's reduction has no second
-group.
+the next bucket folds into it). A layer's two buckets are partners: the unit that prefetches the layer
+(the next in forward, the previous in backward) gathers both. Expert parameters must live in a unit: the
+root's reduction has no second group.
 
 *Gradient averaging.* The reference is the same model at ``EP = 1`` on the same global batch: every rank's
 loss is the mean over its own tokens, and the gradient is ``(1/W) * sum_r dL_r/dtheta``. With EP the all-to-all
@@ -65,6 +66,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ExpertTopology", "expert_parallel_groups", "resolve", "is_expert_param_name", "expert_param_ids"]
 
@@ -143,8 +145,21 @@ def expert_parallel_groups(expert_parallel_size: int, process_group: Optional[di
 
 def resolve(*, dp_group: dist.ProcessGroup, hybrid: bool, expert_parallel_size: Optional[int],
             expert_parallel_group: Optional[dist.ProcessGroup],
-            expert_data_parallel_group: Optional[dist.ProcessGroup]) -> Optional[ExpertTopology]:
+            expert_data_parallel_group: Optional[dist.ProcessGroup],
+            expert_mesh: Optional[DeviceMesh] = None) -> Optional[ExpertTopology]:
     """Check ``fully_shard``'s expert arguments; the topology, or None when ``EP = 1`` (every parameter dense)."""
+    if expert_mesh is not None:
+        if expert_parallel_group is not None or expert_data_parallel_group is not None:
+            raise ValueError("fully_shard got expert_mesh= and expert groups; pass one of: expert_mesh=, "
+                             "expert_parallel_group= with expert_data_parallel_group=, or expert_parallel_size=")
+        if not isinstance(expert_mesh, DeviceMesh) or expert_mesh.ndim != 2:
+            got = f"a {expert_mesh.ndim}-D mesh" if isinstance(expert_mesh, DeviceMesh) else type(expert_mesh).__name__
+            raise ValueError(f"expert_mesh must be a 2-D DeviceMesh (expert_data_parallel, expert_parallel), got {got}; "
+                             "build one with init_device_mesh(device_type, (W // EP, EP))")
+        if expert_mesh.get_coordinate() is None:
+            raise ValueError(f"global rank {dist.get_rank()} is not in expert_mesh {expert_mesh.mesh.tolist()}; every "
+                             "rank that calls fully_shard must be part of it")
+        expert_data_parallel_group, expert_parallel_group = expert_mesh.get_group(0), expert_mesh.get_group(1)
     given = (expert_parallel_group is not None, expert_data_parallel_group is not None)
     if given[0] != given[1]:
         got, missing = (("expert_parallel_group", "expert_data_parallel_group") if given[0]

@@ -72,6 +72,7 @@ def fully_shard(
     expert_parallel_size: Optional[int] = None,
     expert_parallel_group: Optional[dist.ProcessGroup] = None,
     expert_data_parallel_group: Optional[dist.ProcessGroup] = None,
+    expert_mesh: Optional[DeviceMesh] = None,
 ) -> "MegatronFSDP":
     """Shard ``module`` over ``process_group`` and return the wrapper to train with.
 
@@ -120,6 +121,9 @@ def fully_shard(
             (both or neither; e.g. from ``megatron_fsdp.expert_parallel_groups(ep)``, whose EP group the model's
             all-to-all uses too). They must tile the data-parallel group as a grid; ``expert_parallel_size``, if
             given too, must equal the EP group's size.
+        expert_mesh: the same as a 2-D ``DeviceMesh`` ``(expert_data_parallel, expert_parallel)`` over the
+            data-parallel ranks (torchtitan's ``(efsdp, ep)``; NVIDIA Megatron-FSDP's expert device mesh), e.g.
+            ``init_device_mesh(device_type, (W // EP, EP))``; not with the two groups.
 
     Lifecycle: build the optimizer over ``model.optimizer_parameters()`` (fp32 main shards; an optimizer
     over ``model.parameters()`` is refused at its first step); call ``model(...)``, ``loss.backward()``
@@ -158,6 +162,7 @@ def fully_shard(
         expert_parallel_size=expert_parallel_size,
         expert_parallel_group=expert_parallel_group,
         expert_data_parallel_group=expert_data_parallel_group,
+        expert_mesh=expert_mesh,
     )
 
 
@@ -190,6 +195,7 @@ class MegatronFSDP(nn.Module):
         expert_parallel_size: Optional[int] = None,
         expert_parallel_group: Optional[dist.ProcessGroup] = None,
         expert_data_parallel_group: Optional[dist.ProcessGroup] = None,
+        expert_mesh: Optional[DeviceMesh] = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -220,7 +226,8 @@ class MegatronFSDP(nn.Module):
         #: The expert groups ([Note: expert parallelism] in _expert.py), or None without expert parallelism.
         self.expert_topology = _expert.resolve(
             dp_group=group, hybrid=hsdp.hybrid, expert_parallel_size=expert_parallel_size,
-            expert_parallel_group=expert_parallel_group, expert_data_parallel_group=expert_data_parallel_group)
+            expert_parallel_group=expert_parallel_group, expert_data_parallel_group=expert_data_parallel_group,
+            expert_mesh=expert_mesh)
         self.prefetch = prefetch
         self.fsdp_double_buffer = fsdp_double_buffer
         self.fsdp_db_use_persist_buf_on_alloc_fail = fsdp_db_use_persist_buf_on_alloc_fail
@@ -368,7 +375,7 @@ class MegatronFSDP(nn.Module):
 
     def expert_unit_of(self, unit: FSDPUnit) -> Optional[FSDPUnit]:
         """The expert bucket over ``unit``'s module (None when it has none), for a dense unit or an expert one."""
-        return next((u for u in self.units if u.is_expert and u.module is unit.module), None)
+        return unit if unit.is_expert else unit.partner
 
     @property
     def grad_scale(self) -> float:
@@ -429,6 +436,8 @@ class MegatronFSDP(nn.Module):
                 self.units.append(FSDPUnit(engine=self, name=name, module=m, names=[n for n, _ in expert],
                                            params=[p for _, p in expert], index=len(self.units), is_root=False,
                                            expert=True))
+                if dense:
+                    self.units[-2].partner, self.units[-1].partner = self.units[-1], self.units[-2]
         for pn, p in self.module.named_parameters(remove_duplicate=False):
             # A unit parameter also reachable outside that unit (tied to the root, e.g. a norm or a head) would
             # be read through the unit's buffer while the unit is resharded.

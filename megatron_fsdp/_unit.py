@@ -77,6 +77,8 @@ class FSDPUnit:
         #: The expert bucket of a unit ([Note: expert parallelism] in _expert.py): sharded and reduced over the
         #: expert-data-parallel group instead of the engine's group.
         self.is_expert = expert
+        #: The other bucket over the same module (dense <-> expert), prefetched with this one; None if none.
+        self.partner: Optional["FSDPUnit"] = None
         topo = engine.expert_topology if expert else None
         #: this rank's place and the number of ranks in the group that shards this unit
         self.shard_rank = topo.edp_rank if topo is not None else engine.rank
@@ -420,9 +422,7 @@ class FSDPUnit:
             self.state = TrainingState.FORWARD
             eng.note_forward(self)
             if eng.prefetch:
-                nxt = eng.neighbour(self, +1)
-                if nxt is not None and nxt.can_prefetch(backward=False):
-                    nxt.unshard()
+                self._prefetch(eng.neighbour(self, +1), backward=False)
 
     def _pre_recompute(self) -> None:
         """A forward during backward: activation checkpointing recomputes this unit for its backward.
@@ -470,9 +470,14 @@ class FSDPUnit:
     def _prefetch_backward(self) -> None:
         eng = self.engine
         if eng.prefetch:
-            prv = eng.neighbour(self, -1)
-            if prv is not None and prv.can_prefetch(backward=True):
-                prv.unshard()
+            self._prefetch(eng.neighbour(self, -1), backward=True)
+
+    def _prefetch(self, unit: Optional["FSDPUnit"], *, backward: bool) -> None:
+        """Start gathering ``unit`` and its other bucket, if it has one ([Note: expert parallelism] in _expert.py:
+        a layer's dense and expert buckets compute together, so the layer's neighbour gathers both)."""
+        for u in (unit, unit.partner if unit is not None else None):
+            if u is not None and u is not self and u.can_prefetch(backward=backward):
+                u.unshard()
 
     def post_backward(self, *_: Any) -> None:
         """Reduce this unit's parameter gradients (if any) and reshard. Safe to call once per backward."""

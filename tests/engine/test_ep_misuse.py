@@ -66,6 +66,9 @@ def _job(rank: int, world: int) -> Dict[str, str]:
                                                          **units))
     out["swapped_groups"] = _outcome(lambda: fully_shard(net.build(ep2), expert_parallel_group=ep2,
                                                          expert_data_parallel_group=ep2, **units))
+    out["mesh_1d"] = _outcome(lambda: fully_shard(net.build(ep2), expert_mesh=init_device_mesh("cpu", (4,)), **units))
+    out["mesh_and_groups"] = _outcome(lambda: fully_shard(net.build(ep2), expert_mesh=mesh, expert_parallel_group=ep2,
+                                                          expert_data_parallel_group=edp2, **units))
     out["outside_units"] = _outcome(lambda: fully_shard(_ExpertsInRoot(), expert_parallel_size=2,
                                                         fsdp_unit_modules=[_Layer]))
     out["no_experts"] = _outcome(lambda: fully_shard(nn.Sequential(_Layer(), _Layer()), expert_parallel_size=2,
@@ -117,6 +120,11 @@ def test_groups_must_agree(outcomes):
             "pass both")
     _expect(outcomes, "size_disagrees", "ValueError", "expert_parallel_size=4", "2 ranks", "expert_parallel_size=2")
     _expect(outcomes, "swapped_groups", "ValueError", "[rank ", "must meet only in this rank", "rows and columns")
+
+
+def test_expert_mesh_must_be_two_dimensional(outcomes):
+    _expect(outcomes, "mesh_1d", "ValueError", "2-D DeviceMesh", "a 1-D mesh", "init_device_mesh")
+    _expect(outcomes, "mesh_and_groups", "ValueError", "expert_mesh= and expert groups", "pass one of")
 
 
 def test_experts_must_live_in_units(outcomes):

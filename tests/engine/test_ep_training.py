@@ -1,11 +1,15 @@
 """Expert parallelism in megatron_fsdp against the EP=1 reference, on Gloo.
 
 Two spawned jobs (module fixtures): one on 4 ranks, one on 2. The 4-rank job trains ``MoENet`` (tests/engine/
-_moe_net.py) with EP=2 (``expert_parallel_size=2``) and EP=4 (explicit groups from
-``megatron_fsdp.expert_parallel_groups``) under several strategies, with and without clipping, and saves a DCP
+_moe_net.py) with EP=2 (``expert_parallel_size=2``; ``optim`` through a 2-D ``expert_mesh``) and EP=4 (explicit
+groups from ``megatron_fsdp.expert_parallel_groups``) under several strategies, with and without clipping, and saves a DCP
 checkpoint of an EP=2 run; the 2-rank job trains EP=2 on 2 ranks and loads that checkpoint. What must hold:
 
 - the layout of [Note: expert parallelism] (megatron_fsdp/_expert.py): EP groups {0,1},{2,3}, EDP {0,2},{1,3};
+- in backward, the layer before gathers both its buckets while the later layer computes (partners prefetch
+  together);
+- under ``fsdp_double_buffer`` dense buckets use unshard slots 0/1 and expert buckets 2/3, every buffer at
+  the same address at every step;
 - every run's per-step global loss, its clipping norms and its final parameters equal the single-process EP=1
   reference's within ``RTOL`` ([Note: EP tolerance]); dense parameters are bit-equal across ranks;
 - a checkpoint saved at 4 ranks EP=2 loads at 2 ranks EP=2 with bit-equal parameters and optimizer state, and
@@ -65,7 +69,7 @@ def _shard(model, **kw):
 def _train(rank: int, world: int, model, opt, steps: range, clip: Any = None) -> Dict[str, List[float]]:
     import torch.distributed as dist
 
-    losses, norms = [], []
+    losses, norms, addresses = [], [], []
     for step in steps:
         x, y = net.local_rows(step, rank, world)
         loss = net.loss_fn(model(x), y)
@@ -77,16 +81,25 @@ def _train(rank: int, world: int, model, opt, steps: range, clip: Any = None) ->
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(float(total) / world)
-    return {"losses": losses, "norms": norms}
+        addresses.append(model.buffer_addresses())
+    return {"losses": losses, "norms": norms, "addresses": addresses}
 
 
-def _run(rank: int, world: int, ep: int, kw: Dict[str, Any], *, explicit: bool, clip: Any = None):
+def _run(rank: int, world: int, ep: int, kw: Dict[str, Any], *, explicit: Any, clip: Any = None):
+    """``explicit``: False passes ``expert_parallel_size``, True the two groups, "mesh" a 2-D expert mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     import megatron_fsdp
 
     groups = megatron_fsdp.expert_parallel_groups(ep)
-    model = _shard(net.build(groups[0]), **kw, **(dict(expert_parallel_group=groups[0],
-                                                       expert_data_parallel_group=groups[1]) if explicit
-                                                  else dict(expert_parallel_size=ep)))
+    if explicit == "mesh":
+        mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        how: Dict[str, Any] = dict(expert_mesh=mesh)
+    elif explicit:
+        how = dict(expert_parallel_group=groups[0], expert_data_parallel_group=groups[1])
+    else:
+        how = dict(expert_parallel_size=ep)
+    model = _shard(net.build(groups[0]), **kw, **how)
     opt = net.adam(model.optimizer_parameters())
     out = _train(rank, world, model, opt, range(STEPS), clip)
     out["params"] = model.state_dict()
@@ -108,7 +121,7 @@ def _four_ranks(rank: int, world: int, ckpt: str) -> Dict[str, Any]:
     }
     for name, kw in CASES.items():
         if name != "zero3":
-            res[f"ep2/{name}"] = _run(rank, world, 2, kw, explicit=False)[2]
+            res[f"ep2/{name}"] = _run(rank, world, 2, kw, explicit="mesh" if name == "optim" else False)[2]
         res[f"ep4/{name}"] = _run(rank, world, 4, kw, explicit=True)[2]
     res["ep2/zero3+clip"] = _run(rank, world, 2, CASES["zero3+double_buffer"], explicit=False, clip=CLIP)[2]
     res["ep4/no_shard+clip"] = _run(rank, world, 4, CASES["no_shard"], explicit=True, clip=CLIP)[2]
@@ -129,6 +142,15 @@ def _four_ranks(rank: int, world: int, ckpt: str) -> Dict[str, Any]:
                 for n, view in zip(u.layout.names, u.layout.views(full)):
                     full_opt.setdefault(n, {})[k] = view.clone()
     res["saved"] = {"params": model.state_dict(), "optim": full_opt}
+    # The order of the engine's collectives in one step (ZeRO-3, on-demand buffers)
+    from megatron_fsdp import CaptureGuardMode, capture_guard
+
+    model = _shard(net.build(megatron_fsdp.expert_parallel_groups(2)[0]), expert_parallel_size=2)
+    x, y = net.local_rows(0, rank, world)
+    log: List[str] = []
+    with capture_guard(CaptureGuardMode.REFUSE, collective_log=log):
+        net.loss_fn(model(x), y).backward()
+    res["collectives"] = log
     # inf-norm clipping on the same gradients as the reference's: one backward, no step
     x, y = net.local_rows(0, rank, world)
     fresh = _shard(net.build(megatron_fsdp.expert_parallel_groups(2)[0]), expert_parallel_size=2)
@@ -244,6 +266,27 @@ def test_group_layout(four):
 @pytest.mark.parametrize("case", list(CASES))
 def test_four_ranks_match_reference(four, reference, ep, case):
     _check_run([r[f"ep{ep}/{case}"] for r in four], reference["plain"])
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_double_buffer_addresses_fixed(four, ep):
+    for r in four:
+        steps = r[f"ep{ep}/zero3+double_buffer"]["addresses"]
+        assert all(a == steps[0] for a in steps)  # every buffer at the same address every step
+        slots = {name: a["param_slot"] for name, a in steps[0].items()}
+        assert slots == {"layers.0": 0, "layers.0 [experts]": 2, "layers.1": 1, "layers.1 [experts]": 3, "<root>": None}
+        assert steps[0]["layers.0"]["param"] != steps[0]["layers.0 [experts]"]["param"]
+
+
+def test_backward_prefetches_both_buckets_of_a_layer(four):
+    log = four[0]["collectives"]
+    first_reduce_of_layer1 = min(i for i, c in enumerate(log) if c.startswith("reduce-scatter of gradients of unit "
+                                                                              "layers.1"))
+    for bucket in ("layers.0", "layers.0 [experts]"):  # gathered again for backward while layers.1 computes
+        last_gather = max(i for i, c in enumerate(log) if c == f"all-gather of unit {bucket}")
+        assert last_gather < first_reduce_of_layer1, log
+    # each bucket reduces on its own group: an expert bucket's reduce-scatter names it
+    assert "reduce-scatter of gradients of unit layers.1 [experts]" in log
 
 
 def test_clipping_matches_reference(four, two, reference):
