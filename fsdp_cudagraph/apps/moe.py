@@ -219,8 +219,8 @@ class Experts(nn.Module):
         arrived = moe_ep.AllToAll.apply(x, recv_splits, send_splits, group)  # (source, local expert)
         by_expert = moe_ep.regroup(arrived, recv)  # (local expert, source)
         sizes = [sum(recv[s][l] for s in range(self.ep_size)) for l in range(self.num_local)]
-        if self.mode == "grouped_mm":
-            out = self._grouped_mm(by_expert, torch.tensor(sizes, device=x.device))
+        if self.mode == "grouped_mm" and sum(sizes) > 0:  # no rows at all: the loop (grouped_mm's CPU backward
+            out = self._grouped_mm(by_expert, torch.tensor(sizes, device=x.device))  # refuses empty gradients)
         else:
             out = self._on_host_sizes(by_expert, sizes)
         back = moe_ep.regroup(out, [list(col) for col in zip(*recv)])  # (source, local expert)

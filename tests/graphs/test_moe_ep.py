@@ -11,6 +11,9 @@ trains its slice of one global batch per step. What must hold:
 - graphed (``PartialCudaGraphs``, backend ``protocol``, scopes ``attn moe_router moe_preprocess``, capture at step
   ``CAPTURE_AT``) against eager at the same EP: every loss and final parameter ``torch.equal``, every callable
   replayed;
+- the exchange alone (``Experts`` at EP=2, every row to expert 0, so rank 1 receives nothing): outputs and
+  gradients ``torch.equal`` to EP=1's; one forward and backward of the EP=2 GPT reads the device on the host
+  once per MoE layer;
 - negative controls: a router weight nudged by 1e-3 fails the EP-vs-reference check; the router graph's output
   scaled by 1.01 after capture fails graphed-vs-eager; each rank holding the next EP rank's experts fails the
   EP-vs-reference check;
@@ -198,7 +201,67 @@ def _four(rank: int, world: int) -> Dict[str, Any]:
 def _two(rank: int, world: int) -> Dict[str, Any]:
     return {"ref": _train(rank, world, 1), "ep2": _train(rank, world, 2),
             "ep2/graphed": _train(rank, world, 2, graphed=True),
-            "ep2/wrong_rank": _train(rank, world, 2, wrong_rank=True)}
+            "ep2/wrong_rank": _train(rank, world, 2, wrong_rank=True), "exchange": _exchange(rank, world),
+            "host_reads": _host_reads(rank, world)}
+
+
+def _exchange_rows(world: int) -> tuple:
+    """The experts' inputs for the exchange check: global rows [world * 6, h], every row routed to expert 0."""
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(world * 6, MODEL["hidden_size"], generator=g)
+    grad = torch.randn(world * 6, MODEL["hidden_size"], generator=g)
+    return rows, grad
+
+
+def _exchange(rank: int, world: int) -> Dict[str, Any]:
+    """``Experts`` alone at EP=world: every rank sends its rows to expert 0 (EP rank 0), so the other ranks
+    receive nothing (an empty local batch) and send everything."""
+    import megatron_fsdp
+
+    from fsdp_cudagraph.apps.moe import Experts
+
+    group = megatron_fsdp.expert_parallel_groups(world)[0]
+    rows, grad = _exchange_rows(world)
+    out: Dict[str, Any] = {}
+    for mode in ("split", "grouped_mm"):
+        torch.manual_seed(0)
+        experts = Experts(_cfg(world, mode), group)
+        x = rows[rank * 6:(rank + 1) * 6].clone().requires_grad_(True)
+        y = experts(x, torch.tensor([6, 0, 0, 0]))
+        y.backward(grad[rank * 6:(rank + 1) * 6])
+        out[mode] = {"y": y.detach(), "dx": x.grad, "dw1": experts.w1.grad, "dw2": experts.w2.grad}
+    return out
+
+
+def _host_reads(rank: int, world: int) -> Dict[str, int]:
+    """``tolist()``/``item()`` calls in one forward and backward of the EP=world GPT (2 MoE layers), per mode."""
+    import unittest.mock
+
+    import megatron_fsdp
+
+    from fsdp_cudagraph.apps.model import loss_fn, synthetic_batch
+
+    group = megatron_fsdp.expert_parallel_groups(world)[0]
+    x, y = synthetic_batch(0, ROWS * world, _cfg(1), torch.device("cpu"))
+    sl = slice(rank * ROWS, (rank + 1) * ROWS)
+    out: Dict[str, int] = {}
+    for mode in ("split", "grouped_mm"):
+        torch.manual_seed(0)
+        model = GPT(_cfg(world, mode), expert_parallel_group=group)
+        calls = []
+        real = {name: getattr(torch.Tensor, name) for name in ("tolist", "item")}
+
+        def counted(name: str):
+            def call(t: torch.Tensor, *a: Any, **k: Any) -> Any:
+                calls.append(name)
+                return real[name](t, *a, **k)
+            return call
+
+        with unittest.mock.patch.object(torch.Tensor, "tolist", counted("tolist")), \
+                unittest.mock.patch.object(torch.Tensor, "item", counted("item")):
+            loss_fn(model(x[sl]), y[sl]).backward()
+        out[mode] = len(calls)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -302,6 +365,33 @@ def test_misuse_refused(four):
             for words in (callable_name, "'layers.0.moe.experts'", "expert_parallel_size=2", "all_to_all_single",
                           "'attn', 'moe_router', 'moe_preprocess'"):
                 assert words in got, (words, got)
+
+
+@pytest.mark.parametrize("mode", ["split", "grouped_mm"])
+def test_exchange_with_an_empty_rank_is_bit_exact(two, mode):
+    """Dispatch, experts and combine alone, every row to expert 0: rank 1 receives no rows. Expert 0 sees the
+    global rows in the EP=1 order in one batch, so outputs and gradients are ``torch.equal`` to EP=1's."""
+    from fsdp_cudagraph.apps.moe import Experts
+
+    rows, grad = _exchange_rows(2)
+    torch.manual_seed(0)
+    full = Experts(_cfg(1, mode))
+    x = rows.clone().requires_grad_(True)
+    y = full(x, torch.tensor([12, 0, 0, 0]))
+    y.backward(grad)
+    got = [r["exchange"][mode] for r in two]
+    assert torch.equal(torch.cat([g["y"] for g in got]), y.detach())
+    assert torch.equal(torch.cat([g["dx"] for g in got]), x.grad)
+    for name, want in (("dw1", full.w1.grad), ("dw2", full.w2.grad)):
+        assert torch.equal(torch.cat([g[name] for g in got]), want), name
+    assert not got[1]["dw1"].any()  # experts 2 and 3 received nothing
+
+
+def test_one_host_read_per_moe_layer(two):
+    """Forward and backward of the 2-layer EP=2 GPT read the device on the host twice: the counts tables, once per
+    MoE layer (the backward's all-to-alls reuse the forward's splits)."""
+    for r in two:
+        assert r["host_reads"] == {"split": 2, "grouped_mm": 2}, r["host_reads"]
 
 
 # ------------------------------------------------------------------ no process group
