@@ -19,7 +19,7 @@ trains its slice of one global batch per step. What must hold:
   EP-vs-reference check;
 - misuse refused with the value, the rule and the fix: the model's EP group of another size than
   ``expert_parallel_size``; ``check_expert_parallel`` on an engine whose EP size or EP ranks differ from the
-  model's; scope ``moe`` and whole layers with EP. Config misuse is checked without processes.
+  model's; scope ``moe``, whole layers and ``FullIterationCudaGraph`` with EP. Config misuse is checked without processes.
 
 [Note: EP tolerance of the GPT]
 fp32 and deterministic. The EP=k run computes every token's forward on the same rows as EP=1 (each rank's rows
@@ -165,6 +165,15 @@ def _refusals(rank: int, world: int) -> Dict[str, Optional[str]]:
             out[name] = None
         except ValueError as exc:
             out[name] = str(exc)
+    from fsdp_cudagraph import FullIterationCudaGraph
+
+    try:
+        FullIterationCudaGraph(_build(2), lambda m, x, y: m(x).sum(),
+                               CudaGraphConfig(cuda_graph_impl="full_iteration", cuda_graph_warmup_steps=CAPTURE_AT),
+                               backend="protocol")
+        out["full_iteration"] = None
+    except ValueError as exc:
+        out["full_iteration"] = str(exc)
     # the engine's expert parallelism must be the model's: sizes, then ranks (EP groups strided instead of contiguous)
     from fsdp_cudagraph.apps.model import check_expert_parallel
 
@@ -359,6 +368,8 @@ def test_misuse_refused(four):
         mine, theirs = [q % 2, q % 2 + 2], [q // 2 * 2, q // 2 * 2 + 1]
         assert f"[rank {q}] the GPT's expert_parallel_group has ranks {mine} but the engine's expert-parallel group " \
                f"has {theirs}" in msg["ranks"], msg["ranks"]
+        full = msg["full_iteration"]
+        assert full is not None and "layers.0.moe.experts" in full and "all_to_all_single" in full, full
         for key, callable_name in (("moe", "'layers.0.moe'"), ("layers", "'layers.0'")):
             got = msg[key]
             assert got is not None, key
