@@ -53,6 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_cudagraph.apps import moe_ep
+
 __all__ = ["MOE_EXPERTS", "Router", "MoEPreprocess", "Experts", "SharedExpert", "MoEBlock", "unpermute"]
 
 #: ``GPTConfig.moe_experts`` values; ``_SYNC_REASON`` names the paths that read the counts on the host.
@@ -210,8 +212,6 @@ class Experts(nn.Module):
 
     def _expert_parallel(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Exchange counts, dispatch, local experts, combine ([Note: deterministic expert parallelism])."""
-        from fsdp_cudagraph.apps import moe_ep
-
         group = self.ep_group
         send, recv = moe_ep.exchange_counts(counts, group, self.ep_size)  # the layer's one host sync
         send_splits = [sum(row) for row in send]
@@ -219,8 +219,9 @@ class Experts(nn.Module):
         arrived = moe_ep.AllToAll.apply(x, recv_splits, send_splits, group)  # (source, local expert)
         by_expert = moe_ep.regroup(arrived, recv)  # (local expert, source)
         sizes = [sum(recv[s][l] for s in range(self.ep_size)) for l in range(self.num_local)]
-        if self.mode == "grouped_mm" and sum(sizes) > 0:  # no rows at all: the loop (grouped_mm's CPU backward
-            out = self._grouped_mm(by_expert, torch.tensor(sizes, device=x.device))  # refuses empty gradients)
+        # A rank that receives no rows runs the loop: grouped_mm's CPU backward refuses an empty gradient.
+        if self.mode == "grouped_mm" and sum(sizes) > 0:
+            out = self._grouped_mm(by_expert, torch.tensor(sizes, device=x.device))
         else:
             out = self._on_host_sizes(by_expert, sizes)
         back = moe_ep.regroup(out, [list(col) for col in zip(*recv)])  # (source, local expert)
@@ -265,6 +266,9 @@ class Experts(nn.Module):
 def _ep_rank(group: Optional[Any], ep_size: int) -> int:
     if ep_size == 1:
         return 0
+    if group is None:
+        raise ValueError(f"Experts with expert_parallel_size={ep_size} needs the expert-parallel process group; pass "
+                         f"it (e.g. megatron_fsdp.expert_parallel_groups({ep_size})[0]), as GPT does")
     import torch.distributed as dist
 
     return dist.get_rank(group)

@@ -130,7 +130,6 @@ def slice_expert_state_dict(state_dict: Mapping[str, torch.Tensor], *, expert_pa
 def merge_expert_state_dicts(per_ep_rank: Sequence[Mapping[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
     """The EP ranks' state dicts (in EP rank order) -> the EP=1 state dict (the inverse of
     :func:`slice_expert_state_dict`). Dense entries must agree bit for bit."""
-    ep = len(per_ep_rank)
     out: Dict[str, torch.Tensor] = {}
     for q, sd in enumerate(per_ep_rank):
         for key, value in sd.items():
@@ -147,5 +146,4 @@ def merge_expert_state_dicts(per_ep_rank: Sequence[Mapping[str, torch.Tensor]]) 
                 raise ValueError(f"{key} differs between EP ranks 0 and {q}: dense entries are replicated; merge "
                                  "state dicts of one model at one step")
             out.setdefault(key, value)
-    assert ep >= 1
     return out
