@@ -24,10 +24,13 @@ from torch import nn
 
 from fsdp_cudagraph.capture.te import require_te
 from fsdp_cudagraph.apps.moe import MOE_EXPERTS, Experts, MoEBlock, MoEPreprocess, Router, SharedExpert, unpermute
+from fsdp_cudagraph.apps.moe_ep import merge_expert_state_dicts, slice_expert_state_dict
 
 __all__ = ["GPTConfig", "GPT", "TransformerBlock", "SelfAttention", "MLP", "MoEBlock", "Router", "MoEPreprocess",
            "Experts", "SharedExpert", "unpermute", "MOE_EXPERTS", "olmoe_config", "mixtral_config", "loss_fn",
-           "synthetic_batch", "moe_checker_spec", "moe_split", "moe_grouped_mm", "moe_capacity"]
+           "synthetic_batch", "moe_checker_spec", "moe_split", "moe_grouped_mm", "moe_capacity", "EP_EXPERTS",
+           "check_expert_parallel",
+           "slice_expert_state_dict", "merge_expert_state_dicts"]
 
 
 @dataclasses.dataclass
@@ -58,6 +61,11 @@ class GPTConfig:
     moe_grouped_mm_dtype: str = "input"
     #: ``capacity`` experts: each takes ``ceil(T*K/E * moe_capacity_factor)`` rows (static), the rest dropped.
     moe_capacity_factor: float = 1.0
+    #: Expert parallelism (``apps/moe_ep.py``): each rank of an expert-parallel group of this size holds
+    #: ``num_experts / expert_parallel_size`` experts and the tokens travel to them by all-to-all. Build the
+    #: model with ``GPT(cfg, expert_parallel_group=...)`` (e.g. ``megatron_fsdp.expert_parallel_groups(ep)[0]``)
+    #: and shard it with ``fully_shard(..., expert_parallel_size=ep)``. 1: today's model, unchanged.
+    expert_parallel_size: int = 1
     use_te: bool = False
     #: ``block``: our TransformerBlock (batch-first); ``te_layer``: TE's own ``TransformerLayer`` as the unit
     #: (sequence-first layout, needs ``use_te``).
@@ -98,11 +106,37 @@ class GPTConfig:
             )
         if self.fuse_wgrad and not self.use_te:
             raise ValueError("fuse_wgrad=True is TE's fuse_wgrad_accumulation and needs use_te=True (got use_te=False)")
+        self._check_expert_parallel()
         if self.moe_every < 0 or not (1 <= self.moe_top_k <= self.num_experts):
             raise ValueError(
                 f"moe_every={self.moe_every}, moe_top_k={self.moe_top_k}, num_experts={self.num_experts}: need "
                 "moe_every >= 0 and 1 <= moe_top_k <= num_experts"
             )
+
+
+    def _check_expert_parallel(self) -> None:
+        ep = self.expert_parallel_size
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+            raise ValueError(f"expert_parallel_size={ep!r} must be a positive integer (1: no expert parallelism)")
+        if ep == 1:
+            return
+        if self.num_experts % ep:
+            raise ValueError(f"expert_parallel_size={ep} does not divide num_experts={self.num_experts}: every rank "
+                             f"of an expert-parallel group holds num_experts / expert_parallel_size experts; pick a "
+                             f"divisor of {self.num_experts}")
+        if self.moe_every <= 0:
+            raise ValueError(f"expert_parallel_size={ep} with moe_every={self.moe_every}: the model has no MoE layer "
+                             "whose experts could be spread; set moe_every >= 1 or expert_parallel_size=1")
+        if self.moe_experts not in EP_EXPERTS:
+            raise ValueError(f"moe_experts={self.moe_experts!r} with expert_parallel_size={ep}: expert parallelism "
+                             f"moves the dropless rows to the experts' ranks, which {EP_EXPERTS} implement; pick one "
+                             "of those (or expert_parallel_size=1)")
+        if self.unit != "block":
+            raise ValueError(f"expert_parallel_size={ep} with unit={self.unit!r}: only unit='block' has MoE layers")
+
+
+#: ``moe_experts`` values that run with ``expert_parallel_size > 1``.
+EP_EXPERTS = ("split", "grouped_mm", "te_grouped")
 
 
 class SelfAttention(nn.Module):
@@ -164,12 +198,12 @@ class MLP(nn.Module):
 class TransformerBlock(nn.Module):
     """One layer: attention then a dense MLP or an MoE block. The FSDP unit of the reference model."""
 
-    def __init__(self, cfg: GPTConfig, layer_number: int) -> None:
+    def __init__(self, cfg: GPTConfig, layer_number: int, ep_group: Optional[Any] = None) -> None:
         super().__init__()
         self.attn = SelfAttention(cfg)
         is_moe = cfg.moe_every > 0 and layer_number % cfg.moe_every == 0
         if is_moe:
-            self.moe = MoEBlock(cfg)
+            self.moe = MoEBlock(cfg, ep_group)
         else:
             self.mlp = MLP(cfg)
 
@@ -182,17 +216,24 @@ class TransformerBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token and position embeddings, ``num_layers`` blocks, final norm and an untied LM head."""
+    """Token and position embeddings, ``num_layers`` blocks, final norm and an untied LM head.
+
+    ``expert_parallel_group``: with ``cfg.expert_parallel_size > 1``, the process group of the ranks that share
+    the experts (size ``expert_parallel_size``); this rank builds only its ``E/EP`` experts, equal to the EP=1
+    model's slice for the same seed. Take it from ``megatron_fsdp.expert_parallel_groups(ep)[0]`` (the layout
+    ``fully_shard(..., expert_parallel_size=ep)`` builds too) after ``init_process_group``.
+    """
 
     #: Declared for graph kinds that pad sequences (inference ``seq_buckets``): position i never attends later.
     causal = True
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, *, expert_parallel_group: Optional[Any] = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.expert_parallel_group = _check_ep_group(cfg, expert_parallel_group)
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden_size)
-        self.layers = nn.ModuleList(_layer(cfg, i + 1) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(_layer(cfg, i + 1, self.expert_parallel_group) for i in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -219,9 +260,65 @@ class GPT(nn.Module):
         return type(self.layers[0])
 
 
-def _layer(cfg: GPTConfig, layer_number: int) -> nn.Module:
+def _check_ep_group(cfg: GPTConfig, group: Optional[Any]) -> Optional[Any]:
+    ep = cfg.expert_parallel_size
+    if ep == 1:
+        if group is not None:
+            import torch.distributed as dist
+
+            if dist.get_world_size(group) != 1:
+                raise ValueError(f"GPT got expert_parallel_group= of {dist.get_world_size(group)} ranks but "
+                                 "cfg.expert_parallel_size=1; set GPTConfig(expert_parallel_size="
+                                 f"{dist.get_world_size(group)}) or drop the group")
+        return None
+    if group is None:
+        raise ValueError(f"GPTConfig(expert_parallel_size={ep}) needs the expert-parallel process group: "
+                         f"GPT(cfg, expert_parallel_group=megatron_fsdp.expert_parallel_groups({ep})[0]) after "
+                         "torch.distributed.init_process_group")
+    import torch.distributed as dist
+
+    got = dist.get_world_size(group)
+    if got != ep:
+        raise ValueError(f"expert_parallel_group has {got} ranks but GPTConfig(expert_parallel_size={ep}); they must "
+                         f"agree: pass the group of megatron_fsdp.expert_parallel_groups({ep}) or set "
+                         f"expert_parallel_size={got}")
+    return group
+
+
+def check_expert_parallel(sharded: Any) -> None:
+    """After ``fully_shard``: the GPT's experts and all-to-all must match the engine's expert parallelism.
+
+    ``sharded``: what ``megatron_fsdp.fully_shard`` returned around a :class:`GPT`. The engine shards and reduces
+    the expert parameters by its EP and expert-data-parallel groups; a model whose ``expert_parallel_size`` or
+    all-to-all group differs would train wrong gradients without an error, so call this once after wrapping.
+    Raises ValueError naming both sizes or both rank lists and the fix.
+    """
+    import torch.distributed as dist
+
+    gpt = getattr(sharded, "module", None)
+    if not isinstance(gpt, GPT):
+        raise TypeError(f"check_expert_parallel takes what fully_shard returned around a GPT, got "
+                        f"{type(sharded).__name__}; pass the sharded model")
+    want = gpt.cfg.expert_parallel_size
+    got = getattr(sharded, "expert_parallel_size", 1)
+    if got != want:
+        raise ValueError(f"fully_shard(expert_parallel_size={got}) around GPTConfig(expert_parallel_size={want}): "
+                         "the engine would shard and reduce the experts for another layout than the model's "
+                         f"all-to-all; pass expert_parallel_size={want} to both")
+    if want > 1:
+        mine = dist.get_process_group_ranks(gpt.expert_parallel_group)
+        theirs = dist.get_process_group_ranks(sharded.expert_parallel_group)
+        if mine != theirs:
+            raise ValueError(f"[rank {dist.get_rank()}] the GPT's expert_parallel_group has ranks {mine} but the "
+                             f"engine's expert-parallel group has {theirs}: the all-to-all and the engine's expert "
+                             "reduction must use the same groups; build the model with "
+                             f"megatron_fsdp.expert_parallel_groups({want})[0] (or pass the model's groups to "
+                             "fully_shard as expert_parallel_group= and expert_data_parallel_group=)")
+
+
+def _layer(cfg: GPTConfig, layer_number: int, ep_group: Optional[Any] = None) -> nn.Module:
     if cfg.unit == "block":
-        return TransformerBlock(cfg, layer_number)
+        return TransformerBlock(cfg, layer_number, ep_group)
     te = require_te("GPTConfig(unit='te_layer')")
     return te.TransformerLayer(
         cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_heads, layer_number=layer_number, hidden_dropout=0.0,

@@ -17,6 +17,11 @@ One MoE block (tag ``moe``) is four steps; ``GPTConfig.moe_experts`` picks how t
 4. Unpermute (in :class:`MoEBlock`, eager unless ``moe`` is graphed): weight each row by its probability,
    undo the permutation by indexing with the inverse map, ``view(T, K, h).sum(1)``, add the residual.
 
+Expert parallelism (``GPTConfig.expert_parallel_size > 1``, ``apps/moe_ep.py``): :class:`Experts` holds only
+this rank's ``E/EP`` experts (tagged ``is_expert`` for the engine) and, in step 3, exchanges the counts over the
+expert-parallel group, reads them on the host once, sends the rows to their experts' ranks, runs its local
+experts (``split``, ``grouped_mm`` or ``te_grouped``) and sends the outputs back; steps 1, 2 and 4 are unchanged.
+
 [Note: deterministic dispatch] Every step is deterministic and uses no floating-point atomics. The forward
 gathers (``rows[order]``, ``rows[inverse]``) index with a permutation, so their backward (``index_put_``
 with accumulate) writes each destination row exactly once onto zeros: exact, whatever the order. The K
@@ -32,19 +37,23 @@ depend on data) says so with a ``cuda_graph_unsafe`` attribute holding the reaso
 such a module (``fsdp_cudagraph.config.graph_unsafe_modules``). So scope ``moe`` (or whole layers) is
 refused with ``split``/``te_grouped`` experts, as Megatron refuses ``moe`` for dropless MoE, and accepted with
 ``grouped_mm``, ``capacity`` and ``dense``; the Megatron scopes ``attn moe_router moe_preprocess`` run the
-experts eagerly between the graphs. torch's CUDA ``grouped_mm`` has a fast (no-sync) kernel only for bf16 on
-sm90+; other dtypes take a fallback loop that copies the offsets to the host, so fp32 ``grouped_mm`` on CUDA
-is refused (``moe_grouped_mm_dtype="bfloat16"`` computes the experts in bf16).
+experts eagerly between the graphs. With expert parallelism the experts are unsafe whatever the mode: their
+all-to-alls are collectives with host split sizes, so only the Megatron scopes are accepted. torch's CUDA
+``grouped_mm`` has a fast (no-sync) kernel only for bf16 on sm90+; other dtypes take a fallback loop that copies
+the offsets to the host, so fp32 ``grouped_mm`` on CUDA is refused (``moe_grouped_mm_dtype="bfloat16"`` computes
+the experts in bf16).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fsdp_cudagraph.apps import moe_ep
 
 __all__ = ["MOE_EXPERTS", "Router", "MoEPreprocess", "Experts", "SharedExpert", "MoEBlock", "unpermute"]
 
@@ -132,26 +141,43 @@ class Experts(nn.Module):
     so the paths load each other's weights); TE ``GroupedLinear`` ``fc1``/``fc2`` for ``te_grouped``.
     """
 
-    def __init__(self, cfg: Any) -> None:
+    #: The engine's tag for expert parameters (megatron_fsdp shards them over the expert-data-parallel group
+    #: when ``expert_parallel_size > 1``; at 1 every parameter is dense, as before).
+    is_expert = True
+
+    def __init__(self, cfg: Any, ep_group: Optional[Any] = None) -> None:
         super().__init__()
         e, h = cfg.num_experts, cfg.hidden_size
         f = cfg.moe_ffn_hidden_size
         self.mode = cfg.moe_experts
         self.grouped_mm_dtype = cfg.moe_grouped_mm_dtype
         self.capacity_factor = cfg.moe_capacity_factor
+        #: Expert parallelism (``apps/moe_ep.py``): this rank holds global experts ``first .. first+num_local-1``.
+        self.ep_group = ep_group
+        self.ep_size = getattr(cfg, "expert_parallel_size", 1)
+        self.num_local = e // self.ep_size
+        ep_rank = _ep_rank(ep_group, self.ep_size)
+        self.first = ep_rank * self.num_local
         if self.mode == "te_grouped":
             from fsdp_cudagraph.capture.te import require_te
 
+            # EP > 1: TE initialises each local weight itself (not the EP=1 slice); load a sliced EP=1 state
+            # dict (apps/moe_ep.py slice_expert_state_dict) to start from the same values.
             te = require_te("GPTConfig(moe_experts='te_grouped')")
-            self.fc1 = te.GroupedLinear(e, h, f, bias=False, params_dtype=torch.float32)
-            self.fc2 = te.GroupedLinear(e, f, h, bias=False, params_dtype=torch.float32)
+            self.fc1 = te.GroupedLinear(self.num_local, h, f, bias=False, params_dtype=torch.float32)
+            self.fc2 = te.GroupedLinear(self.num_local, f, h, bias=False, params_dtype=torch.float32)
         else:
-            self.w1 = nn.Parameter(torch.randn(e, h, f) / math.sqrt(h))
-            self.w2 = nn.Parameter(torch.randn(e, f, h) / math.sqrt(f))
+            # All E experts drawn from the random stream, then this rank's slice kept: the EP=k model's local
+            # experts equal the EP=1 model's, and every module built afterwards draws the same values too.
+            local = slice(self.first, self.first + self.num_local)
+            self.w1 = nn.Parameter((torch.randn(e, h, f) / math.sqrt(h))[local].clone())
+            self.w2 = nn.Parameter((torch.randn(e, f, h) / math.sqrt(f))[local].clone())
 
     @property
     def cuda_graph_unsafe(self) -> Optional[str]:
         """Why this module's forward cannot be captured, or None ([Note: capturability of the experts])."""
+        if self.ep_size > 1:
+            return _ep_reason(self.ep_size)
         if self.mode in _SYNC_REASON:
             return _SYNC_REASON[self.mode]
         if self.mode == "grouped_mm" and self.w1.is_cuda and self._gmm_dtype(self.w1.dtype) != torch.bfloat16:
@@ -163,7 +189,10 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Dense: ``forward(tokens [T, h], combine [T, E]) -> [T, h]``; else ``forward(rows [T*K, h] grouped by
-        expert, counts [E]) -> [T*K, h]`` (unweighted expert outputs)."""
+        expert, counts [E]) -> [T*K, h]`` (unweighted expert outputs). With expert parallelism the rows go to
+        their experts' ranks and come back (``apps/moe_ep.py``)."""
+        if self.ep_size > 1:
+            return self._expert_parallel(x, counts)
         if self.mode == "dense":
             hid = F.gelu(torch.einsum("th,ehf->etf", x, self.w1))
             out = torch.einsum("etf,efh->eth", hid, self.w2)
@@ -172,11 +201,31 @@ class Experts(nn.Module):
             return self._grouped_mm(x, counts)
         if self.mode == "capacity":
             return self._capacity(x, counts)
-        sizes = counts.tolist()  # the host sync that keeps these paths out of graphs
+        return self._on_host_sizes(x, counts.tolist())  # the host sync that keeps these paths out of graphs
+
+    def _on_host_sizes(self, x: torch.Tensor, sizes: List[int]) -> torch.Tensor:
+        """``split``/``te_grouped`` given the rows per (local) expert as host integers."""
         if self.mode == "te_grouped":
             return self.fc2(F.gelu(self.fc1(x, sizes)), sizes)
         outs = [F.gelu(rows @ self.w1[e]) @ self.w2[e] for e, rows in enumerate(x.split(sizes))]
         return torch.cat(outs)
+
+    def _expert_parallel(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Exchange counts, dispatch, local experts, combine ([Note: deterministic expert parallelism])."""
+        group = self.ep_group
+        send, recv = moe_ep.exchange_counts(counts, group, self.ep_size)  # the layer's one host sync
+        send_splits = [sum(row) for row in send]
+        recv_splits = [sum(row) for row in recv]
+        arrived = moe_ep.AllToAll.apply(x, recv_splits, send_splits, group)  # (source, local expert)
+        by_expert = moe_ep.regroup(arrived, recv)  # (local expert, source)
+        sizes = [sum(recv[s][l] for s in range(self.ep_size)) for l in range(self.num_local)]
+        # A rank that receives no rows runs the loop: grouped_mm's CPU backward refuses an empty gradient.
+        if self.mode == "grouped_mm" and sum(sizes) > 0:
+            out = self._grouped_mm(by_expert, torch.tensor(sizes, device=x.device))
+        else:
+            out = self._on_host_sizes(by_expert, sizes)
+        back = moe_ep.regroup(out, [list(col) for col in zip(*recv)])  # (source, local expert)
+        return moe_ep.AllToAll.apply(back, send_splits, recv_splits, group)
 
     def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         dtype = self._gmm_dtype(x.dtype)
@@ -214,6 +263,25 @@ class Experts(nn.Module):
         return torch.cat([out, out.new_zeros(1, h)])[dst]
 
 
+def _ep_rank(group: Optional[Any], ep_size: int) -> int:
+    if ep_size == 1:
+        return 0
+    if group is None:
+        raise ValueError(f"Experts with expert_parallel_size={ep_size} needs the expert-parallel process group; pass "
+                         f"it (e.g. megatron_fsdp.expert_parallel_groups({ep_size})[0]), as GPT does")
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
+
+
+def _ep_reason(ep_size: int) -> str:
+    return (f"Experts with expert_parallel_size={ep_size} send the tokens to their experts' ranks with "
+            "all_to_all_single over the expert-parallel group (collectives, never inside a graph) whose split sizes "
+            "come from counts.tolist() (a device-to-host sync), whatever moe_experts is; graph "
+            "cuda_graph_modules=['attn', 'moe_router', 'moe_preprocess'] and the dispatch, experts and combine run "
+            "eagerly between the graphs")
+
+
 def _fp32_gmm_reason(dtype: torch.dtype) -> str:
     return (f"Experts(moe_experts='grouped_mm') in {dtype} on CUDA: torch's grouped_mm has a fast kernel only "
             "for bfloat16 (sm90+); other dtypes take a fallback loop that copies the offsets to the host (a sync "
@@ -245,12 +313,12 @@ class MoEBlock(nn.Module):
 
     cuda_graph_module = "moe"
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, ep_group: Optional[Any] = None) -> None:
         super().__init__()
         self.ln = nn.LayerNorm(cfg.hidden_size)
         self.router = Router(cfg)
         self.preprocess = MoEPreprocess(cfg)
-        self.experts = Experts(cfg)
+        self.experts = Experts(cfg, ep_group)
         self.shared = SharedExpert(cfg) if cfg.moe_shared_expert else None
         self.top_k = cfg.moe_top_k
         self.dense = cfg.moe_experts == "dense"

@@ -107,8 +107,8 @@ def refuse_graph_unsafe(chosen: List[Tuple[str, nn.Module]], *, what: str = "gra
                 f"{reason}. Fixes: graph around it (e.g. PartialCudaGraphs with cuda_graph_modules=['attn', "
                 "'moe_router', 'moe_preprocess'] runs the experts eagerly between graphs, as Megatron does for "
                 "dropless MoE), "
-                "or make it capturable (the reference model: moe_experts='grouped_mm' with device offsets, no "
-                "sync)")
+                "or, where its reason allows, make it capturable (the reference model without expert parallelism: "
+                "moe_experts='grouped_mm' with device offsets, no sync)")
 
 
 class PartialCudaGraphs:

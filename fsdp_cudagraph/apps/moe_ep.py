@@ -1,0 +1,149 @@
+"""Expert parallelism for the reference model's dropless MoE: the token exchange between the graphs.
+
+With ``GPTConfig(expert_parallel_size=EP)`` every rank of an expert-parallel (EP) group holds ``E/EP``
+consecutive experts (EP rank ``q`` holds global experts ``q*E/EP .. (q+1)*E/EP - 1``) and the tokens travel to
+them. :class:`~fsdp_cudagraph.apps.moe.Experts` runs, eagerly, after the ``moe_preprocess`` graph:
+
+1. the preprocess gave the rows sorted by global expert and the per-expert counts ``[E]`` on the device;
+2. ``all_to_all_single`` of the counts over the EP group: rank ``q`` receives, from every source rank ``s``,
+   how many rows ``s`` sends to each of ``q``'s local experts (a ``[EP, E/EP]`` table);
+3. one host read of both tables (``tolist()`` of one stacked tensor): the split sizes of the token all-to-all
+   and of the local experts. The one device-to-host sync of an MoE layer;
+4. dispatch: ``all_to_all_single`` of the rows with variable splits; what arrives is ordered (source rank,
+   local expert) and is regrouped to (local expert, source rank), so each local expert gets one contiguous
+   batch, its sources in rank order;
+5. the local experts (``split``, ``grouped_mm``, ``te_grouped`` over the ``E/EP`` local experts);
+6. the outputs go back to (source rank, local expert) order and through the reverse all-to-all (combine);
+   each rank then holds its own rows in the preprocess's order, and the block unpermutes as at ``EP = 1``.
+
+[Note: deterministic expert parallelism] Every reorder is ``split`` then ``cat`` of whole chunks: a
+permutation, whose backward writes every gradient row once. The all-to-all's backward is the reverse
+all-to-all with the splits swapped. No index is computed on the device and nothing accumulates atomically, so
+a run is bit-for-bit repeatable. Against ``EP = 1`` the rows each expert sees are the same rows (when each
+rank's batch is a contiguous slice of the global batch, even in the same order); only the grouping of the
+expert weights' gradient sums differs (one matmul over all sources at the owner instead of per-rank sums
+reduced by the engine), a few ulp (``tests/graphs/test_moe_ep.py``, [Note: EP tolerance of the GPT]).
+
+Capture: the all-to-alls are collectives on the EP group and their sizes come from the host, so an EP
+``Experts`` module is never inside a graph (its ``cuda_graph_unsafe`` says why): scope ``moe`` and whole
+layers are refused at selection; ``attn moe_router moe_preprocess`` graph everything before it.
+
+Parameters: the experts module holds ``w1 [E/EP, h, f]`` and ``w2 [E/EP, f, h]``, the EP=1 model's slices
+(initialised from the same random stream: :func:`slice_expert_state_dict` maps an EP=1 state dict to an EP
+rank's, :func:`merge_expert_state_dicts` the ranks' back). The module carries ``is_expert = True``, the
+engine's tag: its parameters are sharded over the expert-data-parallel group.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["AllToAll", "exchange_counts", "regroup", "slice_expert_state_dict", "merge_expert_state_dicts",
+           "EXPERT_KEY"]
+
+#: State-dict keys of the stacked expert weights (``w1``/``w2``: dim 0 is the expert) and of TE's per-expert
+#: ``GroupedLinear`` weights (``fc1.weight{i}``: the index is the expert).
+EXPERT_KEY = re.compile(r"^(?P<prefix>.*\bexperts\.)(?:(?P<stacked>w[12])|(?P<fc>fc[12]\.weight)(?P<i>\d+))$")
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows with host split sizes; backward sends the gradients back the other way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits: List[int], in_splits: List[int],  # type: ignore[override]
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        back = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, ep_size: int
+                    ) -> Tuple[List[List[int]], List[List[int]]]:
+    """Steps 2-3: ``(send, recv)``, each ``[EP][E/EP]`` host lists. ``send[q][l]``: rows this rank sends to
+    EP rank ``q``'s local expert ``l``; ``recv[s][l]``: rows source rank ``s`` sends to this rank's local expert
+    ``l``. One all-to-all of the ``E`` counts and one device-to-host copy of both tables."""
+    counts = counts.contiguous()
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    num_local = counts.numel() // ep_size
+    send, recv = torch.stack([counts, received]).view(2, ep_size, num_local).tolist()  # the host sync
+    return send, recv
+
+
+def regroup(x: torch.Tensor, sizes: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Chunks laid out ``[a][b]`` (sizes ``sizes[a][b]``, ``a`` major) -> laid out ``[b][a]``. A permutation of
+    whole chunks by ``split`` and ``cat`` ([Note: deterministic expert parallelism])."""
+    rows_a, rows_b = len(sizes), len(sizes[0])
+    chunks = x.split([c for row in sizes for c in row])
+    return torch.cat([chunks[a * rows_b + b] for b in range(rows_b) for a in range(rows_a)])
+
+
+def _expert_count(state_dict: Mapping[str, torch.Tensor], prefix: str, stacked: bool, name: str) -> int:
+    if stacked:
+        return state_dict[prefix + name].shape[0]
+    pattern = re.compile(re.escape(prefix + name) + r"(\d+)$")
+    return sum(1 for k in state_dict if pattern.match(k))
+
+
+def slice_expert_state_dict(state_dict: Mapping[str, torch.Tensor], *, expert_parallel_size: int,
+                            ep_rank: int) -> Dict[str, torch.Tensor]:
+    """An EP=1 state dict -> the state dict of EP rank ``ep_rank`` of an ``expert_parallel_size`` model.
+
+    Expert weights keep their keys: stacked ``experts.w1``/``w2`` are sliced along dim 0 (the experts
+    ``ep_rank*L .. (ep_rank+1)*L - 1``, ``L = E/EP``); TE's ``experts.fc1.weight{i}`` keep the local ones,
+    renumbered from 0. Every other entry is passed through (dense parameters are the same at every EP).
+    """
+    if expert_parallel_size < 1 or not 0 <= ep_rank < expert_parallel_size:
+        raise ValueError(f"ep_rank={ep_rank} with expert_parallel_size={expert_parallel_size}: need "
+                         "expert_parallel_size >= 1 and 0 <= ep_rank < expert_parallel_size")
+    out: Dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        m = EXPERT_KEY.match(key)
+        if m is None:
+            out[key] = value
+            continue
+        stacked = m.group("stacked") is not None
+        num = _expert_count(state_dict, m.group("prefix"), stacked, m.group("stacked") or m.group("fc"))
+        if num % expert_parallel_size:
+            raise ValueError(f"{key}: {num} experts do not split over expert_parallel_size={expert_parallel_size}; "
+                             "pass a divisor of the number of experts")
+        local = num // expert_parallel_size
+        first = ep_rank * local
+        if stacked:
+            out[key] = value[first:first + local]
+        elif first <= int(m.group("i")) < first + local:
+            out[f"{m.group('prefix')}{m.group('fc')}{int(m.group('i')) - first}"] = value
+    return out
+
+
+def merge_expert_state_dicts(per_ep_rank: Sequence[Mapping[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """The EP ranks' state dicts (in EP rank order) -> the EP=1 state dict (the inverse of
+    :func:`slice_expert_state_dict`). Dense entries must agree bit for bit."""
+    out: Dict[str, torch.Tensor] = {}
+    for q, sd in enumerate(per_ep_rank):
+        for key, value in sd.items():
+            m = EXPERT_KEY.match(key)
+            if m is not None and m.group("stacked"):
+                if q == 0:
+                    out[key] = torch.cat([r[key] for r in per_ep_rank])
+                continue
+            if m is not None:
+                local = _expert_count(sd, m.group("prefix"), False, m.group("fc"))
+                out[f"{m.group('prefix')}{m.group('fc')}{q * local + int(m.group('i'))}"] = value
+                continue
+            if key in out and not torch.equal(out[key], value):
+                raise ValueError(f"{key} differs between EP ranks 0 and {q}: dense entries are replicated; merge "
+                                 "state dicts of one model at one step")
+            out.setdefault(key, value)
+    return out
