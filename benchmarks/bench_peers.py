@@ -105,8 +105,8 @@ def git_commit() -> str:
 
 
 def load_model_code(isolated: bool) -> Any:
-    """The reference GPT (``fsdp_cudagraph/apps/model.py``, with its MoE classes from ``apps/moe.py``, which
-    imports only torch) and TE probe (``fsdp_cudagraph/capture/te.py``).
+    """The reference GPT (``fsdp_cudagraph/apps/model.py``, with its MoE classes from ``apps/moe.py`` and
+    ``apps/moe_ep.py``, which import only torch) and TE probe (``fsdp_cudagraph/capture/te.py``).
 
     ``isolated`` (the Megatron-FSDP process, which must not import our ``megatron_fsdp``): the files are
     loaded from the repository by path, under stand-in ``fsdp_cudagraph``, ``fsdp_cudagraph.capture`` and
