@@ -29,25 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_cudagraph.apps.moe_ep import AllToAll as _AllToAll  # the reference MoE's all-to-all (torch only)
+
 HIDDEN, FFN, NUM_EXPERTS, NUM_LAYERS = 8, 16, 4, 2
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with row split sizes; backward sends the gradients back the other way."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out_splits: List[int], in_splits: List[int],  # type: ignore[override]
-                group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        back = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
-        return back, None, None, None
 
 
 class Expert(nn.Module):
