@@ -10,7 +10,7 @@
   multiplied by ``1/world`` as it is loaded, then summed): the fold passes the unscaled gradients, the
   collective averages, and training is ``torch.equal`` to the pre-scale path, every strategy. Averaging twice
   (fold and collective) or not at all would halve or double every gradient and fail.
-The NCCL side (AVG equals the pre-scaled SUM bit for bit on 2 GPUs) is ``test_gpu.py``'s
+The NCCL side (AVG equals the pre-scaled SUM bit for bit on 2 GPUs) is ``tests/gpu/test_alignment.py``'s
 ``test_nccl_average_equals_prescaled_sum_2gpu``.
 """
 

@@ -1,4 +1,5 @@
-"""megatron_fsdp against a single-device plain-torch reference: final parameters and losses (used by test_gpu.py).
+"""megatron_fsdp against a single-device plain-torch reference: final parameters and losses (launched by
+tests/gpu/test_alignment.py).
 
     python tests/gpu/scripts/engine_parity.py OUT.json                               # 1 GPU (NCCL, one rank)
     torchrun --nproc-per-node 2 tests/gpu/scripts/engine_parity.py OUT.json          # 2 GPUs
