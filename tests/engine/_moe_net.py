@@ -23,13 +23,13 @@ than 1 leaves some blocks dense. ``local_names=True`` numbers the local experts 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_cudagraph.apps.moe_ep import AllToAll as _AllToAll  # the reference MoE's all-to-all (torch only)
+from fsdp_cudagraph.apps.moe_ep import AllToAll, exchange_counts, regroup  # the reference MoE's (torch only)
 
 HIDDEN, FFN, NUM_EXPERTS, NUM_LAYERS = 8, 16, 4, 2
 
@@ -71,21 +71,15 @@ class MoE(nn.Module):
             outs = [e(chunk) for e, chunk in zip(local, sorted_x.split(counts.tolist()))]
             sorted_y = torch.cat(outs)
         else:
-            ep, L = self.ep_size, self.num_local
-            recv = torch.empty_like(counts)
-            dist.all_to_all_single(recv, counts, group=self.ep_group)
-            recv_2d = recv.view(ep, L).tolist()  # [source rank][local expert]
-            send_splits = counts.view(ep, L).sum(1).tolist()
-            recv_splits = [sum(r) for r in recv_2d]
-            arrived = _AllToAll.apply(sorted_x, recv_splits, send_splits, self.ep_group)
-            chunks = arrived.split([c for r in recv_2d for c in r])
-            back: List[Optional[torch.Tensor]] = [None] * (ep * L)
-            for l, expert in enumerate(local):
-                out = expert(torch.cat([chunks[s * L + l] for s in range(ep)]))
-                for s, piece in enumerate(out.split([recv_2d[s][l] for s in range(ep)])):
-                    back[s * L + l] = piece
-            returned = torch.cat(back)  # type: ignore[arg-type]
-            sorted_y = _AllToAll.apply(returned, send_splits, recv_splits, self.ep_group)
+            # The reference MoE's exchange (fsdp_cudagraph/apps/moe_ep.py): counts, dispatch, combine.
+            ep, group = self.ep_size, self.ep_group
+            send, recv = exchange_counts(counts, group, ep)  # [rank][local expert] host tables
+            send_splits, recv_splits = [sum(r) for r in send], [sum(r) for r in recv]
+            by_expert = regroup(AllToAll.apply(sorted_x, recv_splits, send_splits, group), recv)
+            sizes = [sum(recv[s][l] for s in range(ep)) for l in range(len(local))]
+            out = torch.cat([e(chunk) for e, chunk in zip(local, by_expert.split(sizes))])
+            returned = regroup(out, [list(col) for col in zip(*recv)])  # back to (source, local expert)
+            sorted_y = AllToAll.apply(returned, send_splits, recv_splits, group)
         y = sorted_y[torch.argsort(order)]
         return y * weight
 
