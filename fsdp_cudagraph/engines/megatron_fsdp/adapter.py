@@ -9,7 +9,6 @@ runs whole-step graphs.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -167,10 +166,8 @@ class MegatronFSDPEngine(EngineAdapter, PerLayerEngine):
     def simulated_capture(self) -> ContextManager[None]:
         return megatron_fsdp.simulated_capture()
 
-    def capture_guard(self) -> ContextManager[None]:
-        # A real capture of a partial graph runs no engine collective: the hooks are outside the graph. The
-        # engine's own checks (is_capturing) see torch's capture state, so nothing more is entered here.
-        return contextlib.nullcontext()
+    # capture_guard: the contract's default (nothing entered). A real capture of a partial graph runs no engine
+    # collective, the hooks being outside the graph, and the engine's own checks see torch's capture state.
 
     # -- 5. step boundary
     def reset(self) -> None:
