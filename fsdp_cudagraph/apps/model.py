@@ -41,6 +41,12 @@ class GPTConfig:
     hidden_size: int = 64
     num_layers: int = 4
     num_heads: int = 4
+    #: Key/value heads (grouped-query attention, each shared by ``num_heads / num_kv_heads`` query heads);
+    #: default ``num_heads`` (multi-head attention).
+    num_kv_heads: Optional[int] = None
+    #: Width of one head; default ``hidden_size / num_heads``. Another value (Qwen3's 128 at hidden 2048 with 32
+    #: heads) makes the query projection ``num_heads * head_dim`` wide.
+    head_dim: Optional[int] = None
     ffn_hidden_size: Optional[int] = None
     seq_len: int = 32
     moe_every: int = 0
@@ -92,11 +98,18 @@ class GPTConfig:
         if self.moe_experts == "dense" and self.moe_shared_expert:
             raise ValueError("moe_shared_expert=True needs a dropless moe_experts ('split', 'grouped_mm', "
                              "'te_grouped'); the dense toy has none")
-        if self.hidden_size % self.num_heads:
+        if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; pick num_heads that "
-                "divides hidden_size"
+                "divides hidden_size, or set head_dim"
             )
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}: each key/value "
+                             "head serves num_heads / num_kv_heads query heads; pick a divisor of num_heads")
         if self.unit not in ("block", "te_layer"):
             raise ValueError(f"unit={self.unit!r} is not 'block' or 'te_layer'; pick one of those")
         if self.unit == "te_layer" and (not self.use_te or self.moe_every or self.rich_calls):
@@ -146,29 +159,33 @@ class SelfAttention(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        h, self.num_heads = cfg.hidden_size, cfg.num_heads
+        h, self.num_heads, self.num_kv_heads, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.head_dim = d
+        qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d  # [q heads | k heads | v heads]
         self.use_te = cfg.use_te
         self.rich_calls = cfg.rich_calls
         if cfg.use_te:
             te = require_te("GPTConfig(use_te=True)")
             fuse = {"fuse_wgrad_accumulation": cfg.fuse_wgrad}
-            self.ln_qkv = te.LayerNormLinear(h, 3 * h, bias=True, params_dtype=torch.float32, **fuse)
-            self.core = te.DotProductAttention(cfg.num_heads, h // cfg.num_heads, attn_mask_type="causal", qkv_format="bshd")
-            self.proj = te.Linear(h, h, bias=True, params_dtype=torch.float32, **fuse)
+            self.ln_qkv = te.LayerNormLinear(h, qkv, bias=True, params_dtype=torch.float32, **fuse)
+            gqa = {} if cfg.num_kv_heads == cfg.num_heads else {"num_gqa_groups": cfg.num_kv_heads}
+            self.core = te.DotProductAttention(cfg.num_heads, d, attn_mask_type="causal", qkv_format="bshd", **gqa)
+            self.proj = te.Linear(cfg.num_heads * d, h, bias=True, params_dtype=torch.float32, **fuse)
         else:
             self.ln = nn.LayerNorm(h)
-            self.qkv = nn.Linear(h, 3 * h)
-            self.proj = nn.Linear(h, h)
+            self.qkv = nn.Linear(h, qkv)
+            self.proj = nn.Linear(cfg.num_heads * d, h)
 
     def forward(self, x: torch.Tensor) -> Any:
-        b, s, h = x.shape
-        d = h // self.num_heads
+        b, s, _ = x.shape
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.use_te:
-            q, k, v = self.ln_qkv(x).view(b, s, 3, self.num_heads, d).unbind(2)
+            q, k, v = self.ln_qkv(x).view(b, s, nq + 2 * nkv, d).split([nq, nkv, nkv], dim=2)
             y = self.core(q, k, v)
         else:
-            q, k, v = self.qkv(self.ln(x)).view(b, s, 3, self.num_heads, d).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+            q, k, v = self.qkv(self.ln(x)).view(b, s, nq + 2 * nkv, d).transpose(1, 2).split([nq, nkv, nkv], dim=1)
+            gqa = {} if nkv == nq else {"enable_gqa": True}
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa).transpose(1, 2).reshape(b, s, nq * d)
         out = x + self.proj(y)
         return (out, y) if self.rich_calls else out
 
