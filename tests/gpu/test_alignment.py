@@ -130,3 +130,21 @@ def test_fsdp2_storage_and_mixed_precision_2gpu(tmp_path):
     res = run_json(launcher(2, [script]), tmp_path / "storage.json", name="fsdp2-storage-2gpu.json", tail=4000)
     assert res["ok"] and res["world_size"] == 2, res
     assert sum("equal" in r for r in res["rows"]) == 8, res["rows"]
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_expert_parallel_nccl(tmp_path, nproc):
+    """Our MoE with expert parallelism (EP=2 and EP=world) under our engine, partial graphs over attn moe_router
+    moe_preprocess with the all-to-alls eager between them: graphed ``torch.equal`` to eager for the torch backend
+    (split and grouped_mm experts) and, with TE, the TE backend (split and te_grouped); EP against EP=1 within
+    [Note: EP tolerance on the GPU]; the controls caught."""
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} CUDA GPUs, this machine has {torch.cuda.device_count()}")
+    script = os.path.join(ROOT, "tests", "gpu", "scripts", "ep_align.py")
+    res = run_json(launcher(nproc, [script]), tmp_path / "ep.json", name=f"ep-align-{nproc}gpu.json", tail=4000)
+    assert res["ok"] and res["world_size"] == nproc and not res["errors"], res
+    graphed = {r["row"].split(" == ")[0] for r in res["rows"] if " == " in r["row"]}
+    assert graphed == {n for n in res["runs"] if n.endswith("/graphed")}, res["rows"]  # every graphed run has its row
+    assert any(n.endswith("/te/graphed") for n in graphed) == HAS_TE, sorted(graphed)
