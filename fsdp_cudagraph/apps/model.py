@@ -27,7 +27,8 @@ from fsdp_cudagraph.apps.moe import MOE_EXPERTS, Experts, MoEBlock, MoEPreproces
 from fsdp_cudagraph.apps.moe_ep import merge_expert_state_dicts, slice_expert_state_dict
 
 __all__ = ["GPTConfig", "GPT", "TransformerBlock", "SelfAttention", "MLP", "MoEBlock", "Router", "MoEPreprocess",
-           "Experts", "SharedExpert", "unpermute", "MOE_EXPERTS", "olmoe_config", "mixtral_config", "loss_fn",
+           "Experts", "SharedExpert", "unpermute", "MOE_EXPERTS", "olmoe_config", "qwen3_moe_config",
+           "mixtral_config", "loss_fn",
            "synthetic_batch", "moe_checker_spec", "moe_split", "moe_grouped_mm", "moe_capacity", "EP_EXPERTS",
            "check_expert_parallel",
            "slice_expert_state_dict", "merge_expert_state_dicts"]
@@ -350,6 +351,18 @@ def olmoe_config(**overrides: Any) -> GPTConfig:
     base: Dict[str, Any] = dict(vocab_size=50304, hidden_size=2048, num_layers=16, num_heads=16, seq_len=4096,
                                 moe_every=1, num_experts=64, moe_top_k=8, moe_ffn_hidden_size=1024,
                                 moe_experts="grouped_mm", moe_grouped_mm_dtype="bfloat16")
+    return GPTConfig(**{**base, **overrides})
+
+
+def qwen3_moe_config(**overrides: Any) -> GPTConfig:
+    """A Qwen3-30B-A3B-shaped config: hidden 2048, 48 layers, 32 query heads of 128 and 4 key/value heads, 128
+    experts, top-8, every layer MoE, vocabulary 151936, sequence 4096. Qwen3's experts are SwiGLU with three
+    2048 x 768 matrices; ours are ``gelu(x W1) W2`` with two, so the expert FFN is 1152 = 3/2 x 768: each expert has
+    Qwen3's weights (4.72 M) and FLOPs per token. Norms are LayerNorm and positions learned (Qwen3: RMSNorm, RoPE,
+    QK-norm): a few vector operations, no matmul. Experts ``grouped_mm`` in bf16 unless overridden."""
+    base: Dict[str, Any] = dict(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+                                head_dim=128, seq_len=4096, moe_every=1, num_experts=128, moe_top_k=8,
+                                moe_ffn_hidden_size=1152, moe_experts="grouped_mm", moe_grouped_mm_dtype="bfloat16")
     return GPTConfig(**{**base, **overrides})
 
 
