@@ -128,14 +128,18 @@ stage_pytest() {
   # the multi-GPU tests on every GPU; with 2+ GPUs each half runs as two pytest processes side by side (1-GPU: one
   # on GPU 0, one on GPU 1), split by PYTEST_SPLIT (a -k expression and its negation). Then one verdict line per
   # file. PYTEST_MARK: the marker expression (default gpu; "gpu or matrix" adds the full matrices).
+  # Under CUDA_VISIBLE_DEVICES=a,b (e.g. two records side by side on one 4-GPU machine, with and without TE) the
+  # 1-GPU halves take GPUs a and b and the multi-GPU tests see a,b.
   local mark=${PYTEST_MARK:-gpu} split=${PYTEST_SPLIT:-alignment or check_engines or args}
   local py="timeout ${PYTEST_S:-560} python3 -m pytest -q -p no:cacheprovider --durations=30 -rs"
   local sel=${PYTEST_SELECT:+ and ($PYTEST_SELECT)}
+  local devs
+  IFS=, read -ra devs <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((NGPU > 0 ? NGPU - 1 : 0)))}"
   if multi; then
     local part=0 k
     for k in "($split)$sel" "not ($split)$sel"; do
       part=$((part + 1))
-      step pytest-gpu-1-$part.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records" CUDA_VISIBLE_DEVICES=$((part - 1)) \
+      step pytest-gpu-1-$part.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records" CUDA_VISIBLE_DEVICES=${devs[$((part - 1))]} \
         $py -m "$mark" -k "$k" --junitxml "$OUT/pytest-1gpu-$part.xml" &
       step pytest-gpu-$N-$part.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records-$N-$part" $py -m "($mark) and multigpu" \
         -k "$k" --junitxml "$OUT/pytest-${N}gpu-$part.xml" &
