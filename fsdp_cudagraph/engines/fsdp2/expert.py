@@ -22,8 +22,8 @@ leave expert gradients ``EP`` times too large). ``set_gradient_divide_factor(W)`
 torchtitan does (megatron_fsdp: ``1/dp_size``, [Note: expert parallelism] in ``megatron_fsdp/_expert.py``). With a
 factor other than the group size FSDP2 reduces with ``ReduceOp.PREMUL_SUM(1/W)``, which Gloo lacks ("Cannot use
 ReduceOp.PREMUL_SUM with Gloo"); on a Gloo group the experts also get ``set_force_sum_reduction_for_comms(True)``
-(a SUM, then a division by ``W``). Both setters exist in torch 2.11 and 2.13; a torch without them is refused
-(:func:`shard_experts`).
+(a SUM, then a division by ``W``). Both setters are checked on torch 2.13 (the CPU suite); they predate 2.11 (the
+GPU image's; not run here yet): a torch without them is refused with NotImplementedError (:func:`shard_experts`).
 
 *Checks (the model against the mesh).* The experts' ``ep_group`` must be this rank's ``ep`` row of the mesh
 (same size, same ranks): otherwise the all-to-all would bring tokens to other ranks than those whose experts
