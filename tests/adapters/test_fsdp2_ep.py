@@ -9,18 +9,22 @@ the expert-data-parallel mesh with the gradient divide factor ``W``; layers and 
 
 - EP=2 (2 and 4 ranks) and EP=4 (4 ranks) against FSDP2 at EP=1 on the same ranks and batches: every global loss,
   every step's gradient norm (before clipping) and every final parameter (experts merged over the EP group with
-  ``merge_expert_state_dicts``) within ``RTOL``; the EP=1 norm is torch's ``clip_grad_norm_`` on one mesh, and
-  ``clip_grad_norm_`` there returns the same;
+  ``merge_expert_state_dicts``) within ``RTOL``, and the first step's inf-norm; at EP=1 (one mesh) the norm is
+  torch's ``get_total_norm`` of the DTensor gradients;
 - graphed (``PartialCudaGraphs``, scopes ``attn moe_router moe_preprocess``, capture at ``CAPTURE_AT``, the experts
-  and their FSDP2 group eager between graphs) against eager at the same EP: every loss, norm and final parameter
-  ``torch.equal``, every callable replayed;
+  and their FSDP2 group eager between graphs), with kept storage and with two slots, against eager at the same EP:
+  every loss, norm and final parameter ``torch.equal``, every callable replayed, every group resharded between
+  steps, the experts' DTensors on the strided EDP ranks;
 - negative controls: the experts' divide factor put back to FSDP2's default (an average over the EDP mesh) fails the
   EP=1 comparison (norms and parameters); a router weight nudged by 1e-3 fails it; each rank holding the next EP
   rank's experts fails it;
 - misuse refused with the value, the rule and the fix: EP not dividing the world; HSDP with EP; the model's EP
   group strided (not the mesh's contiguous row); EP=2 experts sharded at ``expert_parallel_size=1`` (what FSDP2
   did silently before: each rank gathered a mix of two ranks' experts); ``expert_parallel_size=2`` on an EP=1
-  model; ``state_dict()``, ``load_state_dict()`` and DCP's ``get_model_state_dict``; scope ``moe`` and whole layers.
+  model; ``state_dict()``, ``load_state_dict()``, DCP's ``get_model_state_dict`` and ``get_state_dict``; scope
+  ``moe`` and whole layers; torch's ``clip_grad_norm_`` on the two meshes fails loudly ("must have the same mesh");
+- the alignment checker with ``engine="fsdp2"`` and ``engine_options={"expert_parallel_size": 2}`` (the builder's
+  path; kept storage and slots) finds graphed equal to eager.
 
 [Note: FSDP2 EP tolerance]
 fp32, deterministic. As under megatron_fsdp ([Note: EP tolerance of the GPT]) every token's forward runs on the
@@ -181,9 +185,10 @@ def _refusals(rank: int, world: int) -> Dict[str, Optional[str]]:
     model = _build(2)
     out["state_dict"] = _refused(lambda: model.state_dict())
     out["load_state_dict"] = _refused(lambda: model.load_state_dict({}))
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     out["dcp"] = _refused(lambda: get_model_state_dict(model))
+    out["dcp_with_optimizer"] = _refused(lambda: get_state_dict(model, torch.optim.Adam(model.parameters())))
     from fsdp_cudagraph.apps.model import loss_fn, synthetic_batch
 
     x, y = synthetic_batch(0, ROWS * world, _cfg(1), torch.device("cpu"))
@@ -377,7 +382,7 @@ def test_misuse_refused(four):
         assert "pass expert_parallel_size=2" in msg["ep_left_at_1"]
         assert "holds every expert" in msg["ep2_on_ep1_model"] and "pass expert_parallel_size=1" in msg["ep2_on_ep1_model"]
         for key, what in (("state_dict", "state_dict()"), ("load_state_dict", "load_state_dict()"),
-                          ("dcp", "state_dict()")):
+                          ("dcp", "state_dict()"), ("dcp_with_optimizer", "state_dict()")):
             assert msg[key].startswith(f"NotImplementedError: fsdp_cudagraph: {what} of an FSDP2 model with "
                                        "expert_parallel_size=2"), msg[key]
             assert "merge_expert_state_dicts" in msg[key]

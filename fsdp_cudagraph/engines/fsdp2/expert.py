@@ -203,6 +203,9 @@ def _refuse(what: str, layout: ExpertLayout):
 
 def refuse_state_dicts(model: nn.Module, layout: ExpertLayout) -> None:
     """Make ``model.state_dict()`` and ``model.load_state_dict()`` (and so DCP's ``get_model_state_dict`` /
-    ``set_model_state_dict``) raise NotImplementedError with the reason and the fix."""
+    ``set_model_state_dict`` / ``get_state_dict``) raise NotImplementedError with the reason and the fix.
+
+    Not reached: DCP's ``get_optimizer_state_dict`` alone, which torch builds from the optimizer and the
+    parameters' names without calling ``model.state_dict()`` (docs/engines.md says not to save it at EP > 1)."""
     model.register_state_dict_pre_hook(_refuse("state_dict()", layout))
     model.register_load_state_dict_pre_hook(_refuse("load_state_dict()", layout))
