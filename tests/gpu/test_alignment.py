@@ -148,3 +148,18 @@ def test_expert_parallel_nccl(tmp_path, nproc):
     graphed = {r["row"].split(" == ")[0] for r in res["rows"] if " == " in r["row"]}
     assert graphed == {n for n in res["runs"] if n.endswith("/graphed")}, res["rows"]  # every graphed run has its row
     assert any(n.endswith("/te/graphed") for n in graphed) == HAS_TE, sorted(graphed)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_fsdp2_expert_parallel(tmp_path, nproc):
+    """FSDP2 with expert parallelism (torchtitan's layout), fp32, NCCL, torch backend: EP=2 (and EP=4 on 4 GPUs)
+    against FSDP2 at EP=1 within the script's RTOL; graphed (kept storage, slots) equal to eager; the experts'
+    divide factor at FSDP2's default caught."""
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} CUDA GPUs, this machine has {torch.cuda.device_count()}")
+    script = os.path.join(ROOT, "tests", "gpu", "scripts", "fsdp2_ep.py")
+    res = run_json(launcher(nproc, [script]), tmp_path / "ep.json", name=f"fsdp2-ep-{nproc}gpu.json", tail=4000)
+    assert res["ok"] and res["world_size"] == nproc, res
+    assert {r["ep"] for r in res["rows"]} == ({2} if nproc == 2 else {2, 4}), res["rows"]  # every EP size ran
