@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -40,28 +41,35 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _all_to_all_sent(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Optional[List[int]] = None,
-                     input_split_sizes: Optional[List[int]] = None, group: Optional[dist.ProcessGroup] = None,
-                     **_: Any) -> int:
-    w = _size(group)
-    row = _nbytes(input) // max(input.shape[0], 1) if input.dim() else input.element_size()
-    if input_split_sizes is None:
-        return _nbytes(input) * (w - 1) // w
+def _all_to_all_sent(first: torch.Tensor, second: torch.Tensor, args: Dict[str, Any]) -> int:
+    """Bytes ``all_to_all_single(output, input, output_split_sizes, input_split_sizes)`` sends to other ranks."""
+    group = args.get("group")
+    w, splits = _size(group), args.get("input_split_sizes")
+    if not splits:
+        return _nbytes(second) * (w - 1) // w
+    row = _nbytes(second) // max(second.shape[0], 1)
     me = dist.get_rank(group)
-    return sum(n for q, n in enumerate(input_split_sizes) if q != me) * row
+    return sum(n for q, n in enumerate(splits) if q != me) * row
 
 
-def _ring(kind: str) -> Callable[..., int]:
+def _ring(kind: str) -> Callable[[torch.Tensor, Optional[torch.Tensor], Dict[str, Any]], int]:
     factor = 2 if kind == "all_reduce" else 1
 
-    def nbytes(first: torch.Tensor, second: Optional[torch.Tensor] = None, *args: Any,
-               group: Optional[dist.ProcessGroup] = None, **_: Any) -> int:
-        w = _size(group)
+    def nbytes(first: torch.Tensor, second: Optional[torch.Tensor], args: Dict[str, Any]) -> int:
+        w = _size(args.get("group"))
         # all_gather(output, input): the output; reduce_scatter(output, input): the input; all_reduce(tensor)
         t = second if kind == "reduce_scatter" else first
         return factor * _nbytes(t) * (w - 1) // w
 
     return nbytes
+
+
+def _measure(kind: str, fn: Callable[..., Any], args: tuple, kwargs: Dict[str, Any]) -> int:
+    """The call's arguments by name (callers pass them positionally or by keyword), then the kind's bytes."""
+    sig = inspect.signature(fn)
+    bound = sig.bind_partial(*args, **kwargs).arguments
+    names = list(sig.parameters)
+    return _MEASURES[kind](bound[names[0]], bound.get(names[1]) if len(names) > 1 else None, bound)
 
 
 class _State:
@@ -95,7 +103,7 @@ def count_collectives() -> Iterator[Dict[str, int]]:
         @functools.wraps(fn)
         def counted(*args: Any, _fn: Callable[..., Any] = fn, _kind: str = kind, **kwargs: Any) -> Any:
             if not counted_state.inside:
-                moved[_kind] += _MEASURES[_kind](*args, **kwargs)
+                moved[_kind] += _measure(_kind, _fn, args, kwargs)
             counted_state.inside = True
             try:
                 return _fn(*args, **kwargs)

@@ -51,7 +51,8 @@ def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], column
                 r["mfu"] = flops / (r["step_ms"] * 1e-3) / (rates["matmul_tflops"] * 1e12)
     for graphed, eager in (("ours_partial", "ours_eager"), ("ours_full", "ours_eager"),
                            ("fsdp2_keep_partial", "fsdp2_eager"), ("fsdp2_slots_partial", "fsdp2_eager"),
-                           ("nvidia_partial", "nvidia_eager"), ("ours_ep_partial", "ours_ep_eager")):
+                           ("nvidia_partial", "nvidia_eager"), ("ours_ep_partial", "ours_ep_eager"),
+                           ("fsdp2_ep_partial", "fsdp2_ep_eager")):
         a, b = columns.get(graphed, {}), columns.get(eager, {})
         if "losses" in a and "losses" in b:
             a["losses_equal_to_" + eager] = a["losses"] == b["losses"]

@@ -32,6 +32,10 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
                        the matching expert-parallel group
   ours_ep_partial      + PartialCudaGraphs (the count exchange, host sync, all-to-alls and experts eager between
                        the graphs)
+  fsdp2_ep_eager       (qwen3moe) FSDP2 as fsdp2_eager, with torchtitan's expert layout: each experts module
+                       sharded over the expert-data-parallel mesh, gradient divide factor the world size
+                       (``shard_fsdp2(expert_parallel_size=)``, docs/engines.md)
+  fsdp2_ep_partial     the same + keep_unsharded_storage + PartialCudaGraphs
   nvidia_ep_eager      (qwen3moe) NVIDIA Megatron-FSDP with its expert mesh: not applicable to this model, see
                        ``not_applicable``
 
@@ -111,13 +115,16 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
     "nvidia_partial": ("nvidia", None, "partial"),
     "ours_ep_eager": ("megatron_fsdp", {"expert_parallel": True}, "eager"),
     "ours_ep_partial": ("megatron_fsdp", {"expert_parallel": True}, "partial"),
+    "fsdp2_ep_eager": ("fsdp2_default", {"expert_parallel": True}, "eager"),
+    "fsdp2_ep_partial": ("fsdp2", {"storage": "keep", "mixed_precision": "bf16", "expert_parallel": True}, "partial"),
     "nvidia_ep_eager": ("nvidia", {"expert_parallel": True}, "eager"),
 }
 COLUMNS = {
     "llama8b": list(COLUMN_SPECS),
     "olmoe": ["ours_eager", "ours_partial", "ours_full", "fsdp2_eager", "fsdp2_keep_partial", "nvidia_eager",
               "nvidia_partial"],
-    "qwen3moe": ["ours_eager", "ours_partial", "ours_ep_eager", "ours_ep_partial", "nvidia_ep_eager"],
+    "qwen3moe": ["ours_eager", "ours_partial", "ours_ep_eager", "ours_ep_partial", "fsdp2_ep_eager", "fsdp2_ep_partial",
+                 "nvidia_ep_eager"],
 }
 #: depth by world size when --layers is not given (see the module docstring)
 DEFAULT_LAYERS = {"llama8b": {1: 4, 2: 16}, "olmoe": {1: 4, 2: 8}, "qwen3moe": {1: 2, 2: 4}}
@@ -265,7 +272,7 @@ def _adam(device: torch.device) -> Callable[[List[nn.Parameter]], torch.optim.Op
     return lambda params: torch.optim.Adam(params, lr=1e-4, fused=device.type == "cuda")
 
 
-def _fsdp2_default(model: nn.Module, unit_class: type, device: torch.device) -> Sharded:
+def _fsdp2_default(model: nn.Module, unit_class: type, device: torch.device, ep: int = 1) -> Sharded:
     """FSDP2 as its documentation runs it: no storage option (the checker's builder always picks one)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -275,7 +282,7 @@ def _fsdp2_default(model: nn.Module, unit_class: type, device: torch.device) -> 
     # the policy the FSDP2 graph columns get from the checker's builder (mixed_precision="bf16"), by construction
     policy = MixedPrecisionPolicy(**FSDP2_MIXED_PRECISION["bf16"])
     shard_fsdp2(model, list(reversed([m for m in model.modules() if isinstance(m, unit_class)])), device=device,
-                mp_policy=policy)
+                mp_policy=policy, expert_parallel_size=ep)
     return Sharded(model, _adam(device)(list(model.parameters())), False,
                    "fp32 sharded parameters, MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), "
                    "reshard_after_forward=True (default ZeRO-3)")
@@ -286,7 +293,7 @@ def shard(column: str, model: Model, device: torch.device) -> Sharded:
 
     name, options, _ = COLUMN_SPECS[column]
     if name == "fsdp2_default":
-        return _fsdp2_default(model.module, model.unit_class, device)
+        return _fsdp2_default(model.module, model.unit_class, device, expert_parallel_size(column))
     if (options or {}).get("expert_parallel") and name == "megatron_fsdp":
         from megatron_fsdp import fully_shard
 
@@ -298,6 +305,9 @@ def shard(column: str, model: Model, device: torch.device) -> Sharded:
                        f"compute in bf16, fp32 main parameters and gradients, ZeRO-3; EP {ep}: experts whole on "
                        f"their rank (expert-data-parallel groups of {dist.get_world_size() // ep})")
     builder = engine_builder(name, device)
+    if options and options.get("expert_parallel"):  # the builder's option: EP = the world size
+        options = {**{k: v for k, v in options.items() if k != "expert_parallel"},
+                   "expert_parallel_size": expert_parallel_size(column)}
     extra = {"options": options} if options else {}
     run = builder.build(model.module, unit_modules=[model.unit_class], make_optimizer=_adam(device), device=device,
                         sharding_strategy="optim_grads_params",

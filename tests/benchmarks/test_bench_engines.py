@@ -145,13 +145,15 @@ def test_bench_engines_cpu_smoke_qwen3moe_expert_parallel(tmp_path):
     out = tmp_path / "qwen3moe.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "benchmarks", "bench_engines.py"), *SMOKE, "--config", "qwen3moe", "--moe-experts",
-           "split", "--columns", "ours_eager", "ours_ep_eager", "ours_ep_partial", "nvidia_ep_eager",
+           "split", "--columns", "ours_eager", "ours_ep_eager", "ours_ep_partial", "fsdp2_ep_eager", "fsdp2_ep_partial",
+           "nvidia_ep_eager",
            "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     cols = r["columns"]
-    _check_graphed_equal(r, ["ours_ep_partial"])
+    _check_graphed_equal(r, ["ours_ep_partial", "fsdp2_ep_partial"])
+    assert cols["fsdp2_ep_eager"]["comm_bytes"]["all_to_all"] > 0
     assert cols["ours_ep_eager"]["counts"]["expert_parallel_size"] == 2
     assert cols["ours_ep_eager"]["counts"]["num_params"] == cols["ours_eager"]["counts"]["num_params"]
     today, ep = cols["ours_eager"]["comm_bytes"], cols["ours_ep_eager"]["comm_bytes"]
