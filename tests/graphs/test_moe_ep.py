@@ -137,7 +137,7 @@ def _train(rank: int, world: int, ep: int, experts: str = "split", *, graphed: b
         dist.all_reduce(total)
         losses.append(float(total) / world)
     check_expert_parallel(model)  # the model's all-to-all group is the engine's EP group (one layout, built twice)
-    with model.summon_full_params():  # state_dict() refuses EP models whose expert names repeat across EP ranks
+    with model.summon_full_params():  # this EP rank's own experts (merged with merge_expert_state_dicts below)
         params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     out: Dict[str, Any] = {"losses": losses, "params": params}
     if graphs is not None:
