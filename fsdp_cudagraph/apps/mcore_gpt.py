@@ -61,8 +61,9 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["HAS_MCORE", "MCORE_REASON", "MCORE_VERSION", "MCoreShape", "MODELS", "SCOPES", "cpu_shims",
-           "init_parallel_state", "build", "layout", "tag_modules", "scope_patterns", "check_megatron_graphs_off",
-           "batch", "loss", "spec", "dense", "moe_alltoall", "moe_allgather", "run", "main"]
+           "init_parallel_state", "expert_groups", "check_expert_parallel_world", "check_engine_expert_parallel",
+           "build", "layout", "tag_modules", "scope_patterns", "check_megatron_graphs_off", "batch", "loss", "spec",
+           "dense", "moe_alltoall", "moe_allgather", "moe_alltoall_ep", "run", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,10 @@ class MCoreShape:
     moe_permute_fusion: Optional[bool] = None
     #: TE's layer spec; None: when TE is importable and the device is CUDA
     use_te: Optional[bool] = None
+    #: megatron-core's ``expert_model_parallel_size`` (EP): each rank builds ``num_experts / EP`` local experts
+    #: and the dispatcher brings them their tokens (alltoall: an all-to-all over the EP group; allgather: every
+    #: rank of the group gathers every token, then a reduce-scatter); 1: every rank holds every expert
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
@@ -107,6 +112,21 @@ class MCoreShape:
                              "'allgather' (the flex dispatcher needs DeepEP/HybridEP, not checked here)")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size({self.hidden_size}) % num_heads({self.num_heads}) != 0")
+        self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        ep = self.expert_parallel_size
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+            raise ValueError(f"expert_parallel_size={ep!r} must be a positive integer (1: no expert parallelism)")
+        if ep == 1:
+            return
+        if self.num_experts is None:
+            raise ValueError(f"expert_parallel_size={ep} on the dense model: it has no experts to spread over ranks; "
+                             "use model moe_alltoall, or expert_parallel_size=1")
+        if self.num_experts % ep:
+            raise ValueError(f"expert_parallel_size={ep} does not divide num_experts={self.num_experts}: every rank of "
+                             f"an expert-parallel group holds num_experts / expert_parallel_size experts; pick a "
+                             f"divisor of {self.num_experts}")
 
 
 #: model name -> shape overrides (on top of the device's base shape)
@@ -199,6 +219,13 @@ class _HostEvent:
         pass
 
 
+def _to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron-core's ``maybe_move_tensor_to_cpu`` for a tensor already on the host (see :func:`cpu_shims`)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor
+
+
 _SHIMS_ACTIVE = False
 
 
@@ -214,24 +241,31 @@ def cpu_shims() -> Iterator[List[str]]:
       dropout, which is 0 here (the tracker needs CUDA to hold a state at all);
     - ``torch.cuda.Stream``, ``torch.cuda.current_stream``, ``torch.cuda.stream``: the alltoall dispatcher copies
       the per-expert counts to the host on a side stream and waits on an event; on the host the copy is
-      already done when it returns.
+      already done when it returns;
+    - the alltoall dispatcher's ``maybe_move_tensor_to_cpu``: it turns a CUDA tensor of split sizes into a host
+      (numpy) array and leaves any other tensor as it is, so on the host the all-to-all's split sizes (EP > 1)
+      would stay tensors, which ``all_to_all_single`` refuses; the shim does its host part: ``.numpy()`` when
+      asked for numpy, the tensor otherwise.
 
     Nothing numerical is replaced: routing, permutation, experts, attention and the loss are megatron-core's.
     """
     global _SHIMS_ACTIVE
     _require()
     from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import token_dispatcher
 
     saved = [(torch.cuda, "current_device", torch.cuda.current_device),
              (torch.cuda, "Stream", torch.cuda.Stream),
              (torch.cuda, "current_stream", torch.cuda.current_stream),
              (torch.cuda, "stream", torch.cuda.stream),
-             (tp_random.CudaRNGStatesTracker, "fork", tp_random.CudaRNGStatesTracker.fork)]
+             (tp_random.CudaRNGStatesTracker, "fork", tp_random.CudaRNGStatesTracker.fork),
+             (token_dispatcher, "maybe_move_tensor_to_cpu", token_dispatcher.maybe_move_tensor_to_cpu)]
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.Stream = _HostStream
     torch.cuda.current_stream = lambda *a, **k: _HostStream()
     torch.cuda.stream = lambda s=None: contextlib.nullcontext()
     tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    token_dispatcher.maybe_move_tensor_to_cpu = _to_host
     _SHIMS_ACTIVE = True
     try:
         yield [f"{getattr(o, '__name__', o)}.{n}" for o, n, _ in saved]
@@ -267,16 +301,34 @@ def _check_device(device: torch.device) -> None:
 # ---------------------------------------------------------------------------------------------- the model
 
 
-def init_parallel_state(seed: int, device: torch.device) -> None:
-    """megatron-core's parallel state over the default process group (TP = PP = EP = 1, data parallel over
-    every rank), once; and, on CUDA, its model-parallel RNG states from ``seed`` (what TE's layers fork)."""
+def check_expert_parallel_world(expert_parallel_size: int, world_size: int) -> None:
+    """Refuse (ValueError) an expert-parallel size that does not divide the number of ranks."""
+    if world_size % expert_parallel_size:
+        raise ValueError(f"expert_parallel_size={expert_parallel_size} does not divide the world size {world_size}: "
+                         "megatron-core splits the data-parallel ranks into expert-parallel groups of that size; "
+                         f"pick a divisor of {world_size} (e.g. --expert-parallel {world_size})")
+
+
+def init_parallel_state(seed: int, device: torch.device, expert_parallel_size: int = 1) -> None:
+    """megatron-core's parallel state over the default process group (TP = PP = 1, data parallel over every rank,
+    ``expert_model_parallel_size=expert_parallel_size``), once per EP size (another size rebuilds it:
+    ``destroy_model_parallel`` then ``initialize_model_parallel``); and, on CUDA, its model-parallel RNG states
+    from ``seed`` (what TE's layers fork; the experts of each EP rank draw from their own state).
+
+    megatron-core's rank order (``tp-cp-ep-dp-pp``) makes the expert-parallel groups contiguous ranks and the
+    expert-data-parallel groups strided by EP, the layout of ``megatron_fsdp``'s expert parallelism
+    ([Note: expert parallelism] in ``megatron_fsdp/_expert.py``): :func:`expert_groups` hands both to the
+    engine, which checks that they tile the ranks."""
     _require()
     if not dist.is_initialized():
         raise RuntimeError("init_parallel_state needs torch.distributed initialised first (init_process_group or "
                            "torchrun); megatron-core builds its groups over the default group")
+    check_expert_parallel_world(expert_parallel_size, dist.get_world_size())
+    if _ps.model_parallel_is_initialized() and _ps.get_expert_model_parallel_world_size() != expert_parallel_size:
+        _ps.destroy_model_parallel()  # drops megatron-core's references to its groups; new ones are built below
     if not _ps.model_parallel_is_initialized():
         _ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                      expert_model_parallel_size=1)
+                                      expert_model_parallel_size=expert_parallel_size)
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -290,6 +342,17 @@ def init_parallel_state(seed: int, device: torch.device) -> None:
         params = inspect.signature(model_parallel_cuda_manual_seed).parameters
         reset = {"force_reset_rng": True} if "force_reset_rng" in params else {}
         model_parallel_cuda_manual_seed(seed, te_rng_tracker=_has_te(), use_cudagraphable_rng=True, **reset)
+
+
+def expert_groups() -> Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]]:
+    """megatron-core's ``(expert-parallel group, expert-data-parallel group)`` of this rank (the groups its MoE
+    layers exchange tokens over and its own FSDP shards experts over), or None at EP = 1. The EDP group is
+    ``parallel_state.get_expert_data_parallel_group()`` in 0.16.1 and 0.19.2 alike (0.19's default
+    ``with_gtp_remat=True`` is the same group unless expert GTP rematerialisation is on; the older
+    ``get_data_modulo_expert_parallel_group`` is a deprecated alias)."""
+    if _ps.get_expert_model_parallel_world_size() == 1:
+        return None
+    return _ps.get_expert_model_parallel_group(), _ps.get_expert_data_parallel_group()
 
 
 def _fix_router_without_te() -> None:
@@ -306,7 +369,9 @@ def build(shape: MCoreShape, device: torch.device, *, dtype: torch.dtype = torch
     """megatron-core's ``GPTModel`` with ``shape`` on ``device``, random weights from torch's RNG state.
 
     ``use_te``: TE's layer spec (default: when TE is importable and ``device`` is CUDA); else the local spec.
-    ``dtype``: ``params_dtype`` (``bf16=True`` when bfloat16). Call :func:`init_parallel_state` first.
+    ``dtype``: ``params_dtype`` (``bf16=True`` when bfloat16). Call :func:`init_parallel_state` first, with
+    ``shape.expert_parallel_size`` (then this rank builds its ``num_experts / EP`` local experts, numbered from 0
+    on every EP rank: EP rank ``q`` holds global experts ``q * E/EP ..``).
     """
     _require()
     _check_device(device)
@@ -321,6 +386,10 @@ def build(shape: MCoreShape, device: torch.device, *, dtype: torch.dtype = torch
 
         raise ImportError(f"use_te=True needs TransformerEngine: {TE_REASON}")
     moe = shape.num_experts is not None
+    if _ps.get_expert_model_parallel_world_size() != shape.expert_parallel_size:
+        raise ValueError(f"expert_parallel_size={shape.expert_parallel_size} but megatron-core's parallel state has "
+                         f"expert_model_parallel_size={_ps.get_expert_model_parallel_world_size()}; call "
+                         "init_parallel_state(seed, device, shape.expert_parallel_size) first")
     grouped = te if shape.moe_grouped_gemm is None else shape.moe_grouped_gemm
     fusion = te if shape.moe_permute_fusion is None else shape.moe_permute_fusion
     if moe and (grouped or fusion) and not te:
@@ -339,7 +408,8 @@ def build(shape: MCoreShape, device: torch.device, *, dtype: torch.dtype = torch
         kwargs.update(num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_router_topk,
                       moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
                       moe_token_dispatcher_type=shape.moe_token_dispatcher_type, moe_grouped_gemm=grouped,
-                      moe_permute_fusion=fusion, moe_aux_loss_coeff=0.0)
+                      moe_permute_fusion=fusion, moe_aux_loss_coeff=0.0,
+                      expert_model_parallel_size=shape.expert_parallel_size)
         _fix_router_without_te()
     config = TransformerConfig(**kwargs)
     spec_fn = get_gpt_layer_with_transformer_engine_spec if te else get_gpt_layer_local_spec
@@ -453,7 +523,9 @@ def layout(model: nn.Module) -> Dict[str, Any]:
         "core_attention": type(attn.core_attention).__name__, "mlp": type(mlp).__name__}
     if getattr(config, "num_moe_experts", None):
         out.update(experts=type(mlp.experts).__name__, dispatcher=type(mlp.token_dispatcher).__name__,
-                   moe_grouped_gemm=config.moe_grouped_gemm, moe_permute_fusion=config.moe_permute_fusion)
+                   moe_grouped_gemm=config.moe_grouped_gemm, moe_permute_fusion=config.moe_permute_fusion,
+                   expert_parallel_size=config.expert_model_parallel_size,
+                   num_local_experts=mlp.num_local_experts)
     return out
 
 
@@ -475,12 +547,12 @@ def spec(name: str, device: torch.device, shape: Optional[MCoreShape] = None, *,
     _require()
     _shims_for_factory(device)
     shape = shape or base_shape(device, name)
-    init_parallel_state(seed, device)
+    init_parallel_state(seed, device, shape.expert_parallel_size)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build(shape, device, dtype=dtype, use_te=shape.use_te)
     check_megatron_graphs_off(model)
     return ModelSpec(model=model, unit_modules=[TransformerLayer],
-                     batch=lambda step: batch(step, shape, device, seed=seed), loss=loss)
+                     batch=lambda step: batch(step, shape, device, seed=seed), loss=loss, expert_groups=expert_groups())
 
 
 def dense(device: torch.device) -> Any:
@@ -498,7 +570,27 @@ def moe_allgather(device: torch.device) -> Any:
     return spec("moe_allgather", device)
 
 
+def moe_alltoall_ep(device: torch.device) -> Any:
+    """Checker factory: :func:`moe_alltoall` with expert parallelism over every rank (EP = world size, which must
+    divide its 4 experts): each rank holds ``4 / EP`` local experts, sharded over its expert-data-parallel group
+    (engines megatron_fsdp and nvidia; fsdp2 is refused)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return spec("moe_alltoall", device, base_shape(device, "moe_alltoall", expert_parallel_size=world))
+
+
 # ---------------------------------------------------------------------------------------------- the app
+
+
+def check_engine_expert_parallel(engine: str, expert_parallel_size: int) -> None:
+    """Refuse (NotImplementedError) an engine that cannot shard megatron-core's local experts: ``fsdp2`` at
+    EP > 1 (the checker's FSDP2 builder shards every parameter over all ranks; Megatron-LM refuses
+    ``--use-torch-fsdp2`` with expert parallelism too)."""
+    if engine == "fsdp2" and expert_parallel_size > 1:
+        raise NotImplementedError(
+            f"engine='fsdp2' with expert_parallel_size={expert_parallel_size}: FSDP2 here shards every parameter over "
+            "one mesh of all ranks, while each rank holds only its own local experts, which must be sharded over "
+            "the expert-data-parallel group alone (Megatron-LM refuses --use-torch-fsdp2 with expert parallelism "
+            "too); use --engine megatron_fsdp or nvidia, or --expert-parallel 1")
 
 
 def run(*, model: str, engine: str, scope: str, device: torch.device, steps: int = 6, capture_step: int = 2,
@@ -507,12 +599,16 @@ def run(*, model: str, engine: str, scope: str, device: torch.device, steps: int
     """Train ``model`` under ``engine`` eagerly and with partial graphs of ``scope``; the checker's
     :class:`~fsdp_cudagraph.check.AlignmentReport` (``equal``: every loss and final parameter ``torch.equal``
     on every rank). Needs an initialised process group and, on the CPU, :func:`cpu_shims` entered.
+    ``shape.expert_parallel_size`` > 1: megatron-core's expert parallelism (its groups go to the engine through
+    the factory's ``ModelSpec.expert_groups``); engines megatron_fsdp and nvidia, fsdp2 refused.
     ``nvidia_wrapper`` (engine nvidia): ``fully_shard`` (default) or ``mcore`` (megatron-core's
     ``FullyShardedDataParallel``; see ``engines/nvidia/build.py``)."""
     from fsdp_cudagraph.check import check_alignment
 
     shape = shape or base_shape(device, model)
     patterns = scope_patterns(scope, moe=shape.num_experts is not None)
+    check_engine_expert_parallel(engine, shape.expert_parallel_size)
+    check_expert_parallel_world(shape.expert_parallel_size, dist.get_world_size())
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     return check_alignment(lambda dev: spec(model, dev, shape), steps=steps, capture_step=capture_step,
                            backend=backend, cuda_graph_module_patterns=list(patterns),
@@ -546,6 +642,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="layer spec (default: te when TE is importable on CUDA, else local)")
     p.add_argument("--moe-grouped-gemm", choices=["on", "off"], default=None, help="default: on with TE's spec")
     p.add_argument("--moe-permute-fusion", choices=["on", "off"], default=None, help="default: on with TE's spec")
+    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                   help="megatron-core's expert_model_parallel_size (MoE models; N divides the world size and the 4 "
+                        "experts; engines megatron_fsdp and nvidia)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--capture-step", type=int, default=2)
     p.add_argument("--backend", choices=["te", "torch", "protocol"], default=None)
@@ -561,7 +660,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     scope = args.scope or ("layer" if args.model == "dense" else "attn_router")
     onoff = {"on": True, "off": False, None: None}
     shape = base_shape(device, args.model, use_te={"te": True, "local": False, None: None}[args.spec],
-                       moe_grouped_gemm=onoff[args.moe_grouped_gemm], moe_permute_fusion=onoff[args.moe_permute_fusion])
+                       moe_grouped_gemm=onoff[args.moe_grouped_gemm], moe_permute_fusion=onoff[args.moe_permute_fusion],
+                       expert_parallel_size=args.expert_parallel)
     with (cpu_shims() if device.type == "cpu" else contextlib.nullcontext()):
         report = run(model=args.model, engine=args.engine, scope=scope, device=device, steps=args.steps,
                      capture_step=args.capture_step, backend=args.backend, perturb=args.perturb,
@@ -578,7 +678,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 json.dump(record, f, indent=1, default=str)
         print(json.dumps({"equal": report.equal, "params_equal": report.params_equal, "culprit": report.culprit,
                           "model": args.model, "engine": args.engine, "wrapper": args.nvidia_wrapper,
-                          "scope": scope}))
+                          "scope": scope, "expert_parallel": args.expert_parallel}))
     ok = report.culprit == args.perturb if args.perturb else report.equal
     dist.destroy_process_group()
     return 0 if ok else 1
