@@ -1,9 +1,9 @@
 """megatron-core's own ``GPTModel`` (dense and MoE) under an FSDP engine, eager against partial CUDA graphs.
 
-The model is built as megatron-core users build it: ``parallel_state.initialize_model_parallel`` (TP = PP =
-EP = 1) over the existing default process group, a ``TransformerConfig``, TransformerEngine's layer spec
-(``get_gpt_layer_with_transformer_engine_spec``) when TE is importable, else megatron-core's local spec
-(``get_gpt_layer_local_spec``), and ``GPTModel``. The FSDP unit is ``TransformerLayer``; engines ``megatron_fsdp``
+The model is built as megatron-core users build it: ``parallel_state.initialize_model_parallel`` (TP = PP = 1,
+EP = ``--expert-parallel``, default 1) over the existing default process group, a ``TransformerConfig``,
+TransformerEngine's layer spec (``get_gpt_layer_with_transformer_engine_spec``) when TE is importable, else
+megatron-core's local spec (``get_gpt_layer_local_spec``), and ``GPTModel``. The FSDP unit is ``TransformerLayer``; engines ``megatron_fsdp``
 (ours), ``nvidia`` (NVIDIA Megatron-FSDP, the bundled ``fully_shard`` or megatron-core's
 ``FullyShardedDataParallel``: ``--nvidia-wrapper``) and ``fsdp2`` (PyTorch FSDP2), as the checker builds them.
 Models:
@@ -28,20 +28,36 @@ of the token dispatcher, not a module), ``moe``/``layer``/``mlp`` on an MoE mode
 per-expert counts to the host), a router with an auxiliary loss (it records into a Python-side tracker),
 and Megatron's own graph machinery switched on (:func:`check_megatron_graphs_off`).
 
+Expert parallelism (``--expert-parallel N``, ``MCoreShape.expert_parallel_size``; MoE models, ``N`` dividing
+the world size and the 4 experts): ``initialize_model_parallel(expert_model_parallel_size=N)``, each rank builds
+its ``4 / N`` local experts (``local_experts.0 ..`` on every EP rank) and still trains its own micro-batch; the
+dispatcher brings every token to its experts' ranks. megatron-core's own groups (:func:`expert_groups`:
+``get_expert_model_parallel_group()``, ``get_expert_data_parallel_group()``; contiguous EP ranks, EDP strided,
+this project's engine's layout) reach the engine as ``ModelSpec.expert_groups``: ``megatron_fsdp`` passes them
+to ``fully_shard(expert_parallel_group=, expert_data_parallel_group=)``, ``nvidia`` builds NVIDIA's expert
+device mesh over the EDP group (wrapper ``fully_shard``) or lets megatron-core's ``FullyShardedDataParallel``
+read them from ``parallel_state`` (wrapper ``mcore``, checked to be the same). ``fsdp2`` is refused
+(``NotImplementedError``: it would shard the ranks' different local experts over all ranks; Megatron-LM refuses
+FSDP2 with EP too), and so are EP on the dense model and an ``N`` that divides neither. What is graphed does
+not change: ``attn_router``, the exchange and the experts eager between graphs. State dicts of an EP model are
+refused by our engine (the EP ranks' local experts share names); training is not affected.
+
 Run (1 GPU, 2 GPUs, CPU on Gloo with the protocol backend)::
 
     python -m fsdp_cudagraph.apps.mcore_gpt --engine megatron_fsdp --model moe_alltoall --scope attn_router
     torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.mcore_gpt --engine nvidia --model dense --scope layer
     python -m fsdp_cudagraph.apps.mcore_gpt --device cpu --model moe_allgather --scope attn_router --json r.json
+    torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.mcore_gpt --model moe_alltoall --expert-parallel 2
 
 and through the alignment checker (the factories :func:`dense`, :func:`moe_alltoall`, :func:`moe_allgather`
-tag ``self_attention`` as ``attn``, a dense ``mlp`` as ``mlp`` and ``mlp.router`` as ``moe_router``)::
+and :func:`moe_alltoall_ep`, EP = world size, tag ``self_attention`` as ``attn``, a dense ``mlp`` as ``mlp``
+and ``mlp.router`` as ``moe_router``)::
 
     python -m fsdp_cudagraph.check --engine nvidia --model fsdp_cudagraph.apps.mcore_gpt:moe_alltoall \\
         --modules attn moe_router
 
 On the CPU, megatron-core calls a few CUDA-only functions; :func:`cpu_shims` replaces them (see its
-docstring): the model's math is megatron-core's own.
+docstring): the model's math is megatron-core's own. docs/models.md, "megatron-core models", has the details.
 """
 
 from __future__ import annotations
@@ -54,11 +70,13 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from fsdp_cudagraph.apps.mcore_cpu import check_device, cpu_shims, shims_for_factory
 
 __all__ = ["HAS_MCORE", "MCORE_REASON", "MCORE_VERSION", "MCoreShape", "MODELS", "SCOPES", "cpu_shims",
            "init_parallel_state", "expert_groups", "check_expert_parallel_world", "check_engine_expert_parallel",
@@ -189,115 +207,6 @@ def _has_te() -> bool:
     return HAS_TE
 
 
-# ---------------------------------------------------------------------------------------------- CPU shims
-
-
-class _HostStream:
-    """What megatron-core's alltoall dispatcher asks of a CUDA stream, on the host: work is already ordered."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, other: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> "_HostEvent":
-        return _HostEvent()
-
-
-class _HostEvent:
-    def synchronize(self) -> None:
-        pass
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-
-def _to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
-    """megatron-core's ``maybe_move_tensor_to_cpu`` for a tensor already on the host (see :func:`cpu_shims`)."""
-    if torch.is_tensor(tensor) and as_numpy:
-        return tensor.cpu().numpy()
-    return tensor
-
-
-_SHIMS_ACTIVE = False
-
-
-@contextlib.contextmanager
-def cpu_shims() -> Iterator[List[str]]:
-    """Let megatron-core's GPTModel (local spec) train on the CPU; yields the names replaced, restored on exit.
-
-    megatron-core calls CUDA-only functions that have no effect on the model's math at TP = EP = 1 with no
-    dropout; each is replaced by its host equivalent:
-
-    - ``torch.cuda.current_device`` returns ``"cpu"``: RoPE and the router place tensors on "the current device";
-    - ``CudaRNGStatesTracker.fork`` is a no-op context: it switches the CUDA RNG state around attention
-      dropout, which is 0 here (the tracker needs CUDA to hold a state at all);
-    - ``torch.cuda.Stream``, ``torch.cuda.current_stream``, ``torch.cuda.stream``: the alltoall dispatcher copies
-      the per-expert counts to the host on a side stream and waits on an event; on the host the copy is
-      already done when it returns;
-    - the alltoall dispatcher's ``maybe_move_tensor_to_cpu``: it turns a CUDA tensor of split sizes into a host
-      (numpy) array and leaves any other tensor as it is, so on the host the all-to-all's split sizes (EP > 1)
-      would stay tensors, which ``all_to_all_single`` refuses; the shim does its host part: ``.numpy()`` when
-      asked for numpy, the tensor otherwise.
-
-    Nothing numerical is replaced: routing, permutation, experts, attention and the loss are megatron-core's.
-    """
-    global _SHIMS_ACTIVE
-    _require()
-    from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer.moe import token_dispatcher
-
-    saved = [(torch.cuda, "current_device", torch.cuda.current_device),
-             (torch.cuda, "Stream", torch.cuda.Stream),
-             (torch.cuda, "current_stream", torch.cuda.current_stream),
-             (torch.cuda, "stream", torch.cuda.stream),
-             (tp_random.CudaRNGStatesTracker, "fork", tp_random.CudaRNGStatesTracker.fork),
-             (token_dispatcher, "maybe_move_tensor_to_cpu", token_dispatcher.maybe_move_tensor_to_cpu)]
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.Stream = _HostStream
-    torch.cuda.current_stream = lambda *a, **k: _HostStream()
-    torch.cuda.stream = lambda s=None: contextlib.nullcontext()
-    tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-    token_dispatcher.maybe_move_tensor_to_cpu = _to_host
-    _SHIMS_ACTIVE = True
-    try:
-        yield [f"{getattr(o, '__name__', o)}.{n}" for o, n, _ in saved]
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
-        _SHIMS_ACTIVE = False
-
-
-_PERMANENT_SHIMS: Optional[contextlib.ExitStack] = None
-
-
-def _shims_for_factory(device: torch.device) -> None:
-    """A checker factory on the CPU (``python -m fsdp_cudagraph.check --device cpu``) has no scope to enter
-    :func:`cpu_shims` around: on a machine without CUDA, where nothing can call CUDA anyway, they are installed
-    for the rest of the process (with a warning); on a machine with CUDA :func:`build` refuses instead."""
-    global _PERMANENT_SHIMS
-    if device.type != "cpu" or _SHIMS_ACTIVE or torch.cuda.is_available():
-        return
-    _PERMANENT_SHIMS = contextlib.ExitStack()
-    names = _PERMANENT_SHIMS.enter_context(cpu_shims())
-    logger.warning("mcore_gpt: megatron-core on the CPU; replaced for the rest of this process: %s", names)
-
-
-def _check_device(device: torch.device) -> None:
-    if device.type == "cpu" and not _SHIMS_ACTIVE:
-        raise RuntimeError(
-            "megatron-core's GPTModel on device cpu calls CUDA-only functions (torch.cuda.current_device, CUDA "
-            "streams, the CUDA RNG tracker); run inside fsdp_cudagraph.apps.mcore_gpt.cpu_shims() (the app's "
-            "--device cpu does), or use a GPU")
-
-
 # ---------------------------------------------------------------------------------------------- the model
 
 
@@ -374,7 +283,7 @@ def build(shape: MCoreShape, device: torch.device, *, dtype: torch.dtype = torch
     on every EP rank: EP rank ``q`` holds global experts ``q * E/EP ..``).
     """
     _require()
-    _check_device(device)
+    check_device(device)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
@@ -545,7 +454,7 @@ def spec(name: str, device: torch.device, shape: Optional[MCoreShape] = None, *,
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     _require()
-    _shims_for_factory(device)
+    shims_for_factory(device)
     shape = shape or base_shape(device, name)
     init_parallel_state(seed, device, shape.expert_parallel_size)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

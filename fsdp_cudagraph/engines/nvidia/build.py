@@ -17,6 +17,7 @@ must be parallel_state's (checked).
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -74,14 +75,29 @@ def _expert_mesh(device: torch.device, expert_groups: ExpertGroups) -> Any:
     megatron-core's ``FullyShardedDataParallel`` builds its own)."""
     from torch.distributed.device_mesh import DeviceMesh
 
+    edp = dist.get_process_group_ranks(expert_groups[1])
+    return DeviceMesh.from_group([expert_groups[1], _single_rank_group()], device.type, mesh=[[r] for r in edp],
+                                 mesh_dim_names=("fsdp", "tp"))
+
+
+#: id(world group) -> (weak reference to it, this rank's one-rank group): built once per world, not per build
+_SINGLE_RANK: Dict[int, Tuple[Any, dist.ProcessGroup]] = {}
+
+
+def _single_rank_group() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    hit = _SINGLE_RANK.get(id(world))
+    if hit is not None and hit[0]() is world:
+        return hit[1]
     me, single = dist.get_rank(), None
-    for r in range(dist.get_world_size()):  # every rank creates every group, in one order
+    for r in range(dist.get_world_size()):  # every rank creates every group, in one order (a collective)
         g = dist.new_group([r])
         if r == me:
             single = g
-    edp = dist.get_process_group_ranks(expert_groups[1])
-    return DeviceMesh.from_group([expert_groups[1], single], device.type, mesh=[[r] for r in edp],
-                                 mesh_dim_names=("fsdp", "tp"))
+    assert single is not None
+    _SINGLE_RANK.clear()
+    _SINGLE_RANK[id(world)] = (weakref.ref(world), single)
+    return single
 
 
 def _build_nvidia(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_optimizer: MakeOptimizer,
