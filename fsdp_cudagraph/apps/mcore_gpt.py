@@ -3,9 +3,10 @@
 The model is built as megatron-core users build it: ``parallel_state.initialize_model_parallel`` (TP = PP = 1,
 EP = ``--expert-parallel``, default 1) over the existing default process group, a ``TransformerConfig``,
 TransformerEngine's layer spec (``get_gpt_layer_with_transformer_engine_spec``) when TE is importable, else
-megatron-core's local spec (``get_gpt_layer_local_spec``), and ``GPTModel``. The FSDP unit is ``TransformerLayer``; engines ``megatron_fsdp``
-(ours), ``nvidia`` (NVIDIA Megatron-FSDP, the bundled ``fully_shard`` or megatron-core's
-``FullyShardedDataParallel``: ``--nvidia-wrapper``) and ``fsdp2`` (PyTorch FSDP2), as the checker builds them.
+megatron-core's local spec (``get_gpt_layer_local_spec``), and ``GPTModel``. The FSDP unit is
+``TransformerLayer``; engines ``megatron_fsdp`` (ours), ``nvidia`` (NVIDIA Megatron-FSDP, the bundled
+``fully_shard`` or megatron-core's ``FullyShardedDataParallel``: ``--nvidia-wrapper``) and ``fsdp2`` (PyTorch
+FSDP2), as the checker builds them.
 Models:
 
 - ``dense``: a GPT with a dense MLP;

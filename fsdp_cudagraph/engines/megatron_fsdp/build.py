@@ -43,8 +43,9 @@ def _build_megatron_fsdp(model: nn.Module, *, unit_modules: Sequence[UnitSpec], 
         with sharded.summon_full_params():  # dense parameters and this rank's local experts, full
             return {n: cpu_copy(p).clone() for n, p in sharded.module.named_parameters()}
 
-    ep_text = (f", expert parallel {sharded.expert_parallel_size} (experts sharded over "
-               f"{dist.get_world_size(sharded.expert_data_parallel_group)} ranks)" if ep else "")
+    ep_text = (f", expert parallel {sharded.expert_parallel_size} (experts sharded over the "
+               f"{dist.get_world_size(sharded.expert_data_parallel_group)}-rank expert-data-parallel group)"
+               if ep else "")
     return ShardedRun(
         model=sharded, root=sharded.module, optimizer=make_optimizer(sharded.optimizer_parameters()),
         named_parameters=sharded.named_optimizer_parameters, final_parameters=final,
