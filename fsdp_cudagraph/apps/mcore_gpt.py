@@ -296,9 +296,10 @@ def build(shape: MCoreShape, device: torch.device, *, dtype: torch.dtype = torch
 
         raise ImportError(f"use_te=True needs TransformerEngine: {TE_REASON}")
     moe = shape.num_experts is not None
-    if _ps.get_expert_model_parallel_world_size() != shape.expert_parallel_size:
+    held = _ps.get_expert_model_parallel_world_size() if _ps.model_parallel_is_initialized() else None
+    if held != shape.expert_parallel_size:
         raise ValueError(f"expert_parallel_size={shape.expert_parallel_size} but megatron-core's parallel state has "
-                         f"expert_model_parallel_size={_ps.get_expert_model_parallel_world_size()}; call "
+                         f"expert_model_parallel_size={held} (None: not initialised); call "
                          "init_parallel_state(seed, device, shape.expert_parallel_size) first")
     grouped = te if shape.moe_grouped_gemm is None else shape.moe_grouped_gemm
     fusion = te if shape.moe_permute_fusion is None else shape.moe_permute_fusion
