@@ -23,7 +23,8 @@ megatron-core's own groups (``ModelSpec.expert_groups``: ``get_expert_model_para
   global expert; a router weight nudged by 1e-3 is not within it (2 ranks);
 - misuse refused with the value, the rule and the fix: EP on the dense model, EP not dividing the experts or the
   world size, engine fsdp2 with EP (the app and the checker's builder), NVIDIA's engine on expert groups whose
-  model carries no ``allreduce=False`` mark, NVIDIA's ``mcore`` wrapper on groups other than parallel_state's.
+  model has no parameter named ``*.experts.*`` (NVIDIA's test for an expert), NVIDIA's ``mcore`` wrapper on
+  groups other than parallel_state's.
 
 [Note: mcore EP tolerance]
 fp32, deterministic. EP=2 computes every token's forward from the same weights as EP=1; what differs is where the
@@ -324,8 +325,8 @@ def test_agrees_with_ep1(job: str, request: pytest.FixtureRequest) -> None:
 
 @pytest.mark.gloo
 def test_nvidia_expert_mesh_is_the_edp_group(four: List[Dict[str, Any]]) -> None:
-    """NVIDIA's fully_shard shards ``allreduce=False`` parameters over its expert mesh's ``fsdp`` dimension: the
-    builder makes that dimension megatron-core's EDP group, with a trivial ``tp`` dimension."""
+    """NVIDIA's fully_shard shards ``*.experts.*`` parameters over its expert mesh's ``fsdp`` dimension: the builder
+    makes that dimension megatron-core's EDP group, with a trivial ``tp`` dimension."""
     for rank, r in enumerate(four):
         m = r["nvidia_mesh"]
         assert m == {"names": ["fsdp", "tp"], "shape": [2, 1], "fsdp": [rank % 2, rank % 2 + 2], "tp": [rank]}, m
@@ -347,7 +348,7 @@ def test_misuse_refused(two: List[Dict[str, Any]]) -> None:
         and "Megatron-LM" in m["checker_fsdp2"], m["checker_fsdp2"]
     assert m["world"].startswith("ValueError") and "does not divide the world size 2" in m["world"], m["world"]
     assert "are not megatron-core's parallel-state groups" in m["nvidia_mcore_groups"], m["nvidia_mcore_groups"]
-    assert "allreduce=False" in m["nvidia_unmarked"] and "EP=2" in m["nvidia_unmarked"], m["nvidia_unmarked"]
+    assert "'.experts.'" in m["nvidia_unmarked"] and "EP=2" in m["nvidia_unmarked"], m["nvidia_unmarked"]
 
 
 @pytest.mark.parametrize("kw,words", [

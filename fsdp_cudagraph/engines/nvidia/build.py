@@ -6,8 +6,10 @@ the module is cast to ``compute_dtype`` with fp32 main parameters and gradients.
 megatron-core (:data:`NVIDIA_PIP`). Final parameters: this rank's shard of each main parameter.
 
 Expert parallelism (``expert_groups``, the factory's ``ModelSpec.expert_groups``): NVIDIA's engine takes a
-parameter with ``allreduce=False`` for an expert parameter (megatron-core marks its expert weights so at EP > 1)
-and shards it over the ``dp_shard`` dimension of its expert device mesh. ``fully_shard``: that mesh is built
+parameter whose name contains ``.experts.`` for an expert parameter (``is_expert_parameter`` in its
+``param_and_grad_buffer.py``, 0.3.1 and 0.6.1; ``allreduce=False``, megatron-core's mark at EP > 1, only makes it
+require an expert group) and shards it over the ``dp_shard`` dimension of its expert device mesh.
+``fully_shard``: that mesh is built
 from the expert-data-parallel group (``expt_device_mesh``, dimensions ``("fsdp", "tp")`` as ``fully_shard``'s
 default mesh, the expert tensor-parallel dimension of size 1), as megatron-core's adapter builds it;
 ``mcore``: ``FullyShardedDataParallel`` builds it itself from ``megatron.core.parallel_state``, so the groups
@@ -55,18 +57,17 @@ NVIDIA_WRAPPERS = ("fully_shard", "mcore")
 ExpertGroups = Tuple[dist.ProcessGroup, dist.ProcessGroup]
 
 
-def _check_expert_marks(model: nn.Module, expert_groups: ExpertGroups) -> None:
-    """NVIDIA's engine knows an expert parameter only by ``allreduce=False``: refuse a model with expert groups
-    whose parameters carry no such mark (its experts would be sharded over every rank as if replicated)."""
-    marked = [n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False]
-    if not marked:
+def _check_expert_names(model: nn.Module, expert_groups: ExpertGroups) -> None:
+    """NVIDIA's engine knows an expert parameter only by ``.experts.`` in its name: refuse a model with expert
+    groups that has no such parameter (its local experts would be sharded over every rank as if replicated)."""
+    if not any(".experts." in n for n, _ in model.named_parameters()):
         ep = dist.get_world_size(expert_groups[0])
         raise ValueError(
-            f"engine='nvidia' with expert parallelism (expert_groups, EP={ep}): no parameter of "
-            f"{type(model).__name__} has allreduce=False, NVIDIA Megatron-FSDP's mark of an expert parameter, so "
-            "it would shard the local experts over every rank as if they were replicated; build the model with "
-            "megatron-core's expert_model_parallel_size (which marks its expert weights) or set "
-            "param.allreduce = False on every expert parameter")
+            f"engine='nvidia' with expert parallelism (expert_groups, EP={ep}): no parameter name of "
+            f"{type(model).__name__} contains '.experts.', NVIDIA Megatron-FSDP's test for an expert parameter, so "
+            "it would shard the local experts over every rank as if they were replicated; hold the experts in a "
+            "submodule named experts (megatron-core's mlp.experts), or use engine megatron_fsdp (which also takes "
+            "an is_expert = True module tag)")
 
 
 def _expert_mesh(device: torch.device, expert_groups: ExpertGroups) -> Any:
@@ -114,7 +115,7 @@ def _build_nvidia(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_op
     # NVIDIA's string unit specs are import paths; ours are class names: hand it the classes.
     classes = unit_classes(model, unit_modules, engine="nvidia")
     if expert_groups is not None:
-        _check_expert_marks(model, expert_groups)
+        _check_expert_names(model, expert_groups)
     if compute_dtype is not None:
         model = model.to(compute_dtype)  # NVIDIA computes in the module's dtype
     if wrapper == "mcore":
