@@ -39,6 +39,9 @@ Engines:
 Final parameters: ``megatron_fsdp`` and ``fsdp2`` gather full parameters on every rank; ``nvidia`` gives this
 rank's shard of each main parameter (the checker agrees its verdict over ranks, so equal shards on every
 rank are equal parameters).
+
+Expert parallelism (``expert_groups``): ``megatron_fsdp`` and ``nvidia`` shard the expert parameters over the
+expert-data-parallel group (see their build.py); ``fsdp2`` refuses.
 """
 
 from __future__ import annotations
@@ -77,7 +80,10 @@ class EngineBuilder:
     """How the checker runs under one engine (registered with ``registry.register_builder``)."""
 
     name: str
-    #: ``(model, *, unit_modules, make_optimizer, device, sharding_strategy, compute_dtype) -> ShardedRun``
+    #: ``(model, *, unit_modules, make_optimizer, device, sharding_strategy, compute_dtype) -> ShardedRun``, and
+    #: ``options=`` (the engine's own, see ``options``) and ``expert_groups=`` (``(EP group, EDP group)`` of a
+    #: model built with expert parallelism, ``ModelSpec.expert_groups``) when the checker has any: an engine that
+    #: cannot shard experts over the expert-data-parallel group refuses them (``NotImplementedError``)
     build: Callable[..., ShardedRun]
     #: ``device -> why it cannot run here (ImportError or RuntimeError carrying the reason), or None``
     unavailable: Callable[[torch.device], Optional[Exception]]

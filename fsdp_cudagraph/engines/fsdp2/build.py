@@ -141,9 +141,16 @@ FSDP2_STORAGE = ("keep", "slots")
 
 def _build_fsdp2(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_optimizer: MakeOptimizer,
                  device: torch.device, sharding_strategy: str, compute_dtype: Optional[torch.dtype],
-                 options: Optional[Dict[str, Any]] = None) -> ShardedRun:
+                 options: Optional[Dict[str, Any]] = None, expert_groups: Any = None) -> ShardedRun:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    if expert_groups is not None:
+        raise NotImplementedError(
+            f"engine='fsdp2' with expert parallelism (EP={dist.get_world_size(expert_groups[0])}): this builder "
+            "shards every parameter over one mesh of all ranks, but each rank holds only its own local experts, "
+            "which must be sharded over the expert-data-parallel group alone (Megatron-LM refuses the same: "
+            "'--use-torch-fsdp2 is not supported with expert parallelism'); use engine megatron_fsdp or nvidia, "
+            "or expert_parallel_size=1")
     options = options or {}
     storage, mixed = options.get("storage", "keep"), options.get("mixed_precision")
     ep = options.get("expert_parallel_size", 1)
