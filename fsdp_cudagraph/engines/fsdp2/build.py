@@ -146,11 +146,12 @@ def _build_fsdp2(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_opt
 
     if expert_groups is not None:
         raise NotImplementedError(
-            f"engine='fsdp2' with expert parallelism (EP={dist.get_world_size(expert_groups[0])}): this builder "
-            "shards every parameter over one mesh of all ranks, but each rank holds only its own local experts, "
-            "which must be sharded over the expert-data-parallel group alone (Megatron-LM refuses the same: "
-            "'--use-torch-fsdp2 is not supported with expert parallelism'); use engine megatron_fsdp or nvidia, "
-            "or expert_parallel_size=1")
+            f"engine='fsdp2' with a model's own expert groups (EP={dist.get_world_size(expert_groups[0])}, e.g. "
+            "megatron-core's parallel_state): FSDP2's expert parallelism here is torchtitan's layout "
+            "(engine_options expert_parallel_size=EP over experts modules tagged is_expert, on its own (edp, ep) "
+            "mesh), which is not wired to groups a model brings (Megatron-LM refuses FSDP2 with expert parallelism "
+            "too: '--use-torch-fsdp2 is not supported with expert parallelism'); use engine megatron_fsdp or "
+            "nvidia, or expert_parallel_size=1")
     options = options or {}
     storage, mixed = options.get("storage", "keep"), options.get("mixed_precision")
     ep = options.get("expert_parallel_size", 1)
