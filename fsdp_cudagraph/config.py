@@ -27,6 +27,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple, Type, Union
 
 import torch
 
+from fsdp_cudagraph.capture import fp8 as _fp8
 from fsdp_cudagraph.capture import te as _te
 
 logger = logging.getLogger(__name__)
@@ -235,6 +236,37 @@ def _offload_problems(cfg: "CudaGraphConfig") -> List[str]:
     return problems
 
 
+def _fp8_problems(cfg: "CudaGraphConfig") -> List[str]:
+    """The FP8 rules (which graph makers know TE's FP8 state), as problem lines ([Note: the FP8 region under
+    graphs] in ``capture/fp8.py``)."""
+    recipe, impl, problems = cfg.fp8_recipe, cfg.cuda_graph_impl, []
+    if recipe is None:
+        if cfg.fp8_cache_quantized_params:
+            problems.append("fp8_cache_quantized_params=True without fp8_recipe would be ignored; set fp8_recipe "
+                            f"(one of {', '.join(_fp8.FP8_RECIPES)}) or drop fp8_cache_quantized_params")
+        return problems
+    given = f"fp8_recipe='{recipe}'"
+    if impl == CudaGraphImpl.LOCAL:
+        problems.append(f"{given} with cuda_graph_impl='local' is not supported: torch's make_graphed_callables knows "
+                        "no FP8 state (TE's graph maker wraps each callable in TE's autocast while it captures and "
+                        "restores the scaling state its warmup changed); use cuda_graph_impl='transformer_engine'")
+    if impl == CudaGraphImpl.FULL_ITERATION and recipe == "delayed":
+        problems.append(f"{given} with cuda_graph_impl='full_iteration' is not supported: TE reduces the gradients' "
+                        "amaxes and updates their scales on the host after the first FP8 module's backward and skips "
+                        "that while a capture is under way, so a replayed step would never update them; use "
+                        "fp8_recipe='current' or 'block' (no state between steps) for whole-step graphs, or per-layer "
+                        "graphs (cuda_graph_impl='transformer_engine') for delayed scaling")
+    if impl == CudaGraphImpl.FULL_ITERATION and cfg.fp8_cache_quantized_params:
+        problems.append(f"fp8_cache_quantized_params=True with cuda_graph_impl='full_iteration' is not supported: it "
+                        "is TE's make_graphed_callables argument (per-layer graphs, cuda_graph_impl="
+                        "'transformer_engine'); drop it for whole-step graphs")
+    if impl != CudaGraphImpl.LOCAL and cfg.inference_cuda_graph_scope not in (None, InferenceCudaGraphScope.NONE):
+        problems.append(f"{given} with inference_cuda_graph_scope='{cfg.inference_cuda_graph_scope}' is not "
+                        "supported: inference graphs are captured by torch's graph maker, which knows no FP8 state; "
+                        "drop inference_cuda_graph_scope (evaluate eagerly under fp8.autocast()) or fp8_recipe")
+    return problems
+
+
 class MigratedOptions(NamedTuple):
     """The typed options after the deprecated inputs have been folded in. ``None`` means "not given"."""
 
@@ -392,6 +424,17 @@ class CudaGraphConfig:
         (``moe`` offloaded while ``moe_router``/``moe_preprocess`` are graphed); patterns are checked when the
         modules are selected.
 
+    FP8 (TransformerEngine; ``capture/fp8.py``, docs/fp8.md):
+        fp8_recipe: ``None`` (no FP8), ``delayed``, ``current`` or ``block``: the recipe TE's graph maker captures
+            the graphed callables with; a :class:`~fsdp_cudagraph.capture.fp8.FP8Recipe` of this name runs the
+            eager autocast (``PartialCudaGraphs(..., fp8=...)`` takes yours, or builds one and exposes it as
+            ``graphs.fp8``). Rules: not with impl ``local`` (torch's graph maker knows no FP8 state: TE's saves
+            and restores the scaling state around its warmup and wraps each callable in TE's autocast);
+            ``delayed`` not with ``full_iteration`` (TE skips the backward amax reduction while its capture flag
+            is up, so a captured step would never update the gradients' scales); not with inference graphs.
+        fp8_cache_quantized_params: TE's ``cache_quantized_params``: the FP8 weights are quantized on the first
+            micro-batch of a step and reused on the others; needs ``fp8_recipe`` and a per-layer or no impl.
+
     Deprecated (migrated by :func:`migrate_deprecated_options`, then reset to ``None``):
         enable_cuda_graph, external_cuda_graph, cuda_graph_scope.
     """
@@ -410,6 +453,8 @@ class CudaGraphConfig:
     use_megatron_fsdp: bool = False
     fsdp_double_buffer: bool = False
     fsdp_db_use_persist_buf_on_alloc_fail: bool = False
+    fp8_recipe: Optional[str] = None
+    fp8_cache_quantized_params: bool = False
     enable_cuda_graph: Optional[bool] = None
     external_cuda_graph: Optional[bool] = None
     cuda_graph_scope: Union[List[str], str, None] = None
@@ -439,13 +484,14 @@ class CudaGraphConfig:
                                                                     "activation_offload_modules"))
         self.activation_offload_module_patterns = _parse_patterns(
             self.activation_offload_module_patterns, "activation_offload_module_patterns", "layers.*.mlp")
+        self.fp8_recipe = _fp8.parse_fp8_recipe(self.fp8_recipe)
         self._validate()
         logger.debug("CUDA graph config: %s", self)
 
     def _validate(self) -> None:
         """Check every cross-field rule; raise one ValueError listing all violations."""
         for name in ("use_megatron_fsdp", "fsdp_double_buffer", "fsdp_db_use_persist_buf_on_alloc_fail",
-                     "cuda_graph_strict_signature"):
+                     "cuda_graph_strict_signature", "fp8_cache_quantized_params"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         problems: List[str] = []
@@ -495,6 +541,7 @@ class CudaGraphConfig:
                                 "cuda_graph_impl='none'. This is Megatron-LM's command-line rule. The graph kinds "
                                 "check the model's engine itself (the precise rule, in the engine's contract)")
         problems += _offload_problems(self)
+        problems += _fp8_problems(self)
         if problems:
             raise ValueError("invalid CUDA graph config:\n  - " + "\n  - ".join(problems))
 
@@ -529,6 +576,8 @@ class CudaGraphConfig:
             raise ImportError(f"cuda_graph_impl='transformer_engine' needs TransformerEngine >= "
                               f"{_te.MIN_TE_VERSION}: {_te.TE_REASON}; install it with pip install "
                               "'fsdp-cudagraph[te]' or use cuda_graph_impl='local'")
+        if self.fp8_recipe is not None:
+            _fp8.check_fp8_runtime(self.fp8_recipe)
 
 
 def _argtype(parse: Any) -> Any:
@@ -577,6 +626,11 @@ def add_cuda_graph_args(parser_or_group: Union[argparse.ArgumentParser, Any]) ->
                        help="fraction of offload groups (the first ones of forward) that offload, in (0, 1] (default 1)")
     group.add_argument("--activation-offload-min-bytes", type=int, default=None,
                        help="smaller copies stay on the device (default 1 MiB)")
+    group.add_argument("--fp8-recipe", type=_argtype(_fp8.parse_fp8_recipe), default=None,
+                       help=f"FP8 training with TransformerEngine: {', '.join(_fp8.FP8_RECIPES)} (default: none, bf16)")
+    group.add_argument("--fp8-cache-quantized-params", action="store_true", default=None,
+                       help="quantize FP8 weights on a step's first micro-batch only and reuse them (TE's "
+                            "cache_quantized_params)")
     group.add_argument("--enable-cuda-graph", action="store_true", default=None,
                        help="DEPRECATED: use --cuda-graph-impl local")
     group.add_argument("--external-cuda-graph", action="store_true", default=None,
@@ -589,7 +643,7 @@ def add_cuda_graph_args(parser_or_group: Union[argparse.ArgumentParser, Any]) ->
 _NEW_FIELDS = ("cuda_graph_impl", "cuda_graph_modules", "cuda_graph_module_patterns", "inference_cuda_graph_scope",
                "cuda_graph_warmup_steps", "cuda_graph_num_warmup_iters", "cuda_graph_strict_signature",
                "activation_offload_modules", "activation_offload_module_patterns", "activation_offload_fraction",
-               "activation_offload_min_bytes")
+               "activation_offload_min_bytes", "fp8_recipe", "fp8_cache_quantized_params")
 _DEPRECATED_FIELDS = ("enable_cuda_graph", "external_cuda_graph", "cuda_graph_scope")
 _FSDP_FIELDS = ("use_megatron_fsdp", "fsdp_double_buffer", "fsdp_db_use_persist_buf_on_alloc_fail")
 

@@ -15,7 +15,7 @@ import gc
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron_fsdp import MegatronFSDP, fully_shard
 
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch
+from fsdp_cudagraph.capture.fp8 import FP8Recipe
 from fsdp_cudagraph.config import CudaGraphConfig
 from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.graphs.partial import CaptureReport, PartialCudaGraphs, match_graph_attention, select_modules
@@ -111,6 +112,11 @@ class RunSpec:
     perturb_step: Optional[int] = None
     #: Hybrid sharding (HSDP): replicate degree R; the world is an (R, world / R) mesh (replicate, shard).
     replicate: int = 1
+    #: With ``model.fp8``: quantize the FP8 weights on each step's first micro-batch only (TE's
+    #: ``cache_quantized_params``, eagerly through ``is_first_microbatch`` and in the graph maker).
+    fp8_cache_quantized_params: bool = False
+    #: Graphed runs: called with the model right after capture (the FP8 negative controls change state there).
+    after_capture: Optional[Callable[[Any], None]] = None
 
 
 @dataclasses.dataclass
@@ -197,9 +203,24 @@ def rank_batches(model: GPTConfig, *, steps: int, grad_accum: int, micro_batch_s
     return out
 
 
+def fp8_recipe(spec: RunSpec) -> Optional[FP8Recipe]:
+    """The run's FP8 recipe (``spec.model.fp8``; the default amax reduction group, the world: the data-parallel group
+    of these runs), or None. One object per run: the eager autocast and the graph maker share it."""
+    if spec.model.fp8 is None:
+        if spec.fp8_cache_quantized_params:
+            raise ValueError("fp8_cache_quantized_params=True needs GPTConfig(fp8=...)")
+        return None
+    if spec.fp8_cache_quantized_params and spec.model.unit == "te_layer":
+        raise ValueError("fp8_cache_quantized_params=True with unit='te_layer': the GPT calls TE's TransformerLayer "
+                         "without is_first_microbatch (it would become part of the graphed call's signature); use "
+                         "unit='block'")
+    return FP8Recipe(spec.model.fp8, cache_quantized_params=spec.fp8_cache_quantized_params)
+
+
 def graph_config(spec: RunSpec, scope: Optional[Sequence[str]] = None) -> CudaGraphConfig:
     """The CudaGraphConfig of a graphed run: its scope (default ``spec.cuda_graph_modules``) and backend."""
     return CudaGraphConfig(
+        fp8_recipe=spec.model.fp8, fp8_cache_quantized_params=spec.fp8_cache_quantized_params,
         cuda_graph_impl={"te": "transformer_engine", "torch": "local", "protocol": "local"}[spec.backend],
         cuda_graph_modules=list((spec.cuda_graph_modules if scope is None else scope) or []),
         cuda_graph_warmup_steps=spec.capture_step,
@@ -226,6 +247,7 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(spec, device)
     opt = make_adam(model.optimizer_parameters(), spec.optimizer, lr=spec.lr)
+    fp8 = fp8_recipe(spec)
     graphs = None
     matcher = None
     graphed = spec.cuda_graph_modules is not None
@@ -249,9 +271,11 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
             if graphed and step == spec.build_graphs_step:
                 graphs = PartialCudaGraphs(model, graph_config(spec), backend=spec.backend,
                                            attention_backend=spec.attention_backend,
-                                           clone_param_grads=spec.clone_param_grads)
+                                           clone_param_grads=spec.clone_param_grads, fp8=fp8)
             if graphs is not None and step == spec.capture_step:
                 report = graphs.capture()
+                if spec.after_capture is not None:
+                    spec.after_capture(model)
             if step == profile_from:
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                               + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
@@ -261,11 +285,14 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
                 start.record()
             t0 = time.perf_counter()
             step_loss = torch.zeros((), device=device)
-            for x, y in data[step]:
+            for mb, (x, y) in enumerate(data[step]):
                 if spec.perturb_step == step:
                     x = x.clone()
                     x[0, 0] = (x[0, 0] + 1) % spec.model.vocab_size
-                loss = loss_fn(model(x), y) / spec.grad_accum
+                # FP8: one region around each micro-batch's forward, eager and graphed alike ([Note: the FP8
+                # region under graphs] in capture/fp8.py)
+                with fp8.autocast(first_microbatch=mb == 0) if fp8 is not None else contextlib.nullcontext():
+                    loss = loss_fn(model(x), y) / spec.grad_accum
                 loss.backward()
                 step_loss += loss.detach()
             opt.step()
