@@ -59,7 +59,8 @@ import torch.distributed as dist
 
 from fsdp_cudagraph.apps.model import GPTConfig
 from fsdp_cudagraph.capture import fp8 as _fp8
-from fsdp_cudagraph.apps.train import RunSpec, add_optimizer_argument, init_distributed, run_training, use_deterministic_kernels
+from fsdp_cudagraph.apps.train import (RunSpec, add_optimizer_argument, init_distributed, run_training, states_equal,
+                                       use_deterministic_kernels)
 from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON
 from fsdp_cudagraph.checker.records import versions, write_record  # noqa: F401 - re-exported for the suites and benchmarks
 
@@ -218,7 +219,7 @@ def _hooks_equal(eager: Any, graphed: Any) -> Optional[bool]:
 
 def compare(eager: Any, graphed: Any, device: torch.device) -> Dict[str, Any]:
     loss_eq = [torch.equal(a, b) for a, b in zip(eager.losses, graphed.losses)]
-    param_eq = all(torch.equal(eager.final_state[k], graphed.final_state[k]) for k in eager.final_state)
+    param_eq = states_equal(eager.final_state, graphed.final_state)  # FP8 scaling state included
     hooks_eq = _hooks_equal(eager, graphed)
     ok = _equal_everywhere(all(loss_eq) and param_eq and hooks_eq is not False, device)
     first_bad = next((i for i, e in enumerate(loss_eq) if not e), None)
@@ -284,16 +285,46 @@ def drop_quantized_weights_after_capture(model: Any) -> None:
 
 def fp8_controls(device: torch.device, expect: Any) -> List[Dict[str, Any]]:
     """The FP8 controls (TE backend): a lost scaling state is a mismatch, a moved cached weight an error."""
+    from fsdp_cudagraph.apps.model import loss_fn, synthetic_batch
+    from fsdp_cudagraph.apps.train import build_model, fp8_recipe, graph_config
+    from fsdp_cudagraph.graphs.partial import PartialCudaGraphs
+
     out: List[Dict[str, Any]] = []
-    common = dict(strategy=ZERO3, backend="te", steps=8, capture_step=3, device=device,
-                  model={"seq_len": FP8_SEQ, "fp8": "delayed"})
-    row = run_row(scope=["attn", "mlp"], grad_accum=1, after_capture=reset_scaling_after_capture, **common)
+    row = run_row(scope=["attn", "mlp"], strategy=ZERO3, backend="te", grad_accum=1, steps=8, capture_step=3,
+                  device=device, model={"seq_len": FP8_SEQ, "fp8": "delayed"},
+                  after_capture=reset_scaling_after_capture)
     out.append({"control": "FP8 scaling state not restored", "caught": not row["equal"],
                 "detail": f"first mismatch at step {row['first_mismatch_step']}" if not row["equal"] else
                 row.get("error", "all steps equal")})
-    expect("FP8 quantized weight moved", lambda: run_row(
-        scope=["attn", "mlp"], grad_accum=2, fp8_cache=True, after_capture=drop_quantized_weights_after_capture,
-        **common), RuntimeError, ["quantized weight"])
+
+    def weight_moved() -> None:  # as "parameter moved after capture", with FP8 weights cached over 2 micro-batches
+        spec = RunSpec(model=model_config("te", seq_len=FP8_SEQ, fp8="delayed"), steps=3, backend="te",
+                       cuda_graph_modules=["attn", "mlp"], capture_step=1, fp8_cache_quantized_params=True)
+        model = build_model(spec, device)
+        opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-3)
+        fp8 = fp8_recipe(spec)
+        graphs = PartialCudaGraphs(model, graph_config(spec), backend="te", fp8=fp8)
+
+        def step(n: int) -> None:
+            for mb in range(2):
+                x, y = synthetic_batch(2 * n + mb, 2, spec.model, device)
+                with fp8.autocast(first_microbatch=mb == 0):
+                    loss = loss_fn(model(x), y)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        try:
+            step(0)
+            graphs.capture()
+            step(1)  # replays
+            drop_quantized_weights_after_capture(model)
+            step(2)
+        finally:
+            model.reset_step_state()
+            graphs.delete()
+
+    expect("FP8 quantized weight moved", weight_moved, RuntimeError, ["quantized weight"])
     return out
 
 

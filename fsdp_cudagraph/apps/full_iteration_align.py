@@ -49,7 +49,8 @@ from megatron_fsdp import fully_shard
 
 from fsdp_cudagraph.apps.align import versions, write_record
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn
-from fsdp_cudagraph.apps.train import add_optimizer_argument, init_distributed, make_adam, rank_batches, use_deterministic_kernels
+from fsdp_cudagraph.apps.train import (add_optimizer_argument, init_distributed, make_adam, rank_batches, states_equal,
+                                       use_deterministic_kernels)
 from fsdp_cudagraph.config import CudaGraphConfig
 from fsdp_cudagraph.graphs.full_iteration import FullIterationCudaGraph, FullIterationReport
 from fsdp_cudagraph.graphs.partial import PartialCudaGraphs
@@ -269,8 +270,7 @@ def _everywhere(flag: bool, device: torch.device) -> bool:
 
 def compare(eager: FullRunResult, graphed: FullRunResult, device: torch.device) -> Dict[str, Any]:
     loss_eq = [torch.equal(a, b) for a, b in zip(eager.losses, graphed.losses)] + [len(eager.losses) == len(graphed.losses)]
-    param_eq = eager.final_state.keys() == graphed.final_state.keys() and all(
-        torch.equal(eager.final_state[k], graphed.final_state[k]) for k in eager.final_state)
+    param_eq = states_equal(eager.final_state, graphed.final_state)
     eval_eq = len(eager.evals) == len(graphed.evals) and all(
         all(torch.equal(a, b) for a, b in zip(ea, ga)) for ea, ga in zip(eager.evals, graphed.evals))
     norm_eq = len(eager.norms) == len(graphed.norms) and all(torch.equal(a, b) for a, b in zip(eager.norms, graphed.norms))

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import pickle
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -30,7 +31,7 @@ from fsdp_cudagraph.graphs.partial import CaptureReport, PartialCudaGraphs, matc
 from fsdp_cudagraph.checker.records import exit_process  # noqa: F401 - re-exported for the entry points
 
 __all__ = ["RunSpec", "RunResult", "build_model", "graph_config", "run_training", "use_deterministic_kernels",
-           "init_distributed", "rank_batches"]
+           "init_distributed", "rank_batches", "states_equal"]
 
 
 def init_distributed(*, default_port: int = 29512) -> torch.device:
@@ -320,6 +321,32 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
     for h in hook_handles:
         h.remove()
     return RunResult(losses, ms, peak, report, state, table, hook_values)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _extra_state_content(value: Any) -> Any:
+    """TE's extra state is a uint8 tensor of pickled bytes; pickled tensors carry storage keys made from addresses, so
+    equal states need not be equal bytes: compare what it holds (unpickled: this run's own values)."""
+    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1 and value.numel():
+        return pickle.loads(value.numpy().tobytes())
+    return value
+
+
+def states_equal(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    """Whether two final state dicts (``full_state_dict()``) are the same: every tensor ``torch.equal``, and each
+    module's extra state (TE's FP8 scaling: amax histories and scales) equal in content."""
+    return a.keys() == b.keys() and all(
+        _same(_extra_state_content(a[k]), _extra_state_content(b[k])) if k.endswith("_extra_state")
+        else torch.equal(a[k], b[k]) for k in a)
 
 
 def _user_hooks(model: MegatronFSDP, config: CudaGraphConfig) -> Tuple[Dict[str, List[torch.Tensor]], List[Any]]:

@@ -136,17 +136,19 @@ def _is_te_module(module: nn.Module) -> bool:
 
 def fp8_gemm_problems(name: str, module: nn.Module, sample_args: Sequence[Any]) -> List[str]:
     """What TE's FP8 GEMMs would refuse in graphed callable ``name``: each 2-D weight of its TE modules
-    (``[out, in]``), and each floating-point input (``[..., hidden]``)."""
-    out = []
+    (``[out, in]``), and each floating-point input whose last dimension is one of those weights' input sizes
+    (``[..., hidden]``: the tokens it carries must be a multiple of 8; masks and other inputs are not checked)."""
+    out, in_sizes = [], set()
     for mname, m in module.named_modules():
         if _is_te_module(m):
             for pname, p in m.named_parameters(recurse=False):
                 if p.dim() == 2:
+                    in_sizes.add(p.shape[-1])
                     problem = fp8_shape_problem(f"{name}.{mname + '.' if mname else ''}{pname}", p.shape)
                     if problem:
                         out.append(problem)
     for i, a in enumerate(sample_args or ()):
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() >= 2 and a.shape[-1] in in_sizes:
             problem = fp8_shape_problem(f"input {i} of {name}", a.shape)
             if problem:
                 out.append(problem)

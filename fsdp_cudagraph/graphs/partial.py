@@ -169,8 +169,8 @@ class PartialCudaGraphs:
         if backend != "protocol":
             # The machine first, before any hook or stream changes: a missing GPU or TE is known now, not
             # after the warmup steps.
-            config.check_runtime()
-            if self.fp8 is not None:
+            config.check_runtime()  # config.fp8_recipe's device rules included
+            if self.fp8 is not None and config.fp8_recipe is None:
                 self.fp8.check_runtime()
         self.engine.check_partial_graphs()
         self.callables = self._select()

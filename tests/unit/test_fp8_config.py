@@ -417,3 +417,23 @@ def test_length_buckets_refuse_fp8():
         LengthBucketGraphs(nn.Sequential(Block()), CudaGraphConfig(cuda_graph_impl=TE, cuda_graph_modules=["mlp"],
                                                                    fp8_recipe="current"),
                            buckets=[8, 16], length_args={"x": 0}, backend="protocol")
+
+
+def test_final_states_compare_te_extra_state_by_content():
+    """TE's extra state is pickled bytes, and pickled tensors carry storage keys made from addresses: two equal
+    scaling states need not be equal bytes, so the alignment apps compare what they hold."""
+    import pickle
+
+    from fsdp_cudagraph.apps.train import states_equal
+
+    def te_state(history: torch.Tensor) -> torch.Tensor:
+        payload = pickle.dumps({"amax_history_fwd": history, "extra_fp8_variables": {"num_gemms": 1}})
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+    w = torch.ones(2)
+    a = {"w": w, "m._extra_state": te_state(torch.arange(4.0))}
+    b = {"w": w.clone(), "m._extra_state": te_state(torch.arange(4.0) + 0)}  # equal values, another storage
+    assert states_equal(a, b)
+    assert not states_equal(a, {"w": w, "m._extra_state": te_state(torch.arange(4.0) + 1)})
+    empty = torch.empty(0, dtype=torch.uint8)  # a stateless recipe's (current, block) or a bf16 TE module's
+    assert states_equal({"m._extra_state": empty}, {"m._extra_state": empty.clone()})
