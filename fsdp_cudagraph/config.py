@@ -236,37 +236,6 @@ def _offload_problems(cfg: "CudaGraphConfig") -> List[str]:
     return problems
 
 
-def _fp8_problems(cfg: "CudaGraphConfig") -> List[str]:
-    """The FP8 rules (which graph makers know TE's FP8 state), as problem lines ([Note: the FP8 region under
-    graphs] in ``capture/fp8.py``)."""
-    recipe, impl, problems = cfg.fp8_recipe, cfg.cuda_graph_impl, []
-    if recipe is None:
-        if cfg.fp8_cache_quantized_params:
-            problems.append("fp8_cache_quantized_params=True without fp8_recipe would be ignored; set fp8_recipe "
-                            f"(one of {', '.join(_fp8.FP8_RECIPES)}) or drop fp8_cache_quantized_params")
-        return problems
-    given = f"fp8_recipe='{recipe}'"
-    if impl == CudaGraphImpl.LOCAL:
-        problems.append(f"{given} with cuda_graph_impl='local' is not supported: torch's make_graphed_callables knows "
-                        "no FP8 state (TE's graph maker wraps each callable in TE's autocast while it captures and "
-                        "restores the scaling state its warmup changed); use cuda_graph_impl='transformer_engine'")
-    if impl == CudaGraphImpl.FULL_ITERATION and recipe == "delayed":
-        problems.append(f"{given} with cuda_graph_impl='full_iteration' is not supported: TE reduces the gradients' "
-                        "amaxes and updates their scales on the host after the first FP8 module's backward and skips "
-                        "that while a capture is under way, so a replayed step would never update them; use "
-                        "fp8_recipe='current' or 'block' (no state between steps) for whole-step graphs, or per-layer "
-                        "graphs (cuda_graph_impl='transformer_engine') for delayed scaling")
-    if impl == CudaGraphImpl.FULL_ITERATION and cfg.fp8_cache_quantized_params:
-        problems.append(f"fp8_cache_quantized_params=True with cuda_graph_impl='full_iteration' is not supported: it "
-                        "is TE's make_graphed_callables argument (per-layer graphs, cuda_graph_impl="
-                        "'transformer_engine'); drop it for whole-step graphs")
-    if impl != CudaGraphImpl.LOCAL and cfg.inference_cuda_graph_scope not in (None, InferenceCudaGraphScope.NONE):
-        problems.append(f"{given} with inference_cuda_graph_scope='{cfg.inference_cuda_graph_scope}' is not "
-                        "supported: inference graphs are captured by torch's graph maker, which knows no FP8 state; "
-                        "drop inference_cuda_graph_scope (evaluate eagerly under fp8.autocast()) or fp8_recipe")
-    return problems
-
-
 class MigratedOptions(NamedTuple):
     """The typed options after the deprecated inputs have been folded in. ``None`` means "not given"."""
 
@@ -541,7 +510,8 @@ class CudaGraphConfig:
                                 "cuda_graph_impl='none'. This is Megatron-LM's command-line rule. The graph kinds "
                                 "check the model's engine itself (the precise rule, in the engine's contract)")
         problems += _offload_problems(self)
-        problems += _fp8_problems(self)
+        problems += _fp8.config_problems(self.fp8_recipe, impl=str(impl), cache=self.fp8_cache_quantized_params,
+                                         inference_scope=str(self.inference_cuda_graph_scope))
         if problems:
             raise ValueError("invalid CUDA graph config:\n  - " + "\n  - ".join(problems))
 

@@ -59,7 +59,7 @@ from torch import nn
 
 from fsdp_cudagraph.capture import te as _te
 
-__all__ = ["FP8_RECIPES", "FP8Recipe", "parse_fp8_recipe", "check_fp8_device", "fp8_shape_problem",
+__all__ = ["FP8_RECIPES", "FP8Recipe", "parse_fp8_recipe", "config_problems", "check_fp8_device", "fp8_shape_problem",
            "is_first_microbatch", "te_autocast_active", "delayed_scaling_modules", "quantized_weight_probe",
            "reset_scaling_state"]
 
@@ -153,6 +153,34 @@ def fp8_gemm_problems(name: str, module: nn.Module, sample_args: Sequence[Any]) 
             if problem:
                 out.append(problem)
     return out
+
+
+def config_problems(recipe: Optional[str], *, impl: str, cache: bool, inference_scope: str) -> List[str]:
+    """``CudaGraphConfig``'s FP8 rules, as problem lines: which graph makers know TE's FP8 state ([Note: the FP8
+    region under graphs]). ``impl``, ``inference_scope``: the config's values as strings."""
+    if recipe is None:
+        return (["fp8_cache_quantized_params=True without fp8_recipe would be ignored; set fp8_recipe (one of "
+                 f"{', '.join(FP8_RECIPES)}) or drop fp8_cache_quantized_params"] if cache else [])
+    given, problems = f"fp8_recipe='{recipe}'", []
+    if impl == "local":
+        problems.append(f"{given} with cuda_graph_impl='local' is not supported: torch's make_graphed_callables knows "
+                        "no FP8 state (TE's graph maker wraps each callable in TE's autocast while it captures and "
+                        "restores the scaling state its warmup changed); use cuda_graph_impl='transformer_engine'")
+    if impl == "full_iteration" and recipe == "delayed":
+        problems.append(f"{given} with cuda_graph_impl='full_iteration' is not supported: TE reduces the gradients' "
+                        "amaxes and updates their scales on the host after the first FP8 module's backward and skips "
+                        "that while a capture is under way, so a replayed step would never update them; use "
+                        "fp8_recipe='current' or 'block' (no state between steps) for whole-step graphs, or per-layer "
+                        "graphs (cuda_graph_impl='transformer_engine') for delayed scaling")
+    if impl == "full_iteration" and cache:
+        problems.append("fp8_cache_quantized_params=True with cuda_graph_impl='full_iteration' is not supported: it is "
+                        "TE's make_graphed_callables argument (per-layer graphs, cuda_graph_impl='transformer_engine'); "
+                        "drop it for whole-step graphs")
+    if impl != "local" and inference_scope not in ("none", "None"):  # local: refused above, its scope by default
+        problems.append(f"{given} with inference_cuda_graph_scope='{inference_scope}' is not supported: inference "
+                        "graphs are captured by torch's graph maker, which knows no FP8 state; drop "
+                        "inference_cuda_graph_scope (evaluate eagerly under fp8.autocast()) or fp8_recipe")
+    return problems
 
 
 # ------------------------------------------------------------------------------------------------ the region

@@ -169,8 +169,8 @@ class PartialCudaGraphs:
         if backend != "protocol":
             # The machine first, before any hook or stream changes: a missing GPU or TE is known now, not
             # after the warmup steps.
-            config.check_runtime()  # config.fp8_recipe's device rules included
-            if self.fp8 is not None and config.fp8_recipe is None:
+            config.check_runtime()
+            if self.fp8 is not None:  # this GPU and CUDA run the recipe (block scaling needs Hopper)
                 self.fp8.check_runtime()
         self.engine.check_partial_graphs()
         self.callables = self._select()
@@ -394,12 +394,12 @@ class PartialCudaGraphs:
         for attr in ("reset", "backward_dw"):  # graph makers attach these to the module they were given
             if attr in wrapper.__dict__:
                 c.module.__dict__[attr] = wrapper.__dict__[attr]
-        fp8 = self.fp8
+        # TE's graphs of cached FP8 weights take is_first_microbatch at each replay
+        caching = self.fp8 is not None and self.fp8.cache_quantized_params
         c.module.forward = _args.Dispatcher(c.module, c.name, graphed, wrapper, wrapper.eager_forward,
                                             strict=self.config.cuda_graph_strict_signature,
                                             on_replay=self._on_replay(c),
-                                            replay_kwargs=fp8.replay_kwargs if fp8 is not None and
-                                            fp8.cache_quantized_params else None)
+                                            replay_kwargs=self.fp8.replay_kwargs if caching else None)
 
     def _on_replay(self, c: _Callable) -> Optional[Callable[[], None]]:
         """What a replay of ``c`` tells the engine (which module's graph ran), or None."""

@@ -28,7 +28,9 @@ def _build_megatron_fsdp(model: nn.Module, *, unit_modules: Sequence[UnitSpec], 
     return ShardedRun(
         model=sharded, root=sharded.module, optimizer=make_optimizer(sharded.optimizer_parameters()),
         named_parameters=sharded.named_optimizer_parameters,
-        final_parameters=lambda: {k: cpu_copy(v) for k, v in sharded.full_state_dict().items()},
+        # parameters and buffers: the modules' extra state (any object, None for megatron-core's) stays out
+        final_parameters=lambda: {k: cpu_copy(v) for k, v in sharded.full_state_dict().items()
+                                  if not k.endswith("_extra_state")},
         precision=f"compute in {sharded.compute_dtype}, fp32 main parameters and gradients, {sharding_strategy}",
     )
 
