@@ -148,7 +148,7 @@ def _full_params(engine: str, model, opt) -> Dict[str, Any]:
     if engine == "nvidia":  # this rank's optimizer parameters (the whole model on one rank), in the optimizer's order
         return {f"param_groups[{g}][{i}]": (p.to_local() if hasattr(p, "to_local") else p).detach().float().cpu()
                 for g, group in enumerate(opt.param_groups) for i, p in enumerate(group["params"])}
-    return {k: v.float().cpu() for k, v in model.full_state_dict().items()}
+    return {k: v.float().cpu() for k, v in model.full_state_dict().items() if not k.endswith("_extra_state")}
 
 
 def _move_a_parameter(engine: str, model) -> None:

@@ -22,6 +22,7 @@ from fsdp_cudagraph.offload.offloader import ActivationOffloader
 from fsdp_cudagraph.capture.args import SignatureChangedWarning
 from fsdp_cudagraph.capture.attention import ATTENTION_POLICIES, AttentionBackendMatcher
 from fsdp_cudagraph.capture.capture_safety import HostSyncError
+from fsdp_cudagraph.capture.fp8 import FP8_RECIPES, FP8Recipe
 from fsdp_cudagraph.capture.streams import use_side_stream
 from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON, TE_VERSION
 from fsdp_cudagraph.config import (
@@ -48,6 +49,8 @@ __all__ = [
     "LengthBucketsReport",
     "BucketReplayConflictWarning",
     "HostSyncError",
+    "FP8Recipe",
+    "FP8_RECIPES",
     "CaptureReport",
     "BACKENDS",
     "SignatureChangedWarning",

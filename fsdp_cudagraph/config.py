@@ -27,6 +27,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple, Type, Union
 
 import torch
 
+from fsdp_cudagraph.capture import fp8 as _fp8
 from fsdp_cudagraph.capture import te as _te
 
 logger = logging.getLogger(__name__)
@@ -392,6 +393,17 @@ class CudaGraphConfig:
         (``moe`` offloaded while ``moe_router``/``moe_preprocess`` are graphed); patterns are checked when the
         modules are selected.
 
+    FP8 (TransformerEngine; ``capture/fp8.py``, docs/fp8.md):
+        fp8_recipe: ``None`` (no FP8), ``delayed``, ``current`` or ``block``: the recipe TE's graph maker captures
+            the graphed callables with; a :class:`~fsdp_cudagraph.capture.fp8.FP8Recipe` of this name runs the
+            eager autocast (``PartialCudaGraphs(..., fp8=...)`` takes yours, or builds one and exposes it as
+            ``graphs.fp8``). Rules: not with impl ``local`` (torch's graph maker knows no FP8 state: TE's saves
+            and restores the scaling state around its warmup and wraps each callable in TE's autocast);
+            ``delayed`` not with ``full_iteration`` (TE skips the backward amax reduction while its capture flag
+            is up, so a captured step would never update the gradients' scales); not with inference graphs.
+        fp8_cache_quantized_params: TE's ``cache_quantized_params``: the FP8 weights are quantized on the first
+            micro-batch of a step and reused on the others; needs ``fp8_recipe`` and a per-layer or no impl.
+
     Deprecated (migrated by :func:`migrate_deprecated_options`, then reset to ``None``):
         enable_cuda_graph, external_cuda_graph, cuda_graph_scope.
     """
@@ -410,6 +422,8 @@ class CudaGraphConfig:
     use_megatron_fsdp: bool = False
     fsdp_double_buffer: bool = False
     fsdp_db_use_persist_buf_on_alloc_fail: bool = False
+    fp8_recipe: Optional[str] = None
+    fp8_cache_quantized_params: bool = False
     enable_cuda_graph: Optional[bool] = None
     external_cuda_graph: Optional[bool] = None
     cuda_graph_scope: Union[List[str], str, None] = None
@@ -439,13 +453,14 @@ class CudaGraphConfig:
                                                                     "activation_offload_modules"))
         self.activation_offload_module_patterns = _parse_patterns(
             self.activation_offload_module_patterns, "activation_offload_module_patterns", "layers.*.mlp")
+        self.fp8_recipe = _fp8.parse_fp8_recipe(self.fp8_recipe)
         self._validate()
         logger.debug("CUDA graph config: %s", self)
 
     def _validate(self) -> None:
         """Check every cross-field rule; raise one ValueError listing all violations."""
         for name in ("use_megatron_fsdp", "fsdp_double_buffer", "fsdp_db_use_persist_buf_on_alloc_fail",
-                     "cuda_graph_strict_signature"):
+                     "cuda_graph_strict_signature", "fp8_cache_quantized_params"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         problems: List[str] = []
@@ -495,6 +510,8 @@ class CudaGraphConfig:
                                 "cuda_graph_impl='none'. This is Megatron-LM's command-line rule. The graph kinds "
                                 "check the model's engine itself (the precise rule, in the engine's contract)")
         problems += _offload_problems(self)
+        problems += _fp8.config_problems(self.fp8_recipe, impl=str(impl), cache=self.fp8_cache_quantized_params,
+                                         inference_scope=str(self.inference_cuda_graph_scope))
         if problems:
             raise ValueError("invalid CUDA graph config:\n  - " + "\n  - ".join(problems))
 
@@ -529,6 +546,8 @@ class CudaGraphConfig:
             raise ImportError(f"cuda_graph_impl='transformer_engine' needs TransformerEngine >= "
                               f"{_te.MIN_TE_VERSION}: {_te.TE_REASON}; install it with pip install "
                               "'fsdp-cudagraph[te]' or use cuda_graph_impl='local'")
+        if self.fp8_recipe is not None:
+            _fp8.check_fp8_runtime(self.fp8_recipe)
 
 
 def _argtype(parse: Any) -> Any:
@@ -577,6 +596,11 @@ def add_cuda_graph_args(parser_or_group: Union[argparse.ArgumentParser, Any]) ->
                        help="fraction of offload groups (the first ones of forward) that offload, in (0, 1] (default 1)")
     group.add_argument("--activation-offload-min-bytes", type=int, default=None,
                        help="smaller copies stay on the device (default 1 MiB)")
+    group.add_argument("--fp8-recipe", type=_argtype(_fp8.parse_fp8_recipe), default=None,
+                       help=f"FP8 training with TransformerEngine: {', '.join(_fp8.FP8_RECIPES)} (default: none, bf16)")
+    group.add_argument("--fp8-cache-quantized-params", action="store_true", default=None,
+                       help="quantize FP8 weights on a step's first micro-batch only and reuse them (TE's "
+                            "cache_quantized_params)")
     group.add_argument("--enable-cuda-graph", action="store_true", default=None,
                        help="DEPRECATED: use --cuda-graph-impl local")
     group.add_argument("--external-cuda-graph", action="store_true", default=None,
@@ -589,7 +613,7 @@ def add_cuda_graph_args(parser_or_group: Union[argparse.ArgumentParser, Any]) ->
 _NEW_FIELDS = ("cuda_graph_impl", "cuda_graph_modules", "cuda_graph_module_patterns", "inference_cuda_graph_scope",
                "cuda_graph_warmup_steps", "cuda_graph_num_warmup_iters", "cuda_graph_strict_signature",
                "activation_offload_modules", "activation_offload_module_patterns", "activation_offload_fraction",
-               "activation_offload_min_bytes")
+               "activation_offload_min_bytes", "fp8_recipe", "fp8_cache_quantized_params")
 _DEPRECATED_FIELDS = ("enable_cuda_graph", "external_cuda_graph", "cuda_graph_scope")
 _FSDP_FIELDS = ("use_megatron_fsdp", "fsdp_double_buffer", "fsdp_db_use_persist_buf_on_alloc_fail")
 

@@ -9,6 +9,7 @@ global-norm clipping, frozen parameters and activation checkpointing. See :func:
 """
 
 from ._common import CaptureGuardMode, ShardingStrategy, TrainingState, capture_guard, is_capturing, simulated_capture
+from ._dcp import decode_extra_state
 from ._expert import expert_parallel_groups
 from ._fully_shard import MegatronFSDP, fully_shard
 from ._unit import FSDPUnit
@@ -24,4 +25,5 @@ __all__ = [
     "simulated_capture",
     "CaptureGuardMode",
     "capture_guard",
+    "decode_extra_state",
 ]

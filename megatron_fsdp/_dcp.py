@@ -20,6 +20,14 @@ takes each DTensor's full value (``full_tensor()``, an all-gather) and writes th
 collectives: call them on every rank, in the same order. The dict holds copies, so after ``dcp.load`` fills it,
 ``load_sharded_state_dict`` (and ``load_optimizer_state_dict``) must be called to write the values back.
 
+Each module's extra state ([Note: extra state] in _state_dict.py: TE's FP8 scaling state) leaves as ``bytes``
+(:func:`encode_extra_state`: a tag, then ``torch.save`` of what ``get_extra_state()`` returned), which DCP stores
+as an object, not as a tensor: DCP reads a plain tensor in place into the target's tensor and refuses another
+size, and TE's extra state of a model that has not run FP8 yet is an empty tensor (the "Size mismatch ...
+_extra_state" of TransformerEngine issue 1860, under FSDP2). ``load_sharded_state_dict`` decodes it and hands it
+to ``set_extra_state``. A checkpoint written before extra state was saved lacks those keys: load it with
+``DefaultLoadPlanner(allow_partial_load=True)``; the modules then keep their own state.
+
 DCP then reshards on load like any DTensor checkpoint: N ranks to M ranks, any strategy, into the plain
 unwrapped model (``dcp.load(model.state_dict(), ...)``), or into the same architecture under PyTorch FSDP2
 (``fully_shard``), and back. Scalar optimizer state (``step``) is a plain tensor per parameter, and
@@ -29,6 +37,7 @@ hyperparameters travel in ``param_groups`` with the parameters' names: the layou
 
 from __future__ import annotations
 
+import io
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
@@ -37,13 +46,31 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._common import Engine, Unit
 from ._expert import refuse_colliding_names
-from ._state_dict import clean_fqn, gather_region, mark_stale, persistent_buffers, regions, shard_start
+from ._state_dict import clean_fqn, extra_state_modules, gather_region, mark_stale, persistent_buffers, regions, shard_start
 
 if TYPE_CHECKING:
     from ._flat import FlatLayout
 
 __all__ = ["row_range", "sharded_state_dict", "load_sharded_state_dict", "optimizer_state_dict",
-           "load_optimizer_state_dict"]
+           "load_optimizer_state_dict", "encode_extra_state", "decode_extra_state"]
+
+#: The first bytes of an encoded extra state (:func:`encode_extra_state`).
+_EXTRA_TAG = b"megatron_fsdp.extra_state.v1\0"
+
+
+def encode_extra_state(value: Any) -> bytes:
+    """A module's extra state as ``bytes`` for DCP: a tag, then ``torch.save(value)`` (a tensor moves to the CPU)."""
+    buf = io.BytesIO()
+    torch.save(value.detach().cpu() if isinstance(value, torch.Tensor) else value, buf)
+    return _EXTRA_TAG + buf.getvalue()
+
+
+def decode_extra_state(value: Any) -> Any:
+    """What :func:`encode_extra_state` encoded (loaded with ``weights_only=True``: tensors, containers, numbers,
+    strings, bytes); any other value (a state dict filled by hand) is returned as it is."""
+    if isinstance(value, (bytes, bytearray)) and bytes(value[:len(_EXTRA_TAG)]) == _EXTRA_TAG:
+        return torch.load(io.BytesIO(bytes(value[len(_EXTRA_TAG):])), weights_only=True)
+    return value
 
 
 def row_range(dim0: int, world: int, rank: int) -> Tuple[int, int]:
@@ -208,6 +235,8 @@ def sharded_state_dict(engine: Engine) -> Dict[str, Any]:
         out[name] = out[first]
     for n, b in persistent_buffers(engine.module):
         out[n] = b.detach()
+    for n, m in extra_state_modules(engine.module):
+        out[n] = encode_extra_state(m.get_extra_state())
     return out
 
 
@@ -224,6 +253,8 @@ def load_sharded_state_dict(engine: Engine, state_dict: Dict[str, Any]) -> None:
             key[first] = name
     expected = {clean_fqn(n) for u in engine.all_units() for layout, _ in regions(u) for n in layout.names}
     expected |= {n for n, _ in persistent_buffers(engine.module)}
+    extras = list(extra_state_modules(engine.module, loading=True))
+    expected |= {n for n, _ in extras}
     missing = sorted(expected - set(key))
     if missing:
         raise ValueError(f"load_sharded_state_dict: missing keys {missing[:10]}; pass the dict returned by "
@@ -237,6 +268,8 @@ def load_sharded_state_dict(engine: Engine, state_dict: Dict[str, Any]) -> None:
         for n, b in persistent_buffers(engine.module):
             if state_dict[n].data_ptr() != b.data_ptr():
                 b.copy_(state_dict[n])
+    for n, m in extras:
+        m.set_extra_state(decode_extra_state(state_dict[n]))
 
 
 # ---------------------------------------------------------------------------------------------- optimizer

@@ -4,7 +4,7 @@
 ``MegatronFSDP.state_dict()`` is the nn.Module API with the unwrapped model's keys (``layers.0.attn.qkv.weight``,
 not ``module.layers.0...``; a ``checkpoint_wrapper``'s ``_checkpoint_wrapped_module.`` segment is dropped,
 as the wrapper's own state dict does) and full fp32 values: every parameter gathered from the main shards
-(trainable and frozen), plus the persistent buffers. It is a collective (an all-gather per unit): call it
+(trainable and frozen), plus the persistent buffers, plus each module's extra state ([Note: extra state]). It is a collective (an all-gather per unit): call it
 on every rank. ``load_state_dict`` takes the same form and writes each rank's own slice into its shards; it
 needs no communication. Both read and write the fp32 main shards only, never the compute views (see
 [Note: parameters outside forward] in ``_unit.py``).
@@ -31,10 +31,12 @@ from ._common import COMPUTING, Engine, Unit
 if TYPE_CHECKING:
     from ._flat import FlatLayout
 
-__all__ = ["clean_fqn", "full_state_dict", "load_full_state_dict", "persistent_buffers", "guard_module_state_dicts",
-           "summon_full_params"]
+__all__ = ["clean_fqn", "full_state_dict", "load_full_state_dict", "persistent_buffers", "extra_state_modules",
+           "guard_module_state_dicts", "summon_full_params"]
 
 _CHECKPOINT_SEGMENT = "_checkpoint_wrapped_module."
+#: nn.Module's key suffix for a module's extra state (``torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX``).
+EXTRA_STATE = "_extra_state"
 
 
 def clean_fqn(name: str) -> str:
@@ -48,6 +50,24 @@ def persistent_buffers(module: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
         for bname, b in m._buffers.items():
             if b is not None and bname not in m._non_persistent_buffers_set:
                 yield clean_fqn(f"{mname}.{bname}" if mname else bname), b
+
+
+def extra_state_modules(module: nn.Module, *, loading: bool = False) -> Iterator[Tuple[str, nn.Module]]:
+    """[Note: extra state]
+    (key, module) for every module whose ``state_dict()`` carries ``<prefix>_extra_state``: its class overrides
+    ``get_extra_state`` (``loading=True``: ``set_extra_state``, the modules ``load_state_dict`` hands it to), as
+    ``nn.Module`` decides. TransformerEngine keeps FP8 scaling state there (delayed scaling's amax history and
+    scales, as a uint8 tensor of pickled bytes); without it a resumed FP8 run restarts its scales from 1 and
+    its losses leave the uninterrupted run's. The engine's state dicts read it with ``get_extra_state()`` and
+    load it with ``set_extra_state()`` on the module itself (module-level ``state_dict()`` is refused on modules
+    that own sharded parameters), so it travels as the module gives it: the same value on every rank for TE's
+    reduced amaxes; a module whose extra state differs per rank must be saved per rank by other means.
+    """
+    base = nn.Module.set_extra_state if loading else nn.Module.get_extra_state
+    attr = "set_extra_state" if loading else "get_extra_state"
+    for mname, m in module.named_modules(remove_duplicate=False):  # under every name, as nn.Module gives it
+        if getattr(type(m), attr, base) is not base:
+            yield clean_fqn(f"{mname}.{EXTRA_STATE}" if mname else EXTRA_STATE), m
 
 
 def regions(u: Unit) -> List[Tuple["FlatLayout", torch.Tensor]]:
@@ -93,6 +113,8 @@ def full_state_dict(engine: Engine) -> Dict[str, torch.Tensor]:
         out[name] = out[first]
     for n, b in persistent_buffers(engine.module):
         out[n] = b.detach().clone()
+    for n, m in extra_state_modules(engine.module):
+        out[n] = m.get_extra_state()
     return out
 
 
@@ -113,8 +135,9 @@ def load_full_state_dict(engine: Engine, state_dict: Mapping[str, Any], *,
     # A stacked expert parameter is loaded from its global value, of which this EP rank takes its experts.
     stacked = {clean_fqn(n): n for n in (topo.stacked if topo is not None else ())}
     buffers = dict(persistent_buffers(engine.module))
+    extras = list(extra_state_modules(engine.module, loading=True))
     tied = engine.tied_names
-    expected = set(targets) | set(tied) | set(buffers)
+    expected = set(targets) | set(tied) | set(buffers) | {n for n, _ in extras}
     # the other EP ranks' experts: expected in a whole model's dict, skipped ([Note: expert parallelism])
     foreign = engine.expert_topology.foreign_names if engine.expert_topology is not None else set()
     missing = sorted(expected - set(state_dict))
@@ -155,6 +178,9 @@ def load_full_state_dict(engine: Engine, state_dict: Mapping[str, Any], *,
         for name, b in buffers.items():
             if name in state_dict:
                 b.copy_(state_dict[name])
+    for name, m in extras:
+        if name in state_dict:
+            m.set_extra_state(state_dict[name])
     return missing, unexpected
 
 

@@ -10,15 +10,20 @@ accumulation, user forward hooks and full backward hooks on graphed modules, tup
 keyword arguments, and a dropless MoE (``apps/moe.py``): Megatron's scopes ``attn moe_router moe_preprocess``
 with the experts eager between graphs (``split``, whose ``counts.tolist()`` syncs, and ``grouped_mm``), the
 whole ``moe`` block and whole layers with ``grouped_mm`` experts (bf16, no sync), and ``moe`` with
-drop-and-pad ``capacity`` experts. The eager run uses
+drop-and-pad ``capacity`` experts; with TE, FP8 training (``--rows FP8``): delayed, current and block scaling, per
+layer (``attn mlp``) and whole layers, delayed scaling with quantized weights cached across two micro-batches
+and with TE's own layer (every micro-batch's forward inside the run's ``FP8Recipe.autocast()``, eager and
+graphed alike: docs/fp8.md). The eager run uses
 ``match_graph_attention`` for the row's scope (TE attention picks the backend a graph would; see
 ``capture/attention.py``).
 
 Negative controls show the comparison can fail: double buffering off is refused by validation, a hook left
 on a captured module is refused, a parameter moved after capture is caught before replay, a one-token data
 perturbation is reported as a mismatch, an eager baseline that keeps TE's eager attention backend mismatches
-where TE picks another one under capture, ``attention_backend='error'`` refuses such a capture, and (torch <
-2.13) graphs built after eager steps on the default stream are refused at capture with the fix.
+where TE picks another one under capture, ``attention_backend='error'`` refuses such a capture, (torch <
+2.13) graphs built after eager steps on the default stream are refused at capture with the fix, and with FP8:
+delayed-scaling state reset after capture (what a graph maker that did not restore it would leave) is reported
+as a mismatch, and a cached FP8 weight dropped after capture is caught before the replay.
 
 Run (1 GPU, then 2 GPUs)::
 
@@ -26,7 +31,8 @@ Run (1 GPU, then 2 GPUs)::
     torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.align --out align-2gpu.json
 
 ``--quick`` runs a reduced matrix; ``--backends torch`` skips TE; ``--rows MoE`` runs only the rows whose
-description contains ``MoE``. Exit status 1 if any row mismatches.
+description contains ``MoE``; ``--rows FP8`` only the FP8 rows, with the FP8 controls only (TE backend). Exit
+status 1 if any row mismatches.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 # Deterministic kernels: eager-vs-graph bit equality needs both runs to compute the same thing. TE's fused
 # attention may otherwise pick non-deterministic backward algorithms (set before TE is imported), and
@@ -52,7 +58,9 @@ import torch
 import torch.distributed as dist
 
 from fsdp_cudagraph.apps.model import GPTConfig
-from fsdp_cudagraph.apps.train import RunSpec, add_optimizer_argument, init_distributed, run_training, use_deterministic_kernels
+from fsdp_cudagraph.capture import fp8 as _fp8
+from fsdp_cudagraph.apps.train import (RunSpec, add_optimizer_argument, init_distributed, run_training, states_equal,
+                                       use_deterministic_kernels)
 from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON
 from fsdp_cudagraph.checker.records import versions, write_record  # noqa: F401 - re-exported for the suites and benchmarks
 
@@ -64,7 +72,7 @@ ZERO3 = "optim_grads_params"
 
 def model_config(backend: str, *, seq_len: int = 100, num_heads: int = 4, unit: str = "block",
                  use_te: Optional[bool] = None, rich_calls: bool = False, fuse_wgrad: bool = False,
-                 moe_experts: str = "dense", moe_grouped_mm_dtype: str = "input") -> GPTConfig:
+                 moe_experts: str = "dense", moe_grouped_mm_dtype: str = "input", fp8: Optional[str] = None) -> GPTConfig:
     """The matrix's model: 4 layers, hidden 256 (head dim 256 / num_heads), every second layer MoE (the dense
     toy unless ``moe_experts`` picks a dropless path, see ``apps/moe.py``)."""
     use_te = (backend == "te") if use_te is None else use_te
@@ -72,7 +80,7 @@ def model_config(backend: str, *, seq_len: int = 100, num_heads: int = 4, unit: 
         vocab_size=1024, hidden_size=256, num_layers=4, num_heads=num_heads, seq_len=seq_len,
         moe_every=0 if unit == "te_layer" else 2, num_experts=4, moe_top_k=2, use_te=use_te, unit=unit,
         rich_calls=rich_calls, fuse_wgrad=fuse_wgrad, moe_experts=moe_experts,
-        moe_grouped_mm_dtype=moe_grouped_mm_dtype,
+        moe_grouped_mm_dtype=moe_grouped_mm_dtype, fp8=fp8,
     )
 
 
@@ -97,14 +105,49 @@ def moe_rows(row: Any, *, quick: bool) -> None:
         row(MEGATRON_MOE_SCOPE, "dropless MoE, TE GroupedLinear experts eager between graphs", moe_experts="te_grouped")
 
 
+def block_scaling_supported() -> bool:
+    """Whether this machine runs TE's FP8 block scaling (compute capability 9.0, CUDA 12.9): the block rows need it."""
+    try:
+        _fp8.check_fp8_runtime("block")
+    except RuntimeError:
+        return False
+    return True
+
+
+#: [Note: FP8 rows] Sequence 128 (TE's FP8 GEMMs need tokens and widths in multiples of 16); MEGATRON's per-layer
+#: scopes (attention, MLP) and whole layers. The cached-weight rows run last: TE's one weight-update flag
+#: ([Note: TE's one weight flag] in capture/fp8.py).
+FP8_SEQ = 128
+
+
+def fp8_rows(row: Any, *, quick: bool) -> None:
+    row(["attn", "mlp"], "FP8 delayed scaling", seq_len=FP8_SEQ, fp8="delayed")
+    if quick:
+        return
+    row([], "FP8 delayed scaling", seq_len=FP8_SEQ, fp8="delayed")
+    row(["attn", "mlp"], "FP8 delayed scaling, gradient accumulation 2", grad_accum=2, seq_len=FP8_SEQ, fp8="delayed")
+    row([], "FP8 delayed scaling, TE TransformerLayer units", seq_len=FP8_SEQ, unit="te_layer", use_te=True,
+        fp8="delayed")
+    for recipe in ("current", "block"):
+        if recipe == "block" and not block_scaling_supported():
+            continue
+        row(["attn", "mlp"], f"FP8 {recipe} scaling", seq_len=FP8_SEQ, fp8=recipe)
+        row([], f"FP8 {recipe} scaling", seq_len=FP8_SEQ, fp8=recipe)
+    row(["attn", "mlp"], "FP8 delayed scaling, cached weights, gradient accumulation 2", grad_accum=2, fp8_cache=True,
+        seq_len=FP8_SEQ, fp8="delayed")
+    row([], "FP8 current scaling, cached weights, gradient accumulation 2", grad_accum=2, fp8_cache=True,
+        seq_len=FP8_SEQ, fp8="current")
+
+
 def matrix(backend: str, *, quick: bool) -> List[Dict[str, Any]]:
     """The rows for one backend: each a dict of run_row keyword arguments plus ``model`` kwargs."""
     rows: List[Dict[str, Any]] = []
 
     def row(scope: List[str], what: str, strategy: str = ZERO3, grad_accum: int = 1, user_hooks: bool = False,
-            reduce_dtype: Optional[torch.dtype] = None, **model: Any) -> None:
+            reduce_dtype: Optional[torch.dtype] = None, fp8_cache: bool = False, **model: Any) -> None:
         rows.append(dict(scope=scope, what=what, strategy=strategy, grad_accum=grad_accum, user_hooks=user_hooks,
-                         model=model, **({"reduce_dtype": reduce_dtype} if reduce_dtype else {})))
+                         model=model, **({"reduce_dtype": reduce_dtype} if reduce_dtype else {}),
+                         **({"fp8_cache": True} if fp8_cache else {})))
 
     seqs = (100,) if quick else (64, 100, 128, 512)
     for seq in seqs:
@@ -117,6 +160,8 @@ def matrix(backend: str, *, quick: bool) -> List[Dict[str, Any]]:
         moe_rows(row, quick=True)
         if HAS_TE:
             row([], "fused wgrad", **fused)
+        if backend == "te":
+            fp8_rows(row, quick=True)
         return rows
     row(["attn"], "head dim 32", num_heads=8)
     row(["attn"], "head dim 128", num_heads=2)
@@ -148,6 +193,8 @@ def matrix(backend: str, *, quick: bool) -> List[Dict[str, Any]]:
     row([], "user forward + full backward hooks", user_hooks=True)
     row(["attn", "mlp"], "tuple outputs, tensor kwargs", rich_calls=True)
     row([], "tuple outputs, tensor kwargs", rich_calls=True)
+    if backend == "te":
+        fp8_rows(row, quick=False)
     return rows
 
 
@@ -172,7 +219,7 @@ def _hooks_equal(eager: Any, graphed: Any) -> Optional[bool]:
 
 def compare(eager: Any, graphed: Any, device: torch.device) -> Dict[str, Any]:
     loss_eq = [torch.equal(a, b) for a, b in zip(eager.losses, graphed.losses)]
-    param_eq = all(torch.equal(eager.final_state[k], graphed.final_state[k]) for k in eager.final_state)
+    param_eq = states_equal(eager.final_state, graphed.final_state)  # FP8 scaling state included
     hooks_eq = _hooks_equal(eager, graphed)
     ok = _equal_everywhere(all(loss_eq) and param_eq and hooks_eq is not False, device)
     first_bad = next((i for i, e in enumerate(loss_eq) if not e), None)
@@ -196,24 +243,93 @@ def compare(eager: Any, graphed: Any, device: torch.device) -> Dict[str, Any]:
 def run_row(*, scope: List[str], strategy: str, backend: str, grad_accum: int, steps: int, capture_step: int,
             device: torch.device, perturb_step: Optional[int] = None, what: str = "", user_hooks: bool = False,
             model: Optional[Dict[str, Any]] = None, eager_matches_graph_attention: bool = True,
-            spec_overrides: Optional[Dict[str, Any]] = None, reduce_dtype: Optional[torch.dtype] = None) -> Dict[str, Any]:
+            spec_overrides: Optional[Dict[str, Any]] = None, reduce_dtype: Optional[torch.dtype] = None,
+            fp8_cache: bool = False, after_capture: Optional[Any] = None) -> Dict[str, Any]:
     model = dict(model or {})
     spec = RunSpec(model=model_config(backend, **model), steps=steps, sharding_strategy=strategy, backend=backend,
                    grad_accum=grad_accum, capture_step=capture_step, user_hooks=user_hooks, reduce_dtype=reduce_dtype,
+                   fp8_cache_quantized_params=fp8_cache,
                    attention_as_graphed=scope if eager_matches_graph_attention else None, **(spec_overrides or {}))
     eager = run_training(spec, device)
     graphed_spec = RunSpec(**{**spec.__dict__, "cuda_graph_modules": scope, "perturb_step": perturb_step,
-                              "attention_as_graphed": None})
+                              "attention_as_graphed": None, "after_capture": after_capture})
     graphed = run_training(graphed_spec, device)
     row = {"what": what, "scope": scope, "strategy": strategy, "backend": backend, "grad_accum": grad_accum,
-           "reduce_dtype": str(reduce_dtype) if reduce_dtype else None,
+           "reduce_dtype": str(reduce_dtype) if reduce_dtype else None, "fp8_cache_quantized_params": fp8_cache,
            "model": {k: v for k, v in dataclasses.asdict(spec.model).items() if k != "ffn_hidden_size"}}
     row.update(compare(eager, graphed, device))
     return row
 
 
-def negative_controls(device: torch.device, backend: str) -> List[Dict[str, Any]]:
-    """Runs that must fail, each with how it failed."""
+def _first_attention(model: Any) -> Any:
+    """Layer 0's attention module of a sharded reference GPT (the FP8 controls change its state)."""
+    return model.units[0].module.attn
+
+
+def reset_scaling_after_capture(model: Any) -> None:
+    """What a graph maker that did not restore the scaling state its warmup changed would leave: layer 0's
+    attention back to scale 1 and an empty amax history (TE's ``reset_fp8_meta_tensors``, in place)."""
+    if not _fp8.reset_scaling_state(_first_attention(model)):
+        raise RuntimeError("no TE module with delayed-scaling state in layer 0's attention")
+
+
+def drop_quantized_weights_after_capture(model: Any) -> None:
+    """Layer 0's attention drops its cached FP8 weights after capture (TE clears ``_fp8_workspaces`` on a recipe
+    change): the graphs would keep writing and reading the old copies."""
+    spaces = [m._fp8_workspaces for m in _first_attention(model).modules() if getattr(m, "_fp8_workspaces", None)]
+    if not spaces:
+        raise RuntimeError("no cached FP8 weight in layer 0's attention after capture")
+    for ws in spaces:
+        ws.clear()
+
+
+def fp8_controls(device: torch.device, expect: Any) -> List[Dict[str, Any]]:
+    """The FP8 controls (TE backend): a lost scaling state is a mismatch, a moved cached weight an error."""
+    from fsdp_cudagraph.apps.model import loss_fn, synthetic_batch
+    from fsdp_cudagraph.apps.train import build_model, fp8_recipe, graph_config
+    from fsdp_cudagraph.graphs.partial import PartialCudaGraphs
+
+    out: List[Dict[str, Any]] = []
+    row = run_row(scope=["attn", "mlp"], strategy=ZERO3, backend="te", grad_accum=1, steps=8, capture_step=3,
+                  device=device, model={"seq_len": FP8_SEQ, "fp8": "delayed"},
+                  after_capture=reset_scaling_after_capture)
+    out.append({"control": "FP8 scaling state not restored", "caught": not row["equal"],
+                "detail": f"first mismatch at step {row['first_mismatch_step']}" if not row["equal"] else
+                row.get("error", "all steps equal")})
+
+    def weight_moved() -> None:  # as "parameter moved after capture", with FP8 weights cached over 2 micro-batches
+        spec = RunSpec(model=model_config("te", seq_len=FP8_SEQ, fp8="delayed"), steps=3, backend="te",
+                       cuda_graph_modules=["attn", "mlp"], capture_step=1, fp8_cache_quantized_params=True)
+        model = build_model(spec, device)
+        opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-3)
+        fp8 = fp8_recipe(spec)
+        graphs = PartialCudaGraphs(model, graph_config(spec), backend="te", fp8=fp8)
+
+        def step(n: int) -> None:
+            for mb in range(2):
+                x, y = synthetic_batch(2 * n + mb, 2, spec.model, device)
+                with fp8.autocast(first_microbatch=mb == 0):
+                    loss = loss_fn(model(x), y)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        try:
+            step(0)
+            graphs.capture()
+            step(1)  # replays
+            drop_quantized_weights_after_capture(model)
+            step(2)
+        finally:
+            model.reset_step_state()
+            graphs.delete()
+
+    expect("FP8 quantized weight moved", weight_moved, RuntimeError, ["quantized weight"])
+    return out
+
+
+def negative_controls(device: torch.device, backend: str, *, fp8_only: bool = False) -> List[Dict[str, Any]]:
+    """Runs that must fail, each with how it failed (``fp8_only``: the FP8 ones, TE backend)."""
     from fsdp_cudagraph.graphs import partial as _capture
     from fsdp_cudagraph import hooks as _hooks
     from fsdp_cudagraph.config import CudaGraphConfig
@@ -221,12 +337,16 @@ def negative_controls(device: torch.device, backend: str) -> List[Dict[str, Any]
 
     out: List[Dict[str, Any]] = []
 
-    def expect(name: str, fn: Any, exc: type) -> None:
+    def expect(name: str, fn: Any, exc: Any, must: Sequence[str] = ()) -> None:
         try:
             fn()
             out.append({"control": name, "caught": False, "detail": "no error"})
         except exc as e:  # noqa: PERF203
-            out.append({"control": name, "caught": True, "detail": f"{type(e).__name__}: {str(e)[:300]}"})
+            text = f"{type(e).__name__}: {e}"
+            out.append({"control": name, "caught": all(m in text for m in must), "detail": text[:300]})
+
+    if fp8_only:
+        return out + (fp8_controls(device, expect) if backend == "te" and HAS_TE else [])
 
     # 1. Double buffering off: refused by validation before anything runs.
     expect("double buffer off", lambda: CudaGraphConfig(
@@ -302,6 +422,9 @@ def negative_controls(device: torch.device, backend: str) -> List[Dict[str, Any]
         expect("graphs built after 2 default-stream steps", lambda: run_training(RunSpec(
             model=model_config(backend), steps=5, backend=backend, cuda_graph_modules=[], build_graphs_step=2,
             capture_step=3), device), RuntimeError)
+    # 8./9. FP8 (TE): scaling state lost after capture, a cached FP8 weight dropped after capture.
+    if backend == "te":
+        out += fp8_controls(device, expect)
     return out
 
 
@@ -313,7 +436,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--quick", action="store_true", help="a reduced matrix (seq 100, two scopes, tuple outputs, hooks)")
     p.add_argument("--no-controls", action="store_true")
     p.add_argument("--rows", default=None, metavar="TEXT",
-                   help="run only the rows whose description contains TEXT (e.g. 'MoE'), from the full or quick matrix")
+                   help="run only the rows whose description contains TEXT (e.g. 'MoE'), from the full or quick matrix; "
+                        "'FP8': the FP8 training rows (TE backend: delayed, current, block scaling, per layer and "
+                        "whole layers, cached weights) and only the FP8 controls")
     p.add_argument("--no-clone-param-grads", action="store_true",
                    help="TE backend: clone_param_grads_on_return=False (less work per replay)")
     add_optimizer_argument(p)
@@ -351,7 +476,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{case['what']:34s} scope={case['scope']!s:36s} {verdict[:200]}  "
                   f"eager {row['eager_step_ms_median']:.2f} ms  graphed {row['graphed_step_ms_median']:.2f} ms",
                   flush=True)
-    controls = [] if args.no_controls else [c for b in backends for c in negative_controls(device, b)]
+    fp8_only = args.rows is not None and "FP8" in args.rows
+    controls = [] if args.no_controls else [c for b in backends for c in negative_controls(device, b, fp8_only=fp8_only)]
     ok = all(r["equal"] for r in rows) and all(c["caught"] is not False for c in controls)
     if rank == 0:
         for c in controls:

@@ -10,9 +10,12 @@ and two micro-batches, each with the eager Adam and with the optimizer graph (ca
 device-tensor learning rate in both runs of the row); then a shape change mid-run (an eager fallback), an
 evaluation graph between steps, ``delete()`` mid-run, and clipping (``model.clip_grad_norm_``) inside the
 optimizer graph, whose returned norms must be equal too; and a dropless MoE whose experts run
-``grouped_mm`` in bf16 (no host sync: permute, grouped GEMMs and unpermute inside the step's graph).
+``grouped_mm`` in bf16 (no host sync: permute, grouped GEMMs and unpermute inside the step's graph); with TE,
+FP8 training with current and block scaling (each micro-batch's forward inside ``FP8Recipe.autocast()``, in
+the captured step too: the recipes keep no state between steps; docs/fp8.md).
 Negative controls must be caught: a perturbed token, ``.item()`` in the step, a host sync that only happens under capture (torch's sync debug mode), a CPU
-tensor in the step, ZeRO-3 without double buffering, a strict shape change.
+tensor in the step, ZeRO-3 without double buffering, a strict shape change, and with TE FP8 delayed scaling in a
+whole-step graph (refused: its gradient scales are updated on the host, which a replay skips).
 
 Run (1 GPU, then 2 GPUs; each well under 4 minutes on an H100)::
 
@@ -20,7 +23,7 @@ Run (1 GPU, then 2 GPUs; each well under 4 minutes on an H100)::
     torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.full_iteration_align --out fi-align-2gpu.json
 
 ``--quick`` runs two strategies of the torch model; ``--models torch`` skips TE; ``--moe-only`` runs only the
-MoE rows. Exit status 1 if a row mismatches or a control is not caught. :func:`run_full` is also the training loop of the benchmarks.
+MoE rows; ``--fp8-only`` only the FP8 rows and the FP8 control. Exit status 1 if a row mismatches or a control is not caught. :func:`run_full` is also the training loop of the benchmarks.
 """
 
 from __future__ import annotations
@@ -46,12 +49,14 @@ from megatron_fsdp import fully_shard
 
 from fsdp_cudagraph.apps.align import versions, write_record
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn
-from fsdp_cudagraph.apps.train import add_optimizer_argument, init_distributed, make_adam, rank_batches, use_deterministic_kernels
+from fsdp_cudagraph.apps.train import (add_optimizer_argument, init_distributed, make_adam, rank_batches, states_equal,
+                                       use_deterministic_kernels)
 from fsdp_cudagraph.config import CudaGraphConfig
 from fsdp_cudagraph.graphs.full_iteration import FullIterationCudaGraph, FullIterationReport
 from fsdp_cudagraph.graphs.partial import PartialCudaGraphs
 from fsdp_cudagraph.capture.attention import AttentionBackendMatcher
 from fsdp_cudagraph.capture.capture_safety import HostSyncError
+from fsdp_cudagraph.capture.fp8 import FP8Recipe, check_fp8_runtime
 from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON
 
 __all__ = ["FullRunSpec", "FullRunResult", "run_full", "main"]
@@ -163,9 +168,13 @@ def run_full(spec: FullRunSpec, device: torch.device) -> FullRunResult:
     lr: Any = torch.tensor(spec.lr, device=device) if spec.capturable_optimizer else spec.lr
     opt = make_adam(model.optimizer_parameters(), spec.optimizer, lr=lr, capturable=spec.capturable_optimizer)
     grad_accum = spec.grad_accum
+    fp8 = FP8Recipe(spec.model.fp8) if spec.model.fp8 is not None else None
 
     def default_step(m: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return loss_fn(m(x), y) / grad_accum
+        if fp8 is None:
+            return loss_fn(m(x), y) / grad_accum
+        with fp8.autocast():  # inside the captured step too: [Note: the FP8 region under graphs]
+            return loss_fn(m(x), y) / grad_accum
 
     forward_step = spec.forward_step or default_step
     batches = _batches(spec, device)
@@ -261,8 +270,7 @@ def _everywhere(flag: bool, device: torch.device) -> bool:
 
 def compare(eager: FullRunResult, graphed: FullRunResult, device: torch.device) -> Dict[str, Any]:
     loss_eq = [torch.equal(a, b) for a, b in zip(eager.losses, graphed.losses)] + [len(eager.losses) == len(graphed.losses)]
-    param_eq = eager.final_state.keys() == graphed.final_state.keys() and all(
-        torch.equal(eager.final_state[k], graphed.final_state[k]) for k in eager.final_state)
+    param_eq = states_equal(eager.final_state, graphed.final_state)
     eval_eq = len(eager.evals) == len(graphed.evals) and all(
         all(torch.equal(a, b) for a, b in zip(ea, ga)) for ea, ga in zip(eager.evals, graphed.evals))
     norm_eq = len(eager.norms) == len(graphed.norms) and all(torch.equal(a, b) for a, b in zip(eager.norms, graphed.norms))
@@ -295,7 +303,7 @@ def run_row(spec: FullRunSpec, device: torch.device, *, graphed_first: bool = Fa
     done = {k: runs[k]() for k in (("graphed", "eager") if graphed_first else ("eager", "graphed"))}
     eager, graphed = done["eager"], done["graphed"]
     row = {"model": "te" if spec.model.use_te else "torch", "moe_experts": spec.model.moe_experts,
-           "strategy": spec.sharding_strategy,
+           "fp8": spec.model.fp8, "strategy": spec.sharding_strategy,
            "grad_accum": spec.grad_accum, "graph_optimizer": spec.graph_optimizer, "max_norm": spec.max_norm,
            "activation_checkpointing": spec.activation_checkpointing,
            "short_steps": list(spec.short_steps), "eval_steps": list(spec.eval_steps), "delete_step": spec.delete_step,
@@ -306,10 +314,29 @@ def run_row(spec: FullRunSpec, device: torch.device, *, graphed_first: bool = Fa
 
 
 def model_config(use_te: bool, **moe: Any) -> GPTConfig:
-    # seq 128 (a multiple of 128: TE's fused attention stays available under capture), two MoE layers (the
-    # dense toy unless ``moe`` picks dropless experts, e.g. GROUPED_MOE)
+    # seq 128 (a multiple of 128: TE's fused attention stays available under capture; a multiple of 16 for FP8),
+    # two MoE layers (the dense toy unless ``moe`` picks dropless experts, e.g. GROUPED_MOE); ``fp8`` in ``moe``
     return GPTConfig(vocab_size=1024, hidden_size=256, num_layers=4, num_heads=4, seq_len=128, moe_every=2,
                      num_experts=4, moe_top_k=2, use_te=use_te, **moe)
+
+
+def fp8_recipes() -> List[str]:
+    """The FP8 recipes of the whole-step rows on this machine: current, and block where it runs (Hopper,
+    CUDA 12.9). Delayed scaling is refused in whole-step graphs (its control)."""
+    out = ["current"]
+    try:
+        check_fp8_runtime("block")
+        out.append("block")
+    except RuntimeError:
+        pass
+    return out
+
+
+def fp8_control(device: torch.device, expect: Callable[..., None]) -> None:
+    """FP8 delayed scaling in a whole-step graph: refused at the last warmup step, naming the reason."""
+    spec = FullRunSpec(model=model_config(True, fp8="delayed"), steps=6, capture_step=2, mode="full_iteration")
+    expect("FP8 delayed scaling in a whole-step graph", lambda: run_full(spec, device), NotImplementedError,
+           ["delayed scaling"])
 
 
 #: Dropless MoE whose experts run torch's grouped_mm with device offsets in bf16: no host sync, so the whole
@@ -317,8 +344,8 @@ def model_config(use_te: bool, **moe: Any) -> GPTConfig:
 GROUPED_MOE = dict(moe_experts="grouped_mm", moe_grouped_mm_dtype="bfloat16")
 
 
-def negative_controls(device: torch.device, steps: int) -> List[Dict[str, Any]]:
-    """Runs that must fail, each with how it failed."""
+def negative_controls(device: torch.device, steps: int, *, fp8_only: bool = False) -> List[Dict[str, Any]]:
+    """Runs that must fail, each with how it failed (``fp8_only``: the FP8 control alone, with TE)."""
     out: List[Dict[str, Any]] = []
     base = FullRunSpec(model=model_config(False), steps=6, capture_step=2)
 
@@ -331,6 +358,10 @@ def negative_controls(device: torch.device, steps: int) -> List[Dict[str, Any]]:
             caught = isinstance(e, exc) and all(m in text for m in must)
             out.append({"control": name, "caught": caught, "detail": text[:600]})
 
+    if fp8_only:
+        if HAS_TE:
+            fp8_control(device, expect)
+        return out
     def item_step(m: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = loss_fn(m(x), y)
         if loss.item() > 1e9:  # a data-dependent Python branch
@@ -366,6 +397,8 @@ def negative_controls(device: torch.device, steps: int) -> List[Dict[str, Any]]:
     row = run_row(dataclasses.replace(base, steps=min(steps, 8)), device, perturb_step=4)
     out.append({"control": "one token perturbed at step 4", "caught": not row["equal"],
                 "detail": f"first mismatch at step {row['first_mismatch_step']}"})
+    if HAS_TE:  # last: a delayed-scaling run leaves its amax buffers in TE's process-wide state
+        fp8_control(device, expect)
     return out
 
 
@@ -407,6 +440,12 @@ def plan_rows(models: Sequence[str], strategies: Sequence[str], *, steps: int, c
         specs.append(FullRunSpec(model=model_config(m == "te"), steps=steps, capture_step=capture_step,
                                  grad_accum=2, capturable_optimizer=True, graph_optimizer=True,
                                  reduce_dtype=torch.bfloat16))
+    # FP8 (TE model): current and block scaling, two micro-batches, eager Adam and the optimizer graph
+    if "te" in models:
+        for recipe in fp8_recipes():
+            for graph_opt in (False, True):
+                specs.append(FullRunSpec(model=model_config(True, fp8=recipe), steps=steps, capture_step=capture_step,
+                                         grad_accum=2, capturable_optimizer=graph_opt, graph_optimizer=graph_opt))
     # gradients of the warmup steps, the capture and the first replay, compared too (see record_grad_steps)
     specs = [dataclasses.replace(sp, record_grad_steps=capture_step + 2, optimizer=optimizer) for sp in specs]
     return specs
@@ -426,6 +465,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--only", nargs="*", default=None, metavar="MODEL:STRATEGY[:ACCUM]",
                    help="run only these rows, e.g. te:no_shard:1 (a diagnosis aid)")
     p.add_argument("--moe-only", action="store_true", help="run only the dropless MoE rows (grouped_mm experts)")
+    p.add_argument("--fp8-only", action="store_true",
+                   help="run only the FP8 rows (TE model, current and block scaling) and the FP8 control")
     add_optimizer_argument(p)
     p.add_argument("--out", default=None, help="JSON result path (rank 0 writes)")
     args = p.parse_args(argv)
@@ -464,6 +505,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         specs = [sp for sp in specs if _match(sp)]
     if args.moe_only:
         specs = [sp for sp in specs if sp.model.moe_experts != "dense"]
+    if args.fp8_only:
+        specs = [sp for sp in specs if sp.model.fp8 is not None]
     if args.no_host_sync_check:
         specs = [dataclasses.replace(sp, host_sync_check=False) for sp in specs]
     rows = []
@@ -474,7 +517,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         except Exception as exc:  # noqa: BLE001 - one failing row is recorded; the matrix goes on
             logger.exception("row %d failed", i)
             row = {"model": "te" if spec.model.use_te else "torch", "moe_experts": spec.model.moe_experts,
-                   "strategy": spec.sharding_strategy,
+                   "fp8": spec.model.fp8, "strategy": spec.sharding_strategy,
                    "grad_accum": spec.grad_accum, "graph_optimizer": spec.graph_optimizer, "max_norm": spec.max_norm,
                    "activation_checkpointing": spec.activation_checkpointing, "short_steps": list(spec.short_steps),
                    "eval_steps": list(spec.eval_steps), "delete_step": spec.delete_step, "equal": False,
@@ -485,6 +528,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows.append(row)
         if rank == 0:
             print(f"[{i + 1}/{len(specs)}, {time.time() - t0:4.0f} s] {row['model']:5s} {row['moe_experts']:10s} "
+                  f"{('fp8=' + row['fp8']) if row.get('fp8') else '':12s} "
                   f"{row['strategy']:18s} "
                   f"accum={row['grad_accum']} opt_graph={row['graph_optimizer']!s:5s} clip={row['max_norm']} "
                   f"ckpt={row['activation_checkpointing']!s:5s} "
@@ -494,7 +538,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"eager {row['eager_step_ms_median']:.2f} ms  graphed {row['graphed_step_ms_median']:.2f} ms  "
                   f"capture {row['capture_seconds']:.2f} s, {row['captured_collectives']} collectives  {row['counters']}",
                   flush=True)
-    controls = [] if args.no_controls else negative_controls(device, args.steps)
+    controls = [] if args.no_controls else negative_controls(device, args.steps, fp8_only=args.fp8_only)
     ok = all(r["equal"] for r in rows) and all(c["caught"] for c in controls)
     if rank == 0:
         for c in controls:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_cudagraph.capture import fp8 as _fp8
 from fsdp_cudagraph.capture.te import require_te
 from fsdp_cudagraph.apps.moe import MOE_EXPERTS, Experts, MoEBlock, MoEPreprocess, Router, SharedExpert, unpermute
 from fsdp_cudagraph.apps.moe_ep import merge_expert_state_dicts, slice_expert_state_dict
@@ -84,6 +85,11 @@ class GPTConfig:
     #: (``fuse_wgrad_accumulation=True``; needs ``use_te`` and an engine that offers ``main_grad``, see
     #: [Note: fused weight gradients] in ``megatron_fsdp/_fused_wgrad.py``).
     fuse_wgrad: bool = False
+    #: FP8 training with TE's recipe of this name (``delayed``, ``current``, ``block``; ``capture/fp8.py``), or
+    #: None (bf16). The model itself is the same: the training loop runs each micro-batch's forward inside
+    #: ``FP8Recipe(cfg.fp8).autocast()`` (eager and graphed alike), and the TE modules take the region's
+    #: ``is_first_microbatch`` (weight caching). Needs ``use_te`` and TE's FP8 GEMM shapes (multiples of 16).
+    fp8: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -121,12 +127,31 @@ class GPTConfig:
         if self.fuse_wgrad and not self.use_te:
             raise ValueError("fuse_wgrad=True is TE's fuse_wgrad_accumulation and needs use_te=True (got use_te=False)")
         self._check_expert_parallel()
+        self._check_fp8()
         if self.moe_every < 0 or not (1 <= self.moe_top_k <= self.num_experts):
             raise ValueError(
                 f"moe_every={self.moe_every}, moe_top_k={self.moe_top_k}, num_experts={self.num_experts}: need "
                 "moe_every >= 0 and 1 <= moe_top_k <= num_experts"
             )
 
+
+    def _check_fp8(self) -> None:
+        self.fp8 = _fp8.parse_fp8_recipe(self.fp8, "GPTConfig(fp8=...)")
+        if self.fp8 is None:
+            return
+        if not self.use_te:
+            raise ValueError(f"fp8={self.fp8!r} with use_te=False: FP8 runs in TransformerEngine's modules (plain torch "
+                             "layers would stay in bf16 under TE's autocast, silently); set use_te=True or fp8=None")
+        dims = {"hidden_size": self.hidden_size, "ffn_hidden_size": self.ffn_hidden_size, "seq_len": self.seq_len}
+        bad = {k: v for k, v in dims.items() if v % 16}
+        if bad:
+            raise ValueError(f"fp8={self.fp8!r} with {', '.join(f'{k}={v}' for k, v in bad.items())}: TE's FP8 GEMMs need "
+                             "the hidden and FFN sizes and the sequence length (tokens) in multiples of 16; round "
+                             f"{' and '.join(bad)} up to a multiple of 16, or fp8=None")
+        if self.moe_experts == "te_grouped":
+            raise ValueError(f"fp8={self.fp8!r} with moe_experts='te_grouped': the dropless GroupedLinear's per-expert "
+                             "row counts vary per step and are not multiples of 16; use another moe_experts (they "
+                             "run in bf16 under the autocast) or fp8=None")
 
     def _check_expert_parallel(self) -> None:
         ep = self.expert_parallel_size
@@ -151,6 +176,13 @@ class GPTConfig:
 
 #: ``moe_experts`` values that run with ``expert_parallel_size > 1``.
 EP_EXPERTS = ("split", "grouped_mm", "te_grouped")
+
+
+def _te_step_kwargs() -> Dict[str, Any]:
+    """``is_first_microbatch`` for a TE module's call: the flag of the open FP8 region (set only when its recipe
+    caches quantized weights, [Note: quantized weights across micro-batches]), else nothing (TE's default)."""
+    first = _fp8.is_first_microbatch()
+    return {} if first is None else {"is_first_microbatch": first}
 
 
 class SelfAttention(nn.Module):
@@ -181,13 +213,13 @@ class SelfAttention(nn.Module):
         b, s, _ = x.shape
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.use_te:
-            q, k, v = self.ln_qkv(x).view(b, s, nq + 2 * nkv, d).split([nq, nkv, nkv], dim=2)
+            q, k, v = self.ln_qkv(x, **_te_step_kwargs()).view(b, s, nq + 2 * nkv, d).split([nq, nkv, nkv], dim=2)
             y = self.core(q, k, v)
         else:
             q, k, v = self.qkv(self.ln(x)).view(b, s, nq + 2 * nkv, d).transpose(1, 2).split([nq, nkv, nkv], dim=1)
             gqa = {} if nkv == nq else {"enable_gqa": True}
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa).transpose(1, 2).reshape(b, s, nq * d)
-        out = x + self.proj(y)
+        out = x + (self.proj(y, **_te_step_kwargs()) if self.use_te else self.proj(y))
         return (out, y) if self.rich_calls else out
 
 
@@ -209,7 +241,7 @@ class MLP(nn.Module):
             self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
-        out = x + self.ln_mlp(x) if self.use_te else x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+        out = x + self.ln_mlp(x, **_te_step_kwargs()) if self.use_te else x + self.fc2(F.gelu(self.fc1(self.ln(x))))
         return out if skip is None else out + 0.5 * skip.to(out.dtype)
 
 

@@ -13,9 +13,10 @@ import contextlib
 import dataclasses
 import gc
 import os
+import pickle
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,13 +24,14 @@ import torch.distributed as dist
 from megatron_fsdp import MegatronFSDP, fully_shard
 
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn, synthetic_batch
+from fsdp_cudagraph.capture.fp8 import FP8Recipe
 from fsdp_cudagraph.config import CudaGraphConfig
 from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.graphs.partial import CaptureReport, PartialCudaGraphs, match_graph_attention, select_modules
 from fsdp_cudagraph.checker.records import exit_process  # noqa: F401 - re-exported for the entry points
 
 __all__ = ["RunSpec", "RunResult", "build_model", "graph_config", "run_training", "use_deterministic_kernels",
-           "init_distributed", "rank_batches"]
+           "init_distributed", "rank_batches", "states_equal"]
 
 
 def init_distributed(*, default_port: int = 29512) -> torch.device:
@@ -111,6 +113,11 @@ class RunSpec:
     perturb_step: Optional[int] = None
     #: Hybrid sharding (HSDP): replicate degree R; the world is an (R, world / R) mesh (replicate, shard).
     replicate: int = 1
+    #: With ``model.fp8``: quantize the FP8 weights on each step's first micro-batch only (TE's
+    #: ``cache_quantized_params``, eagerly through ``is_first_microbatch`` and in the graph maker).
+    fp8_cache_quantized_params: bool = False
+    #: Graphed runs: called with the model right after capture (the FP8 negative controls change state there).
+    after_capture: Optional[Callable[[Any], None]] = None
 
 
 @dataclasses.dataclass
@@ -197,9 +204,24 @@ def rank_batches(model: GPTConfig, *, steps: int, grad_accum: int, micro_batch_s
     return out
 
 
+def fp8_recipe(spec: RunSpec) -> Optional[FP8Recipe]:
+    """The run's FP8 recipe (``spec.model.fp8``; the default amax reduction group, the world: the data-parallel group
+    of these runs), or None. One object per run: the eager autocast and the graph maker share it."""
+    if spec.model.fp8 is None:
+        if spec.fp8_cache_quantized_params:
+            raise ValueError("fp8_cache_quantized_params=True needs GPTConfig(fp8=...)")
+        return None
+    if spec.fp8_cache_quantized_params and spec.model.unit == "te_layer":
+        raise ValueError("fp8_cache_quantized_params=True with unit='te_layer': the GPT calls TE's TransformerLayer "
+                         "without is_first_microbatch (it would become part of the graphed call's signature); use "
+                         "unit='block'")
+    return FP8Recipe(spec.model.fp8, cache_quantized_params=spec.fp8_cache_quantized_params)
+
+
 def graph_config(spec: RunSpec, scope: Optional[Sequence[str]] = None) -> CudaGraphConfig:
     """The CudaGraphConfig of a graphed run: its scope (default ``spec.cuda_graph_modules``) and backend."""
     return CudaGraphConfig(
+        fp8_recipe=spec.model.fp8, fp8_cache_quantized_params=spec.fp8_cache_quantized_params,
         cuda_graph_impl={"te": "transformer_engine", "torch": "local", "protocol": "local"}[spec.backend],
         cuda_graph_modules=list((spec.cuda_graph_modules if scope is None else scope) or []),
         cuda_graph_warmup_steps=spec.capture_step,
@@ -226,6 +248,7 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(spec, device)
     opt = make_adam(model.optimizer_parameters(), spec.optimizer, lr=spec.lr)
+    fp8 = fp8_recipe(spec)
     graphs = None
     matcher = None
     graphed = spec.cuda_graph_modules is not None
@@ -249,9 +272,11 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
             if graphed and step == spec.build_graphs_step:
                 graphs = PartialCudaGraphs(model, graph_config(spec), backend=spec.backend,
                                            attention_backend=spec.attention_backend,
-                                           clone_param_grads=spec.clone_param_grads)
+                                           clone_param_grads=spec.clone_param_grads, fp8=fp8)
             if graphs is not None and step == spec.capture_step:
                 report = graphs.capture()
+                if spec.after_capture is not None:
+                    spec.after_capture(model)
             if step == profile_from:
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
                                               + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []))
@@ -261,11 +286,14 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
                 start.record()
             t0 = time.perf_counter()
             step_loss = torch.zeros((), device=device)
-            for x, y in data[step]:
+            for mb, (x, y) in enumerate(data[step]):
                 if spec.perturb_step == step:
                     x = x.clone()
                     x[0, 0] = (x[0, 0] + 1) % spec.model.vocab_size
-                loss = loss_fn(model(x), y) / spec.grad_accum
+                # FP8: one region around each micro-batch's forward, eager and graphed alike ([Note: the FP8
+                # region under graphs] in capture/fp8.py)
+                with fp8.autocast(first_microbatch=mb == 0) if fp8 is not None else contextlib.nullcontext():
+                    loss = loss_fn(model(x), y) / spec.grad_accum
                 loss.backward()
                 step_loss += loss.detach()
             opt.step()
@@ -293,6 +321,32 @@ def run_training(spec: RunSpec, device: torch.device, *, profile_from: Optional[
     for h in hook_handles:
         h.remove()
     return RunResult(losses, ms, peak, report, state, table, hook_values)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _extra_state_content(value: Any) -> Any:
+    """TE's extra state is a uint8 tensor of pickled bytes; pickled tensors carry storage keys made from addresses, so
+    equal states need not be equal bytes: compare what it holds (unpickled: this run's own values)."""
+    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1 and value.numel():
+        return pickle.loads(value.numpy().tobytes())
+    return value
+
+
+def states_equal(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    """Whether two final state dicts (``full_state_dict()``) are the same: every tensor ``torch.equal``, and each
+    module's extra state (TE's FP8 scaling: amax histories and scales) equal in content."""
+    return a.keys() == b.keys() and all(
+        _same(_extra_state_content(a[k]), _extra_state_content(b[k])) if k.endswith("_extra_state")
+        else torch.equal(a[k], b[k]) for k in a)
 
 
 def _user_hooks(model: MegatronFSDP, config: CudaGraphConfig) -> Tuple[Dict[str, List[torch.Tensor]], List[Any]]:

@@ -374,6 +374,8 @@ class Dispatcher:
         strict: raise ValueError on a mismatch instead of running eagerly.
         on_replay: called before each replay (the engine learns which graphs wrote gradients outside Python:
             [Note: fused weight gradients] in ``megatron_fsdp/_fused_wgrad.py``).
+        replay_kwargs: called at each replay for keyword arguments the graph maker's forward takes besides the
+            tensors (TE's ``is_first_microbatch`` with FP8 weight caching, ``capture/fp8.py``); None: none.
 
     Counters ``replays`` and ``eager_calls`` say what happened; ``last_change`` holds the last mismatch's
     description. The hot path is one flatten and one tuple comparison.
@@ -381,7 +383,8 @@ class Dispatcher:
 
     def __init__(self, module: nn.Module, name: str, graphed: Callable[..., Any], wrapper: CallWrapper,
                  eager: Callable[..., Any], *, strict: bool = False,
-                 on_replay: Optional[Callable[[], None]] = None) -> None:
+                 on_replay: Optional[Callable[[], None]] = None,
+                 replay_kwargs: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
         assert wrapper.out_sig is not None, "the wrapper never ran: no output signature"
         self.module = module
         self.name = name
@@ -394,6 +397,7 @@ class Dispatcher:
         self.eager = eager
         self.strict = strict
         self.on_replay = on_replay
+        self.replay_kwargs = replay_kwargs
         self.replays = 0
         self.eager_calls = 0
         self.warned = False
@@ -406,7 +410,7 @@ class Dispatcher:
             self.replays += 1
             if self.on_replay is not None:
                 self.on_replay()
-            out = self.graphed(*leaves)
+            out = self.graphed(*leaves, **self.replay_kwargs()) if self.replay_kwargs is not None else self.graphed(*leaves)
             if self._single:
                 return out[0] if isinstance(out, (tuple, list)) else out
             return rebuild(self.out_sig, out if isinstance(out, (tuple, list)) else (out,))

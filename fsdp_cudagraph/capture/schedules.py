@@ -72,6 +72,9 @@ class GraphedCallable:
     replay_ptrs: Tuple[Tuple[str, int], ...] = ()
     #: The engine's replay probe (resolved at capture): the addresses of replay_ptrs as they are now, in O(1).
     probe: Optional[Callable[[], Tuple[int, ...]]] = None
+    #: With FP8: ``(probe, names)`` of the TE modules' cached quantized weights, resolved at capture
+    #: (``capture/fp8.py`` ``quantized_weight_probe``); None without FP8 or without a cached weight.
+    quantized_probe: Optional[Tuple[Callable[[], Tuple[int, ...]], Tuple[str, ...]]] = None
     had_forward_attr: bool = False
     #: The module's own instance-level ``forward`` before capture (when ``had_forward_attr``): graph makers
     #: replace it, and delete() or a failed capture must put it back.

@@ -74,6 +74,7 @@ from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.graphs.optimizer import FullIterationReport, OptimizerGraph
 from fsdp_cudagraph.graphs.partial import refuse_graph_unsafe
 from fsdp_cudagraph.capture import args as _args
+from fsdp_cudagraph.capture import fp8 as _fp8
 from fsdp_cudagraph.capture import protocol as _protocol
 from fsdp_cudagraph.capture import streams as _streams
 from fsdp_cudagraph.capture.attention import AttentionBackendMatcher, before_capture, check_policy
@@ -350,6 +351,8 @@ class FullIterationCudaGraph:
     def _eager(self, slot: _Slot, micro_batches: Sequence[Any], *, check: bool) -> Any:
         start = lambda: self.static_step.begin_static_step(replace_grads=slot.kind == "train")  # noqa: E731
         if check:  # run once under the host-sync check, discarded: [Note: the host-sync rehearsal] in capture_safety.py
+            if self.backend == "torch":
+                self._refuse_delayed_scaling()  # before the rehearsal, whose own errors would hide the reason
             with rehearsal(self.device, _KINDS[slot.kind], start=start, generators=self.generators):
                 self._body(slot)(micro_batches)
         start()
@@ -424,6 +427,17 @@ class FullIterationCudaGraph:
             raise RuntimeError(f"[rank {self.engine.rank}] fsdp_cudagraph: cannot capture: {hazard}")
         if self._attention is not None:  # error: refused; warn: one line, rank 0, once per process
             before_capture(self._attention, self.attention_backend, logger, notice=("warn",))
+        self._refuse_delayed_scaling()
+
+    def _refuse_delayed_scaling(self) -> None:
+        delayed = _fp8.delayed_scaling_modules(self.engine.root)
+        if delayed:
+            raise NotImplementedError(
+                f"[rank {self.engine.rank}] fsdp_cudagraph: cannot capture the step: TE modules {delayed[:3]} train "
+                "in FP8 with delayed scaling, whose gradient scales TE updates on the host after the first FP8 "
+                "module's backward and skips while a capture is under way (a replayed step would never update "
+                "them). Use the 'current' or 'block' recipe in whole-step graphs, or per-layer graphs "
+                "(PartialCudaGraphs, backend 'te') for delayed scaling")
 
     def _agree(self, log: List[str], what: str) -> None:  # the group is read now: the engine holds it weakly
         _recipe.agree_collectives(log, what, rank=self.engine.rank, world_size=self.static_step.world_size,

@@ -301,6 +301,11 @@ class LengthBucketGraphs:
             raise NotImplementedError("activation offloading inside length-bucketed graphs is not supported; drop "
                                       "activation_offload_modules/activation_offload_module_patterns, or use "
                                       "PartialCudaGraphs")
+        if config.fp8_recipe is not None:
+            raise NotImplementedError(f"fp8_recipe={config.fp8_recipe!r} with length-bucketed graphs is not supported: "
+                                      "each bucket's sequence length would have to meet TE's FP8 GEMM rule and each "
+                                      "bucket's capture would save and restore the scaling state on its own; use "
+                                      "PartialCudaGraphs with one padded length, or train the bucketed model in bf16")
         self.model, self.config, self.buckets, self.output_dim, self.backend = model, config, buckets, output_dim, backend
         # The capture core, built once (the machine and engine checks, the selection, the side stream), never
         # captured itself: capture() hands it one ordered set of callables per bucket. TE attention matching

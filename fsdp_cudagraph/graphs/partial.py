@@ -42,6 +42,7 @@ from fsdp_cudagraph.engines.registry import adapter_for
 from fsdp_cudagraph.hooks import HOOK_DICTS, extract_hooks, restore_hooks
 from fsdp_cudagraph.offload import offloader as _offload
 from fsdp_cudagraph.capture import args as _args
+from fsdp_cudagraph.capture import fp8 as _fp8
 from fsdp_cudagraph.capture import schedules as _schedules
 from fsdp_cudagraph.capture.schedules import CaptureReport, GraphedCallable as _Callable
 from fsdp_cudagraph.capture import protocol as _protocol
@@ -53,6 +54,10 @@ from fsdp_cudagraph.capture.te import require_te
 __all__ = ["PartialCudaGraphs", "CaptureReport", "BACKENDS", "select_modules", "match_graph_attention"]
 
 logger = logging.getLogger(__name__)
+
+#: Said when the replay check finds a cached FP8 weight moved ([Note: quantized weights across micro-batches]).
+_FP8_HINT = (" A TE module dropped or replaced its FP8 weight cache (_fp8_workspaces; TE does on a recipe change), "
+             "which the graph keeps writing and reading at the old address.")
 
 
 
@@ -128,6 +133,11 @@ class PartialCudaGraphs:
             under capture than eagerly (see [Note: attention backends under capture] in ``capture/attention.py``):
             ``match_graph`` (default) makes the eager steps use the graph's backend from now on, ``warn``
             keeps TE's eager choice and warns at capture, ``error`` refuses the capture.
+        fp8: the run's :class:`~fsdp_cudagraph.capture.fp8.FP8Recipe` (TE backend only): TE's graph maker captures
+            the callables in FP8 with its recipe and amax reduction group, the same object's ``autocast()`` must
+            wrap each micro-batch's forward, eager steps and replays alike ([Note: the FP8 region under graphs]).
+            None: built from ``config.fp8_recipe`` when that is set (default group), else no FP8. Exposed as
+            ``self.fp8``.
         clone_param_grads: TE backend: return clones of the graph's parameter gradients (TE's default) rather
             than its static buffers. ``False`` saves a copy per parameter per replay and is safe when nothing
             keeps a returned gradient past the next replay of its callable: autograd's AccumulateGrad copies a
@@ -140,7 +150,8 @@ class PartialCudaGraphs:
     """
 
     def __init__(self, model: nn.Module, config: CudaGraphConfig, *, backend: Optional[str] = None,
-                 attention_backend: str = "match_graph", clone_param_grads: bool = True) -> None:
+                 attention_backend: str = "match_graph", clone_param_grads: bool = True,
+                 fp8: Optional[_fp8.FP8Recipe] = None) -> None:
         check_policy(attention_backend)
         self.config = config
         self.attention_backend = attention_backend
@@ -157,10 +168,13 @@ class PartialCudaGraphs:
                 "'transformer_engine' or 'local'"
             )
         self.backend = backend
+        self.fp8 = fp8_for(config, fp8, backend)
         if backend != "protocol":
             # The machine first, before any hook or stream changes: a missing GPU or TE is known now, not
             # after the warmup steps.
             config.check_runtime()
+            if self.fp8 is not None:  # this GPU and CUDA run the recipe (block scaling needs Hopper)
+                self.fp8.check_runtime()
         self.engine.check_partial_graphs()
         self.callables = self._select()
         # config.activation_offload_*: built now (the next eager step is recorded), boundaries checked here.
@@ -223,6 +237,7 @@ class PartialCudaGraphs:
                 "unknown; run at least one eager training step (cuda_graph_warmup_steps >= 1) before capture()"
             )
         self.check_callables(self.callables)
+        self.check_fp8(self.callables)
         before_capture(self._attention, self.attention_backend, logger)  # error refuses; else one line, rank 0
         attention_backends = {n: dict(s) for n, s in self._attention.selections.items()}
         self.stop_recording()
@@ -236,6 +251,8 @@ class PartialCudaGraphs:
             self._checks.append(c.module.register_forward_pre_hook(self.arm_address_check(c)))
         self._order = order
         self.captured = True
+        if self.fp8 is not None:
+            _fp8.captured_with(self.fp8, self)
         self.report = CaptureReport(self.backend, [c.name for c in order], seconds, mem, unknown, attention_backends,
                                     _schedules.memory_breakdown(order, mem, reserved0))
         return self.report
@@ -261,6 +278,25 @@ class PartialCudaGraphs:
                 f"FSDP units {recomputed[:5]} run under activation checkpointing (their forward is recomputed in "
                 "backward); partial graphs of such units are not supported: graph other layers, or do not "
                 "checkpoint the graphed layers")
+
+    def check_fp8(self, callables: List[_Callable]) -> None:
+        """With FP8: refuse a capture inside a TE autocast region (TE's graph maker opens its own per callable, and
+        the scaling bookkeeping of the outer one would mix with it), shapes TE's FP8 GEMMs refuse, and a capture
+        that TE's process-wide weight flag would break ([Note: TE's one weight flag] in ``capture/fp8.py``)."""
+        if self.fp8 is None:
+            return
+        if _fp8.te_autocast_active():
+            raise RuntimeError(
+                "fsdp_cudagraph: capture() was called inside a TE autocast region; TE's graph maker wraps each "
+                "callable in its own FP8 autocast while it captures, and an open region would take the scaling "
+                "bookkeeping of warmup as its own. Call capture() between steps, outside `with fp8.autocast():`")
+        problems = [p for c in callables for p in _fp8.fp8_gemm_problems(c.name, c.module, c.sample_args or ())]
+        if problems:
+            raise ValueError(f"fsdp_cudagraph: {self.fp8!r} cannot capture these callables: {'; '.join(problems[:3])}"
+                             f"{f' (and {len(problems) - 3} more)' if len(problems) > 3 else ''}. Pad the sequence "
+                             "(tokens per micro-batch a multiple of 8) and pick hidden sizes that are multiples of 16, "
+                             "or train these layers without FP8")
+        _fp8.before_te_capture(self.fp8, self)  # last: it may reset TE's weight flag ([Note: TE's one weight flag])
 
     def stop_recording(self) -> None:
         """Stop recording the callables' eager calls (their sample args); capture() does it, length buckets
@@ -323,6 +359,8 @@ class PartialCudaGraphs:
         if c.probe() != tuple(ptr for _, ptr in c.replay_ptrs):
             raise RuntimeError(f"fsdp_cudagraph: the {self.engine.name} adapter's replay_probe({c.name}) disagrees "
                                "with its replay_tensors (same tensors, same order); fix the adapter")
+        # FP8 weights cached across micro-batches sit outside the graphs' memory, written and read by them.
+        c.quantized_probe = _fp8.quantized_weight_probe(c.module) if self.fp8 is not None else None
         return self._address_check(c)
 
     def _run_schedule(self, order: List[_Callable], install: _schedules.Install, pool_for: _schedules.PoolFor) -> None:
@@ -336,10 +374,12 @@ class PartialCudaGraphs:
         who = self.engine.name
         hooks = [_schedules.capture_time_hooks(c, guard=lambda c=c: _schedules.check_params(c, who)) for c in order]
         if self.backend == "te":
+            extra = dict(_offload.te_warmup_hooks(self.offload))  # offloading on for capture only
+            if self.fp8 is not None:
+                extra.update(self.fp8.graph_maker_kwargs())
             return _schedules.capture_te(order, wrappers, hooks, te=require_te("cuda_graph_impl='transformer_engine'"),
                                          num_warmup_iters=n, install=install,
-                                         clone_param_grads=self.clone_param_grads, pool_for=pool_for,
-                                         extra=_offload.te_warmup_hooks(self.offload))  # offloading on for capture only
+                                         clone_param_grads=self.clone_param_grads, pool_for=pool_for, extra=extra)
         _schedules.capture_protocol(order, wrappers, hooks, num_warmup_iters=n, install=install,
                                     region=self._simulated_capture)
 
@@ -357,9 +397,12 @@ class PartialCudaGraphs:
         for attr in ("reset", "backward_dw"):  # graph makers attach these to the module they were given
             if attr in wrapper.__dict__:
                 c.module.__dict__[attr] = wrapper.__dict__[attr]
+        # TE's graphs of cached FP8 weights take is_first_microbatch at each replay
+        caching = self.fp8 is not None and self.fp8.cache_quantized_params
         c.module.forward = _args.Dispatcher(c.module, c.name, graphed, wrapper, wrapper.eager_forward,
                                             strict=self.config.cuda_graph_strict_signature,
-                                            on_replay=self._on_replay(c))
+                                            on_replay=self._on_replay(c),
+                                            replay_kwargs=self.fp8.replay_kwargs if caching else None)
 
     def _on_replay(self, c: _Callable) -> Optional[Callable[[], None]]:
         """What a replay of ``c`` tells the engine (which module's graph ran), or None."""
@@ -375,6 +418,8 @@ class PartialCudaGraphs:
         hint = self.engine.address_hint
 
         probe, probed = c.probe, tuple(ptr for _, ptr in c.replay_ptrs)
+        qprobe, qnames = c.quantized_probe or (None, ())
+        qprobed = qprobe() if qprobe is not None else ()
 
         def check(module: nn.Module, args: Tuple[Any, ...]) -> None:
             # The hot path is one tuple comparison per replay, its addresses read by the probe resolved at capture
@@ -386,13 +431,19 @@ class PartialCudaGraphs:
                     moved = [(n if n.startswith("gradient") else f"parameter {n}", ptr, new)
                              for (n, ptr), (_, new) in zip(c.replay_ptrs, now) if new != ptr] or [
                         ("set of replay tensors", 0, 0)]
+            if qprobe is not None and not moved:
+                now_q = qprobe()
+                if now_q != qprobed:
+                    moved = [(f"quantized weight {n}", ptr, new) for n, ptr, new in zip(qnames, qprobed, now_q)
+                             if new != ptr]
             if moved:
                 what, ptr, now_ptr = moved[0]
+                extra = _FP8_HINT if what.startswith("quantized weight") else ""
                 raise RuntimeError(
                     f"[rank {rank}] fsdp_cudagraph: graphed callable {c.name} (unit {unit_name}) would replay with "
                     f"{what} at {now_ptr:#x}, but it was captured at {ptr:#x}; replay would read stale memory. "
-                    f"{hint} Do not reassign parameters or engine buffers after capture (or delete() these graphs "
-                    "and capture with a new PartialCudaGraphs)"
+                    f"{hint}{extra} Do not reassign parameters, engine buffers or FP8 weight caches after capture (or "
+                    "delete() these graphs and capture with a new PartialCudaGraphs)"
                 )
 
         return check
@@ -426,6 +477,28 @@ class PartialCudaGraphs:
             self.offload.delete()
             self.offload = None
         _recipe.free_memory(cuda=torch.cuda.is_available())
+
+
+def fp8_for(config: CudaGraphConfig, fp8: Optional[_fp8.FP8Recipe], backend: str) -> Optional[_fp8.FP8Recipe]:
+    """The FP8 recipe of a per-layer graph kind: ``fp8`` (whose name must agree with ``config.fp8_recipe`` when
+    both are given), else one built from ``config``; refused with another backend than ``te``."""
+    if fp8 is not None and not isinstance(fp8, _fp8.FP8Recipe):
+        raise TypeError(f"fp8 must be an FP8Recipe (fsdp_cudagraph.FP8Recipe('delayed')) or None, got "
+                        f"{type(fp8).__name__}")
+    if fp8 is not None and config.fp8_recipe is not None and (
+            fp8.name != config.fp8_recipe or fp8.cache_quantized_params != config.fp8_cache_quantized_params):
+        raise ValueError(f"fp8={fp8!r} disagrees with config.fp8_recipe={config.fp8_recipe!r}, "
+                         f"fp8_cache_quantized_params={config.fp8_cache_quantized_params}; give the same recipe to "
+                         "both, or leave config.fp8_recipe unset")
+    if fp8 is None and config.fp8_recipe is not None:
+        fp8 = _fp8.FP8Recipe(config.fp8_recipe, cache_quantized_params=config.fp8_cache_quantized_params)
+    if fp8 is not None and backend != "te":
+        raise NotImplementedError(
+            f"{fp8!r} with backend={backend!r} is not supported: only TE's graph maker knows the FP8 state (it "
+            "captures each callable inside TE's autocast and restores the scaling state its warmup changed); "
+            "torch's graph maker and the protocol schedule do neither. Use backend='te' "
+            "(cuda_graph_impl='transformer_engine')")
+    return fp8
 
 
 def match_graph_attention(model: nn.Module, config: CudaGraphConfig) -> AttentionBackendMatcher:

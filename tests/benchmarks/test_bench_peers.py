@@ -18,7 +18,8 @@ code = bp.load_model_code(isolated=True)
 gpt = code.model.GPT(code.model.GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, seq_len=8))
 leaked = sorted(m for m in sys.modules if m == "megatron_fsdp" or m.startswith("megatron_fsdp.")
                 or m.startswith("fsdp_cudagraph.") and m not in ("fsdp_cudagraph.capture", "fsdp_cudagraph.apps",
-                                                                  "fsdp_cudagraph.capture.te", "fsdp_cudagraph.apps.model",
+                                                                  "fsdp_cudagraph.capture.te", "fsdp_cudagraph.capture.fp8",
+                                                                  "fsdp_cudagraph.apps.model",
                                                                   "fsdp_cudagraph.apps.moe",
                                                                   "fsdp_cudagraph.apps.moe_ep"))
 print(leaked, sum(p.numel() for p in gpt.parameters()))

@@ -39,7 +39,8 @@ def _build_megatron_fsdp(model: nn.Module, *, unit_modules: Sequence[UnitSpec], 
 
     def final() -> Dict[str, torch.Tensor]:
         if sharded.expert_parallel_group is None:
-            return {k: cpu_copy(v) for k, v in sharded.full_state_dict().items()}
+            # parameters and buffers: the modules' extra state (any object, None for megatron-core's) stays out
+            return {k: cpu_copy(v) for k, v in sharded.full_state_dict().items() if not k.endswith("_extra_state")}
         with sharded.summon_full_params():  # dense parameters and this rank's local experts, full
             return {n: cpu_copy(p).clone() for n, p in sharded.module.named_parameters()}
 

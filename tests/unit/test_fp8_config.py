@@ -1,0 +1,439 @@
+"""FP8 training settings (``capture/fp8.py``): names, recipes, refusals, and their way into TE's graph maker.
+
+No TE and no GPU here. Where a test needs TE to see the wiring, it stands in for the one piece it needs, and
+says so: ``transformer_engine.common.recipe`` (recipe classes that record their arguments), TE's ``autocast``
+(a context manager that records its arguments) and ``make_graphed_callables`` (TE's warmup/capture schedule
+without graphs, ``schedules.run_te_schedule``, recording its keyword arguments and installing a forward that,
+as TE's does, requires ``is_first_microbatch=<bool>`` at each replay when ``cache_quantized_params=True``).
+What TE computes in FP8 is proven on GPUs (``tests/gpu/test_fp8.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import types
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from torch import nn
+
+import fsdp_cudagraph.graphs.partial as partial_mod
+from fsdp_cudagraph import CudaGraphConfig, FP8Recipe, PartialCudaGraphs, add_cuda_graph_args, config_from_args
+from fsdp_cudagraph.apps.model import GPTConfig
+from fsdp_cudagraph.capture import fp8 as fp8_mod
+from fsdp_cudagraph.capture import schedules
+
+TE = "transformer_engine"
+
+
+# ---------------------------------------------------------------------------------------------- names and config
+def test_recipe_names_parse_case_insensitively_and_unknown_ones_are_named():
+    assert fp8_mod.parse_fp8_recipe(None) is None
+    assert fp8_mod.parse_fp8_recipe(" Delayed ") == "delayed"
+    with pytest.raises(ValueError, match="'mxfp8'.*delayed, current, block"):
+        fp8_mod.parse_fp8_recipe("mxfp8")
+    with pytest.raises(TypeError, match="fp8_recipe must be None or a str"):
+        fp8_mod.parse_fp8_recipe(8)
+
+
+@pytest.mark.parametrize("kw", [dict(cuda_graph_impl=TE, fp8_recipe="delayed"),
+                                dict(cuda_graph_impl=TE, fp8_recipe="block", fp8_cache_quantized_params=True),
+                                dict(cuda_graph_impl="full_iteration", fp8_recipe="current"),
+                                dict(cuda_graph_impl="full_iteration", fp8_recipe="block"),
+                                dict(fp8_recipe="delayed", fp8_cache_quantized_params=True)])  # eager
+def test_config_accepts_what_te_can_capture(kw):
+    cfg = CudaGraphConfig(**kw)
+    assert cfg.fp8_recipe == kw["fp8_recipe"]
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(cuda_graph_impl="local", fp8_recipe="current"), ["fp8_recipe='current' with cuda_graph_impl='local'",
+                                                          "cuda_graph_impl='transformer_engine'"]),
+    (dict(cuda_graph_impl="full_iteration", fp8_recipe="delayed"), ["'delayed' with cuda_graph_impl='full_iteration'",
+                                                                  "'current' or 'block'"]),
+    (dict(cuda_graph_impl="full_iteration", fp8_recipe="current", fp8_cache_quantized_params=True),
+     ["fp8_cache_quantized_params=True with cuda_graph_impl='full_iteration'"]),
+    (dict(cuda_graph_impl=TE, fp8_recipe="delayed", inference_cuda_graph_scope="block"),
+     ["inference_cuda_graph_scope='block' is not supported", "drop inference_cuda_graph_scope"]),
+    (dict(cuda_graph_impl=TE, fp8_cache_quantized_params=True), ["without fp8_recipe would be ignored"]),
+])
+def test_config_refuses_with_value_rule_and_fix(kw, words):
+    with pytest.raises(ValueError) as err:
+        CudaGraphConfig(**kw)
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_config_from_the_command_line():
+    p = argparse.ArgumentParser()
+    add_cuda_graph_args(p)
+    args = p.parse_args(["--cuda-graph-impl", TE, "--fp8-recipe", "Current", "--fp8-cache-quantized-params"])
+    cfg = config_from_args(args)
+    assert (cfg.fp8_recipe, cfg.fp8_cache_quantized_params) == ("current", True)
+    assert config_from_args(p.parse_args([])).fp8_recipe is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--fp8-recipe", "e4m3"])
+
+
+def test_gpt_config_refuses_fp8_without_te_layers_or_fp8_shapes():
+    assert GPTConfig(fp8="block", use_te=True, hidden_size=64, seq_len=32).fp8 == "block"
+    with pytest.raises(ValueError, match="use_te=False.*set use_te=True"):
+        GPTConfig(fp8="delayed")
+    with pytest.raises(ValueError, match="hidden_size=72, seq_len=100.*multiple of 16"):
+        GPTConfig(fp8="delayed", use_te=True, hidden_size=72, num_heads=4, seq_len=100, ffn_hidden_size=256)
+    with pytest.raises(ValueError, match="te_grouped"):
+        GPTConfig(fp8="current", use_te=True, moe_every=1, moe_experts="te_grouped")
+
+
+# ---------------------------------------------------------------------------------------------- device and shapes
+@pytest.mark.parametrize("name, cap, cuda, words", [
+    ("block", (8, 9), "12.9", ["compute capability 9.0", "is 8.9", "'current' or 'delayed'"]),
+    ("block", (9, 0), "12.8", ["CUDA 12.9", "runs CUDA 12.8"]),
+    ("delayed", (8, 0), "13.0", ["compute capability 8.9", "is 8.0", "bf16"]),
+    ("current", (7, 5), "12.4", ["compute capability 8.9"]),
+])
+def test_device_refusals(name, cap, cuda, words):
+    with pytest.raises(RuntimeError) as err:
+        fp8_mod.check_fp8_device(name, cap, cuda)
+    for w in words:
+        assert w in str(err.value)
+
+
+@pytest.mark.parametrize("name, cap, cuda", [("block", (9, 0), "13.0"), ("block", (10, 0), "12.9"),
+                                             ("delayed", (8, 9), "12.1"), ("current", (9, 0), "12.4")])
+def test_device_accepts(name, cap, cuda):
+    fp8_mod.check_fp8_device(name, cap, cuda)
+
+
+def test_without_a_gpu_fp8_is_refused_at_runtime():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        fp8_mod.check_fp8_runtime("current")
+
+
+def test_te_gemm_shape_rule():
+    assert fp8_mod.fp8_shape_problem("w", (768, 256)) is None
+    assert fp8_mod.fp8_shape_problem("x", (2, 128, 256)) is None
+    assert "last (100) a multiple of 16" in fp8_mod.fp8_shape_problem("w", (64, 100))
+    assert "(10) to be a multiple of 8" in fp8_mod.fp8_shape_problem("x", (2, 5, 64))
+
+
+# ---------------------------------------------------------------------------------------------- stand-ins for TE
+class _Recorded:
+    def __init__(self, **kw: Any) -> None:
+        self.kw = kw
+
+
+def _recipes() -> Any:
+    """Stand-in for ``transformer_engine.common.recipe``: classes that record their arguments."""
+    fmt = types.SimpleNamespace(HYBRID="HYBRID", E4M3="E4M3")
+    return types.SimpleNamespace(Format=fmt, DelayedScaling=type("DelayedScaling", (_Recorded,), {}),
+                                 Float8CurrentScaling=type("Float8CurrentScaling", (_Recorded,), {}),
+                                 Float8BlockScaling=type("Float8BlockScaling", (_Recorded,), {}))
+
+
+class _StubTE:
+    """Stand-in for ``transformer_engine.pytorch``: ``autocast`` and ``make_graphed_callables`` recorded."""
+
+    def __init__(self) -> None:
+        self.regions: List[Dict[str, Any]] = []
+        self.graph_calls: List[Dict[str, Any]] = []
+        self.replays: List[Any] = []
+        self.depth = 0
+
+    @contextlib.contextmanager
+    def autocast(self, **kw: Any):
+        self.regions.append(kw)
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+    def make_graphed_callables(self, modules, sample_args, *, num_warmup_iters=3, capture_time_hooks=None, **kw):
+        self.graph_calls.append(kw)
+        schedules.run_te_schedule(modules, sample_args, capture_time_hooks, num_warmup_iters=num_warmup_iters,
+                                  region=contextlib.nullcontext)
+        cache = kw.get("cache_quantized_params", False)
+        for m in modules:
+            fwd = m.forward
+
+            def replay(*args: Any, _fwd=fwd, **user_kwargs: Any) -> Any:  # TE's functionalized() rule
+                if cache and not isinstance(user_kwargs.get("is_first_microbatch"), bool):
+                    raise ValueError("`is_first_microbatch` boolean kwarg must be provided for FP8 weight caching.")
+                self.replays.append(user_kwargs.get("is_first_microbatch"))
+                return _fwd(*args)
+
+            m.forward = replay
+        return modules
+
+
+@pytest.fixture
+def stub_te(monkeypatch):
+    te = _StubTE()
+    monkeypatch.setattr(fp8_mod, "_recipe_classes", _recipes)
+    monkeypatch.setattr(fp8_mod, "_te", types.SimpleNamespace(require_te=lambda what: te, HAS_TE=False))
+    monkeypatch.setattr(fp8_mod, "te_autocast_active", lambda: te.depth > 0)
+    monkeypatch.setattr(partial_mod, "require_te", lambda what: te)
+    monkeypatch.setattr(CudaGraphConfig, "check_runtime", lambda self: None)
+    monkeypatch.setattr(FP8Recipe, "check_runtime", lambda self: None)
+    return te
+
+
+def test_recipes_are_built_as_megatron_builds_them(stub_te):
+    d, c, b = (FP8Recipe(n).recipe for n in ("delayed", "current", "block"))
+    assert type(d).__name__ == "DelayedScaling" and d.kw == {"fp8_format": "HYBRID"}
+    assert type(c).__name__ == "Float8CurrentScaling" and c.kw == {"fp8_format": "HYBRID"}
+    assert type(b).__name__ == "Float8BlockScaling" and b.kw == {}  # TE's default: E4M3, 1x128 / 128x128 blocks
+
+
+def test_one_recipe_object_for_every_region_and_the_graph_maker(stub_te):
+    group = object()
+    fp8 = FP8Recipe("delayed", amax_reduction_group=group)
+    with fp8.autocast():
+        assert fp8_mod.is_first_microbatch() is None  # no caching: TE modules get no is_first_microbatch
+    with fp8.autocast(first_microbatch=True):
+        pass
+    assert stub_te.regions[0] == {"enabled": True, "recipe": fp8.recipe, "amax_reduction_group": group}
+    assert stub_te.regions[0]["recipe"] is stub_te.regions[1]["recipe"]
+    assert fp8.graph_maker_kwargs() == {"enabled": True, "recipe": fp8.recipe, "amax_reduction_group": group,
+                                        "cache_quantized_params": False}  # TE 2.20's names (fp8_* are deprecated)
+    assert fp8.replay_kwargs() == {}
+
+
+def test_weight_caching_needs_the_micro_batch_flag(stub_te):
+    fp8 = FP8Recipe("current", cache_quantized_params=True)
+    with pytest.raises(ValueError, match="first_microbatch=\\(i == 0\\)"):
+        with fp8.autocast():
+            pass
+    for first in (True, False):
+        with fp8.autocast(first_microbatch=first):
+            assert fp8_mod.is_first_microbatch() is first
+            assert fp8.replay_kwargs() == {"is_first_microbatch": first}
+    assert fp8_mod.is_first_microbatch() is None
+    with pytest.raises(RuntimeError, match="replayed outside fp8.autocast"):
+        fp8.replay_kwargs()
+
+
+# ---------------------------------------------------------------------------------------------- through PartialCudaGraphs
+class FakeWorkspace:
+    """A TE quantized-weight workspace (``get_data_tensors()``: rowwise and columnwise data)."""
+
+    def __init__(self, n: int) -> None:
+        self.data, self.transpose = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+
+    def get_data_tensors(self):
+        return self.data, self.transpose
+
+
+class TELikeLinear(nn.Linear):
+    """A linear layer with TE's FP8 attributes: ``fp8_meta`` and, once it ran, a cached quantized weight."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__(n_in, n_out)
+        self.fp8_meta: Dict[str, Any] = {}
+        self._fp8_workspaces: Dict[str, Any] = {}
+        self.calls: List[Any] = []
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: Any = None) -> torch.Tensor:
+        self.calls.append(is_first_microbatch)
+        self._fp8_workspaces.setdefault("weight", FakeWorkspace(self.weight.numel()))
+        return super().forward(x)
+
+
+class Block(nn.Module):
+    cuda_graph_module = "mlp"
+
+    def __init__(self, n: int = 32) -> None:
+        super().__init__()
+        self.fc = TELikeLinear(n, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = fp8_mod.is_first_microbatch()
+        return torch.relu(self.fc(x, **({} if first is None else {"is_first_microbatch": first})))
+
+
+def _graphs(fp8: Any, n: int = 32, **cfg: Any):
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(n), Block(n))
+    config = CudaGraphConfig(cuda_graph_impl=TE, cuda_graph_modules=["mlp"], **cfg)
+    return model, PartialCudaGraphs(model, config, fp8=fp8)
+
+
+def _step(model: nn.Module, fp8: FP8Recipe, n: int = 32, micro: int = 2) -> None:
+    for i in range(micro):
+        with fp8.autocast(first_microbatch=i == 0):
+            out = model(torch.randn(8, n))
+        out.sum().backward()
+
+
+def test_te_graph_maker_gets_the_recipe_group_and_caching_and_replays_get_the_flag(stub_te):
+    group = object()
+    fp8 = FP8Recipe("delayed", amax_reduction_group=group, cache_quantized_params=True)
+    model, graphs = _graphs(fp8)
+    assert graphs.fp8 is fp8
+    _step(model, fp8)
+    graphs.capture()
+    (kw,) = stub_te.graph_calls
+    assert kw["enabled"] is True and kw["recipe"] is fp8.recipe and kw["amax_reduction_group"] is group
+    assert kw["cache_quantized_params"] is True
+    _step(model, fp8)
+    assert stub_te.replays == [True, True, False, False]  # per callable, per micro-batch, as the region says
+    with pytest.raises(RuntimeError, match="replayed outside fp8.autocast"):
+        model(torch.randn(8, 32))
+    graphs.delete()
+
+
+def test_config_recipe_builds_the_object_and_a_disagreeing_one_is_refused(stub_te):
+    _, graphs = _graphs(None, fp8_recipe="current")
+    assert isinstance(graphs.fp8, FP8Recipe) and graphs.fp8.name == "current"
+    graphs.delete()
+    with pytest.raises(ValueError, match="disagrees with config.fp8_recipe='current'"):
+        _graphs(FP8Recipe("delayed"), fp8_recipe="current")
+    with pytest.raises(TypeError, match="fp8 must be an FP8Recipe"):
+        _graphs("delayed")
+
+
+@pytest.mark.parametrize("backend", ["torch", "protocol"])
+def test_fp8_with_another_graph_maker_is_refused(backend):
+    model = nn.Sequential(Block(), Block())
+    config = CudaGraphConfig(cuda_graph_impl=TE, cuda_graph_modules=["mlp"])
+    with pytest.raises(NotImplementedError, match=f"backend='{backend}' is not supported.*backend='te'"):
+        PartialCudaGraphs(model, config, backend=backend, fp8=FP8Recipe("current"))
+
+
+def test_capture_inside_an_autocast_region_is_refused(stub_te):
+    fp8 = FP8Recipe("current")
+    model, graphs = _graphs(fp8)
+    _step(model, fp8)
+    with fp8.autocast():
+        with pytest.raises(RuntimeError, match="outside `with fp8.autocast\\(\\):`"):
+            graphs.capture()
+    graphs.delete()
+
+
+def test_shapes_te_fp8_gemms_refuse_are_named_at_capture(stub_te):
+    fp8 = FP8Recipe("current")
+    model, graphs = _graphs(fp8, n=20)
+    _step(model, fp8, n=20)
+    with pytest.raises(ValueError, match="0.fc.weight has shape \\[20, 20\\].*multiples of 16"):
+        graphs.capture()
+    graphs.delete()
+
+
+def test_a_cached_fp8_weight_dropped_after_capture_is_caught_before_replay(stub_te):
+    fp8 = FP8Recipe("delayed", cache_quantized_params=True)
+    model, graphs = _graphs(fp8)
+    _step(model, fp8)
+    graphs.capture()
+    _step(model, fp8)  # replays
+    model[1].fc._fp8_workspaces.clear()  # what TE does on a recipe change
+    with pytest.raises(RuntimeError, match="quantized weight fc._fp8_workspaces\\['weight'\\]\\[0\\].*FP8 weight cache"):
+        _step(model, fp8)
+    graphs.delete()
+
+
+def test_te_weight_flag_no_capture_without_caching_while_caching_graphs_live(stub_te):
+    caching = FP8Recipe("delayed", cache_quantized_params=True)
+    model, graphs = _graphs(caching)
+    _step(model, caching)
+    graphs.capture()
+    plain = FP8Recipe("delayed")
+    model2, graphs2 = _graphs(plain)
+    _step(model2, plain)
+    with pytest.raises(NotImplementedError, match="one process-wide weight-update flag"):
+        graphs2.capture()
+    graphs.delete()
+    graphs2.delete()
+    model3, graphs3 = _graphs(plain)
+    _step(model3, plain)
+    graphs3.capture()  # the caching graphs are gone
+    graphs3.delete()
+
+
+# ---------------------------------------------------------------------------------------------- TE's module state
+class _DelayedRecipe:
+    def delayed(self) -> bool:
+        return True
+
+
+class _CurrentRecipe:
+    def delayed(self) -> bool:
+        return False
+
+
+class TELikeModule(nn.Module):
+    """TE's FP8 state as ``TransformerEngineBaseModule`` keeps it: ``fp8``, ``fp8_meta`` with the recipe and, for
+    delayed scaling, a recipe state holding ``scale`` and ``amax_history``; ``reset_fp8_meta_tensors``."""
+
+    def __init__(self, recipe: Any) -> None:
+        super().__init__()
+        self.fp8 = True
+        state = types.SimpleNamespace(scale=torch.full((3,), 7.0), amax_history=torch.full((4, 3), 2.0))
+        self.fp8_meta = {"recipe": recipe, "scaling_fwd": state if isinstance(recipe, _DelayedRecipe) else object()}
+
+    def reset_fp8_meta_tensors(self) -> None:
+        st = self.fp8_meta["scaling_fwd"]
+        st.scale.copy_(torch.ones_like(st.scale))
+        st.amax_history.copy_(torch.zeros_like(st.amax_history))
+
+
+def test_delayed_scaling_modules_are_found_for_the_whole_step_refusal():
+    model = nn.ModuleDict({"a": TELikeModule(_DelayedRecipe()), "b": TELikeModule(_CurrentRecipe())})
+    assert fp8_mod.delayed_scaling_modules(model) == ["a"]
+    model["a"].fp8 = False  # its last forward ran without FP8
+    assert fp8_mod.delayed_scaling_modules(model) == []
+
+
+def test_reset_scaling_state_resets_delayed_scaling_in_place():
+    model = nn.ModuleDict({"a": TELikeModule(_DelayedRecipe()), "b": TELikeModule(_CurrentRecipe())})
+    st = model["a"].fp8_meta["scaling_fwd"]
+    ptr = st.scale.data_ptr()
+    assert fp8_mod.reset_scaling_state(model) == ["a"]
+    assert torch.equal(st.scale, torch.ones(3)) and not st.amax_history.any() and st.scale.data_ptr() == ptr
+
+
+def test_quantized_weight_probe_sees_replaced_and_dropped_workspaces():
+    m = TELikeLinear(16, 16)
+    assert fp8_mod.quantized_weight_probe(m) is None  # nothing cached yet
+    m(torch.randn(8, 16))
+    probe, names = fp8_mod.quantized_weight_probe(m)
+    assert names == ("TELikeLinear._fp8_workspaces['weight'][0]", "TELikeLinear._fp8_workspaces['weight'][1]")
+    before = probe()
+    assert probe() == before and all(before)
+    m._fp8_workspaces["weight"] = FakeWorkspace(256)
+    assert probe() != before
+    m._fp8_workspaces.clear()
+    assert probe() == (0, 0)
+
+
+def test_length_buckets_refuse_fp8():
+    from fsdp_cudagraph import LengthBucketGraphs
+
+    with pytest.raises(NotImplementedError, match="length-bucketed graphs is not supported"):
+        LengthBucketGraphs(nn.Sequential(Block()), CudaGraphConfig(cuda_graph_impl=TE, cuda_graph_modules=["mlp"],
+                                                                   fp8_recipe="current"),
+                           buckets=[8, 16], length_args={"x": 0}, backend="protocol")
+
+
+def test_final_states_compare_te_extra_state_by_content():
+    """TE's extra state is pickled bytes, and pickled tensors carry storage keys made from addresses: two equal
+    scaling states need not be equal bytes, so the alignment apps compare what they hold."""
+    import pickle
+
+    from fsdp_cudagraph.apps.train import states_equal
+
+    def te_state(history: torch.Tensor) -> torch.Tensor:
+        payload = pickle.dumps({"amax_history_fwd": history, "extra_fp8_variables": {"num_gemms": 1}})
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+    w = torch.ones(2)
+    a = {"w": w, "m._extra_state": te_state(torch.arange(4.0))}
+    b = {"w": w.clone(), "m._extra_state": te_state(torch.arange(4.0) + 0)}  # equal values, another storage
+    assert states_equal(a, b)
+    assert not states_equal(a, {"w": w, "m._extra_state": te_state(torch.arange(4.0) + 1)})
+    empty = torch.empty(0, dtype=torch.uint8)  # a stateless recipe's (current, block) or a bf16 TE module's
+    assert states_equal({"m._extra_state": empty}, {"m._extra_state": empty.clone()})
