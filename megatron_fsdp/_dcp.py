@@ -6,7 +6,8 @@ Every parameter (and every element-wise optimizer state tensor: Adam's ``exp_avg
 ``DeviceMesh`` of the engine's process group (under HSDP the 2-D ``(replicate, shard)`` mesh, placed
 ``(Replicate(), Shard(0))``: [Note: hybrid sharding] in _hsdp.py): rank ``r`` holds rows ``[r*c, (r+1)*c)`` with
 ``c = ceil(dim0 / world)`` (``torch.chunk``'s split, the one FSDP2 and torchtitan save). 0-dim parameters
-leave ``Replicate()``. Keys are the unwrapped model's, as in ``model.state_dict()``.
+leave ``Replicate()``. Keys are the unwrapped model's, as in ``model.state_dict()``, except that under tensor
+parallelism a TP shard's key names its TP rank (``{name}@tp{r}of{TP}``: [Note: tensor parallelism] in _tensor.py).
 
 Our flat per-unit shards do not split along dim 0: a rank owns a contiguous element range of the unit's
 flat buffer, which cuts parameters mid-row and puts a parameter's rows on other ranks than ``Shard(0)``
@@ -34,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._common import Engine, Unit
 from ._expert import refuse_colliding_names
+from ._tensor import dcp_key, foreign_tp_keys
 from ._state_dict import clean_fqn, gather_region, mark_stale, persistent_buffers, regions, shard_start
 
 if TYPE_CHECKING:
@@ -133,7 +135,7 @@ def sharded_state_dict(engine: Engine) -> Dict[str, Any]:
     for u in engine.all_units():
         for layout, local in regions(u):
             for n, value in zip(layout.names, _region_dtensors(engine, layout, local, u)):
-                out[clean_fqn(n)] = value
+                out[dcp_key(engine.tp_topology, clean_fqn(n))] = value
     for name, first in engine.tied_names.items():  # the same DTensor under every name ([Note: tied parameters])
         out[name] = out[first]
     for n, b in persistent_buffers(engine.module):
@@ -152,16 +154,26 @@ def load_sharded_state_dict(engine: Engine, state_dict: Dict[str, Any]) -> None:
     for name, first in engine.tied_names.items():
         if name in state_dict and first not in key:
             key[first] = name
-    expected = {clean_fqn(n) for u in engine.all_units() for layout, _ in regions(u) for n in layout.names}
+    topo = engine.tp_topology
+    expected = {dcp_key(topo, clean_fqn(n)) for u in engine.all_units() for layout, _ in regions(u) for n in layout.names}
     expected |= {n for n, _ in persistent_buffers(engine.module)}
     missing = sorted(expected - set(key))
+    foreign = foreign_tp_keys(topo, list(state_dict))
+    if foreign or (missing and topo is not None and any("@tp" in m for m in missing)):
+        raise ValueError(
+            f"load_sharded_state_dict: the dict holds tensor-parallel keys of another layout ({foreign[:3]}) or lacks "
+            f"this rank's ({[m for m in missing if '@tp' in m][:3]}); a checkpoint with TP shards loads at the "
+            f"same tensor_parallel_size ({engine.tensor_parallel_size} here), at any data-parallel size. To change "
+            "TP, load it at its own TP, merge the TP ranks' state_dict()s (fsdp_cudagraph.apps.tp."
+            "merge_tp_state_dicts) and slice them for the new TP (slice_tp_state_dict)")
     if missing:
         raise ValueError(f"load_sharded_state_dict: missing keys {missing[:10]}; pass the dict returned by "
                          "sharded_state_dict() after torch.distributed.checkpoint.load filled it")
     for u in engine.all_units():
         for layout, local in regions(u):
             for i, n in enumerate(layout.names):
-                _copy_in(engine, layout, local, i, state_dict[key[clean_fqn(n)]], key[clean_fqn(n)], u)
+                k = key[dcp_key(topo, clean_fqn(n))]
+                _copy_in(engine, layout, local, i, state_dict[k], k, u)
         mark_stale(u)
     with torch.no_grad():
         for n, b in persistent_buffers(engine.module):
@@ -222,7 +234,7 @@ def optimizer_state_dict(engine: Engine, optimizer: torch.optim.Optimizer) -> Di
                         f"optimizer state {k!r} of unit {u.name} has shape {tuple(v.shape)}, neither the main shard's "
                         f"{tuple(u.main_shard.shape)} nor a scalar; optimizer_state_dict handles element-wise state "
                         "(Adam, SGD momentum) only")
-            entries = [state.setdefault(clean_fqn(n), {}) for n in u.layout.names]
+            entries = [state.setdefault(dcp_key(engine.tp_topology, clean_fqn(n)), {}) for n in u.layout.names]
             for k, v in optimizer.state[u.main_shard].items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     for entry, value in zip(entries, _region_dtensors(engine, u.layout, v, u)):
@@ -275,7 +287,7 @@ def load_optimizer_state_dict(engine: Engine, optimizer: torch.optim.Optimizer,
             for k in list(st):
                 fqns = [clean_fqn(n) for n in u.layout.names]
                 try:
-                    values = [state_dict["state"][f][k] for f in fqns]
+                    values = [state_dict["state"][dcp_key(engine.tp_topology, f)][k] for f in fqns]
                 except KeyError as exc:
                     raise ValueError(f"the optimizer state in the checkpoint lacks {exc} for unit {u.name}; load a "
                                      "checkpoint of the same optimizer type") from None
