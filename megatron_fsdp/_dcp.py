@@ -137,7 +137,7 @@ def sharded_state_dict(engine: Engine) -> Dict[str, Any]:
             for n, value in zip(layout.names, _region_dtensors(engine, layout, local, u)):
                 out[dcp_key(engine.tp_topology, clean_fqn(n))] = value
     for name, first in engine.tied_names.items():  # the same DTensor under every name ([Note: tied parameters])
-        out[name] = out[first]
+        out[dcp_key(engine.tp_topology, name)] = out[dcp_key(engine.tp_topology, first)]
     for n, b in persistent_buffers(engine.module):
         out[n] = b.detach()
     return out
@@ -150,11 +150,12 @@ def load_sharded_state_dict(engine: Engine, state_dict: Dict[str, Any]) -> None:
     """
     refuse_colliding_names(engine.expert_topology, "load_sharded_state_dict()")
     # A tied parameter is read from its first name, or from another of its names when the first is absent.
+    topo = engine.tp_topology
     key = {n: n for n in state_dict}
     for name, first in engine.tied_names.items():
+        name, first = dcp_key(topo, name), dcp_key(topo, first)
         if name in state_dict and first not in key:
             key[first] = name
-    topo = engine.tp_topology
     expected = {dcp_key(topo, clean_fqn(n)) for u in engine.all_units() for layout, _ in regions(u) for n in layout.names}
     expected |= {n for n, _ in persistent_buffers(engine.module)}
     missing = sorted(expected - set(key))

@@ -609,7 +609,7 @@ class MegatronFSDP(nn.Module):
         slot_of = {id(u): i % 2 for i, u in enumerate(x for x in db_units if not x.is_expert)}
         slot_of.update({id(u): 2 + i % 2 for i, u in enumerate(x for x in db_units if x.is_expert)})
         root_gslot = self._root_grad_slot(db_units, n_gslots)
-        replicated: List[Tuple[str, torch.Tensor]] = []  # over TP: checked equal on every TP rank below
+        differ: List[str] = []  # parameters replicated over TP whose values differ from TP rank 0's
         with torch.no_grad():
             for u in all_units:
                 flat = torch.zeros(u.numel, dtype=torch.float32, device=dev)
@@ -621,8 +621,8 @@ class MegatronFSDP(nn.Module):
                     what = f"initial values of unit {u.name}" + (f" over the {dim} group" if self.hsdp.hybrid else "")
                     C.broadcast(flat, 0, group, what)
                 if self.tp_topology is not None:
-                    replicated += [(n, v) for n, p, v in zip(u.names, u.all_params, u.views(flat))
-                                   if not _tensor.is_tp_shard(p)]
+                    differ += _tensor.differing_replicated(self.tp_topology, dev, [
+                        (n, v) for n, p, v in zip(u.names, u.all_params, u.views(flat)) if not _tensor.is_tp_shard(p)])
                 s = slot_of.get(id(u))
                 # Unsharded strategies keep compute parameters resident, so only ZeRO-3 puts them in slots;
                 # `optim` (ZeRO-1) keeps its full gradient buffer by definition.
@@ -640,7 +640,7 @@ class MegatronFSDP(nn.Module):
                     gbuf = _Buffer("persistent" if gkeep else "dynamic", torch.zeros(u.grad_numel, dtype=gdt, device=dev))
                 u.init_storage(flat, pbuf, gbuf)
             if self.tp_topology is not None:
-                _tensor.check_replicated_values(self.tp_topology, dev, replicated)
+                _tensor.refuse_differing_replicated(self.tp_topology, differ)
 
     def _root_grad_slot(self, db_units: List[FSDPUnit], n_gslots: int) -> Optional[int]:
         """The gradient slot the root unit borrows, or None for a buffer of its own.

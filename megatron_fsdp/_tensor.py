@@ -267,10 +267,10 @@ def check_tp_plan(topo: TensorParallelTopology, plan: Sequence[Tuple[str, List[T
                 "tensor_model_parallel / sequence_parallel tags")
 
 
-def check_replicated_values(topo: TensorParallelTopology, device: torch.device,
-                            items: Sequence[Tuple[str, torch.Tensor]]) -> None:
-    """Parameters replicated over TP (``items``: name, full fp32 value) must be equal on every TP rank: one
-    broadcast from TP rank 0 per call; every rank raises together."""
+def differing_replicated(topo: TensorParallelTopology, device: torch.device,
+                         items: Sequence[Tuple[str, torch.Tensor]]) -> List[str]:
+    """Names of ``items`` (one unit's parameters replicated over TP: name, full fp32 value) whose values differ from
+    TP rank 0's: one broadcast from TP rank 0 (a collective over TP; call it for every unit on every rank)."""
     from . import _collectives as C
 
     mine = torch.cat([v.reshape(-1) for _, v in items]) if items else torch.zeros(0, device=device)
@@ -281,6 +281,11 @@ def check_replicated_values(topo: TensorParallelTopology, device: torch.device,
         if not torch.equal(theirs[o:o + v.numel()], v.reshape(-1)):
             bad.append(n)
         o += v.numel()
+    return bad
+
+
+def refuse_differing_replicated(topo: TensorParallelTopology, bad: List[str]) -> None:
+    """Every TP rank raises if any found replicated parameters that differ (one collective over TP)."""
     every: List[Any] = [None] * topo.tp_size
     dist.all_gather_object(every, bad, group=topo.tp_group)
     names = sorted({n for b in every for n in b})

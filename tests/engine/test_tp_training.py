@@ -17,7 +17,8 @@ rank trains its rows of one global batch, the TP ranks of a DP rank the same row
   two more steps there match the reference continued; loading it at another TP is refused;
 - negative controls: each rank holding the other TP rank's slice, and the layernorm gradients left without
   their TP all-reduce (``sequence_parallel`` tags removed), fail the reference check;
-- misuse refused with the value, the rule and the fix.
+- misuse refused with the value, the rule and the fix (also TP ranks whose replicated parameters differ, and TP
+  shards without their ``tensor_model_parallel`` tag).
 
 [Note: TP tolerance]
 fp32 and deterministic. The TP run computes the same function as TP=1 with other groupings of its sums: each GEMM
@@ -157,6 +158,24 @@ def _norms_of_one_backward(rank: int, world: int) -> Dict[str, float]:
     return {"two": float(model.total_grad_norm(2.0)), "inf": float(model.total_grad_norm(float("inf")))}
 
 
+def _nudged(model: GPT, group: Any) -> GPT:
+    """TP rank 1's final layernorm differs from TP rank 0's (a replicated parameter that is not)."""
+    import torch.distributed as dist
+
+    if dist.get_rank(group) == 1:
+        with torch.no_grad():
+            model.ln_f.weight[0] += 1e-3
+    return model
+
+
+def _untagged(model: GPT) -> GPT:
+    """TP shards without their tensor_model_parallel tag: the engine would take them for replicated."""
+    for p in model.parameters():
+        if hasattr(p, "tensor_model_parallel"):
+            del p.tensor_model_parallel
+    return model
+
+
 def _refusals(rank: int, world: int) -> Dict[str, Optional[str]]:
     import torch.distributed as dist
 
@@ -182,6 +201,8 @@ def _refusals(rank: int, world: int) -> Dict[str, Optional[str]]:
         "size_mismatch": lambda: (build(TP, tp_group), dict(tensor_parallel_size=4, tensor_parallel_group=tp_group,
                                                             process_group=dp_group)),
         "not_a_grid": lambda: (build(TP, tp_group), dict(tensor_parallel_group=tp_group, process_group=tp_group)),
+        "replicated_differ": lambda: (_nudged(build(TP, tp_group), tp_group), dict(tensor_parallel_size=TP)),
+        "untagged_shards": lambda: (_untagged(build(TP, tp_group)), dict(tensor_parallel_size=TP)),
     }
     out: Dict[str, Optional[str]] = {}
     for name, make in calls.items():
@@ -447,6 +468,10 @@ def test_misuse_refused(four):
         assert "tensor_parallel_size=2 and process_group=" in m["size_and_process_group"]
         assert "tensor_parallel_size=4 but tensor_parallel_group has 2 ranks" in m["size_mismatch"]
         assert "not a grid" in m["not_a_grid"] and "tensor_parallel_groups(tp)" in m["not_a_grid"], m["not_a_grid"]
+        assert "parameters ['ln_f.weight'] are replicated over the tensor-parallel group" in m["replicated_differ"], \
+            m["replicated_differ"]
+        assert "layers.0.attn.qkv.weight" in m["untagged_shards"] and "tensor_model_parallel=True" in \
+            m["untagged_shards"], m["untagged_shards"]
 
 
 # ------------------------------------------------------------------ no process group
