@@ -22,11 +22,13 @@ def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], column
     counts = next((r["counts"] for r in columns.values() if "counts" in r), None)
     floor: Optional[Dict[str, Any]] = None
     flops = None
+    by_bytes = "all_to_all_gbps" in rates  # MoE configs measure the exchange's rate: floors per column
     if counts is not None:
         tokens = args.micro_batch * counts["seq_len"]
         flops = _flops.transformer_flops_per_step(matmul_params=counts["matmul_params"],
                                                   num_layers=counts["num_layers"], seq_len=counts["seq_len"],
-                                                  attn_hidden=counts["hidden_size"], tokens=tokens)
+                                                  attn_hidden=counts.get("attn_hidden", counts["hidden_size"]),
+                                                  tokens=tokens)
         if "matmul_tflops" in rates:
             base = goals.floor_ms(flops=flops, bytes_moved=goals.optimizer_bytes(counts["num_params"], world),
                                   matmul_tflops=rates["matmul_tflops"], copy_gbps=rates["copy_gbps"])
@@ -37,17 +39,25 @@ def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], column
             floor["model_flops_per_rank"] = flops
     for r in columns.values():
         if "step_ms" in r:
-            if floor is not None:
+            if floor is not None and r.get("comm_bytes", {}).get("all_to_all") is not None and by_bytes:
+                # [Note: the floor with the token exchange]: each column's own bytes, at the measured rates
+                r["floor_bytes"] = goals.floor_from_bytes_ms(matmul_ms=floor["matmul_ms"],
+                                                             optimizer_ms=floor["optimizer_ms"],
+                                                             moved=r["comm_bytes"], rates=rates)
+                r["x_floor"] = r["step_ms"] / r["floor_bytes"]["floor_ms"]
+            elif floor is not None:
                 r["x_floor"] = r["step_ms"] / floor["floor_ms"]
             if flops is not None and "matmul_tflops" in rates:
                 r["mfu"] = flops / (r["step_ms"] * 1e-3) / (rates["matmul_tflops"] * 1e12)
     for graphed, eager in (("ours_partial", "ours_eager"), ("ours_full", "ours_eager"),
                            ("fsdp2_keep_partial", "fsdp2_eager"), ("fsdp2_slots_partial", "fsdp2_eager"),
-                           ("nvidia_partial", "nvidia_eager")):
+                           ("nvidia_partial", "nvidia_eager"), ("ours_ep_partial", "ours_ep_eager"),
+                           ("fsdp2_ep_partial", "fsdp2_ep_eager")):
         a, b = columns.get(graphed, {}), columns.get(eager, {})
         if "losses" in a and "losses" in b:
             a["losses_equal_to_" + eager] = a["losses"] == b["losses"]
-    applicable = [g for g in goals.ENGINE_GOALS if g.config == args.config]
+    seq = counts["seq_len"] if counts is not None else None
+    applicable = [g for g in goals.ENGINE_GOALS if g.config == args.config and g.seq in (None, seq)]
     na = [g for g in applicable if g.num in skipped or g.den in skipped]
     run_goals = [g for g in applicable if g not in na]
     cfg = {args.config: {"columns": {c: r for c, r in columns.items() if c not in skipped},
@@ -63,8 +73,10 @@ def table(args: argparse.Namespace, columns: Dict[str, Dict[str, Any]], skipped:
     def f(r: Dict[str, Any], k: str, fmt: str) -> str:
         return fmt.format(r[k]) if k in r else "-"
 
-    lines = ["| column | step ms | x floor | tokens/s/GPU | MFU | peak GiB | host ms/step | capture s | first losses |",
-             "| --- |" + " --- |" * 8]
+    moved = any("comm_bytes" in r for r in columns.values())
+    lines = ["| column | step ms | x floor | tokens/s/GPU | MFU | peak GiB | host ms/step | capture s | first losses |"
+             + (" GB moved: all-gather / reduce-scatter / all-to-all |" if moved else ""),
+             "| --- |" + " --- |" * (9 if moved else 8)]
     for c, r in columns.items():
         if c in skipped:
             lines.append(f"| {c} | skipped: {skipped[c][:80]} |" + " |" * 7)
@@ -74,8 +86,16 @@ def table(args: argparse.Namespace, columns: Dict[str, Dict[str, Any]], skipped:
             lines.append(f"| {c} | {r['step_ms']:.1f} | {f(r, 'x_floor', '{:.2f}')} | "
                          f"{r['tokens_per_s_per_gpu']:.0f} | {f(r, 'mfu', '{:.1%}')} | {r['peak_memory_gib']:.2f} | "
                          f"{r['host_ms']:.1f} | {f(r, 'capture_s', '{:.1f}')} | "
-                         + ", ".join(f"{v:.4f}" for v in r["losses"][:3]) + " |")
-    if floor is not None:
+                         + ", ".join(f"{v:.4f}" for v in r["losses"][:3]) + " |"
+                         + (" " + " / ".join(f"{r['comm_bytes'].get(k, 0) / 1e9:.2f}" for k in
+                                             ("all_gather", "reduce_scatter", "all_to_all")) + " |"
+                            if moved and "comm_bytes" in r else " - |" if moved else ""))
+    per_column = {c: r["floor_bytes"] for c, r in columns.items() if "floor_bytes" in r}
+    if per_column:
+        lines += [""] + [f"floor of {c}: {fl['floor_ms']:.1f} ms ({fl['bound']}-bound): matmul {fl['matmul_ms']:.1f}, "
+                         f"all-to-all {fl['all_to_all_ms']:.1f}, FSDP collectives {fl['fsdp_comm_ms']:.1f}, optimizer "
+                         f"{fl['optimizer_ms']:.1f} (its own bytes at the measured rates)" for c, fl in per_column.items()]
+    elif floor is not None:
         lines += ["", f"floor {floor['floor_ms']:.1f} ms ({floor['bound']}-bound): matmul {floor['matmul_ms']:.1f}, "
                   f"optimizer {floor['optimizer_ms']:.1f}, collectives {floor['comm_ms']:.1f} (all-gather "
                   f"{floor['all_gather_ms']:.1f}, reduce-scatter {floor['reduce_scatter_ms']:.1f}; not overlappable: "

@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import statistics
 
+from typing import Optional
+
 import torch
 
 from _common import cuda_time_ms
@@ -76,11 +78,13 @@ def transformer_flops_per_step(*, matmul_params: float, num_layers: int, seq_len
     return float(6 * tokens * matmul_params + 6 * tokens * num_layers * seq_len * attn_hidden)
 
 
-def collective_rates_gbps(device: torch.device, numel: int) -> dict:
+def collective_rates_gbps(device: torch.device, numel: int, *, all_to_all_numel: Optional[int] = None) -> dict:
     """Measured rates of a ``numel``-element all-gather (bf16) and reduce-scatter (fp32) over the default group,
     each alone, in 1e9 bytes per second through one rank: ``(W - 1) / W`` of the full tensor's bytes over the
     median time (CUDA events on a GPU, wall time on CPU; 3 warmup, 10 timed). Empty on one rank (nothing
-    moves). Every rank must call it. See [Note: the floor with communication] in ``_perf_goals.py``."""
+    moves). Every rank must call it. See [Note: the floor with communication] in ``_perf_goals.py``.
+    ``all_to_all_numel``: also an even bf16 all-to-all of that many elements per rank (``all_to_all_gbps``: the
+    ``(W - 1) / W`` this rank sends to the others over its time), the rate of an MoE's token exchange."""
     import time
     import warnings
 
@@ -92,13 +96,19 @@ def collective_rates_gbps(device: torch.device, numel: int) -> dict:
     numel = (numel + world - 1) // world * world
     share = (world - 1) / world
     out = {"numel": numel}
-    for name, dtype in (("all_gather", torch.bfloat16), ("reduce_scatter", torch.float32)):
-        full = torch.ones(numel, dtype=dtype, device=device)
-        part = torch.ones(numel // world, dtype=dtype, device=device)
+    kinds = [("all_gather", torch.bfloat16, numel), ("reduce_scatter", torch.float32, numel)]
+    if all_to_all_numel:
+        kinds.append(("all_to_all", torch.bfloat16, (all_to_all_numel + world - 1) // world * world))
+    for name, dtype, n in kinds:
+        full = torch.ones(n, dtype=dtype, device=device)
+        part = torch.ones(n // world, dtype=dtype, device=device)
         if name == "all_gather":
             fn = functools.partial(dist.all_gather_into_tensor, full, part)
-        else:
+        elif name == "reduce_scatter":
             fn = functools.partial(dist.reduce_scatter_tensor, part, full)
+        else:
+            part = torch.empty_like(full)
+            fn = functools.partial(dist.all_to_all_single, part, full)
         with warnings.catch_warnings():  # torch 2.13 renames these two (FutureWarning); 2.11 has only these names
             warnings.simplefilter("ignore", FutureWarning)
             if device.type == "cuda":
@@ -113,6 +123,6 @@ def collective_rates_gbps(device: torch.device, numel: int) -> dict:
                     times.append((time.perf_counter() - t0) * 1e3)
         ms = statistics.median(times)
         out[f"{name}_ms"] = ms
-        out[f"{name}_gbps"] = share * numel * full.element_size() / (ms * 1e-3) / 1e9
+        out[f"{name}_gbps"] = share * n * full.element_size() / (ms * 1e-3) / 1e9
         del full, part
     return out

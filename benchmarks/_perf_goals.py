@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = ["ADAM_BYTES_PER_PARAM", "CAST_BYTES_PER_PARAM", "Goal", "GOALS", "ENGINE_GOALS", "param_count",
-           "optimizer_bytes", "floor_ms", "zero3_comm_bytes", "floor_with_comm_ms", "relative_spread", "repeat_noise",
+           "optimizer_bytes", "floor_ms", "zero3_comm_bytes", "floor_with_comm_ms", "floor_from_bytes_ms", "relative_spread", "repeat_noise",
            "verdict", "evaluate", "format_table"]
 
 #: fp32 param, grad, exp_avg, exp_avg_sq, each read and written by Adam.
@@ -177,14 +177,16 @@ def verdict(ratio: Optional[float], goal: float, noise: float) -> str:
 
 @dataclass(frozen=True)
 class Goal:
-    """``num / den <= goal`` for one config, on step time (``ms``) or peak memory (``mem``)."""
+    """``num / den <= goal`` for one config, on step time (``ms``), peak memory (``mem``) or the bytes a rank
+    moves per step (``bytes``, :mod:`_comm_bytes`); ``seq``: only for that sequence length (None: any)."""
 
     name: str
     config: str
-    kind: str  # "ms" or "mem"
+    kind: str  # "ms", "mem" or "bytes"
     num: str  # a column, or "floor"
     den: str
     goal: float
+    seq: Optional[int] = None
 
 
 #: The performance goals. "full" is the ``full_iteration`` column (optimizer eager), the one of the goals' table.
@@ -229,7 +231,48 @@ ENGINE_GOALS: List[Goal] = [
     Goal("ours full-iteration peak / ours eager peak", "olmoe", "mem", "ours_full", "ours_eager", 1.05),
     Goal("FSDP2 + partial peak / FSDP2 eager peak", "olmoe", "mem", "fsdp2_keep_partial", "fsdp2_eager", 1.05),
     Goal("NVIDIA partial peak / NVIDIA eager peak", "olmoe", "mem", "nvidia_partial", "nvidia_eager", 1.05),
+    Goal("ours EP bytes moved per step / today's layout (ours eager)", "qwen3moe", "bytes", "ours_ep_eager",
+         "ours_eager", 0.35),
+    Goal("ours EP + partial step / ours EP eager", "qwen3moe", "ms", "ours_ep_partial", "ours_ep_eager", 0.85,
+         seq=1024),
+    Goal("ours EP + partial step / ours EP eager (never slower)", "qwen3moe", "ms", "ours_ep_partial",
+         "ours_ep_eager", 1.0, seq=4096),
+    Goal("ours EP eager step / NVIDIA EP eager (tokens/s >= 1.2x)", "qwen3moe", "ms", "ours_ep_eager",
+         "nvidia_ep_eager", 1 / 1.2),
+    Goal("ours EP eager peak / NVIDIA EP eager peak", "qwen3moe", "mem", "ours_ep_eager", "nvidia_ep_eager", 1.0),
 ]
+
+
+def floor_from_bytes_ms(*, matmul_ms: float, optimizer_ms: float, moved: Dict[str, float],
+                        rates: Dict[str, Any]) -> Dict[str, Any]:
+    """The step floor from the bytes one rank moved in a step, by kind (:mod:`_comm_bytes`), at the rates
+    measured in the same run.
+
+    [Note: the floor with the token exchange]
+    FSDP's all-gathers and reduce-scatters (and the few all-reduces) run on their own stream and can hide under
+    the compute; an MoE's all-to-alls cannot: the experts wait for their tokens and the next layer for the
+    combined output. So ``floor = max(matmul + all-to-all, all-gather + reduce-scatter + all-reduce) +
+    optimizer``, each collective's bytes over its measured rate (the all-reduce at the reduce-scatter's). Unlike
+    :func:`floor_with_comm_ms` it charges no unhidden first gather or last reduce-scatter, so it is the lower
+    of the two for the same bytes; it takes what was moved, so it fits any layout (EP moves its experts'
+    bytes into all-to-all rows)."""
+    def ms(kind: str, rate: str) -> float:
+        nbytes = moved.get(kind, 0)
+        if not nbytes:
+            return 0.0
+        gbps = rates.get(rate)
+        if not gbps or gbps <= 0:
+            raise ValueError(f"{kind}: {nbytes} bytes moved but no measured {rate} in {sorted(rates)}; measure the "
+                             "rate in the same run (bench_engines measures it for MoE configs)")
+        return nbytes / (gbps * 1e9) * 1e3
+
+    a2a = ms("all_to_all", "all_to_all_gbps")
+    fsdp = ms("all_gather", "all_gather_gbps") + ms("reduce_scatter", "reduce_scatter_gbps") + ms(
+        "all_reduce", "reduce_scatter_gbps")
+    critical = matmul_ms + a2a
+    return {"floor_ms": max(critical, fsdp) + optimizer_ms, "matmul_ms": matmul_ms, "optimizer_ms": optimizer_ms,
+            "all_to_all_ms": a2a, "fsdp_comm_ms": fsdp,
+            "bound": "communication (FSDP)" if fsdp > critical else "compute + all-to-all" if a2a else "compute"}
 
 
 def _value(columns: Dict[str, Dict[str, Any]], floor: Optional[float], name: str, kind: str) -> Optional[float]:
@@ -243,6 +286,8 @@ def _measure(row: Dict[str, Any], kind: str) -> Optional[float]:
     row has one, else its peak as measured."""
     if kind == "ms":
         return row.get("step_ms")
+    if kind == "bytes":
+        return float(sum(row["comm_bytes"].values())) if "comm_bytes" in row else None
     return row.get("own_peak_gib", row.get("peak_memory_gib"))
 
 
@@ -275,6 +320,8 @@ def evaluate(configs: Dict[str, Dict[str, Any]], goals: Sequence[Goal] = GOALS) 
         c = out["configs"][g.config]
         if g.kind == "ms":
             noise = max(c["repeat_noise_ms"], c["spread"].get(g.num, 0.0), c["spread"].get(g.den, 0.0))
+        elif g.kind == "bytes":
+            noise = 0.0  # counted, not timed
         else:
             noise = c["noise_mem"]
         out["goals"].append({**asdict(g), "ratio": ratio, "noise": noise, "verdict": verdict(ratio, g.goal, noise)})

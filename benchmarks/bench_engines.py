@@ -9,6 +9,12 @@ Configs (``--config``):
            sequence 4096); partial graphs over ``attn moe_router moe_preprocess`` with the experts eager between
            graphs; full-iteration with ``grouped_mm`` experts. Depth by world size (1 GPU 4, 2 GPUs 8, 4+ GPUs
            16: 16 layers, ~7 B parameters, do not fit one GPU with fp32 Adam).
+  qwen3moe Qwen3-30B-A3B-shaped MoE (``apps.model.qwen3_moe_config``: hidden 2048, 32 query / 4 KV heads of 128,
+           128 experts, top-8, each expert Qwen3's weights, vocab 151936, sequence 4096 or ``--seq``), the layout of
+           today (every expert sharded over every rank and gathered every step) beside expert parallelism at
+           EP = world size (each rank owns 128/EP experts whole; tokens travel by all-to-all, see
+           ``apps/moe_ep.py``); partial graphs over ``attn moe_router moe_preprocess``. Needs 2+ GPUs (EP);
+           depth by world size (2 GPUs 4, 4+ GPUs 8; 48 in Qwen3), printed.
 
 Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; same seed and batches):
   ours_eager           megatron_fsdp (double buffer, persistent buffers); TE layers fuse weight gradients into
@@ -22,6 +28,16 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
   nvidia_eager         NVIDIA Megatron-FSDP (megatron-core's bundled copy, the checker's ``nvidia`` builder:
                        double buffer, fp32 main parameters and gradients); GPU and megatron-core only
   nvidia_partial       + PartialCudaGraphs
+  ours_ep_eager        (qwen3moe) megatron_fsdp with ``expert_parallel_size`` = world size, the model built with
+                       the matching expert-parallel group
+  ours_ep_partial      + PartialCudaGraphs (the count exchange, host sync, all-to-alls and experts eager between
+                       the graphs)
+  fsdp2_ep_eager       (qwen3moe) FSDP2 as fsdp2_eager, with torchtitan's expert layout: each experts module
+                       sharded over the expert-data-parallel mesh, gradient divide factor the world size
+                       (``shard_fsdp2(expert_parallel_size=)``, docs/engines.md)
+  fsdp2_ep_partial     the same + keep_unsharded_storage + PartialCudaGraphs
+  nvidia_ep_eager      (qwen3moe) NVIDIA Megatron-FSDP with its expert mesh: not applicable to this model, see
+                       ``not_applicable``
 
 Per column: median step time over the timed steps (CUDA events; the slowest rank's), tokens/s per GPU, MFU
 (model FLOPs / the bf16 matmul rate measured in the same run), peak memory per GPU (max over ranks), host time
@@ -81,6 +97,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import _flops  # noqa: E402
+from _comm_bytes import count_collectives, reduce_max  # noqa: E402
 from _engines_report import assemble, merge  # noqa: E402
 from _common import init_process_group, record_fields  # noqa: E402
 from fsdp_cudagraph.capture.te import HAS_TE  # noqa: E402
@@ -96,15 +113,22 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
     "fsdp2_slots_partial": ("fsdp2", {"storage": "slots", "mixed_precision": "bf16"}, "partial"),
     "nvidia_eager": ("nvidia", None, "eager"),
     "nvidia_partial": ("nvidia", None, "partial"),
+    "ours_ep_eager": ("megatron_fsdp", {"expert_parallel": True}, "eager"),
+    "ours_ep_partial": ("megatron_fsdp", {"expert_parallel": True}, "partial"),
+    "fsdp2_ep_eager": ("fsdp2_default", {"expert_parallel": True}, "eager"),
+    "fsdp2_ep_partial": ("fsdp2", {"storage": "keep", "mixed_precision": "bf16", "expert_parallel": True}, "partial"),
+    "nvidia_ep_eager": ("nvidia", {"expert_parallel": True}, "eager"),
 }
 COLUMNS = {
     "llama8b": list(COLUMN_SPECS),
     "olmoe": ["ours_eager", "ours_partial", "ours_full", "fsdp2_eager", "fsdp2_keep_partial", "nvidia_eager",
               "nvidia_partial"],
+    "qwen3moe": ["ours_eager", "ours_partial", "ours_ep_eager", "ours_ep_partial", "fsdp2_ep_eager", "fsdp2_ep_partial",
+                 "nvidia_ep_eager"],
 }
 #: depth by world size when --layers is not given (see the module docstring)
-DEFAULT_LAYERS = {"llama8b": {1: 4, 2: 16}, "olmoe": {1: 4, 2: 8}}
-DEEPEST = {"llama8b": 32, "olmoe": 16}
+DEFAULT_LAYERS = {"llama8b": {1: 4, 2: 16}, "olmoe": {1: 4, 2: 8}, "qwen3moe": {1: 2, 2: 4}}
+DEEPEST = {"llama8b": 32, "olmoe": 16, "qwen3moe": 8}
 OLMOE_SCOPES = ["attn", "moe_router", "moe_preprocess"]
 CHILD_ENV = "BENCH_ENGINES_CHILD"
 
@@ -156,10 +180,31 @@ def _olmoe_config(args: argparse.Namespace, *, fuse_wgrad: bool, experts: str) -
                             fuse_wgrad=fuse_wgrad and use_te, **({"seq_len": args.seq} if args.seq else {}))
 
 
-def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, full: bool) -> Model:
+def _qwen3_moe_config(args: argparse.Namespace, *, fuse_wgrad: bool, ep: int) -> Any:
+    from fsdp_cudagraph.apps import model as gpt
+
+    if args.cpu_smoke:
+        return gpt.qwen3_moe_config(vocab_size=128, hidden_size=32, num_layers=args.layers, num_heads=4,
+                                    num_kv_heads=2, head_dim=16, seq_len=16, num_experts=4, moe_top_k=2,
+                                    moe_ffn_hidden_size=32, moe_experts=args.moe_experts,
+                                    moe_grouped_mm_dtype="input", expert_parallel_size=ep)
+    use_te = args.layers_impl == "te"
+    return gpt.qwen3_moe_config(num_layers=args.layers, use_te=use_te, moe_experts=args.moe_experts,
+                                fuse_wgrad=fuse_wgrad and use_te, expert_parallel_size=ep,
+                                **({"seq_len": args.seq} if args.seq else {}))
+
+
+def expert_parallel_size(column: str) -> int:
+    """EP of a column: the world size for the ``*_ep_*`` columns (each rank owns E/W experts), else 1."""
+    options = COLUMN_SPECS[column][1] or {}
+    return dist.get_world_size() if options.get("expert_parallel") else 1
+
+
+def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, full: bool, ep: int = 1) -> Model:
     """The column's model, seeded alike on every rank and in every column (``ours``: TE layers fuse weight
     gradients into our engine's main gradients when ``--fuse-wgrad on``; ``full``: the full-iteration column,
-    whose MoE experts must be ``grouped_mm``)."""
+    whose MoE experts must be ``grouped_mm``; ``ep``: expert parallelism, the model built with this rank's
+    ``E/ep`` experts and the matching expert-parallel group)."""
     torch.manual_seed(1234)
     if device.type == "cuda":
         torch.cuda.manual_seed_all(1234)
@@ -173,6 +218,18 @@ def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, f
         top_k = num_experts = 1
         scopes: List[str] = []
         loss, batch = llama.loss_fn, llama.synthetic_batch
+    elif args.config == "qwen3moe":
+        import megatron_fsdp
+
+        from fsdp_cudagraph.apps import model as gpt
+
+        cfg = _qwen3_moe_config(args, fuse_wgrad=fuse, ep=ep)
+        group = megatron_fsdp.expert_parallel_groups(ep)[0] if ep > 1 else None
+        with device:
+            module = gpt.GPT(cfg, expert_parallel_group=group)
+        top_k, num_experts = cfg.moe_top_k, cfg.num_experts // ep  # the local experts' share of a token
+        scopes = list(OLMOE_SCOPES)
+        loss, batch = gpt.loss_fn, gpt.synthetic_batch
     else:
         from fsdp_cudagraph.apps import model as gpt
 
@@ -185,11 +242,15 @@ def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, f
     unit_class = module.unit_class
     in_units = {id(p) for m in module.modules() if isinstance(m, unit_class) for p in m.parameters()}
     layer = next(m for m in module.modules() if isinstance(m, unit_class))
-    counts = {"num_params": sum(p.numel() for p in module.parameters()),
+    # parameters of the whole model: a rank of an EP model holds 1/ep of the experts
+    global_numel = sum(p.numel() * (ep if "experts" in n else 1) for n, p in module.named_parameters())
+    counts = {"num_params": global_numel,
               "root_params": sum(p.numel() for p in module.parameters() if id(p) not in in_units),
               "layer_params": sum(p.numel() for p in layer.parameters()),
               "matmul_params": _flops.active_matmul_params(module, top_k=top_k, num_experts=num_experts),
               "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "seq_len": cfg.seq_len,
+              "attn_hidden": getattr(cfg, "num_heads", 0) * (getattr(cfg, "head_dim", None) or 0)
+              or cfg.hidden_size, "expert_parallel_size": ep,
               "model_config": {k: v for k, v in dataclasses.asdict(cfg).items()
                                if isinstance(v, (int, float, str, bool, type(None)))}}
     return Model(module, unit_class, scopes, cfg.seq_len, cfg.vocab_size, loss,
@@ -211,7 +272,7 @@ def _adam(device: torch.device) -> Callable[[List[nn.Parameter]], torch.optim.Op
     return lambda params: torch.optim.Adam(params, lr=1e-4, fused=device.type == "cuda")
 
 
-def _fsdp2_default(model: nn.Module, unit_class: type, device: torch.device) -> Sharded:
+def _fsdp2_default(model: nn.Module, unit_class: type, device: torch.device, ep: int = 1) -> Sharded:
     """FSDP2 as its documentation runs it: no storage option (the checker's builder always picks one)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -221,7 +282,7 @@ def _fsdp2_default(model: nn.Module, unit_class: type, device: torch.device) -> 
     # the policy the FSDP2 graph columns get from the checker's builder (mixed_precision="bf16"), by construction
     policy = MixedPrecisionPolicy(**FSDP2_MIXED_PRECISION["bf16"])
     shard_fsdp2(model, list(reversed([m for m in model.modules() if isinstance(m, unit_class)])), device=device,
-                mp_policy=policy)
+                mp_policy=policy, expert_parallel_size=ep)
     return Sharded(model, _adam(device)(list(model.parameters())), False,
                    "fp32 sharded parameters, MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), "
                    "reshard_after_forward=True (default ZeRO-3)")
@@ -232,8 +293,21 @@ def shard(column: str, model: Model, device: torch.device) -> Sharded:
 
     name, options, _ = COLUMN_SPECS[column]
     if name == "fsdp2_default":
-        return _fsdp2_default(model.module, model.unit_class, device)
+        return _fsdp2_default(model.module, model.unit_class, device, expert_parallel_size(column))
+    if (options or {}).get("expert_parallel") and name == "megatron_fsdp":
+        from megatron_fsdp import fully_shard
+
+        ep = expert_parallel_size(column)
+        sharded = fully_shard(model.module, fsdp_unit_modules=[model.unit_class], sharding_strategy="optim_grads_params",
+                              compute_dtype=torch.bfloat16, fsdp_double_buffer=True,
+                              fsdp_db_use_persist_buf_on_alloc_fail=True, expert_parallel_size=ep)
+        return Sharded(sharded, _adam(device)(list(sharded.optimizer_parameters())), True,
+                       f"compute in bf16, fp32 main parameters and gradients, ZeRO-3; EP {ep}: experts whole on "
+                       f"their rank (expert-data-parallel groups of {dist.get_world_size() // ep})")
     builder = engine_builder(name, device)
+    if options and options.get("expert_parallel"):  # the builder's option: EP = the world size
+        options = {**{k: v for k, v in options.items() if k != "expert_parallel"},
+                   "expert_parallel_size": expert_parallel_size(column)}
     extra = {"options": options} if options else {}
     run = builder.build(model.module, unit_modules=[model.unit_class], make_optimizer=_adam(device), device=device,
                         sharding_strategy="optim_grads_params",
@@ -246,6 +320,12 @@ def not_applicable(column: str, world: int, device: torch.device) -> Optional[st
     if column == "fsdp2_slots_partial" and world < 2:
         return ("use_unsharded_slots needs 2+ ranks (on one rank FSDP2 copies its all-gather into the outputs' "
                 "storage directly); run with --nproc-per-node 2")
+    if "_ep_" in column and world < 2:
+        return "expert parallelism needs 2+ ranks (EP = world size); run with --nproc-per-node 2 or more"
+    if column == "nvidia_ep_eager":
+        return ("NVIDIA Megatron-FSDP takes its expert mesh from megatron-core's parallel state, for megatron-core "
+                "models (GPTModel with expert_model_parallel_size); this column's model is the reference GPT. The "
+                "megatron-core rows (tests/gpu/scripts/mcore_gpt.py --expert-parallel) run it")
     if column.startswith("nvidia") and device.type != "cuda":
         return "NVIDIA Megatron-FSDP builds CUDA streams and buffers when constructed: GPU only"
     return None
@@ -299,7 +379,8 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
     start_bytes = torch.cuda.memory_allocated(device) if cuda else 0
     mode = COLUMN_SPECS[column][2]
     t_build = time.perf_counter()
-    model = build_model(args, device, ours=column.startswith("ours"), full=mode == "full")
+    model = build_model(args, device, ours=column.startswith("ours"), full=mode == "full",
+                        ep=expert_parallel_size(column))
     counts = model.counts
     sharded = shard(column, model, device)
     build_s = time.perf_counter() - t_build
@@ -328,6 +409,7 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
     events: List[Any] = []
     host_ms: List[float] = []
     profile: Optional[Dict[str, Any]] = None
+    comm_bytes: Dict[str, int] = {}
     capture_s = None
     try:
         for step, (x, y) in enumerate(batches):
@@ -340,8 +422,10 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
                 start.record()
             profiling = step == args.profile_step
             prof = _host_profiler() if profiling else contextlib.nullcontext()
+            counting = step == args.warmup - 1  # the last untimed step, graphs captured: its bytes by kind
+            counter = count_collectives() if counting else contextlib.nullcontext()
             t0 = time.perf_counter()
-            with prof:
+            with prof, counter as moved:
                 if full is not None:
                     loss = full.step([(x, y)]).reshape(-1)[0]
                     full.optimizer_step(opt)
@@ -351,6 +435,8 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
                     opt.step()
                 opt.zero_grad(set_to_none=True)
             host_ms.append((time.perf_counter() - t0) * 1e3)
+            if counting:
+                comm_bytes = dict(moved)
             if profiling:
                 profile = _host_profile_summary(prof)
             if cuda:
@@ -375,6 +461,7 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
         "losses": [float(v) for v in torch.stack(losses).cpu()], "tokens_per_gpu_per_step": tokens,
         "build_s": build_s, "precision": sharded.precision, "counts": counts,
     }
+    row["comm_bytes"] = reduce_max(comm_bytes, device)  # [Note: counting a step's bytes]; the largest rank's
     if capture_s is not None:
         row["capture_s"] = capture_s
     if profile is not None:
@@ -403,16 +490,30 @@ def measure_rates(args: argparse.Namespace, device: torch.device) -> Dict[str, A
     if device.type == "cuda":
         out["matmul_tflops"] = _flops.matmul_peak_tflops(device)
         out["copy_gbps"] = _flops.copy_bandwidth_gbps(device)
-    out.update(_flops.collective_rates_gbps(device, layer_numel(args)))
+    out.update(_flops.collective_rates_gbps(device, layer_numel(args), all_to_all_numel=all_to_all_numel(args)))
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def all_to_all_numel(args: argparse.Namespace) -> Optional[int]:
+    """MoE configs: the elements one rank's tokens send to their experts in one MoE layer (``seq x top-k x
+    hidden`` per sequence), the size of the timed all-to-all; None for dense models."""
+    if args.config != "qwen3moe":
+        return None
+    cfg = _qwen3_moe_config(args, fuse_wgrad=False, ep=1)
+    return args.micro_batch * cfg.seq_len * cfg.moe_top_k * cfg.hidden_size
 
 
 def layer_numel(args: argparse.Namespace) -> int:
     """Parameters of one layer from the config's arithmetic (the size of the timed collectives)."""
     if args.config == "llama8b":
         return _llama_config(args, fuse_wgrad=False).layer_params()
+    if args.config == "qwen3moe":
+        cfg = _qwen3_moe_config(args, fuse_wgrad=False, ep=1)
+        h, d = cfg.hidden_size, cfg.head_dim
+        attn = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h
+        return attn + 2 * cfg.num_experts * h * cfg.moe_ffn_hidden_size
     if args.cpu_smoke:
         h, e, f = 32, 4, 32
     else:

@@ -6,8 +6,11 @@ Every parameter (and every element-wise optimizer state tensor: Adam's ``exp_avg
 ``DeviceMesh`` of the engine's process group (under HSDP the 2-D ``(replicate, shard)`` mesh, placed
 ``(Replicate(), Shard(0))``: [Note: hybrid sharding] in _hsdp.py): rank ``r`` holds rows ``[r*c, (r+1)*c)`` with
 ``c = ceil(dim0 / world)`` (``torch.chunk``'s split, the one FSDP2 and torchtitan save). 0-dim parameters
-leave ``Replicate()``. Keys are the unwrapped model's, as in ``model.state_dict()``, except that under tensor
-parallelism a TP shard's key names its TP rank (``{name}@tp{r}of{TP}``: [Note: tensor parallelism] in _tensor.py).
+leave ``Replicate()``. Keys are the unwrapped model's, as in ``model.state_dict()``. Under expert parallelism an
+expert parameter is placed the same way over its expert-data-parallel group, and a stacked one (its module's
+``stacked_expert_dims``) leaves with its global shape over the 2-D ``(ep, edp)`` mesh ([Note: expert parallelism]
+in _expert.py, Checkpoints). Under tensor parallelism a TP shard's key names its TP rank (``{name}@tp{r}of{TP}``:
+[Note: tensor parallelism] in _tensor.py).
 
 Our flat per-unit shards do not split along dim 0: a rank owns a contiguous element range of the unit's
 flat buffer, which cuts parameters mid-row and puts a parameter's rows on other ranks than ``Shard(0)``
@@ -68,6 +71,37 @@ def mesh_of(engine: Engine, device: torch.device, unit: Optional[Unit] = None) -
     return meshes[key]
 
 
+def expert_mesh_of(engine: Engine, device: torch.device) -> DeviceMesh:
+    """The 2-D mesh ``(ep, edp)`` of the data-parallel ranks, built once per device type from the expert groups:
+    coordinate ``(q, j)`` is the rank with EP rank ``q`` and EDP rank ``j`` (the mesh of stacked experts)."""
+    meshes = engine.__dict__.setdefault("_dcp_meshes", {})
+    key = (device.type, "stacked")
+    if key not in meshes:
+        topo = engine.expert_topology
+        meshes[key] = DeviceMesh.from_group([topo.ep_group, topo.edp_group], device.type, mesh=topo.grid,
+                                            mesh_dim_names=("ep", "edp"))
+    return meshes[key]
+
+
+def _stacked_placements(dim: int) -> List[Any]:
+    """A stacked expert parameter over ``(ep, edp)``: the expert dim split over EP (each EP rank's ``E/EP``
+    experts), then dim 0 of that over EDP as for any expert parameter ([Note: expert parallelism] in _expert.py).
+    For ``dim = 0`` both split dim 0, EP first: DTensor's order, mesh dimension by mesh dimension."""
+    return [Shard(dim), Shard(0)]
+
+
+def _stacked_dtensor(engine: Engine, name: str, full: torch.Tensor, unit: Unit) -> DTensor:
+    """Stacked parameter ``name`` (``full``: this EP rank's experts, the same on its EDP group) as a DTensor of the
+    global shape holding a copy of our rows."""
+    topo = engine.expert_topology
+    dim = topo.stacked[name]
+    shape = topo.global_shape(name, full.shape)
+    lo, hi = row_range(full.shape[0], unit.shard_size, unit.shard_rank)
+    local = full.detach()[lo:hi].clone()
+    return DTensor.from_local(local, expert_mesh_of(engine, full.device), _stacked_placements(dim), run_check=False,
+                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+
 def _placements(engine: Engine, inner: Any, unit: Optional[Unit] = None) -> List[Any]:
     """``inner`` over the shard dimension; under HSDP, ``Replicate()`` over the replicate dimension before it."""
     return [Replicate(), inner] if engine.hsdp.hybrid and not (unit is not None and unit.is_expert) else [inner]
@@ -91,7 +125,40 @@ def _region_dtensors(engine: Engine, layout: "FlatLayout", local: torch.Tensor, 
                      ) -> List[DTensor]:
     """Every parameter of one region as a DTensor (a collective: one all-gather of the region)."""
     full = gather_region(engine, layout, local.detach(), unit)
-    return [_dtensor(engine, v, unit) for v in layout.views(full)]
+    stacked = _stacked_names(engine, unit)
+    return [_stacked_dtensor(engine, n, v, unit) if n in stacked else _dtensor(engine, v, unit)
+            for n, v in zip(layout.names, layout.views(full))]
+
+
+def _stacked_names(engine: Engine, unit: Optional[Unit]) -> Dict[str, int]:
+    """The stacked expert parameters (name -> expert dim) if ``unit`` is an expert bucket, else none."""
+    topo = engine.expert_topology
+    return topo.stacked if topo is not None and unit is not None and unit.is_expert else {}
+
+
+def _local_experts(engine: Engine, value: Any, name: str, shape: Tuple[int, ...], what: str) -> torch.Tensor:
+    """This EP rank's experts (``shape``) of stacked parameter ``name`` from ``value``: a DTensor of the global shape
+    (ours, or any other: collected whole) or the global tensor. A collective for a DTensor."""
+    topo = engine.expert_topology
+    dim = topo.stacked[name]
+    want = topo.global_shape(name, shape)
+    if isinstance(value, DTensor):
+        mesh = expert_mesh_of(engine, value.device)
+        if (value.device_mesh == mesh and tuple(value.placements) == tuple(_stacked_placements(dim))
+                and tuple(value.shape) == want):
+            # all-gather over EDP only: this EP rank's experts, never the global tensor
+            return value.redistribute(mesh, [Shard(dim), Replicate()]).to_local()
+        if value.device_mesh.size() != engine.dp_world_size:
+            raise ValueError(f"{what} is a DTensor over a mesh of {value.device_mesh.size()} ranks, this model runs on "
+                             f"{engine.dp_world_size}; fill the dict returned by this model's sharded_state_dict() "
+                             "(torch.distributed.checkpoint.load reshards)")
+        value = value.full_tensor()
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != want:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{what} is {got}; the model expects the global tensor of shape {want} (the experts of every "
+                         f"expert-parallel rank: {clean_fqn(name)} is declared stacked), of which this rank takes its "
+                         "own; load a state dict of the same model")
+    return topo.local_experts(name, value)
 
 
 def _full_value(engine: Engine, value: Any, shape: Tuple[int, ...], name: str, unit: Optional[Unit] = None
@@ -116,7 +183,10 @@ def _copy_in(engine: Engine, layout: "FlatLayout", local: torch.Tensor, i: int, 
              name: str, unit: Optional[Unit] = None) -> None:
     """Write parameter ``i``'s values from ``value`` (a DTensor or a full tensor) into ``local``, this rank's flat."""
     o, n, shape = layout.offsets[i], layout.numels[i], tuple(layout.shapes[i])
-    full = _full_value(engine, value, shape, name, unit)
+    if layout.names[i] in _stacked_names(engine, unit):
+        full = _local_experts(engine, value, layout.names[i], shape, name)
+    else:
+        full = _full_value(engine, value, shape, name, unit)
     start, length = shard_start(engine, layout, unit), local.numel()
     lo, hi = max(o, start), min(o + n, start + length)
     if lo < hi:

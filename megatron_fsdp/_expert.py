@@ -48,27 +48,60 @@ the DP group of ``dense + expert`` local p-th powers is the sum over EDP then ov
 once. ``no_shard`` holds dense gradients whole on every rank (no reduction) and expert gradients whole on
 every EDP peer, so only the expert part is summed, over the EP group.
 
-*Checkpoints.* Expert parameters leave ``sharded_state_dict()`` as DTensors ``Shard(0)`` over the EDP group's
-mesh, under their own names, so the names must tell the experts of different EP ranks apart (name each local
-expert by its global index, e.g. ``experts.{e}``). Then DCP stores every expert once and reshards it like a
-dense parameter: a checkpoint saved at ``W`` ranks loads at ``W'`` with the same ``EP`` (only the EDP size
-changes), and, since the keys and shapes of a global expert do not depend on ``EP``, at another ``EP`` too.
-A model that numbers its local experts from 0 on every EP rank (megatron-core's ``local_experts.0``) gives
-several experts one name: its state dicts are refused (``NotImplementedError``), training is not affected.
-``state_dict()`` holds the dense parameters and this rank's local experts (gathered over EDP);
-``load_state_dict`` accepts the other EP ranks' expert keys and skips them.
+*Checkpoints.* Every expert must leave the state dicts under a name and at a place that do not depend on EP,
+so that DCP stores each expert once and a checkpoint loads at any world size and any EP. Two ways:
+
+- Per-expert parameters named by their global index (``experts.{e}.w1``): each leaves ``sharded_state_dict()``
+  as a DTensor ``Shard(0)`` over a 1-D mesh of the EDP group, under its own name, resharded by DCP like a dense
+  parameter. ``state_dict()`` holds the dense parameters and this rank's local experts (gathered over EDP);
+  ``load_state_dict`` accepts the other EP ranks' expert keys and skips them.
+- Stacked local experts: one parameter holds this rank's ``E/EP`` experts along an expert dim ``d``
+  (``experts.w1 [E/EP, h, f]``, EP rank ``q`` holding global experts ``q*E/EP .. (q+1)*E/EP-1``), under the same
+  name on every EP rank. Its module declares it: ``stacked_expert_dims = {"w1": 0, "w2": 0}`` (the module's own
+  parameter names -> ``d``; a module attribute, like ``is_expert``: an attribute on the parameter would be lost by
+  ``to()``/``to_empty()`` under ``torch.__future__.set_swap_module_params_on_conversion(True)``, which swaps the
+  parameter's ``__dict__``). With ``EP > 1`` ``state_dict()`` gathers the parameter over EDP and then over EP
+  (one all-gather over the EP group per unit region) and returns the global tensor (``[E, h, f]``) under the
+  EP=1 key: an EP=k state dict has the EP=1 model's keys and shapes. ``load_state_dict`` takes that global tensor (a local ``[E/EP, ...]`` one is refused) and
+  keeps this rank's slice along ``d``, so full state dicts load EP=1 <-> EP=k. In ``sharded_state_dict()`` (and
+  ``optimizer_state_dict()``: ``exp_avg`` etc. alike) it is a DTensor of the global shape over the 2-D mesh
+  ``(ep, edp)`` of the expert groups (coordinate ``(q, j)``: the rank with EP rank ``q`` and EDP rank ``j``),
+  placed ``(Shard(d), Shard(0))``: mesh dimension ``ep`` splits ``d`` into the ``EP`` local blocks (``E/EP``
+  divides evenly), then ``edp`` splits dim 0 of that block by ``torch.chunk`` rows (for ``d = 0`` both split dim
+  0, EP first: DTensor's order, mesh dimension by mesh dimension). That is exactly what the rank's copy holds:
+  like every DTensor of ours it is a redistribution of the gathered flat buffer (the engine's EDP shards are
+  element ranges of the unit's flat buffer, not rows: [Note: DCP sharding metadata] in _dcp.py), rows
+  ``row_range(E/EP, W/EP, j)`` of this EP rank's experts. Loading redistributes to ``(Shard(d), Replicate())``
+  (an all-gather over EDP: this EP rank's experts, never the global tensor) and writes our flat slice. DCP
+  reshards between this and any other layout of the global tensor: another EDP size, another EP, EP=1's
+  ``Shard(0)`` over the DP group (tests/engine/test_ep_checkpoint.py). At ``EP = 1`` the declaration changes
+  nothing (the parameter is dense and whole).
+
+A model whose EP ranks give different experts one name without declaring them stacked (megatron-core's
+``local_experts.0``; TE ``GroupedLinear``'s ``weight{i}``, a local index, as the reference GPT's ``te_grouped``
+experts have) has its state dicts refused (``NotImplementedError`` naming the colliding parameters and both
+fixes: the declaration, or names by global index); training is not affected. ``summon_full_params()`` always
+gives this rank's local values.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ExpertTopology", "expert_parallel_groups", "resolve", "is_expert_param_name", "expert_param_ids"]
+from . import _collectives as C
+
+__all__ = ["ExpertTopology", "expert_parallel_groups", "resolve", "is_expert_param_name", "expert_param_ids",
+           "STACKED_ATTR", "stacked_expert_dims"]
+
+#: The experts module's declaration of its stacked parameters: ``{parameter name: expert dim}``
+#: ([Note: expert parallelism], Checkpoints).
+STACKED_ATTR = "stacked_expert_dims"
 
 
 class ExpertTopology:
@@ -83,8 +116,12 @@ class ExpertTopology:
         self.edp_rank = dist.get_rank(edp_group)
         #: expert parameter names held by the other ranks of the EP group (``load_state_dict`` skips them)
         self.foreign_names: Set[str] = set()
-        #: the EP ranks give several experts one name ([Note: expert parallelism], Checkpoints)
-        self.names_collide = False
+        #: the EP ranks give several experts one name ([Note: expert parallelism], Checkpoints): some such names
+        self.colliding_names: List[str] = []
+        #: stacked expert parameters (names as the units hold them) -> the dim that indexes the local experts
+        self.stacked: Dict[str, int] = {}
+        #: ``grid[q][j]``: the global rank with EP rank ``q`` and EDP rank ``j`` (the DCP mesh of stacked experts)
+        self.grid: List[List[int]] = []
 
     def _get(self, ref: Callable[[], Optional[dist.ProcessGroup]], what: str) -> dist.ProcessGroup:
         group = ref()
@@ -100,6 +137,42 @@ class ExpertTopology:
     @property
     def edp_group(self) -> dist.ProcessGroup:
         return self._get(self._edp, "expert-data-parallel")
+
+    @property
+    def names_collide(self) -> bool:
+        return bool(self.colliding_names)
+
+    def global_shape(self, name: str, local_shape: Sequence[int]) -> Tuple[int, ...]:
+        """The shape of stacked parameter ``name`` with every EP rank's experts (its expert dim times EP)."""
+        d = self.stacked[name]
+        return tuple(s * self.ep_size if i == d else s for i, s in enumerate(local_shape))
+
+    def local_experts(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This EP rank's slice of the global value ``full`` of stacked parameter ``name`` (a view)."""
+        d = self.stacked[name]
+        n = full.shape[d] // self.ep_size
+        return full.narrow(d, self.ep_rank * n, n)
+
+    def gather_stacked(self, names: Sequence[str], values: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """``values`` (this rank's local experts, one per name) with each stacked one replaced by its global value.
+
+        One all-gather over the EP group of the stacked values together: a collective, every EP peer calls it
+        with the same names (checked at ``fully_shard``).
+        """
+        idx = [i for i, n in enumerate(names) if n in self.stacked]
+        out = list(values)
+        if not idx:
+            return out
+        local = torch.cat([values[i].detach().reshape(-1) for i in idx])
+        every = torch.empty(self.ep_size * local.numel(), dtype=local.dtype, device=local.device)
+        work = C.all_gather(every, local, self.ep_group, "a state dict's stacked experts (expert-parallel group)")
+        if work is not None:
+            work.wait()
+        parts = every.view(self.ep_size, -1).split([values[i].numel() for i in idx], dim=1)
+        for i, part in zip(idx, parts):
+            shape = tuple(values[i].shape)
+            out[i] = torch.cat([row.reshape(shape) for row in part], dim=self.stacked[names[i]])
+        return out
 
 
 def expert_parallel_groups(expert_parallel_size: int, process_group: Optional[dist.ProcessGroup] = None
@@ -240,20 +313,49 @@ def expert_param_ids(module: nn.Module) -> Set[int]:
     return out
 
 
+def stacked_expert_dims(module: nn.Module) -> Dict[int, int]:
+    """``id`` of every parameter that its module declares stacked -> its expert dim (``STACKED_ATTR``).
+
+    The declaration names the module's own parameters (not a submodule's); a dim may be negative (from the end).
+    """
+    out: Dict[int, int] = {}
+    for mname, m in module.named_modules(remove_duplicate=False):
+        decl = getattr(m, STACKED_ATTR, None)
+        if decl is None:
+            continue
+        where = f"{type(m).__name__} {mname or '<root>'}"
+        if not isinstance(decl, Mapping):
+            raise TypeError(f"{where}: {STACKED_ATTR} is a {type(decl).__name__}; declare a dict of the module's own "
+                            "parameter names to the dim that indexes the local experts, e.g. {'w1': 0, 'w2': 0}")
+        for pn, dim in decl.items():
+            p = m._parameters.get(pn) if isinstance(pn, str) else None
+            if p is None:
+                raise ValueError(f"{where} declares {STACKED_ATTR}[{pn!r}], which is not one of its own parameters "
+                                 f"({sorted(k for k, v in m._parameters.items() if v is not None)}); name a parameter "
+                                 "registered on this module")
+            if not isinstance(dim, int) or isinstance(dim, bool) or not -p.dim() <= dim < p.dim():
+                raise ValueError(f"{where} declares {STACKED_ATTR}[{pn!r}] = {dim!r}, but {pn} has shape "
+                                 f"{tuple(p.shape)}; give the dim (0 .. {p.dim() - 1}) that indexes the local experts")
+            out[id(p)] = dim % p.dim()
+    return out
+
+
 def check_expert_plan(topo: ExpertTopology, dp_group: dist.ProcessGroup,
-                      plan: Sequence[Tuple[str, List[Tuple[str, Tuple[int, ...]]], List[Tuple[str, Tuple[int, ...]]]]]
-                      ) -> None:
+                      plan: Sequence[Tuple[str, List[Tuple[str, Tuple[int, ...]]], List[Tuple[str, Tuple[int, ...]]]]],
+                      stacked: Mapping[str, Tuple[int, Tuple[int, ...]]]) -> None:
     """Refuse plans the ranks cannot run together; note names for state dicts (a collective over DP).
 
-    ``plan``: per unit in plan order, ``(unit name, dense (name, shape)s, expert (name, shape)s)``.
+    ``plan``: per unit in plan order, ``(unit name, dense (name, shape)s, expert (name, shape)s)``;
+    ``stacked``: the stacked expert parameters, ``name -> (expert dim, local shape)``.
     Every DP rank must plan the same units with the same dense parameters (they shard and reduce together), and
     each EDP peer the same expert parameters (the same local experts); EP peers must plan expert buckets in the
-    same units (the hooks run per unit on every rank).
+    same units (the hooks run per unit on every rank), and every rank the same stacked parameters (a stacked
+    parameter is one tensor split over the EP group).
     """
     me = dist.get_rank()
     world = dist.get_world_size(dp_group)
     every: List[Any] = [None] * world
-    dist.all_gather_object(every, (me, topo.ep_rank, topo.edp_rank, list(plan)), group=dp_group)
+    dist.all_gather_object(every, (me, topo.ep_rank, topo.edp_rank, list(plan), dict(stacked)), group=dp_group)
     mine = list(plan)
     # Every rank checks every rank's plan, so that all raise together (none is left waiting in a collective).
     # An expert-only unit (e.g. each expert a unit) is named after its expert, which differs between EP ranks.
@@ -262,7 +364,14 @@ def check_expert_plan(topo: ExpertTopology, dp_group: dist.ProcessGroup,
 
     shape = skeleton(every[0][3])
     first_of_ep: Dict[int, Any] = {}
-    for rank, ep_rank, _, theirs in every:
+    for rank, _, _, _, theirs in every:
+        if theirs != every[0][4]:
+            diff = sorted(set(theirs.items()) ^ set(every[0][4].items()))[:2]
+            raise ValueError(
+                f"[rank {me}] the stacked expert parameters ({STACKED_ATTR}: name -> (expert dim, local shape)) of "
+                f"rank {rank} differ from rank {every[0][0]}'s ({diff}); a stacked parameter holds E/EP experts on "
+                "every rank, its EP group's together the whole tensor: build the same experts module on every rank")
+    for rank, ep_rank, _, theirs, _ in every:
         if skeleton(theirs) != shape:
             diff = _first_diff(shape, skeleton(theirs))
             raise ValueError(f"[rank {me}] the dense parameters or the units with experts of rank {rank} differ from "
@@ -280,10 +389,17 @@ def check_expert_plan(topo: ExpertTopology, dp_group: dist.ProcessGroup,
                     "same ones (names and shapes) on ranks with the same expert-parallel rank")
     # Names: the experts of one EP group's ranks must differ (decided on every rank alike, as state dicts are
     # collectives), and the other EP ranks' names are what load_state_dict skips.
-    names_of = [(ep_rank, edp_rank, {n for _, _, e in theirs for n, _ in e}) for _, ep_rank, edp_rank, theirs in every]
-    topo.names_collide = any(a[2] & b[2] for a in names_of for b in names_of if a[1] == b[1] and a[0] < b[0])
+    # Stacked parameters share their name on purpose (the EP group holds one tensor between them).
+    names_of = [(ep_rank, edp_rank, {n for _, _, e in theirs for n, _ in e} - set(stacked))
+                for _, ep_rank, edp_rank, theirs, _ in every]
+    topo.colliding_names = sorted(set().union(*(a[2] & b[2] for a in names_of for b in names_of
+                                                if a[1] == b[1] and a[0] < b[0])))
     own = {n for _, _, e in mine for n, _ in e}
     topo.foreign_names = set().union(*(n for _, edp_rank, n in names_of if edp_rank == topo.edp_rank)) - own
+    topo.stacked = {n: d for n, (d, _) in stacked.items()}
+    topo.grid = [[-1] * topo.edp_size for _ in range(topo.ep_size)]
+    for rank, ep_rank, edp_rank, _, _ in every:
+        topo.grid[ep_rank][edp_rank] = rank
 
 
 def _numel(shape: Tuple[int, ...]) -> int:
@@ -301,10 +417,12 @@ def _first_diff(a: List[Any], b: List[Any]) -> str:
 
 
 def refuse_colliding_names(topo: Optional[ExpertTopology], what: str) -> None:
-    """State dicts need one name per expert ([Note: expert parallelism], Checkpoints)."""
+    """State dicts need one name per expert, or a stacked declaration ([Note: expert parallelism], Checkpoints)."""
     if topo is not None and topo.names_collide:
         raise NotImplementedError(
             f"{what} with expert parallelism: the ranks of an expert-parallel group give their different local "
-            "experts the same parameter names (e.g. experts.0 on every rank), so a checkpoint would hold one of "
-            "them under each name. Name every local expert by its global index (e.g. experts.{ep_rank * E/EP + i}); "
-            "training is not affected")
+            f"experts the same parameter names ({topo.colliding_names[:3]} on every rank), so a checkpoint would "
+            "hold one of them under each name. If such a parameter stacks the local experts along one dim (e.g. "
+            f"w1 [E/EP, h, f]), declare it on its module: {STACKED_ATTR} = {{'w1': 0}} (the state dicts then hold the "
+            "global [E, h, f] tensor); otherwise name every local expert by its global index (e.g. "
+            "experts.{ep_rank * E/EP + i}). Checkpoints only: training is not affected")

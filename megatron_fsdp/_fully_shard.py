@@ -117,8 +117,12 @@ def fully_shard(
             the expert-data-parallel group, everything else over the data-parallel group as without EP. A unit
             holding both gets two buckets, each on its own group. Expert gradients are summed over that group and
             divided by the whole data-parallel size, so ``EP = k`` trains as ``EP = 1`` does on the same global
-            batch. Default 1 (no split); not with hybrid sharding. Needs ``process_group`` to be the world (the
-            groups are built with ``new_group``); otherwise pass the two groups.
+            batch. A parameter that stacks the local experts along a dim (``w1 [E/EP, h, f]``, one name on every
+            EP rank) is declared by its module, ``stacked_expert_dims = {"w1": 0}``: the state dicts then hold the
+            global ``[E, h, f]`` tensor under the EP=1 key, so checkpoints load at any EP; different experts under
+            one undeclared name make the state dicts refuse. Default 1 (no split); not with hybrid sharding.
+            Needs ``process_group`` to be the world (the groups are built with ``new_group``); otherwise pass the
+            two groups.
         expert_parallel_group, expert_data_parallel_group: the same, given as the two groups this rank belongs to
             (both or neither; e.g. from ``megatron_fsdp.expert_parallel_groups(ep)``, whose EP group the model's
             all-to-all uses too). They must tile the data-parallel group as a grid; ``expert_parallel_size``, if
@@ -448,6 +452,14 @@ class MegatronFSDP(nn.Module):
         self.expert_param_names = {_state_dict.clean_fqn(n) for n, p in self.module.named_parameters()
                                    if id(p) in tagged}
         experts = tagged if topo is not None else set()
+        # [Note: expert parallelism] in _expert.py, Checkpoints: parameters that stack their local experts
+        stacked_dims = _expert.stacked_expert_dims(self.module)
+        untagged = [n for n, p in self.module.named_parameters() if id(p) in stacked_dims and id(p) not in tagged]
+        if untagged:
+            raise ValueError(
+                f"parameters {untagged[:5]} are declared stacked experts ({_expert.STACKED_ATTR}) but are not expert "
+                "parameters; tag their module with is_expert = True (or give it a name segment 'experts')")
+        stacked: Dict[str, Tuple[int, Tuple[int, ...]]] = {}
         plan: List[Tuple[str, List[Tuple[str, Tuple[int, ...]]], List[Tuple[str, Tuple[int, ...]]]]] = []
         tp_plan: List[Tuple[str, List[Tuple[str, Tuple[int, ...], str]]]] = []
         for index, (name, m) in enumerate(unit_modules):
@@ -471,6 +483,7 @@ class MegatronFSDP(nn.Module):
             expert = [(n, p) for n, p in zip(names, ps) if id(p) in experts]
             if topo is not None:
                 plan.append((name, [(n, tuple(p.shape)) for n, p in dense], [(n, tuple(p.shape)) for n, p in expert]))
+                stacked.update((n, (stacked_dims[id(p)], tuple(p.shape))) for n, p in expert if id(p) in stacked_dims)
             if dense:
                 self.units.append(FSDPUnit(engine=self, name=name, module=m, names=[n for n, _ in dense],
                                            params=[p for _, p in dense], index=len(self.units), is_root=False))
@@ -506,7 +519,7 @@ class MegatronFSDP(nn.Module):
                     f"expert_parallel_size={topo.ep_size} but the model has no expert parameters (a module with "
                     "is_expert = True, or a parameter name with a segment 'experts'); tag the experts module with "
                     "is_expert = True, or pass expert_parallel_size=1")
-            _expert.check_expert_plan(topo, self.group, plan)
+            _expert.check_expert_plan(topo, self.group, plan, stacked)
         if self.tp_topology is not None:
             root_names, root_params = _tensor.tp_order(root_names, root_params)
             tp_plan.append(("<root>", [(n, tuple(p.shape), _tensor.kind_of(p)) for n, p in zip(root_names, root_params)]))
@@ -967,7 +980,8 @@ class MegatronFSDP(nn.Module):
         _state_dict.load_full_state_dict(self, state_dict, strict=True)
 
     def sharded_state_dict(self) -> Dict[str, Any]:
-        """Parameters for ``torch.distributed.checkpoint``: fp32 DTensors, ``Shard(0)`` over the process group.
+        """Parameters for ``torch.distributed.checkpoint``: fp32 DTensors, ``Shard(0)`` over the process group
+        (expert parameters over their groups: [Note: expert parallelism] in _expert.py, Checkpoints).
 
         Keys and shapes are the unwrapped model's ([Note: DCP sharding metadata] in _dcp.py), as FSDP2 saves
         them. Values are copies: after ``dcp.load`` fills the dict, ``load_sharded_state_dict`` writes them

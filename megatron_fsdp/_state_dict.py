@@ -78,12 +78,16 @@ def gather_region(engine: Engine, layout: "FlatLayout", local: torch.Tensor, uni
 
 def full_state_dict(engine: Engine) -> Dict[str, torch.Tensor]:
     """Gathered fp32 parameters and the persistent buffers, keys as the unwrapped model's, on every rank."""
-    _expert.refuse_colliding_names(engine.expert_topology, "state_dict()")
+    topo = engine.expert_topology
+    _expert.refuse_colliding_names(topo, "state_dict()")
     out: Dict[str, torch.Tensor] = collections.OrderedDict()
     for u in engine.all_units():
         for layout, local in regions(u):
             full = gather_region(engine, layout, local, u)
-            for n, v in zip(layout.names, layout.views(full)):
+            views = layout.views(full)
+            if u.is_expert and topo is not None:  # stacked experts: every EP rank's ([Note: expert parallelism])
+                views = topo.gather_stacked(layout.names, views)
+            for n, v in zip(layout.names, views):
                 out[clean_fqn(n)] = v.clone()
     for name, first in engine.tied_names.items():  # the same tensor, as nn.Module gives ([Note: tied parameters])
         out[name] = out[first]
@@ -104,7 +108,10 @@ def load_full_state_dict(engine: Engine, state_dict: Mapping[str, Any], *,
         for layout, local in regions(u):
             for n, o, numel, shape in zip(layout.names, layout.offsets, layout.numels, layout.shapes):
                 targets[clean_fqn(n)] = (u, layout, local, o, numel, shape)
-    _expert.refuse_colliding_names(engine.expert_topology, "load_state_dict()")
+    topo = engine.expert_topology
+    _expert.refuse_colliding_names(topo, "load_state_dict()")
+    # A stacked expert parameter is loaded from its global value, of which this EP rank takes its experts.
+    stacked = {clean_fqn(n): n for n in (topo.stacked if topo is not None else ())}
     buffers = dict(persistent_buffers(engine.module))
     tied = engine.tied_names
     expected = set(targets) | set(tied) | set(buffers)
@@ -119,13 +126,22 @@ def load_full_state_dict(engine: Engine, state_dict: Mapping[str, Any], *,
             "to load a subset"
         )
     for name, value in state_dict.items():
-        target = targets.get(tied.get(name, name))
+        first = tied.get(name, name)
+        target = targets.get(first)
         want = target[5] if target is not None else (buffers[name].shape if name in buffers else None)
+        hint = "load a state dict of the same model"
+        if first in stacked:
+            want = topo.global_shape(stacked[first], want)
+            hint = (f"{first} stacks the experts of every expert-parallel rank (the model's {_expert.STACKED_ATTR}): "
+                    "pass the global tensor, as state_dict() gives it at any expert_parallel_size; this rank takes "
+                    "its own experts")
         if want is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(want)):
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"load_state_dict: {name} is {got}, the model expects shape {tuple(want)}; load a state "
-                             "dict of the same model")
+            raise ValueError(f"load_state_dict: {name} is {got}, the model expects shape {tuple(want)}; {hint}")
     values = _tied_values(state_dict, targets, tied)
+    for name in stacked:
+        if name in values:
+            values[name] = topo.local_experts(stacked[name], values[name])
     with torch.no_grad():
         for name, (u, layout, local, o, numel, _) in targets.items():
             if name not in values:

@@ -34,6 +34,11 @@
 #                   GPU and NPROC; needs megatron-core (PYTHONPATH=/tmp/site)        -> mcore-*.json
 #   bench           the engines side by side (benchmarks/bench_engines.py): the Llama-3-8B-shaped config and
 #                   the OLMoE-shaped one on NPROC (BENCH_CONFIGS, BENCH_ARGS)       -> bench-*.json
+#   ep              expert parallelism on NPROC (and on 2 when NPROC > 2): our MoE under our engine
+#                   (tests/gpu/scripts/ep_align.py), FSDP2 in torchtitan's layout (fsdp2_ep.py), megatron-core's
+#                   GPTModel under ours and NVIDIA's (mcore_gpt.py --only-ep; needs PYTHONPATH=/tmp/site), and the
+#                   Qwen3-30B-A3B-shaped benchmark (bench_engines.py --config qwen3moe) at sequence 1024 and
+#                   4096 (EP_SEQS, EP_PARTS: "align fsdp2 mcore bench")       -> ep-*.json, bench-qwen3moe-*.json
 #   hsdp            hybrid sharding on NPROC as (NPROC/2) x 2 or 2 x 1: bench_hsdp.py --align (flat vs HSDP, both
 #                   engines, eager vs partial graphs bit for bit, bytes across the slow dimension) and the
 #                   demo with --hsdp                                                 -> hsdp-*.json
@@ -128,14 +133,18 @@ stage_pytest() {
   # the multi-GPU tests on every GPU; with 2+ GPUs each half runs as two pytest processes side by side (1-GPU: one
   # on GPU 0, one on GPU 1), split by PYTEST_SPLIT (a -k expression and its negation). Then one verdict line per
   # file. PYTEST_MARK: the marker expression (default gpu; "gpu or matrix" adds the full matrices).
+  # Under CUDA_VISIBLE_DEVICES=a,b (e.g. two records side by side on one 4-GPU machine, with and without TE) the
+  # 1-GPU halves take GPUs a and b and the multi-GPU tests see a,b.
   local mark=${PYTEST_MARK:-gpu} split=${PYTEST_SPLIT:-alignment or check_engines or args}
   local py="timeout ${PYTEST_S:-560} python3 -m pytest -q -p no:cacheprovider --durations=30 -rs"
   local sel=${PYTEST_SELECT:+ and ($PYTEST_SELECT)}
+  local devs
+  IFS=, read -ra devs <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((NGPU > 0 ? NGPU - 1 : 0)))}"
   if multi; then
     local part=0 k
     for k in "($split)$sel" "not ($split)$sel"; do
       part=$((part + 1))
-      step pytest-gpu-1-$part.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records" CUDA_VISIBLE_DEVICES=$((part - 1)) \
+      step pytest-gpu-1-$part.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records" CUDA_VISIBLE_DEVICES=${devs[$((part - 1))]} \
         $py -m "$mark" -k "$k" --junitxml "$OUT/pytest-1gpu-$part.xml" &
       step pytest-gpu-$N-$part.log env FSDP_CUDAGRAPH_RESULTS="$OUT/records-$N-$part" $py -m "($mark) and multigpu" \
         -k "$k" --junitxml "$OUT/pytest-${N}gpu-$part.xml" &
@@ -241,6 +250,35 @@ stage_bench() {
   done
 }
 
+stage_ep() {
+  multi || { echo "ep: needs 2+ GPUs"; return 0; }
+  local parts=${EP_PARTS:-align fsdp2 mcore bench} n
+  local sizes="$N"; [ "$N" -gt 2 ] && sizes="2 $N"
+  for n in $sizes; do
+    local run="python3 -m torch.distributed.run --standalone --nproc-per-node $n"
+    if [[ " $parts " == *" align "* ]]; then
+      step ep-align-${n}gpu.log timeout 200 $run tests/gpu/scripts/ep_align.py --out "$OUT/ep-align-${n}gpu.json"
+      grep -E "^(ok |BAD|control)|\"ok\"" "$OUT/ep-align-${n}gpu.log"
+    fi
+    if [[ " $parts " == *" fsdp2 "* ]]; then
+      step ep-fsdp2-${n}gpu.log timeout 150 $run tests/gpu/scripts/fsdp2_ep.py --out "$OUT/ep-fsdp2-${n}gpu.json"
+      tail -6 "$OUT/ep-fsdp2-${n}gpu.log"
+    fi
+    if [[ " $parts " == *" mcore "* ]]; then
+      step ep-mcore-${n}gpu.log timeout 240 $run tests/gpu/scripts/mcore_gpt.py --only-ep --out "$OUT/ep-mcore-${n}gpu.json"
+      grep -E "ok=|\"ok\"" "$OUT/ep-mcore-${n}gpu.log" | tail -24
+    fi
+  done
+  if [[ " $parts " == *" bench "* ]]; then
+    local seq
+    for seq in ${EP_SEQS:-1024 4096}; do
+      step bench-qwen3moe-seq$seq-${N}gpu.log timeout ${BENCH_S:-400} python3 benchmarks/bench_engines.py --config qwen3moe \
+        --nproc-per-node $N --seq $seq ${BENCH_ARGS:-} --out "$OUT/bench-qwen3moe-seq$seq-${N}gpu.json"
+      grep -vE "^(W1|\[rank)" "$OUT/bench-qwen3moe-seq$seq-${N}gpu.log" | tail -30
+    done
+  fi
+}
+
 stage_hsdp() {
   multi || { echo "hsdp: needs 2+ GPUs"; return 0; }
   local r=${HSDP_REPLICATE:-2}
@@ -250,7 +288,7 @@ stage_hsdp() {
   tail -4 "$OUT/demo-hsdp-${N}gpu.log"
 }
 
-STAGES="align full_iteration engines pytest perf depth features demo moe mcore bench hsdp"
+STAGES="align full_iteration engines pytest perf depth features demo moe mcore bench ep hsdp"
 [ $# -ge 1 ] || { echo "usage: bash benchmarks/tools/gpu_record.sh <stage>... (stages: $STAGES all)"; exit 2; }
 for stage in "$@"; do
   for s in $([ "$stage" = all ] && echo "$STAGES" || echo "$stage"); do

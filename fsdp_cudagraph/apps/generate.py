@@ -134,6 +134,12 @@ class GreedyGenerator:
         if model.cfg.use_te or model.cfg.unit != "block":
             raise NotImplementedError(f"GreedyGenerator supports the plain-torch GPT (use_te=False, unit='block'), got "
                                       f"use_te={model.cfg.use_te}, unit={model.cfg.unit!r}")
+        cfg = model.cfg
+        if cfg.num_kv_heads != cfg.num_heads or cfg.num_heads * cfg.head_dim != cfg.hidden_size:
+            raise NotImplementedError(f"GreedyGenerator's cache holds num_heads heads of hidden_size / num_heads; got "
+                                      f"num_kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim} with num_heads="
+                                      f"{cfg.num_heads}, hidden_size={cfg.hidden_size}: generate with a model whose "
+                                      "num_kv_heads and head_dim are left at their defaults")
         if max_len > model.cfg.seq_len or max_len < 1 or max_batch < 1:
             raise ValueError(f"max_len={max_len}, max_batch={max_batch}: need 1 <= max_len <= the GPT's positional "
                              f"embedding ({model.cfg.seq_len} positions, GPTConfig.seq_len) and max_batch >= 1")

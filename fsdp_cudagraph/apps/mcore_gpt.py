@@ -1,11 +1,12 @@
 """megatron-core's own ``GPTModel`` (dense and MoE) under an FSDP engine, eager against partial CUDA graphs.
 
-The model is built as megatron-core users build it: ``parallel_state.initialize_model_parallel`` (TP = PP =
-EP = 1) over the existing default process group, a ``TransformerConfig``, TransformerEngine's layer spec
-(``get_gpt_layer_with_transformer_engine_spec``) when TE is importable, else megatron-core's local spec
-(``get_gpt_layer_local_spec``), and ``GPTModel``. The FSDP unit is ``TransformerLayer``; engines ``megatron_fsdp``
-(ours), ``nvidia`` (NVIDIA Megatron-FSDP, the bundled ``fully_shard`` or megatron-core's
-``FullyShardedDataParallel``: ``--nvidia-wrapper``) and ``fsdp2`` (PyTorch FSDP2), as the checker builds them.
+The model is built as megatron-core users build it: ``parallel_state.initialize_model_parallel`` (TP = PP = 1,
+EP = ``--expert-parallel``, default 1) over the existing default process group, a ``TransformerConfig``,
+TransformerEngine's layer spec (``get_gpt_layer_with_transformer_engine_spec``) when TE is importable, else
+megatron-core's local spec (``get_gpt_layer_local_spec``), and ``GPTModel``. The FSDP unit is
+``TransformerLayer``; engines ``megatron_fsdp`` (ours), ``nvidia`` (NVIDIA Megatron-FSDP, the bundled
+``fully_shard`` or megatron-core's ``FullyShardedDataParallel``: ``--nvidia-wrapper``) and ``fsdp2`` (PyTorch
+FSDP2), as the checker builds them.
 Models:
 
 - ``dense``: a GPT with a dense MLP;
@@ -28,20 +29,36 @@ of the token dispatcher, not a module), ``moe``/``layer``/``mlp`` on an MoE mode
 per-expert counts to the host), a router with an auxiliary loss (it records into a Python-side tracker),
 and Megatron's own graph machinery switched on (:func:`check_megatron_graphs_off`).
 
+Expert parallelism (``--expert-parallel N``, ``MCoreShape.expert_parallel_size``; MoE models, ``N`` dividing
+the world size and the 4 experts): ``initialize_model_parallel(expert_model_parallel_size=N)``, each rank builds
+its ``4 / N`` local experts (``local_experts.0 ..`` on every EP rank) and still trains its own micro-batch; the
+dispatcher brings every token to its experts' ranks. megatron-core's own groups (:func:`expert_groups`:
+``get_expert_model_parallel_group()``, ``get_expert_data_parallel_group()``; contiguous EP ranks, EDP strided,
+this project's engine's layout) reach the engine as ``ModelSpec.expert_groups``: ``megatron_fsdp`` passes them
+to ``fully_shard(expert_parallel_group=, expert_data_parallel_group=)``, ``nvidia`` builds NVIDIA's expert
+device mesh over the EDP group (wrapper ``fully_shard``) or lets megatron-core's ``FullyShardedDataParallel``
+read them from ``parallel_state`` (wrapper ``mcore``, checked to be the same). ``fsdp2`` is refused
+(``NotImplementedError``: it would shard the ranks' different local experts over all ranks; Megatron-LM refuses
+FSDP2 with EP too), and so are EP on the dense model and an ``N`` that divides neither. What is graphed does
+not change: ``attn_router``, the exchange and the experts eager between graphs. State dicts of an EP model are
+refused by our engine (the EP ranks' local experts share names); training is not affected.
+
 Run (1 GPU, 2 GPUs, CPU on Gloo with the protocol backend)::
 
     python -m fsdp_cudagraph.apps.mcore_gpt --engine megatron_fsdp --model moe_alltoall --scope attn_router
     torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.mcore_gpt --engine nvidia --model dense --scope layer
     python -m fsdp_cudagraph.apps.mcore_gpt --device cpu --model moe_allgather --scope attn_router --json r.json
+    torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.mcore_gpt --model moe_alltoall --expert-parallel 2
 
 and through the alignment checker (the factories :func:`dense`, :func:`moe_alltoall`, :func:`moe_allgather`
-tag ``self_attention`` as ``attn``, a dense ``mlp`` as ``mlp`` and ``mlp.router`` as ``moe_router``)::
+and :func:`moe_alltoall_ep`, EP = world size, tag ``self_attention`` as ``attn``, a dense ``mlp`` as ``mlp``
+and ``mlp.router`` as ``moe_router``)::
 
     python -m fsdp_cudagraph.check --engine nvidia --model fsdp_cudagraph.apps.mcore_gpt:moe_alltoall \\
         --modules attn moe_router
 
 On the CPU, megatron-core calls a few CUDA-only functions; :func:`cpu_shims` replaces them (see its
-docstring): the model's math is megatron-core's own.
+docstring): the model's math is megatron-core's own. docs/models.md, "megatron-core models", has the details.
 """
 
 from __future__ import annotations
@@ -54,15 +71,18 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_cudagraph.apps.mcore_cpu import check_device, cpu_shims, shims_for_factory
+
 __all__ = ["HAS_MCORE", "MCORE_REASON", "MCORE_VERSION", "MCoreShape", "MODELS", "SCOPES", "cpu_shims",
-           "init_parallel_state", "build", "layout", "tag_modules", "scope_patterns", "check_megatron_graphs_off",
-           "batch", "loss", "spec", "dense", "moe_alltoall", "moe_allgather", "run", "main"]
+           "init_parallel_state", "expert_groups", "check_expert_parallel_world", "check_engine_expert_parallel",
+           "build", "layout", "tag_modules", "scope_patterns", "check_megatron_graphs_off", "batch", "loss", "spec",
+           "dense", "moe_alltoall", "moe_allgather", "moe_alltoall_ep", "run", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +120,10 @@ class MCoreShape:
     moe_permute_fusion: Optional[bool] = None
     #: TE's layer spec; None: when TE is importable and the device is CUDA
     use_te: Optional[bool] = None
+    #: megatron-core's ``expert_model_parallel_size`` (EP): each rank builds ``num_experts / EP`` local experts
+    #: and the dispatcher brings them their tokens (alltoall: an all-to-all over the EP group; allgather: every
+    #: rank of the group gathers every token, then a reduce-scatter); 1: every rank holds every expert
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
@@ -107,6 +131,21 @@ class MCoreShape:
                              "'allgather' (the flex dispatcher needs DeepEP/HybridEP, not checked here)")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size({self.hidden_size}) % num_heads({self.num_heads}) != 0")
+        self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        ep = self.expert_parallel_size
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+            raise ValueError(f"expert_parallel_size={ep!r} must be a positive integer (1: no expert parallelism)")
+        if ep == 1:
+            return
+        if self.num_experts is None:
+            raise ValueError(f"expert_parallel_size={ep} on the dense model: it has no experts to spread over ranks; "
+                             "use model moe_alltoall, or expert_parallel_size=1")
+        if self.num_experts % ep:
+            raise ValueError(f"expert_parallel_size={ep} does not divide num_experts={self.num_experts}: every rank of "
+                             f"an expert-parallel group holds num_experts / expert_parallel_size experts; pick a "
+                             f"divisor of {self.num_experts}")
 
 
 #: model name -> shape overrides (on top of the device's base shape)
@@ -169,114 +208,37 @@ def _has_te() -> bool:
     return HAS_TE
 
 
-# ---------------------------------------------------------------------------------------------- CPU shims
-
-
-class _HostStream:
-    """What megatron-core's alltoall dispatcher asks of a CUDA stream, on the host: work is already ordered."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, other: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> "_HostEvent":
-        return _HostEvent()
-
-
-class _HostEvent:
-    def synchronize(self) -> None:
-        pass
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-
-_SHIMS_ACTIVE = False
-
-
-@contextlib.contextmanager
-def cpu_shims() -> Iterator[List[str]]:
-    """Let megatron-core's GPTModel (local spec) train on the CPU; yields the names replaced, restored on exit.
-
-    megatron-core calls CUDA-only functions that have no effect on the model's math at TP = EP = 1 with no
-    dropout; each is replaced by its host equivalent:
-
-    - ``torch.cuda.current_device`` returns ``"cpu"``: RoPE and the router place tensors on "the current device";
-    - ``CudaRNGStatesTracker.fork`` is a no-op context: it switches the CUDA RNG state around attention
-      dropout, which is 0 here (the tracker needs CUDA to hold a state at all);
-    - ``torch.cuda.Stream``, ``torch.cuda.current_stream``, ``torch.cuda.stream``: the alltoall dispatcher copies
-      the per-expert counts to the host on a side stream and waits on an event; on the host the copy is
-      already done when it returns.
-
-    Nothing numerical is replaced: routing, permutation, experts, attention and the loss are megatron-core's.
-    """
-    global _SHIMS_ACTIVE
-    _require()
-    from megatron.core.tensor_parallel import random as tp_random
-
-    saved = [(torch.cuda, "current_device", torch.cuda.current_device),
-             (torch.cuda, "Stream", torch.cuda.Stream),
-             (torch.cuda, "current_stream", torch.cuda.current_stream),
-             (torch.cuda, "stream", torch.cuda.stream),
-             (tp_random.CudaRNGStatesTracker, "fork", tp_random.CudaRNGStatesTracker.fork)]
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.Stream = _HostStream
-    torch.cuda.current_stream = lambda *a, **k: _HostStream()
-    torch.cuda.stream = lambda s=None: contextlib.nullcontext()
-    tp_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
-    _SHIMS_ACTIVE = True
-    try:
-        yield [f"{getattr(o, '__name__', o)}.{n}" for o, n, _ in saved]
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
-        _SHIMS_ACTIVE = False
-
-
-_PERMANENT_SHIMS: Optional[contextlib.ExitStack] = None
-
-
-def _shims_for_factory(device: torch.device) -> None:
-    """A checker factory on the CPU (``python -m fsdp_cudagraph.check --device cpu``) has no scope to enter
-    :func:`cpu_shims` around: on a machine without CUDA, where nothing can call CUDA anyway, they are installed
-    for the rest of the process (with a warning); on a machine with CUDA :func:`build` refuses instead."""
-    global _PERMANENT_SHIMS
-    if device.type != "cpu" or _SHIMS_ACTIVE or torch.cuda.is_available():
-        return
-    _PERMANENT_SHIMS = contextlib.ExitStack()
-    names = _PERMANENT_SHIMS.enter_context(cpu_shims())
-    logger.warning("mcore_gpt: megatron-core on the CPU; replaced for the rest of this process: %s", names)
-
-
-def _check_device(device: torch.device) -> None:
-    if device.type == "cpu" and not _SHIMS_ACTIVE:
-        raise RuntimeError(
-            "megatron-core's GPTModel on device cpu calls CUDA-only functions (torch.cuda.current_device, CUDA "
-            "streams, the CUDA RNG tracker); run inside fsdp_cudagraph.apps.mcore_gpt.cpu_shims() (the app's "
-            "--device cpu does), or use a GPU")
-
-
 # ---------------------------------------------------------------------------------------------- the model
 
 
-def init_parallel_state(seed: int, device: torch.device) -> None:
-    """megatron-core's parallel state over the default process group (TP = PP = EP = 1, data parallel over
-    every rank), once; and, on CUDA, its model-parallel RNG states from ``seed`` (what TE's layers fork)."""
+def check_expert_parallel_world(expert_parallel_size: int, world_size: int) -> None:
+    """Refuse (ValueError) an expert-parallel size that does not divide the number of ranks."""
+    if world_size % expert_parallel_size:
+        raise ValueError(f"expert_parallel_size={expert_parallel_size} does not divide the world size {world_size}: "
+                         "megatron-core splits the data-parallel ranks into expert-parallel groups of that size; "
+                         f"pick a divisor of {world_size} (e.g. --expert-parallel {world_size})")
+
+
+def init_parallel_state(seed: int, device: torch.device, expert_parallel_size: int = 1) -> None:
+    """megatron-core's parallel state over the default process group (TP = PP = 1, data parallel over every rank,
+    ``expert_model_parallel_size=expert_parallel_size``), once per EP size (another size rebuilds it:
+    ``destroy_model_parallel`` then ``initialize_model_parallel``); and, on CUDA, its model-parallel RNG states
+    from ``seed`` (what TE's layers fork; the experts of each EP rank draw from their own state).
+
+    megatron-core's rank order (``tp-cp-ep-dp-pp``) makes the expert-parallel groups contiguous ranks and the
+    expert-data-parallel groups strided by EP, the layout of ``megatron_fsdp``'s expert parallelism
+    ([Note: expert parallelism] in ``megatron_fsdp/_expert.py``): :func:`expert_groups` hands both to the
+    engine, which checks that they tile the ranks."""
     _require()
     if not dist.is_initialized():
         raise RuntimeError("init_parallel_state needs torch.distributed initialised first (init_process_group or "
                            "torchrun); megatron-core builds its groups over the default group")
+    check_expert_parallel_world(expert_parallel_size, dist.get_world_size())
+    if _ps.model_parallel_is_initialized() and _ps.get_expert_model_parallel_world_size() != expert_parallel_size:
+        _ps.destroy_model_parallel()  # drops megatron-core's references to its groups; new ones are built below
     if not _ps.model_parallel_is_initialized():
         _ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                      expert_model_parallel_size=1)
+                                      expert_model_parallel_size=expert_parallel_size)
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -290,6 +252,17 @@ def init_parallel_state(seed: int, device: torch.device) -> None:
         params = inspect.signature(model_parallel_cuda_manual_seed).parameters
         reset = {"force_reset_rng": True} if "force_reset_rng" in params else {}
         model_parallel_cuda_manual_seed(seed, te_rng_tracker=_has_te(), use_cudagraphable_rng=True, **reset)
+
+
+def expert_groups() -> Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]]:
+    """megatron-core's ``(expert-parallel group, expert-data-parallel group)`` of this rank (the groups its MoE
+    layers exchange tokens over and its own FSDP shards experts over), or None at EP = 1. The EDP group is
+    ``parallel_state.get_expert_data_parallel_group()`` in 0.16.1 and 0.19.2 alike (0.19's default
+    ``with_gtp_remat=True`` is the same group unless expert GTP rematerialisation is on; the older
+    ``get_data_modulo_expert_parallel_group`` is a deprecated alias)."""
+    if _ps.get_expert_model_parallel_world_size() == 1:
+        return None
+    return _ps.get_expert_model_parallel_group(), _ps.get_expert_data_parallel_group()
 
 
 def _fix_router_without_te() -> None:
@@ -306,10 +279,12 @@ def build(shape: MCoreShape, device: torch.device, *, dtype: torch.dtype = torch
     """megatron-core's ``GPTModel`` with ``shape`` on ``device``, random weights from torch's RNG state.
 
     ``use_te``: TE's layer spec (default: when TE is importable and ``device`` is CUDA); else the local spec.
-    ``dtype``: ``params_dtype`` (``bf16=True`` when bfloat16). Call :func:`init_parallel_state` first.
+    ``dtype``: ``params_dtype`` (``bf16=True`` when bfloat16). Call :func:`init_parallel_state` first, with
+    ``shape.expert_parallel_size`` (then this rank builds its ``num_experts / EP`` local experts, numbered from 0
+    on every EP rank: EP rank ``q`` holds global experts ``q * E/EP ..``).
     """
     _require()
-    _check_device(device)
+    check_device(device)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
@@ -321,6 +296,11 @@ def build(shape: MCoreShape, device: torch.device, *, dtype: torch.dtype = torch
 
         raise ImportError(f"use_te=True needs TransformerEngine: {TE_REASON}")
     moe = shape.num_experts is not None
+    held = _ps.get_expert_model_parallel_world_size() if _ps.model_parallel_is_initialized() else None
+    if held != shape.expert_parallel_size:
+        raise ValueError(f"expert_parallel_size={shape.expert_parallel_size} but megatron-core's parallel state has "
+                         f"expert_model_parallel_size={held} (None: not initialised); call "
+                         "init_parallel_state(seed, device, shape.expert_parallel_size) first")
     grouped = te if shape.moe_grouped_gemm is None else shape.moe_grouped_gemm
     fusion = te if shape.moe_permute_fusion is None else shape.moe_permute_fusion
     if moe and (grouped or fusion) and not te:
@@ -339,7 +319,8 @@ def build(shape: MCoreShape, device: torch.device, *, dtype: torch.dtype = torch
         kwargs.update(num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_router_topk,
                       moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
                       moe_token_dispatcher_type=shape.moe_token_dispatcher_type, moe_grouped_gemm=grouped,
-                      moe_permute_fusion=fusion, moe_aux_loss_coeff=0.0)
+                      moe_permute_fusion=fusion, moe_aux_loss_coeff=0.0,
+                      expert_model_parallel_size=shape.expert_parallel_size)
         _fix_router_without_te()
     config = TransformerConfig(**kwargs)
     spec_fn = get_gpt_layer_with_transformer_engine_spec if te else get_gpt_layer_local_spec
@@ -453,7 +434,9 @@ def layout(model: nn.Module) -> Dict[str, Any]:
         "core_attention": type(attn.core_attention).__name__, "mlp": type(mlp).__name__}
     if getattr(config, "num_moe_experts", None):
         out.update(experts=type(mlp.experts).__name__, dispatcher=type(mlp.token_dispatcher).__name__,
-                   moe_grouped_gemm=config.moe_grouped_gemm, moe_permute_fusion=config.moe_permute_fusion)
+                   moe_grouped_gemm=config.moe_grouped_gemm, moe_permute_fusion=config.moe_permute_fusion,
+                   expert_parallel_size=config.expert_model_parallel_size,
+                   num_local_experts=mlp.num_local_experts)
     return out
 
 
@@ -473,14 +456,14 @@ def spec(name: str, device: torch.device, shape: Optional[MCoreShape] = None, *,
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     _require()
-    _shims_for_factory(device)
+    shims_for_factory(device)
     shape = shape or base_shape(device, name)
-    init_parallel_state(seed, device)
+    init_parallel_state(seed, device, shape.expert_parallel_size)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build(shape, device, dtype=dtype, use_te=shape.use_te)
     check_megatron_graphs_off(model)
     return ModelSpec(model=model, unit_modules=[TransformerLayer],
-                     batch=lambda step: batch(step, shape, device, seed=seed), loss=loss)
+                     batch=lambda step: batch(step, shape, device, seed=seed), loss=loss, expert_groups=expert_groups())
 
 
 def dense(device: torch.device) -> Any:
@@ -498,7 +481,27 @@ def moe_allgather(device: torch.device) -> Any:
     return spec("moe_allgather", device)
 
 
+def moe_alltoall_ep(device: torch.device) -> Any:
+    """Checker factory: :func:`moe_alltoall` with expert parallelism over every rank (EP = world size, which must
+    divide its 4 experts): each rank holds ``4 / EP`` local experts, sharded over its expert-data-parallel group
+    (engines megatron_fsdp and nvidia; fsdp2 is refused)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return spec("moe_alltoall", device, base_shape(device, "moe_alltoall", expert_parallel_size=world))
+
+
 # ---------------------------------------------------------------------------------------------- the app
+
+
+def check_engine_expert_parallel(engine: str, expert_parallel_size: int) -> None:
+    """Refuse (NotImplementedError) an engine that cannot shard megatron-core's local experts: ``fsdp2`` at
+    EP > 1 (the checker's FSDP2 builder shards every parameter over all ranks; Megatron-LM refuses
+    ``--use-torch-fsdp2`` with expert parallelism too)."""
+    if engine == "fsdp2" and expert_parallel_size > 1:
+        raise NotImplementedError(
+            f"engine='fsdp2' with expert_parallel_size={expert_parallel_size}: FSDP2 here shards every parameter over "
+            "one mesh of all ranks, while each rank holds only its own local experts, which must be sharded over "
+            "the expert-data-parallel group alone (Megatron-LM refuses --use-torch-fsdp2 with expert parallelism "
+            "too); use --engine megatron_fsdp or nvidia, or --expert-parallel 1")
 
 
 def run(*, model: str, engine: str, scope: str, device: torch.device, steps: int = 6, capture_step: int = 2,
@@ -507,12 +510,16 @@ def run(*, model: str, engine: str, scope: str, device: torch.device, steps: int
     """Train ``model`` under ``engine`` eagerly and with partial graphs of ``scope``; the checker's
     :class:`~fsdp_cudagraph.check.AlignmentReport` (``equal``: every loss and final parameter ``torch.equal``
     on every rank). Needs an initialised process group and, on the CPU, :func:`cpu_shims` entered.
+    ``shape.expert_parallel_size`` > 1: megatron-core's expert parallelism (its groups go to the engine through
+    the factory's ``ModelSpec.expert_groups``); engines megatron_fsdp and nvidia, fsdp2 refused.
     ``nvidia_wrapper`` (engine nvidia): ``fully_shard`` (default) or ``mcore`` (megatron-core's
     ``FullyShardedDataParallel``; see ``engines/nvidia/build.py``)."""
     from fsdp_cudagraph.check import check_alignment
 
     shape = shape or base_shape(device, model)
     patterns = scope_patterns(scope, moe=shape.num_experts is not None)
+    check_engine_expert_parallel(engine, shape.expert_parallel_size)
+    check_expert_parallel_world(shape.expert_parallel_size, dist.get_world_size())
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     return check_alignment(lambda dev: spec(model, dev, shape), steps=steps, capture_step=capture_step,
                            backend=backend, cuda_graph_module_patterns=list(patterns),
@@ -546,6 +553,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="layer spec (default: te when TE is importable on CUDA, else local)")
     p.add_argument("--moe-grouped-gemm", choices=["on", "off"], default=None, help="default: on with TE's spec")
     p.add_argument("--moe-permute-fusion", choices=["on", "off"], default=None, help="default: on with TE's spec")
+    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                   help="megatron-core's expert_model_parallel_size (MoE models; N divides the world size and the 4 "
+                        "experts; engines megatron_fsdp and nvidia)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--capture-step", type=int, default=2)
     p.add_argument("--backend", choices=["te", "torch", "protocol"], default=None)
@@ -561,7 +571,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     scope = args.scope or ("layer" if args.model == "dense" else "attn_router")
     onoff = {"on": True, "off": False, None: None}
     shape = base_shape(device, args.model, use_te={"te": True, "local": False, None: None}[args.spec],
-                       moe_grouped_gemm=onoff[args.moe_grouped_gemm], moe_permute_fusion=onoff[args.moe_permute_fusion])
+                       moe_grouped_gemm=onoff[args.moe_grouped_gemm], moe_permute_fusion=onoff[args.moe_permute_fusion],
+                       expert_parallel_size=args.expert_parallel)
     with (cpu_shims() if device.type == "cpu" else contextlib.nullcontext()):
         report = run(model=args.model, engine=args.engine, scope=scope, device=device, steps=args.steps,
                      capture_step=args.capture_step, backend=args.backend, perturb=args.perturb,
@@ -578,7 +589,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 json.dump(record, f, indent=1, default=str)
         print(json.dumps({"equal": report.equal, "params_equal": report.params_equal, "culprit": report.culprit,
                           "model": args.model, "engine": args.engine, "wrapper": args.nvidia_wrapper,
-                          "scope": scope}))
+                          "scope": scope, "expert_parallel": args.expert_parallel}))
     ok = report.culprit == args.perturb if args.perturb else report.equal
     dist.destroy_process_group()
     return 0 if ok else 1

@@ -29,7 +29,8 @@ from fsdp_cudagraph.apps import tp as _tp
 from fsdp_cudagraph.apps.tp import merge_tp_state_dicts, slice_tp_state_dict
 
 __all__ = ["GPTConfig", "GPT", "TransformerBlock", "SelfAttention", "MLP", "MoEBlock", "Router", "MoEPreprocess",
-           "Experts", "SharedExpert", "unpermute", "MOE_EXPERTS", "olmoe_config", "mixtral_config", "loss_fn",
+           "Experts", "SharedExpert", "unpermute", "MOE_EXPERTS", "olmoe_config", "qwen3_moe_config",
+           "mixtral_config", "loss_fn",
            "synthetic_batch", "moe_checker_spec", "moe_split", "moe_grouped_mm", "moe_capacity", "EP_EXPERTS",
            "check_expert_parallel",
            "slice_expert_state_dict", "merge_expert_state_dicts", "slice_tp_state_dict", "merge_tp_state_dicts"]
@@ -43,6 +44,12 @@ class GPTConfig:
     hidden_size: int = 64
     num_layers: int = 4
     num_heads: int = 4
+    #: Key/value heads (grouped-query attention, each shared by ``num_heads / num_kv_heads`` query heads);
+    #: default ``num_heads`` (multi-head attention).
+    num_kv_heads: Optional[int] = None
+    #: Width of one head; default ``hidden_size / num_heads``. Another value (Qwen3's 128 at hidden 2048 with 32
+    #: heads) makes the query projection ``num_heads * head_dim`` wide.
+    head_dim: Optional[int] = None
     ffn_hidden_size: Optional[int] = None
     seq_len: int = 32
     moe_every: int = 0
@@ -103,11 +110,18 @@ class GPTConfig:
         if self.moe_experts == "dense" and self.moe_shared_expert:
             raise ValueError("moe_shared_expert=True needs a dropless moe_experts ('split', 'grouped_mm', "
                              "'te_grouped'); the dense toy has none")
-        if self.hidden_size % self.num_heads:
+        if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; pick num_heads that "
-                "divides hidden_size"
+                "divides hidden_size, or set head_dim"
             )
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}: each key/value "
+                             "head serves num_heads / num_kv_heads query heads; pick a divisor of num_heads")
         if self.unit not in ("block", "te_layer"):
             raise ValueError(f"unit={self.unit!r} is not 'block' or 'te_layer'; pick one of those")
         if self.unit == "te_layer" and (not self.use_te or self.moe_every or self.rich_calls):
@@ -158,11 +172,12 @@ class GPTConfig:
                 f"tensor_parallel_size={tp} with sequence_parallel=False: the reference GPT implements tensor "
                 "parallelism with sequence parallelism only (activations split along the sequence between layers, "
                 "megatron-core's sequence_parallel=True); set sequence_parallel=True")
-        for what, value in (("num_heads", self.num_heads), ("ffn_hidden_size", self.ffn_hidden_size),
-                            ("seq_len", self.seq_len)):
+        for what, value in (("num_heads", self.num_heads), ("num_kv_heads", self.num_kv_heads),
+                            ("ffn_hidden_size", self.ffn_hidden_size), ("seq_len", self.seq_len)):
             if value % tp:
-                why = {"num_heads": "each TP rank runs num_heads / TP attention heads (query and key/value heads "
-                                    "alike: the model has no grouped-query attention)",
+                why = {"num_heads": "each TP rank runs num_heads / TP query heads",
+                       "num_kv_heads": "each TP rank holds num_kv_heads / TP key/value heads (with its query heads: "
+                                       "a key/value head is not split between ranks)",
                        "ffn_hidden_size": "each TP rank holds ffn_hidden_size / TP columns of the MLP",
                        "seq_len": "sequence parallelism gives each TP rank seq_len / TP positions"}[what]
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {what}={value}: {why}; pick a "
@@ -188,7 +203,9 @@ class SelfAttention(nn.Module):
 
     def __init__(self, cfg: GPTConfig, tp_group: Optional[Any] = None) -> None:
         super().__init__()
-        h, self.num_heads = cfg.hidden_size, cfg.num_heads
+        h, self.num_heads, self.num_kv_heads, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.head_dim = d
+        qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d  # [q heads | k heads | v heads]
         self.use_te = cfg.use_te
         self.rich_calls = cfg.rich_calls
         #: tensor parallelism ([Note: tensor parallelism of the reference GPT] in apps/tp.py): None at TP=1
@@ -198,69 +215,75 @@ class SelfAttention(nn.Module):
         elif cfg.use_te:
             te = require_te("GPTConfig(use_te=True)")
             fuse = {"fuse_wgrad_accumulation": cfg.fuse_wgrad}
-            self.ln_qkv = te.LayerNormLinear(h, 3 * h, bias=True, params_dtype=torch.float32, **fuse)
-            self.core = te.DotProductAttention(cfg.num_heads, h // cfg.num_heads, attn_mask_type="causal", qkv_format="bshd")
-            self.proj = te.Linear(h, h, bias=True, params_dtype=torch.float32, **fuse)
+            self.ln_qkv = te.LayerNormLinear(h, qkv, bias=True, params_dtype=torch.float32, **fuse)
+            gqa = {} if cfg.num_kv_heads == cfg.num_heads else {"num_gqa_groups": cfg.num_kv_heads}
+            self.core = te.DotProductAttention(cfg.num_heads, d, attn_mask_type="causal", qkv_format="bshd", **gqa)
+            self.proj = te.Linear(cfg.num_heads * d, h, bias=True, params_dtype=torch.float32, **fuse)
         else:
             self.ln = nn.LayerNorm(h)
-            self.qkv = nn.Linear(h, 3 * h)
-            self.proj = nn.Linear(h, h)
+            self.qkv = nn.Linear(h, qkv)
+            self.proj = nn.Linear(cfg.num_heads * d, h)
 
     def _build_tp(self, cfg: GPTConfig) -> None:
         """This TP rank's heads: the TP=1 module is drawn first (the same random draws as at TP=1), then the local
         modules are built without drawing and take their slice."""
         import torch.distributed as dist
 
-        tp, rank, h = cfg.tensor_parallel_size, dist.get_rank(self.tp_group), cfg.hidden_size
-        self.local_heads, self.head_dim = cfg.num_heads // tp, h // cfg.num_heads
+        tp, rank, h, d = cfg.tensor_parallel_size, dist.get_rank(self.tp_group), cfg.hidden_size, cfg.head_dim
+        self.local_heads, self.local_kv_heads = cfg.num_heads // tp, cfg.num_kv_heads // tp
+        qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d  # [q heads | k heads | v heads] at TP=1
         full = SelfAttention(dataclasses.replace(cfg, tensor_parallel_size=1))
         with torch.random.fork_rng(devices=_tp.fork_rng_devices()):
             if cfg.use_te:
                 te = require_te("GPTConfig(use_te=True)")
                 par = dict(tp_group=self.tp_group, tp_size=tp, sequence_parallel=True)
                 fuse = {"fuse_wgrad_accumulation": cfg.fuse_wgrad}
-                self.ln_qkv = te.LayerNormLinear(h, 3 * h, bias=True, params_dtype=torch.float32,
+                self.ln_qkv = te.LayerNormLinear(h, qkv, bias=True, params_dtype=torch.float32,
                                                  parallel_mode="column", **par, **fuse)
-                self.core = te.DotProductAttention(cfg.num_heads, self.head_dim, attn_mask_type="causal",
-                                                   qkv_format="sbhd", tp_size=tp, tp_group=self.tp_group)
-                self.proj = te.Linear(h, h, bias=True, params_dtype=torch.float32, parallel_mode="row", **par,
-                                      **fuse)
+                gqa = {} if cfg.num_kv_heads == cfg.num_heads else {"num_gqa_groups": cfg.num_kv_heads}
+                self.core = te.DotProductAttention(cfg.num_heads, d, attn_mask_type="causal", qkv_format="sbhd",
+                                                   tp_size=tp, tp_group=self.tp_group, **gqa)
+                self.proj = te.Linear(cfg.num_heads * d, h, bias=True, params_dtype=torch.float32,
+                                      parallel_mode="row", **par, **fuse)
             else:
                 self.ln = nn.LayerNorm(h)
-                self.qkv = _tp.local_linear(h, 3 * h // tp)
-                self.proj = _tp.local_linear(h // tp, h)
+                self.qkv = _tp.local_linear(h, qkv // tp)
+                self.proj = _tp.local_linear(cfg.num_heads * d // tp, h)
                 _tp.mark_tensor_parallel(self.qkv.weight, 0)
                 _tp.mark_tensor_parallel(self.qkv.bias, 0)
                 _tp.mark_tensor_parallel(self.proj.weight, 1)
                 for p in (self.ln.weight, self.ln.bias, self.proj.bias):
                     _tp.mark_sequence_parallel(p)
-        _tp.copy_tp_slice(self, full, prefix="attn.", tp_rank=rank, tp_size=tp, num_heads=cfg.num_heads)
+        _tp.copy_tp_slice(self, full, prefix="attn.", tp_rank=rank, tp_size=tp, num_heads=cfg.num_heads,
+                          num_kv_heads=cfg.num_kv_heads)
 
     def _tp_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: this rank's positions, ``[s/TP, b, h]`` (sequence first); the same back."""
-        group, hl, d = self.tp_group, self.local_heads, self.head_dim
+        group, nq, nkv, d = self.tp_group, self.local_heads, self.local_kv_heads, self.head_dim
         if self.use_te:
             qkv = self.ln_qkv(x)  # TE: norm on the local positions, all-gather, column-parallel GEMM
             s, b = qkv.shape[:2]
-            q, k, v = qkv.view(s, b, 3, hl, d).unbind(2)
+            q, k, v = qkv.view(s, b, nq + 2 * nkv, d).split([nq, nkv, nkv], dim=2)
             return x + self.proj(self.core(q, k, v))  # TE: row-parallel GEMM, reduce-scatter, bias
         full = _tp.gather_sequence(self.ln(x), group)
         s, b = full.shape[:2]
-        q, k, v = self.qkv(full).view(s, b, 3, hl, d).permute(2, 1, 3, 0, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, hl * d)
+        q, k, v = self.qkv(full).view(s, b, nq + 2 * nkv, d).permute(1, 2, 0, 3).split([nq, nkv, nkv], dim=1)
+        gqa = {} if nkv == nq else {"enable_gqa": True}
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa).permute(2, 0, 1, 3).reshape(s, b, nq * d)
         return x + (_tp.reduce_scatter_sequence(F.linear(y, self.proj.weight), group) + self.proj.bias)
 
     def forward(self, x: torch.Tensor) -> Any:
         if self.tp_group is not None:
             return self._tp_forward(x)
-        b, s, h = x.shape
-        d = h // self.num_heads
+        b, s, _ = x.shape
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.use_te:
-            q, k, v = self.ln_qkv(x).view(b, s, 3, self.num_heads, d).unbind(2)
+            q, k, v = self.ln_qkv(x).view(b, s, nq + 2 * nkv, d).split([nq, nkv, nkv], dim=2)
             y = self.core(q, k, v)
         else:
-            q, k, v = self.qkv(self.ln(x)).view(b, s, 3, self.num_heads, d).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+            q, k, v = self.qkv(self.ln(x)).view(b, s, nq + 2 * nkv, d).transpose(1, 2).split([nq, nkv, nkv], dim=1)
+            gqa = {} if nkv == nq else {"enable_gqa": True}
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa).transpose(1, 2).reshape(b, s, nq * d)
         out = x + self.proj(y)
         return (out, y) if self.rich_calls else out
 
@@ -503,6 +526,18 @@ def olmoe_config(**overrides: Any) -> GPTConfig:
     base: Dict[str, Any] = dict(vocab_size=50304, hidden_size=2048, num_layers=16, num_heads=16, seq_len=4096,
                                 moe_every=1, num_experts=64, moe_top_k=8, moe_ffn_hidden_size=1024,
                                 moe_experts="grouped_mm", moe_grouped_mm_dtype="bfloat16")
+    return GPTConfig(**{**base, **overrides})
+
+
+def qwen3_moe_config(**overrides: Any) -> GPTConfig:
+    """A Qwen3-30B-A3B-shaped config: hidden 2048, 48 layers, 32 query heads of 128 and 4 key/value heads, 128
+    experts, top-8, every layer MoE, vocabulary 151936, sequence 4096. Qwen3's experts are SwiGLU with three
+    2048 x 768 matrices; ours are ``gelu(x W1) W2`` with two, so the expert FFN is 1152 = 3/2 x 768: each expert has
+    Qwen3's weights (4.72 M) and FLOPs per token. Norms are LayerNorm and positions learned (Qwen3: RMSNorm, RoPE,
+    QK-norm): a few vector operations, no matmul. Experts ``grouped_mm`` in bf16 unless overridden."""
+    base: Dict[str, Any] = dict(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+                                head_dim=128, seq_len=4096, moe_every=1, num_experts=128, moe_top_k=8,
+                                moe_ffn_hidden_size=1152, moe_experts="grouped_mm", moe_grouped_mm_dtype="bfloat16")
     return GPTConfig(**{**base, **overrides})
 
 

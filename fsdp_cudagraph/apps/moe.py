@@ -138,7 +138,10 @@ class Experts(nn.Module):
     """The experts' FFNs ``gelu(x W1[e]) W2[e]``; ``mode`` (``GPTConfig.moe_experts``) picks the kernel.
 
     Parameters ``w1`` [E, h, f] and ``w2`` [E, f, h] for ``dense``/``split``/``grouped_mm`` (the same layout,
-    so the paths load each other's weights); TE ``GroupedLinear`` ``fc1``/``fc2`` for ``te_grouped``.
+    so the paths load each other's weights); TE ``GroupedLinear`` ``fc1``/``fc2`` for ``te_grouped``. With expert
+    parallelism ``w1``/``w2`` hold this rank's ``E/EP`` experts and are declared stacked along dim 0
+    (``stacked_expert_dims``), so megatron_fsdp checkpoints them whole; TE's ``fc1.weight{i}`` carry a local index
+    and their engine state dicts are refused at EP > 1 (docs/moe.md, Checkpoints).
     """
 
     #: The engine's tag for expert parameters (megatron_fsdp shards them over the expert-data-parallel group
@@ -172,6 +175,10 @@ class Experts(nn.Module):
             local = slice(self.first, self.first + self.num_local)
             self.w1 = nn.Parameter((torch.randn(e, h, f) / math.sqrt(h))[local].clone())
             self.w2 = nn.Parameter((torch.randn(e, f, h) / math.sqrt(f))[local].clone())
+            #: The engine's declaration: dim 0 of w1 and w2 indexes this rank's experts, so under expert
+            #: parallelism megatron_fsdp's state dicts hold the global [E, ...] tensors under the EP=1 keys
+            #: ([Note: expert parallelism] in megatron_fsdp/_expert.py, Checkpoints).
+            self.stacked_expert_dims = {"w1": 0, "w2": 0}
 
     @property
     def cuda_graph_unsafe(self) -> Optional[str]:

@@ -31,7 +31,10 @@ layers are refused at selection; ``attn moe_router moe_preprocess`` graph everyt
 Parameters: the experts module holds ``w1 [E/EP, h, f]`` and ``w2 [E/EP, f, h]``, the EP=1 model's slices
 (initialised from the same random stream: :func:`slice_expert_state_dict` maps an EP=1 state dict to an EP
 rank's, :func:`merge_expert_state_dicts` the ranks' back). The module carries ``is_expert = True``, the
-engine's tag: its parameters are sharded over the expert-data-parallel group.
+engine's tag: its parameters are sharded over the expert-data-parallel group; and ``stacked_expert_dims =
+{"w1": 0, "w2": 0}``: megatron_fsdp's state dicts (full and DCP) hold the global ``[E, ...]`` tensors under the
+EP=1 keys ([Note: expert parallelism] in megatron_fsdp/_expert.py, Checkpoints), so no slicing or merging is needed
+there.
 """
 
 from __future__ import annotations

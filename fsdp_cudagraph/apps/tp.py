@@ -6,8 +6,10 @@ With ``GPTConfig(tensor_parallel_size=TP, sequence_parallel=True)`` and ``GPT(cf
 one slice of each layer, as megatron-core's ``ColumnParallelLinear``/``RowParallelLinear`` with
 ``sequence_parallel=True`` split it:
 
-- attention: ``qkv`` column-parallel by heads (TP rank ``r`` holds heads ``r*H/TP .. (r+1)*H/TP - 1`` of each of
-  q, k and v: rows of the ``[3, H, d]`` output), ``proj`` row-parallel (the same heads' input columns); the MLP:
+- attention: ``qkv`` column-parallel by heads (its output is ``[q heads | k heads | v heads]``; TP rank ``r``
+  holds query heads ``r*H/TP .. (r+1)*H/TP - 1`` and key/value heads ``r*KV/TP .. (r+1)*KV/TP - 1``, each a block
+  of rows of its section, so grouped-query attention keeps every query head with its key/value head), ``proj``
+  row-parallel (the input columns of this rank's query heads); the MLP:
   ``fc1`` column-parallel (rows), ``fc2`` row-parallel (columns). Each rank runs attention on its heads only.
 - between the layers the activations are split along the sequence (sequence parallelism): every rank holds
   ``s/TP`` positions of ``[s, b, h]`` (sequence first, megatron-core's layout; the layers take and return
@@ -179,7 +181,8 @@ def mark_sequence_parallel(p: torch.Tensor) -> None:
 
 
 #: How each TP-sharded parameter of the reference GPT (``unit='block'``, torch or TE modules) splits, by its
-#: state-dict key: ``qkv`` (rows of a ``[3, H, d]`` output, by heads), ``column`` (dim 0), ``row`` (dim 1).
+#: state-dict key: ``qkv`` (rows of a ``[q heads | k heads | v heads]`` output, by heads), ``column`` (dim 0),
+#: ``row`` (dim 1).
 TP_RULES = (
     (re.compile(r"(^|\.)attn\.(qkv\.(weight|bias)|ln_qkv\.(weight|bias))$"), "qkv"),
     (re.compile(r"(^|\.)attn\.proj\.weight$"), "row"),
@@ -196,53 +199,63 @@ def tp_kind(key: str) -> Optional[str]:
     return None
 
 
-def _slice(kind: str, value: torch.Tensor, rank: int, size: int, num_heads: int, key: str) -> torch.Tensor:
+def _sections(num_heads: int, num_kv_heads: Optional[int]) -> List[int]:
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    return [num_heads, kv, kv]  # heads of q, k, v in the qkv output
+
+
+def _slice(kind: str, value: torch.Tensor, rank: int, size: int, num_heads: int, key: str,
+           num_kv_heads: Optional[int] = None) -> torch.Tensor:
     if kind == "row":
         if value.shape[1] % size:
             raise ValueError(f"{key}: {value.shape[1]} columns do not split over tensor_parallel_size={size}")
         per = value.shape[1] // size
         return value[:, rank * per:(rank + 1) * per]
-    if value.shape[0] % (size if kind == "column" else 3 * num_heads):
-        raise ValueError(f"{key} of shape {tuple(value.shape)} does not split over tensor_parallel_size={size}"
-                         + (f" by {num_heads} heads" if kind == "qkv" else ""))
     if kind == "column":
+        if value.shape[0] % size:
+            raise ValueError(f"{key} of shape {tuple(value.shape)} does not split over tensor_parallel_size={size}")
         per = value.shape[0] // size
         return value[rank * per:(rank + 1) * per]
-    if num_heads % size:
-        raise ValueError(f"{key}: num_heads={num_heads} does not split over tensor_parallel_size={size}")
-    heads = value.view(3, num_heads, -1, *value.shape[1:])  # [3, H, d, (h)]
-    per = num_heads // size
-    return heads[:, rank * per:(rank + 1) * per].reshape(3 * per * heads.shape[2], *value.shape[1:])
+    heads = _sections(num_heads, num_kv_heads)
+    if value.shape[0] % sum(heads) or any(n % size for n in heads):
+        raise ValueError(f"{key} of shape {tuple(value.shape)} does not split over tensor_parallel_size={size} by "
+                         f"{heads[0]} query and {heads[1]} key/value heads")
+    d = value.shape[0] // sum(heads)
+    parts = value.split([n * d for n in heads])
+    return torch.cat([p[rank * (n // size) * d:(rank + 1) * (n // size) * d] for p, n in zip(parts, heads)])
 
 
-def _merge(kind: str, values: Sequence[torch.Tensor], num_heads: int) -> torch.Tensor:
+def _merge(kind: str, values: Sequence[torch.Tensor], num_heads: int, num_kv_heads: Optional[int] = None
+           ) -> torch.Tensor:
     if kind == "row":
         return torch.cat(list(values), dim=1)
     if kind == "column":
         return torch.cat(list(values), dim=0)
-    per = num_heads // len(values)
-    parts = [v.reshape(3, per, -1, *v.shape[1:]) for v in values]
-    merged = torch.cat(parts, dim=1)  # [3, H, d, (h)]
-    return merged.reshape(-1, *values[0].shape[1:])
+    size = len(values)
+    local = [n // size for n in _sections(num_heads, num_kv_heads)]
+    d = values[0].shape[0] // sum(local)
+    per_rank = [v.split([n * d for n in local]) for v in values]  # [rank][section]
+    return torch.cat([per_rank[r][i] for i in range(3) for r in range(size)])
 
 
 def slice_tp_state_dict(state_dict: Mapping[str, torch.Tensor], *, tensor_parallel_size: int, tp_rank: int,
-                        num_heads: int) -> Dict[str, torch.Tensor]:
+                        num_heads: int, num_kv_heads: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """A TP=1 state dict of the reference GPT -> the state dict of TP rank ``tp_rank`` (same keys; TP-sharded
-    entries sliced by :data:`TP_RULES`, replicated ones passed through)."""
+    entries sliced by :data:`TP_RULES`, replicated ones passed through). ``num_kv_heads``: default ``num_heads``."""
     if tensor_parallel_size < 1 or not 0 <= tp_rank < tensor_parallel_size:
         raise ValueError(f"tp_rank={tp_rank} with tensor_parallel_size={tensor_parallel_size}: need "
                          "tensor_parallel_size >= 1 and 0 <= tp_rank < tensor_parallel_size")
     out: Dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
         kind = tp_kind(key)
-        out[key] = value if kind is None else _slice(kind, value, tp_rank, tensor_parallel_size, num_heads,
-                                                     key).clone()
+        out[key] = value if kind is None else _slice(kind, value, tp_rank, tensor_parallel_size, num_heads, key,
+                                                     num_kv_heads).clone()
     return out
 
 
 def merge_tp_state_dicts(per_tp_rank: Sequence[Mapping[str, torch.Tensor]], *, num_heads: int,
-                         check_replicated: bool = True) -> Dict[str, torch.Tensor]:
+                         num_kv_heads: Optional[int] = None, check_replicated: bool = True
+                         ) -> Dict[str, torch.Tensor]:
     """The TP ranks' state dicts (in TP rank order) -> the TP=1 state dict (the inverse of
     :func:`slice_tp_state_dict`). Replicated entries must agree bit for bit (``check_replicated=False``: TP rank
     0's are taken, for diagnosing a run whose replicas drifted apart)."""
@@ -250,7 +263,7 @@ def merge_tp_state_dicts(per_tp_rank: Sequence[Mapping[str, torch.Tensor]], *, n
     for key, value in per_tp_rank[0].items():
         kind = tp_kind(key)
         if kind is not None:
-            out[key] = _merge(kind, [sd[key] for sd in per_tp_rank], num_heads)
+            out[key] = _merge(kind, [sd[key] for sd in per_tp_rank], num_heads, num_kv_heads)
             continue
         if check_replicated and isinstance(value, torch.Tensor):
             for q, sd in enumerate(per_tp_rank[1:], 1):
@@ -263,7 +276,7 @@ def merge_tp_state_dicts(per_tp_rank: Sequence[Mapping[str, torch.Tensor]], *, n
 
 
 def copy_tp_slice(local: nn.Module, full: nn.Module, *, prefix: str, tp_rank: int, tp_size: int,
-                  num_heads: int) -> None:
+                  num_heads: int, num_kv_heads: Optional[int] = None) -> None:
     """Copy into ``local`` (a TP module) its slice of ``full`` (the same module at TP=1), parameter by parameter;
     ``prefix``: the modules' key in the GPT (e.g. ``"attn."``) that :data:`TP_RULES` match."""
     full_params = dict(full.named_parameters())
@@ -272,7 +285,7 @@ def copy_tp_slice(local: nn.Module, full: nn.Module, *, prefix: str, tp_rank: in
             value = full_params[name].detach()
             kind = tp_kind(prefix + name)
             if kind is not None:
-                value = _slice(kind, value, tp_rank, tp_size, num_heads, prefix + name)
+                value = _slice(kind, value, tp_rank, tp_size, num_heads, prefix + name, num_kv_heads)
             if tuple(value.shape) != tuple(p.shape):
                 raise AssertionError(f"{prefix}{name}: slice {tuple(value.shape)} vs local {tuple(p.shape)}")
             p.copy_(value)

@@ -60,7 +60,7 @@ import logging
 import os
 import socket
 import sys
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -93,6 +93,11 @@ class ModelSpec:
         batch: ``step -> batch``, this rank's batch; must return the same batch when called twice.
         loss: ``(sharded model, batch) -> scalar loss`` (one forward).
         make_optimizer: ``optimizer parameters -> optimizer``; default Adam, lr 1e-3.
+        expert_groups: ``(expert-parallel group, expert-data-parallel group)`` of this rank, for a model built
+            with expert parallelism (EP > 1: each rank holds only its ``E/EP`` local experts and the model's
+            token exchange runs over the first group); None (default): no expert parallelism. The engine shards
+            the expert parameters over the second group (``megatron_fsdp``: ``fully_shard(expert_parallel_group=,
+            expert_data_parallel_group=)``; ``nvidia``: its expert device mesh); an engine that cannot is refused.
     """
 
     model: nn.Module
@@ -100,6 +105,7 @@ class ModelSpec:
     batch: Callable[[int], Any]
     loss: Callable[[nn.Module, Any], torch.Tensor]
     make_optimizer: Callable[[List[nn.Parameter]], torch.optim.Optimizer] = _adam
+    expert_groups: Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
 
 
 @dataclasses.dataclass
@@ -219,7 +225,9 @@ def _train(factory: Callable[[torch.device], ModelSpec], *, engine: EngineBuilde
     if not isinstance(spec, ModelSpec):
         raise TypeError(f"the model factory returned {type(spec).__name__}; it must return a "
                         "fsdp_cudagraph.check.ModelSpec(model=..., unit_modules=..., batch=..., loss=...)")
-    extra = {"options": engine_options} if engine_options else {}
+    extra: Dict[str, Any] = {"options": engine_options} if engine_options else {}
+    if spec.expert_groups is not None:
+        extra["expert_groups"] = spec.expert_groups
     run = engine.build(spec.model, unit_modules=spec.unit_modules, make_optimizer=spec.make_optimizer, device=device,
                        sharding_strategy=sharding_strategy, compute_dtype=compute_dtype, **extra)
     model, opt, root, precision = run.model, run.optimizer, run.root, run.precision

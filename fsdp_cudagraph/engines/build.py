@@ -21,8 +21,10 @@ Engines:
   memory; 2+ ranks); ``mixed_precision`` ``None`` (default: the model is cast to ``compute_dtype`` before
   sharding, parameters, gradients and optimizer state in that dtype) or ``bf16`` (fp32 sharded parameters
   and optimizer state, ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on every unit and
-  the root, as FSDP2 and torchtitan train; ``compute_dtype`` must then be None or float32). See
-  docs/engines.md, "PyTorch FSDP2".
+  the root, as FSDP2 and torchtitan train; ``compute_dtype`` must then be None or float32);
+  ``expert_parallel_size`` (default 1: for a model built with expert parallelism, each experts module its own
+  ``fully_shard`` over the expert-data-parallel mesh, [Note: FSDP2 expert parallelism]). See docs/engines.md,
+  "PyTorch FSDP2".
 - ``nvidia``: NVIDIA Megatron-FSDP through megatron-core's bundled copy
   (``megatron.core.distributed.fsdp.src.megatron_fsdp``), ZeRO-3 with ``fsdp_double_buffer`` and, where the
   version has it (0.6.1), ``fsdp_db_use_persist_buf_on_alloc_fail``; the module is cast to ``compute_dtype``
@@ -37,6 +39,9 @@ Engines:
 Final parameters: ``megatron_fsdp`` and ``fsdp2`` gather full parameters on every rank; ``nvidia`` gives this
 rank's shard of each main parameter (the checker agrees its verdict over ranks, so equal shards on every
 rank are equal parameters).
+
+Expert parallelism (``expert_groups``): ``megatron_fsdp`` and ``nvidia`` shard the expert parameters over the
+expert-data-parallel group (see their build.py); ``fsdp2`` refuses.
 """
 
 from __future__ import annotations
@@ -75,7 +80,10 @@ class EngineBuilder:
     """How the checker runs under one engine (registered with ``registry.register_builder``)."""
 
     name: str
-    #: ``(model, *, unit_modules, make_optimizer, device, sharding_strategy, compute_dtype) -> ShardedRun``
+    #: ``(model, *, unit_modules, make_optimizer, device, sharding_strategy, compute_dtype) -> ShardedRun``, and
+    #: ``options=`` (the engine's own, see ``options``) and ``expert_groups=`` (``(EP group, EDP group)`` of a
+    #: model built with expert parallelism, ``ModelSpec.expert_groups``) when the checker has any: an engine that
+    #: cannot shard experts over the expert-data-parallel group refuses them (``NotImplementedError``)
     build: Callable[..., ShardedRun]
     #: ``device -> why it cannot run here (ImportError or RuntimeError carrying the reason), or None``
     unavailable: Callable[[torch.device], Optional[Exception]]

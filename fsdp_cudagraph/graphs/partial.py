@@ -72,6 +72,9 @@ def select_modules(engine: PerLayerEngine, config: CudaGraphConfig) -> List[Tupl
         if not unit_ids:
             raise ValueError("cuda_graph_modules=[] (whole layers) needs a sharded model (e.g. megatron_fsdp) whose units are the layers, or cuda_graph_module_patterns")
         chosen = [(n, m) for n, m in named if id(m) in unit_ids]
+        # Units may nest (FSDP2 with expert parallelism: each experts module is a unit inside its layer); a
+        # whole-layer graph is the outermost unit, and refuse_graph_unsafe judges what it contains.
+        chosen = [(n, m) for n, m in chosen if not any(n.startswith(o + ".") for o, _ in chosen if o)]
     else:
         wanted = {getattr(v, "value", v) for v in cfg.cuda_graph_modules}
         # A tag on the instance (``layer.attn.cuda_graph_module = "attn"``) or on its class.

@@ -120,7 +120,7 @@ def test_engine_options_are_checked_before_any_work():
         (dict(engine="megatron_fsdp", engine_options={"storage": "slots"}),
          ["engine_options ['storage'] are not options of engine='megatron_fsdp'", "it takes none"]),
         (dict(engine="fsdp2", engine_options={"offload": True}),
-         ["['offload']", "it takes ['storage', 'mixed_precision']"]),
+         ["['offload']", "it takes ['storage', 'mixed_precision', 'expert_parallel_size']"]),
     ]
     for kw, words in cases:
         with pytest.raises(ValueError) as info:

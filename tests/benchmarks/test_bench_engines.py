@@ -138,6 +138,52 @@ def test_bench_engines_cpu_smoke_olmoe_megatron_scopes(tmp_path):
         assert prof["total_self_ms"] > 0 and prof["ops"] and "cuda_api" in prof, (c, prof)
 
 
+def test_bench_engines_cpu_smoke_qwen3moe_expert_parallel(tmp_path):
+    """Today's layout beside EP=2 on 2 Gloo ranks (one torchrun, columns in one process): the EP graphed column
+    trains like EP eager, the step's bytes by kind show the experts no longer gathered and the tokens exchanged,
+    the bytes goal is evaluated, and NVIDIA's EP column is N/A with its reason."""
+    out = tmp_path / "qwen3moe.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "benchmarks", "bench_engines.py"), *SMOKE, "--config", "qwen3moe", "--moe-experts",
+           "split", "--columns", "ours_eager", "ours_ep_eager", "ours_ep_partial", "fsdp2_ep_eager", "fsdp2_ep_partial",
+           "nvidia_ep_eager",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    cols = r["columns"]
+    _check_graphed_equal(r, ["ours_ep_partial", "fsdp2_ep_partial"])
+    assert cols["fsdp2_ep_eager"]["comm_bytes"]["all_to_all"] > 0
+    assert cols["ours_ep_eager"]["counts"]["expert_parallel_size"] == 2
+    assert cols["ours_ep_eager"]["counts"]["num_params"] == cols["ours_eager"]["counts"]["num_params"]
+    today, ep = cols["ours_eager"]["comm_bytes"], cols["ours_ep_eager"]["comm_bytes"]
+    assert today["all_to_all"] == 0 and ep["all_to_all"] > 0
+    assert ep["all_gather"] < today["all_gather"] and ep["reduce_scatter"] < today["reduce_scatter"]
+    assert "all_to_all_gbps" in r["rates"]
+    assert "expert mesh" in cols["nvidia_ep_eager"]["skipped"]
+    by = {g["name"]: g for g in r["evaluation"]["goals"]}
+    moved = by["ours EP bytes moved per step / today's layout (ours eager)"]["ratio"]
+    assert moved == pytest.approx(sum(ep.values()) / sum(today.values()))
+    na = {g["name"] for g in r["evaluation"]["not_applicable"]}
+    assert "ours EP eager step / NVIDIA EP eager (tokens/s >= 1.2x)" in na
+
+
+def test_floor_from_bytes_charges_the_exchange_to_the_critical_path():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import _perf_goals as g
+
+    rates = {"all_gather_gbps": 100.0, "reduce_scatter_gbps": 50.0, "all_to_all_gbps": 20.0}
+    moved = {"all_gather": 2e9, "reduce_scatter": 1e9, "all_reduce": 0, "all_to_all": 1e9}
+    f = g.floor_from_bytes_ms(matmul_ms=30.0, optimizer_ms=5.0, moved=moved, rates=rates)
+    assert f["all_to_all_ms"] == pytest.approx(50.0) and f["fsdp_comm_ms"] == pytest.approx(40.0)
+    assert f["floor_ms"] == pytest.approx(30 + 50 + 5) and f["bound"] == "compute + all-to-all"
+    f = g.floor_from_bytes_ms(matmul_ms=1.0, optimizer_ms=5.0, moved={**moved, "all_to_all": 0}, rates=rates)
+    assert f["floor_ms"] == pytest.approx(40 + 5) and f["bound"] == "communication (FSDP)"
+    with pytest.raises(ValueError, match="all_to_all_gbps"):
+        g.floor_from_bytes_ms(matmul_ms=1.0, optimizer_ms=0.0, moved=moved, rates={"all_gather_gbps": 1.0,
+                                                                                   "reduce_scatter_gbps": 1.0})
+
+
 def _record(columns: dict, **config) -> dict:
     base = {"config": "llama8b", "layers": 16, "seq": None, "micro_batch": 1, "layers_impl": "te", "backend": "te",
             "fuse_wgrad": "on", "moe_experts": "grouped_mm", "cpu_smoke": False, "warmup": 3}

@@ -360,11 +360,11 @@ def test_floor_with_comm_refuses_missing_rates_and_oversized_units():
 
 
 def test_engine_goals_name_bench_engines_columns():
-    cols = {"ours_eager", "ours_partial", "ours_full", "fsdp2_eager", "fsdp2_keep_partial", "fsdp2_slots_partial",
-            "nvidia_eager", "nvidia_partial", "floor"}
-    assert {x.config for x in g.ENGINE_GOALS} == {"llama8b", "olmoe"}
-    for goal in g.ENGINE_GOALS:
-        assert {goal.num, goal.den} <= cols, goal
+    import bench_engines
+
+    assert {x.config for x in g.ENGINE_GOALS} == set(bench_engines.COLUMNS)
+    for goal in g.ENGINE_GOALS:  # each goal's columns are columns of its config (or its floor)
+        assert {goal.num, goal.den} <= set(bench_engines.COLUMNS[goal.config]) | {"floor"}, goal
     configs = {"llama8b": {"columns": {"ours_eager": {"step_ms": 110.0, "peak_memory_gib": 10.0},
                                        "fsdp2_eager": {"step_ms": 150.0, "peak_memory_gib": 11.0}},
                            "floor_ms": 100.0}}

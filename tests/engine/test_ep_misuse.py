@@ -141,5 +141,5 @@ def test_colliding_expert_names_train_but_refuse_state_dicts(outcomes):
     for o in outcomes:
         assert o["local_names_trains"] == "ok"
     _expect(outcomes, "local_names_sharded_state_dict", "NotImplementedError", "sharded_state_dict()", "same parameter "
-            "names", "global index")
+            "names", "layers.0.moe.experts.0.w1", "global index", "stacked_expert_dims")
     _expect(outcomes, "local_names_state_dict", "NotImplementedError", "state_dict()", "training is not affected")

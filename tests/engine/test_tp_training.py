@@ -15,6 +15,7 @@ rank trains its rows of one global batch, the TP ranks of a DP rank the same row
 - the global 2-norm and inf-norm of one backward's gradients equal the reference's;
 - a DCP checkpoint saved at 4 ranks (2x2) loads at 2 ranks (1x2) with bit-equal parameters and optimizer state, and
   two more steps there match the reference continued; loading it at another TP is refused;
+- grouped-query attention (4 query, 2 key/value heads) at 1x2 against its TP=1 reference;
 - negative controls: each rank holding the other TP rank's slice, and the layernorm gradients left without
   their TP all-reduce (``sequence_parallel`` tags removed), fail the reference check;
 - misuse refused with the value, the rule and the fix (also TP ranks whose replicated parameters differ, and TP
@@ -64,21 +65,25 @@ CASES = {
 }
 
 
-def cfg(tp: int) -> GPTConfig:
-    return GPTConfig(tensor_parallel_size=tp, sequence_parallel=tp > 1, **MODEL)
+GQA = dict(num_kv_heads=2)  # grouped-query attention: 2 query heads per key/value head, one key/value head per TP rank
+
+
+def cfg(tp: int, gqa: bool = False) -> GPTConfig:
+    return GPTConfig(tensor_parallel_size=tp, sequence_parallel=tp > 1, **MODEL, **(GQA if gqa else {}))
 
 
 def adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2, eps=1e-3)  # eps: [Note: TP tolerance]
 
 
-def build(tp: int, group: Any, *, seed: int = 0, swap: bool = False, strip_sp: bool = False) -> GPT:
+def build(tp: int, group: Any, *, seed: int = 0, swap: bool = False, strip_sp: bool = False, gqa: bool = False
+          ) -> GPT:
     """The TP model of ``seed``; ``swap``: this rank holds the next TP rank's slice; ``strip_sp``: no
     ``sequence_parallel`` tags (the engine then leaves the layernorm gradients unsummed over TP)."""
     import torch.distributed as dist
 
     torch.manual_seed(seed)
-    model = GPT(cfg(tp), tensor_parallel_group=group)
+    model = GPT(cfg(tp, gqa), tensor_parallel_group=group)
     if swap:
         torch.manual_seed(seed)
         full = GPT(cfg(1)).state_dict()
@@ -264,6 +269,7 @@ def _two(rank: int, world: int, ckpt: str) -> Dict[str, Any]:
     res["zero3+double_buffer+clip"] = _run(rank, world, CASES["zero3+double_buffer"], clip=CLIP)[2]
     res["no_shard"] = _run(rank, world, CASES["no_shard"])[2]
     res["swapped"] = _run(rank, world, CASES["zero3"], swap=True)[2]
+    res["gqa"] = _run(rank, world, CASES["zero3"], gqa=True)[2]
     # the 2x2 checkpoint at 1x2
     tp_group = megatron_fsdp.tensor_parallel_groups(TP)[0]
     model = megatron_fsdp.fully_shard(build(TP, tp_group, seed=7), fsdp_unit_modules=[TransformerBlock],
@@ -306,10 +312,10 @@ def two(ckpt_dir, four):
     return run_gloo(_two, 2, os.path.join(ckpt_dir, "tp2_w4"))
 
 
-def reference_run(num_steps: int, *, clip: Optional[float] = None) -> Dict[str, Any]:
+def reference_run(num_steps: int, *, clip: Optional[float] = None, gqa: bool = False) -> Dict[str, Any]:
     """The TP=1 model on the whole global batch, one process: per-step loss (and norm), final parameters."""
     torch.manual_seed(0)
-    model = GPT(cfg(1))
+    model = GPT(cfg(1, gqa))
     opt = adam(model.parameters())
     losses, norms = [], []
     for step in range(num_steps):
@@ -327,7 +333,7 @@ def reference_run(num_steps: int, *, clip: Optional[float] = None) -> Dict[str, 
 @pytest.fixture(scope="module")
 def reference():
     return {"plain": reference_run(STEPS), "clip": reference_run(STEPS, clip=CLIP),
-            "continued": reference_run(STEPS + 2)}
+            "continued": reference_run(STEPS + 2), "gqa": reference_run(STEPS, gqa=True)}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -336,8 +342,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def merged(per_rank: List[Dict[str, Any]], run: str, *, check_replicated: bool = True) -> Dict[str, torch.Tensor]:
     """The TP=1-shaped parameters of a run: each DP rank's TP ranks merged; every DP rank must agree."""
+    kv = GQA["num_kv_heads"] if run == "gqa" else None
     rows_ = [merge_tp_state_dicts([per_rank[d * TP + q][run]["params"] for q in range(TP)],
-                                  num_heads=MODEL["num_heads"], check_replicated=check_replicated)
+                                  num_heads=MODEL["num_heads"], num_kv_heads=kv, check_replicated=check_replicated)
              for d in range(len(per_rank) // TP)]
     for other in rows_[1:]:
         assert all(torch.equal(other[k], rows_[0][k]) for k in rows_[0])
@@ -375,9 +382,11 @@ def test_four_ranks_match_reference(four, reference, case):
     _within(distance(four, case, reference["plain"]))
 
 
-@pytest.mark.parametrize("case", ["zero3", "no_shard"])
+@pytest.mark.parametrize("case", ["zero3", "no_shard", "gqa"])
 def test_two_ranks_match_reference(two, reference, case):
-    _within(distance(two, case, reference["plain"]))
+    """``gqa``: grouped-query attention (4 query, 2 key/value heads): each TP rank holds 2 query heads and the
+    key/value head they share."""
+    _within(distance(two, case, reference["gqa" if case == "gqa" else "plain"]))
 
 
 def test_clipping_matches_reference(four, two, reference):
@@ -479,6 +488,7 @@ def test_misuse_refused(four):
 
 @pytest.mark.parametrize("kw,exc,words", [
     (dict(hidden_size=36, num_heads=3), ValueError, ["does not divide num_heads=3", "num_heads / TP"]),
+    (dict(num_kv_heads=1), ValueError, ["does not divide num_kv_heads=1", "num_kv_heads / TP"]),
     (dict(ffn_hidden_size=65), ValueError, ["does not divide ffn_hidden_size=65"]),
     (dict(seq_len=15), ValueError, ["does not divide seq_len=15"]),
     (dict(sequence_parallel=False), NotImplementedError, ["sequence_parallel=False", "set sequence_parallel=True"]),
@@ -515,3 +525,11 @@ def test_slices_round_trip():
     q1 = slice_tp_state_dict(full, tensor_parallel_size=2, tp_rank=1, num_heads=4)["layers.0.attn.qkv.weight"]
     w = full["layers.0.attn.qkv.weight"]
     assert torch.equal(q1, torch.cat([w[16:32], w[48:64], w[80:96]]))
+    # grouped-query attention, 4 query and 2 key/value heads: rank 1 holds query heads 2, 3 and key/value head 1
+    torch.manual_seed(0)
+    full = GPT(cfg(1, gqa=True)).state_dict()
+    w = full["layers.0.attn.qkv.weight"]  # [q 0..3 | k 0..1 | v 0..1] x 8 rows each
+    parts = [slice_tp_state_dict(full, tensor_parallel_size=2, tp_rank=q, num_heads=4, num_kv_heads=2) for q in range(2)]
+    assert torch.equal(parts[1]["layers.0.attn.qkv.weight"], torch.cat([w[16:32], w[40:48], w[56:64]]))
+    back = merge_tp_state_dicts(parts, num_heads=4, num_kv_heads=2)
+    assert all(torch.equal(back[k], full[k]) for k in full)

@@ -135,6 +135,39 @@ def test_fsdp2_storage_and_mixed_precision_2gpu(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @pytest.mark.parametrize("nproc", [2, 4])
+def test_expert_parallel_nccl(tmp_path, nproc):
+    """Our MoE with expert parallelism (EP=2 and EP=world) under our engine, partial graphs over attn moe_router
+    moe_preprocess with the all-to-alls eager between them: graphed ``torch.equal`` to eager for the torch backend
+    (split and grouped_mm experts) and, with TE, the TE backend (split and te_grouped); EP against EP=1 within
+    [Note: EP tolerance on the GPU]; the controls caught."""
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} CUDA GPUs, this machine has {torch.cuda.device_count()}")
+    script = os.path.join(ROOT, "tests", "gpu", "scripts", "ep_align.py")
+    res = run_json(launcher(nproc, [script]), tmp_path / "ep.json", name=f"ep-align-{nproc}gpu.json", tail=4000)
+    assert res["ok"] and res["world_size"] == nproc and not res["errors"], res
+    graphed = {r["row"].split(" == ")[0] for r in res["rows"] if " == " in r["row"]}
+    assert graphed == {n for n in res["runs"] if n.endswith("/graphed")}, res["rows"]  # every graphed run has its row
+    assert any(n.endswith("/te/graphed") for n in graphed) == HAS_TE, sorted(graphed)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_fsdp2_expert_parallel(tmp_path, nproc):
+    """FSDP2 with expert parallelism (torchtitan's layout), fp32, NCCL, torch backend: EP=2 (and EP=4 on 4 GPUs)
+    against FSDP2 at EP=1 within the script's RTOL; graphed (kept storage, slots) equal to eager; the experts'
+    divide factor at FSDP2's default caught."""
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} CUDA GPUs, this machine has {torch.cuda.device_count()}")
+    script = os.path.join(ROOT, "tests", "gpu", "scripts", "fsdp2_ep.py")
+    res = run_json(launcher(nproc, [script]), tmp_path / "ep.json", name=f"fsdp2-ep-{nproc}gpu.json", tail=4000)
+    assert res["ok"] and res["world_size"] == nproc, res
+    assert {r["ep"] for r in res["rows"]} == ({2} if nproc == 2 else {2, 4}), res["rows"]  # every EP size ran
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("nproc", [2, 4])
 def test_tensor_parallel_graphs(tmp_path, nproc):
     """TP=2 under megatron_fsdp on NCCL (1x2 and 2x2): eager within 1e-4 of the TP=1 model, per-layer graphs (torch
     backend, attn+mlp and whole layers, the TP collectives captured) equal to eager bit for bit."""

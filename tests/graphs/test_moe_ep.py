@@ -59,12 +59,14 @@ MODEL = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, seq_len=1
 CALLABLES = sorted(f"layers.{i}.{m}" for i in range(2) for m in ("attn", "moe.router", "moe.preprocess"))
 
 
-def _cfg(ep: int, experts: str = "split") -> GPTConfig:
-    return GPTConfig(moe_experts=experts, expert_parallel_size=ep, **MODEL)
+def _cfg(ep: int, experts: str = "split", **model_kw: Any) -> GPTConfig:
+    """``model_kw``: further GPTConfig fields (the GPU rows: ``use_te``, ``moe_grouped_mm_dtype``)."""
+    return GPTConfig(moe_experts=experts, expert_parallel_size=ep, **model_kw, **MODEL)
 
 
 def _build(ep: int, experts: str = "split", *, wrong_rank: bool = False, nudge_router: bool = False,
-           engine_ep: Optional[int] = None, group: Any = None):
+           engine_ep: Optional[int] = None, group: Any = None, device: torch.device = torch.device("cpu"),
+           model_kw: Optional[Dict[str, Any]] = None):
     import torch.distributed as dist
 
     import megatron_fsdp
@@ -75,11 +77,12 @@ def _build(ep: int, experts: str = "split", *, wrong_rank: bool = False, nudge_r
     if group is None and ep > 1:
         group = megatron_fsdp.expert_parallel_groups(ep)[0]
     torch.manual_seed(0)
-    model = GPT(_cfg(ep, experts), expert_parallel_group=group)
+    model_kw = model_kw or {}
+    model = GPT(_cfg(ep, experts, **model_kw), expert_parallel_group=group).to(device)
     with torch.no_grad():
         if wrong_rank:  # every rank holds the next EP rank's experts
             torch.manual_seed(0)
-            full = GPT(_cfg(1, experts)).state_dict()
+            full = GPT(_cfg(1, experts, **model_kw)).to(device).state_dict()
             q = (dist.get_rank(group) + 1) % ep
             model.load_state_dict(slice_expert_state_dict(full, expert_parallel_size=ep, ep_rank=q))
         if nudge_router:
@@ -103,18 +106,20 @@ def _scale_router_replay(graphs: Any, root: torch.nn.Module) -> None:
 
 
 def _train(rank: int, world: int, ep: int, experts: str = "split", *, graphed: bool = False,
-           perturb_replay: bool = False, **build: Any) -> Dict[str, Any]:
+           perturb_replay: bool = False, device: torch.device = torch.device("cpu"), backend: str = "protocol",
+           model_kw: Optional[Dict[str, Any]] = None, **build: Any) -> Dict[str, Any]:
     import torch.distributed as dist
 
     from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
     from fsdp_cudagraph.apps.model import check_expert_parallel, loss_fn, synthetic_batch
 
-    model = _build(ep, experts, **build)
+    model = _build(ep, experts, device=device, model_kw=model_kw, **build)
     opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-3, eps=1e-3)
     graphs = None
     if graphed:
-        graphs = PartialCudaGraphs(model, CudaGraphConfig(cuda_graph_impl="local", cuda_graph_modules=SCOPE),
-                                   backend="protocol")
+        impl = "transformer_engine" if backend == "te" else "local"
+        graphs = PartialCudaGraphs(model, CudaGraphConfig(cuda_graph_impl=impl, cuda_graph_modules=SCOPE),
+                                   backend=backend)
     losses: List[float] = []
     report = None
     for step in range(STEPS):
@@ -122,7 +127,7 @@ def _train(rank: int, world: int, ep: int, experts: str = "split", *, graphed: b
             report = graphs.capture()
             if perturb_replay:
                 _scale_router_replay(graphs, model.module)
-        x, y = synthetic_batch(step, ROWS * world, _cfg(1), torch.device("cpu"))
+        x, y = synthetic_batch(step, ROWS * world, _cfg(1), device)
         sl = slice(rank * ROWS, (rank + 1) * ROWS)
         loss = loss_fn(model(x[sl]), y[sl])
         loss.backward()
@@ -132,7 +137,7 @@ def _train(rank: int, world: int, ep: int, experts: str = "split", *, graphed: b
         dist.all_reduce(total)
         losses.append(float(total) / world)
     check_expert_parallel(model)  # the model's all-to-all group is the engine's EP group (one layout, built twice)
-    with model.summon_full_params():  # state_dict() refuses EP models whose expert names repeat across EP ranks
+    with model.summon_full_params():  # this EP rank's own experts (merged with merge_expert_state_dicts below)
         params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     out: Dict[str, Any] = {"losses": losses, "params": params}
     if graphs is not None:

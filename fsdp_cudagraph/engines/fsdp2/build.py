@@ -14,6 +14,7 @@ model's: ``--device cpu`` means CPU whatever the machine has.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 from fsdp_cudagraph.engines.build import (EngineBuilder, MakeOptimizer, ShardedRun, UnitSpec, cpu_copy, is_unit,
                                           unit_classes)
 from fsdp_cudagraph.engines.registry import register_builder
+from fsdp_cudagraph.engines.fsdp2 import expert as _ep
 from fsdp_cudagraph.engines.fsdp2.storage import keep_unsharded_storage, use_unsharded_slots
 
 __all__ = ["BUILDER", "shard_fsdp2", "fsdp2_shard", "fsdp2_mesh", "FSDP2_MIXED_PRECISION", "FSDP2_STORAGE"]
@@ -59,7 +61,8 @@ def fsdp2_shard(module: Union[nn.Module, List[nn.Module]], *, device: Union[torc
 
 
 def shard_fsdp2(model: nn.Module, units: Sequence[nn.Module] = (), *, device: Union[torch.device, str, None] = None,
-                mesh: Any = None, **fully_shard_kwargs: Any) -> nn.Module:
+                mesh: Any = None, expert_parallel_size: int = 1, expert_mesh: Any = None,
+                **fully_shard_kwargs: Any) -> nn.Module:
     """``fully_shard`` on each of ``units`` in the order given (inner units before the units that contain them, as
     FSDP2 wants nested units sharded bottom-up), then on ``model``, all with one mesh on the model's device.
 
@@ -67,16 +70,64 @@ def shard_fsdp2(model: nn.Module, units: Sequence[nn.Module] = (), *, device: Un
     (its device type must be ``device``'s). Other keyword arguments go to every ``fully_shard`` call
     (``reshard_after_forward``, ``mp_policy``, ...). Returns ``model`` (now an ``FSDPModule``). See
     [Note: the FSDP2 mesh].
+
+    Expert parallelism ([Note: FSDP2 expert parallelism] in ``expert.py``): ``expert_parallel_size=EP`` shards every
+    experts module (tagged ``is_expert = True``, holding its ``E/EP`` local experts) first, each with a
+    ``fully_shard`` of its own over the expert-data-parallel mesh (``W/EP`` strided ranks) and the gradient divide
+    factor ``W``; the units and the root (the dense parameters) over the whole data-parallel mesh as without EP.
+    ``expert_mesh``: the 2-D ``(edp, ep)`` mesh to use (default: ``fsdp2_expert_mesh(device, EP)``). Refused with
+    ValueError: EP not dividing the world, a model whose experts' ``ep_group`` disagrees with the mesh, experts with
+    EP > 1 sharded at ``expert_parallel_size=1``; NotImplementedError: a dense mesh other than 1-D over the world
+    (HSDP) with EP. ``model.state_dict()``/``load_state_dict()`` then refuse (the local experts share keys).
     """
     if device is None:
         p = next(iter(model.parameters()), None)
         device = p.device if p is not None else torch.device("cpu")
+    ep = expert_parallel_size
+    if ep != 1 or expert_mesh is not None:
+        expert_mesh = _expert_mesh(device, mesh, ep, expert_mesh)
+        ep = expert_mesh["ep"].size()
+    experts = _ep.check_expert_groups(model, ep, expert_mesh)
     if mesh is None:
         mesh = fsdp2_mesh(device)
+    if ep > 1:
+        for _, m in experts:
+            _ep.shard_experts(m, edp_mesh=expert_mesh["edp"], dp_size=mesh.size(), shard=functools.partial(
+                fsdp2_shard, device=device), **fully_shard_kwargs)
     for m in units:
         fsdp2_shard(m, device=device, mesh=mesh, **fully_shard_kwargs)
     fsdp2_shard(model, device=device, mesh=mesh, **fully_shard_kwargs)
+    if ep > 1:
+        layout = _ep.ExpertLayout(ep, mesh, expert_mesh, tuple(n for n, _ in experts))
+        model.__dict__[_ep.EXPERT_LAYOUT_ATTR] = layout
+        _ep.refuse_state_dicts(model, layout)
     return model
+
+
+def _expert_mesh(device: Union[torch.device, str], mesh: Any, ep: int, expert_mesh: Any) -> Any:
+    """The 2-D (edp, ep) mesh for ``shard_fsdp2``'s expert parallelism, after refusing what it cannot shard."""
+    world = dist.get_world_size()
+    if mesh is not None and (mesh.ndim != 1 or mesh.size() != world):
+        raise NotImplementedError(
+            f"expert_parallel_size={ep} with a {mesh.ndim}-D dense mesh of {mesh.size()} ranks (HSDP, or a "
+            f"data-parallel group other than the world's {world} ranks): the experts would need their own "
+            "(replicate, shard) split of the expert-data-parallel ranks and an all-reduce across replicas, which "
+            "this builder does not do; use a 1-D mesh over the world (mesh=None) with expert parallelism, or HSDP "
+            "without it")
+    if expert_mesh is None:
+        return _ep.fsdp2_expert_mesh(device, ep)
+    names = tuple(getattr(expert_mesh, "mesh_dim_names", None) or ())
+    if expert_mesh.ndim != 2 or names != ("edp", "ep") or expert_mesh.size() != world:
+        raise ValueError(f"expert_mesh must be the 2-D ('edp', 'ep') mesh over the world's {world} ranks, got a "
+                         f"{expert_mesh.ndim}-D mesh {names} of {expert_mesh.size()} ranks; build it with "
+                         "fsdp2_expert_mesh(device, expert_parallel_size)")
+    if expert_mesh.device_type != torch.device(device).type:
+        raise ValueError(f"expert_mesh.device_type={expert_mesh.device_type!r} is not the model's device type "
+                         f"{torch.device(device).type!r}; FSDP2 would move the experts to the mesh's device")
+    if ep != 1 and expert_mesh["ep"].size() != ep:
+        raise ValueError(f"expert_parallel_size={ep} but expert_mesh's 'ep' dimension has {expert_mesh['ep'].size()} "
+                         "ranks; they must agree: drop one of them")
+    return expert_mesh
 
 
 #: Our strategy names -> FSDP2's reshard_after_forward (FSDP2 always shards parameters between steps).
@@ -90,11 +141,20 @@ FSDP2_STORAGE = ("keep", "slots")
 
 def _build_fsdp2(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_optimizer: MakeOptimizer,
                  device: torch.device, sharding_strategy: str, compute_dtype: Optional[torch.dtype],
-                 options: Optional[Dict[str, Any]] = None) -> ShardedRun:
+                 options: Optional[Dict[str, Any]] = None, expert_groups: Any = None) -> ShardedRun:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    if expert_groups is not None:
+        raise NotImplementedError(
+            f"engine='fsdp2' with a model's own expert groups (EP={dist.get_world_size(expert_groups[0])}, e.g. "
+            "megatron-core's parallel_state): FSDP2's expert parallelism here is torchtitan's layout "
+            "(engine_options expert_parallel_size=EP over experts modules tagged is_expert, on its own (edp, ep) "
+            "mesh), which is not wired to groups a model brings (Megatron-LM refuses FSDP2 with expert parallelism "
+            "too: '--use-torch-fsdp2 is not supported with expert parallelism'); use engine megatron_fsdp or "
+            "nvidia, or expert_parallel_size=1")
     options = options or {}
     storage, mixed = options.get("storage", "keep"), options.get("mixed_precision")
+    ep = options.get("expert_parallel_size", 1)
     if storage not in FSDP2_STORAGE:
         raise ValueError(f"engine_options storage={storage!r} is not one of {FSDP2_STORAGE} (keep: "
                          "keep_unsharded_storage; slots: use_unsharded_slots, the double buffer)")
@@ -122,7 +182,8 @@ def _build_fsdp2(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_opt
     units = [m for m in model.modules() if m is not model and is_unit(m, unit_modules)]
     policy = MixedPrecisionPolicy(**FSDP2_MIXED_PRECISION[mixed]) if mixed else MixedPrecisionPolicy()
     # inner units first, as FSDP2 wants nested units sharded bottom-up
-    shard_fsdp2(model, list(reversed(units)), device=device, reshard_after_forward=reshard, mp_policy=policy)
+    shard_fsdp2(model, list(reversed(units)), device=device, reshard_after_forward=reshard, mp_policy=policy,
+                expert_parallel_size=ep)
     if storage == "slots":
         use_unsharded_slots(model)
     else:
@@ -154,4 +215,4 @@ def _fsdp2_unavailable(device: torch.device) -> Optional[Exception]:
 
 
 BUILDER = register_builder(EngineBuilder("fsdp2", _build_fsdp2, _fsdp2_unavailable, False, fix="use torch >= 2.11",
-                                         options=("storage", "mixed_precision")))
+                                         options=("storage", "mixed_precision", "expert_parallel_size")))

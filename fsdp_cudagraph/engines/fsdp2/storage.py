@@ -31,7 +31,10 @@ free-and-reallocate relies on the caching allocator's per-stream reuse.
 
 The root's own parameters (embeddings, head: not a unit) stay unsharded from the root's pre-forward to its
 post-backward, alongside every layer, so they are kept as :func:`keep_unsharded_storage` keeps them rather than
-drawn from a slot. A unit moved to another slot (:meth:`UnshardedSlots.assign`) between steps re-binds its views
+drawn from a slot. Each unit is laid out for its own mesh's shard size: with expert parallelism the experts units
+gather over the expert-data-parallel ranks; an experts unit on one such rank (``EP = W``) is kept like the root
+(FSDP2 resizes a one-rank unit's outputs itself). An experts unit is unsharded inside its layer's forward and
+backward; the two are consecutive in module order, so with two slots or more they hold different slots. A unit moved to another slot (:meth:`UnshardedSlots.assign`) between steps re-binds its views
 and gets a new unsharded parameter at its next all-gather; once a capture has read a unit's parameters
 (:meth:`UnshardedSlots.pin`, called by the FSDP2 adapter's ``prepare_capture``), moving it is refused: the graph
 reads the slot it was captured with.
@@ -149,7 +152,7 @@ class UnshardedSlots:
     """The slots of one FSDP2 model (see [Note: FSDP2 unsharded-parameter slots]); built by
     :func:`use_unsharded_slots`."""
 
-    def __init__(self, model: nn.Module, units: List[Tuple[str, Any]], num_slots: int, world: int) -> None:
+    def __init__(self, model: nn.Module, units: List[Tuple[str, Any]], num_slots: int) -> None:
         self.num_slots = num_slots
         self._names = {id(g): name for name, g in units}
         # per unit: [(FSDPParam, byte offset, numel, dtype)], the gathered (unpadded-by-rank) flat output
@@ -159,7 +162,7 @@ class UnshardedSlots:
         for name, g in units:
             off, rows = 0, []
             for fp in g.fsdp_params:
-                numel, dtype = fp._sharded_param_data.numel() * world, _gathered_dtype(fp)
+                numel, dtype = fp._sharded_param_data.numel() * _shard_size(fp), _gathered_dtype(fp)
                 rows.append((fp, off, numel, dtype))
                 self._where[id(fp)] = (off, numel, dtype)
                 off = _aligned(off + numel * dtype.itemsize)
@@ -300,6 +303,11 @@ class UnshardedSlots:
         self.buffers = []
 
 
+def _shard_size(fp: Any) -> int:
+    """The ranks ``fp``'s unit shards over (its mesh's shard dimension)."""
+    return getattr(getattr(fp, "mesh_info", None), "shard_mesh_size", 1)
+
+
 def slots_of(model: nn.Module) -> Optional[UnshardedSlots]:
     """The slots :func:`use_unsharded_slots` gave ``model`` (its FSDP2 root), or None."""
     return model.__dict__.get(SLOTS_ATTR)
@@ -333,8 +341,11 @@ def use_unsharded_slots(model: nn.Module, num_slots: int = 2) -> UnshardedSlots:
     if not units:
         raise ValueError(f"fsdp_cudagraph: {type(model).__name__} has no fully_shard'ed submodules (units); slots "
                          "hold units' unsharded parameters: fully_shard each layer before the root")
-    world = getattr(getattr(units[0][1].fsdp_params[0], "mesh_info", None), "shard_mesh_size", 1)
-    if world < 2:
+    # A unit gathers over its own mesh's shard dimension (with expert parallelism the experts' mesh is smaller than
+    # the dense one). A unit on one rank of it is held as the root's parameters are (FSDP2 resizes such a unit's
+    # outputs itself); every unit on one rank is one rank, refused.
+    single = [(name, g) for name, g in units if _shard_size(g.fsdp_params[0]) < 2]
+    if len(single) == len(units):
         raise NotImplementedError(
             "fsdp_cudagraph: unsharded-parameter slots on one rank: FSDP2 then resizes the gathered outputs "
             "itself (alloc_storage), which would resize a slot. Use keep_unsharded_storage (one rank holds every "
@@ -362,13 +373,15 @@ def use_unsharded_slots(model: nn.Module, num_slots: int = 2) -> UnshardedSlots:
     if busy:
         raise RuntimeError(f"fsdp_cudagraph: FSDP2 units {busy[:5]} are unsharded now; call use_unsharded_slots "
                            "between steps, when every unit is resharded")
-    slots = UnshardedSlots(model, units, num_slots, world)
+    units = [u for u in units if all(u[1] is not g for _, g in single)]
+    slots = UnshardedSlots(model, units, num_slots)
     for _, g in units:
         for fp in g.fsdp_params:
             fp.alloc_all_gather_outputs = lambda g=g, fp=fp: slots._alloc(g, fp)
             fp.free_unsharded_param = lambda g=g, fp=fp: slots._free(g, fp)
             setattr(fp, SLOT_MARK, True)
-    for g in param_groups(root):  # the root's own parameters: held, as keep_unsharded_storage holds them
+    # the root's own parameters, and units sharded over one rank: held, as keep_unsharded_storage holds them
+    for g in param_groups(root) + [g for _, g in single]:
         for fp in g.fsdp_params:
             fp.free_unsharded_param = keep_storage
             setattr(fp, KEEP_MARK, True)
@@ -385,9 +398,8 @@ def release_unsharded_slots(model: nn.Module) -> None:
                          "was not called on it, or they were released)")
     slots._release()
     del model.__dict__[SLOTS_ATTR]
-    for g in param_groups(state_of(model)):
-        for fp in g.fsdp_params:
-            if fp.__dict__.pop(KEEP_MARK, False):
-                del fp.free_unsharded_param
-                if getattr(fp, "_unsharded_param", None) is not None and fp.sharded_state.name != "UNSHARDED":
-                    fp.free_unsharded_param()
+    for fp in fsdp_params(model):  # the root's and the one-rank units' held parameters
+        if fp.__dict__.pop(KEEP_MARK, False):
+            del fp.free_unsharded_param
+            if getattr(fp, "_unsharded_param", None) is not None and fp.sharded_state.name != "UNSHARDED":
+                fp.free_unsharded_param()

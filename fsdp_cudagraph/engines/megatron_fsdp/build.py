@@ -2,13 +2,21 @@
 
 The double buffer and persistent buffers are on (address-stable ZeRO-3); ``compute_dtype`` is its compute dtype,
 main parameters stay fp32. Final parameters: full, gathered on every rank.
+
+Expert parallelism (``expert_groups``, the factory's ``ModelSpec.expert_groups``): the groups go to
+``fully_shard(expert_parallel_group=, expert_data_parallel_group=)``, which checks that they tile the ranks as
+a grid ([Note: expert parallelism] in ``megatron_fsdp/_expert.py``). The final parameters are then each
+rank's full parameters under ``summon_full_params()`` (dense ones and this rank's local experts, gathered over
+the expert-data-parallel group), compared rank by rank: ``full_state_dict()`` refuses a model whose EP ranks
+give their different local experts one name (megatron-core's ``local_experts.0`` on every EP rank).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp_cudagraph.engines.build import EngineBuilder, MakeOptimizer, ShardedRun, UnitSpec, cpu_copy
@@ -19,17 +27,30 @@ __all__ = ["BUILDER"]
 
 def _build_megatron_fsdp(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_optimizer: MakeOptimizer,
                          device: torch.device, sharding_strategy: str,
-                         compute_dtype: Optional[torch.dtype]) -> ShardedRun:
+                         compute_dtype: Optional[torch.dtype],
+                         expert_groups: Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]] = None) -> ShardedRun:
     from megatron_fsdp import fully_shard
 
+    ep = {} if expert_groups is None else dict(expert_parallel_group=expert_groups[0],
+                                                 expert_data_parallel_group=expert_groups[1])
     sharded = fully_shard(model, fsdp_unit_modules=unit_modules, sharding_strategy=sharding_strategy,
                           compute_dtype=compute_dtype, fsdp_double_buffer=True,
-                          fsdp_db_use_persist_buf_on_alloc_fail=True)
+                          fsdp_db_use_persist_buf_on_alloc_fail=True, **ep)
+
+    def final() -> Dict[str, torch.Tensor]:
+        if sharded.expert_parallel_group is None:
+            return {k: cpu_copy(v) for k, v in sharded.full_state_dict().items()}
+        with sharded.summon_full_params():  # dense parameters and this rank's local experts, full
+            return {n: cpu_copy(p).clone() for n, p in sharded.module.named_parameters()}
+
+    ep_text = (f", expert parallel {sharded.expert_parallel_size} (experts sharded over the "
+               f"{dist.get_world_size(sharded.expert_data_parallel_group)}-rank expert-data-parallel group)"
+               if ep else "")
     return ShardedRun(
         model=sharded, root=sharded.module, optimizer=make_optimizer(sharded.optimizer_parameters()),
-        named_parameters=sharded.named_optimizer_parameters,
-        final_parameters=lambda: {k: cpu_copy(v) for k, v in sharded.full_state_dict().items()},
-        precision=f"compute in {sharded.compute_dtype}, fp32 main parameters and gradients, {sharding_strategy}",
+        named_parameters=sharded.named_optimizer_parameters, final_parameters=final,
+        precision=(f"compute in {sharded.compute_dtype}, fp32 main parameters and gradients, "
+                   f"{sharding_strategy}{ep_text}"),
     )
 
 

@@ -4,11 +4,22 @@ ZeRO-3 with ``fsdp_double_buffer`` and, where the version has it (0.6.1), ``fsdp
 the module is cast to ``compute_dtype`` with fp32 main parameters and gradients. Option ``wrapper``:
 ``fully_shard`` (default) or ``mcore`` (megatron-core's ``FullyShardedDataParallel``). Needs CUDA and
 megatron-core (:data:`NVIDIA_PIP`). Final parameters: this rank's shard of each main parameter.
+
+Expert parallelism (``expert_groups``, the factory's ``ModelSpec.expert_groups``): NVIDIA's engine takes a
+parameter whose name contains ``.experts.`` for an expert parameter (``is_expert_parameter`` in its
+``param_and_grad_buffer.py``, 0.3.1 and 0.6.1; ``allreduce=False``, megatron-core's mark at EP > 1, only makes it
+require an expert group) and shards it over the ``dp_shard`` dimension of its expert device mesh.
+``fully_shard``: that mesh is built
+from the expert-data-parallel group (``expt_device_mesh``, dimensions ``("fsdp", "tp")`` as ``fully_shard``'s
+default mesh, the expert tensor-parallel dimension of size 1), as megatron-core's adapter builds it;
+``mcore``: ``FullyShardedDataParallel`` builds it itself from ``megatron.core.parallel_state``, so the groups
+must be parallel_state's (checked).
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -43,9 +54,57 @@ def _nvidia_unavailable(device: torch.device) -> Optional[Exception]:
 NVIDIA_WRAPPERS = ("fully_shard", "mcore")
 
 
+ExpertGroups = Tuple[dist.ProcessGroup, dist.ProcessGroup]
+
+
+def _check_expert_names(model: nn.Module, expert_groups: ExpertGroups) -> None:
+    """NVIDIA's engine knows an expert parameter only by ``.experts.`` in its name: refuse a model with expert
+    groups that has no such parameter (its local experts would be sharded over every rank as if replicated)."""
+    if not any(".experts." in n for n, _ in model.named_parameters()):
+        ep = dist.get_world_size(expert_groups[0])
+        raise ValueError(
+            f"engine='nvidia' with expert parallelism (expert_groups, EP={ep}): no parameter name of "
+            f"{type(model).__name__} contains '.experts.', NVIDIA Megatron-FSDP's test for an expert parameter, so "
+            "it would shard the local experts over every rank as if they were replicated; hold the experts in a "
+            "submodule named experts (megatron-core's mlp.experts), or use engine megatron_fsdp (which also takes "
+            "an is_expert = True module tag)")
+
+
+def _expert_mesh(device: torch.device, expert_groups: ExpertGroups) -> Any:
+    """The expert device mesh of NVIDIA's ``fully_shard``: ``("fsdp", "tp")`` over this rank's expert-data-parallel
+    ranks and a trivial expert tensor-parallel dimension, from existing groups (``DeviceMesh.from_group``, as
+    megatron-core's ``FullyShardedDataParallel`` builds its own)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    edp = dist.get_process_group_ranks(expert_groups[1])
+    return DeviceMesh.from_group([expert_groups[1], _single_rank_group()], device.type, mesh=[[r] for r in edp],
+                                 mesh_dim_names=("fsdp", "tp"))
+
+
+#: id(world group) -> (weak reference to it, this rank's one-rank group): built once per world, not per build
+_SINGLE_RANK: Dict[int, Tuple[Any, dist.ProcessGroup]] = {}
+
+
+def _single_rank_group() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    hit = _SINGLE_RANK.get(id(world))
+    if hit is not None and hit[0]() is world:
+        return hit[1]
+    me, single = dist.get_rank(), None
+    for r in range(dist.get_world_size()):  # every rank creates every group, in one order (a collective)
+        g = dist.new_group([r])
+        if r == me:
+            single = g
+    assert single is not None
+    _SINGLE_RANK.clear()
+    _SINGLE_RANK[id(world)] = (weakref.ref(world), single)
+    return single
+
+
 def _build_nvidia(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_optimizer: MakeOptimizer,
                   device: torch.device, sharding_strategy: str, compute_dtype: Optional[torch.dtype],
-                  options: Optional[Dict[str, Any]] = None) -> ShardedRun:
+                  options: Optional[Dict[str, Any]] = None,
+                  expert_groups: Optional[ExpertGroups] = None) -> ShardedRun:
     from megatron.core.distributed.fsdp.src import megatron_fsdp as mf
 
     wrapper = (options or {}).get("wrapper", "fully_shard")
@@ -55,12 +114,20 @@ def _build_nvidia(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_op
                          "DistributedDataParallelConfig(use_megatron_fsdp=True), for megatron-core models)")
     # NVIDIA's string unit specs are import paths; ours are class names: hand it the classes.
     classes = unit_classes(model, unit_modules, engine="nvidia")
+    if expert_groups is not None:
+        _check_expert_names(model, expert_groups)
     if compute_dtype is not None:
         model = model.to(compute_dtype)  # NVIDIA computes in the module's dtype
     if wrapper == "mcore":
         return _build_nvidia_mcore(model, classes=classes, make_optimizer=make_optimizer, device=device,
-                                   sharding_strategy=sharding_strategy, compute_dtype=compute_dtype)
+                                   sharding_strategy=sharding_strategy, compute_dtype=compute_dtype,
+                                   expert_groups=expert_groups)
     accepted = inspect.signature(mf.fully_shard).parameters
+    if expert_groups is not None and "expt_device_mesh" not in accepted:
+        raise NotImplementedError(
+            f"engine='nvidia' wrapper='fully_shard' with expert parallelism: this megatron_fsdp "
+            f"({getattr(mf, '__version__', '?')}) fully_shard takes no expt_device_mesh, so it cannot shard experts "
+            f"over the expert-data-parallel group; {NVIDIA_PIP}, or use wrapper='mcore'")
     options: Dict[str, Any] = dict(fsdp_unit_modules=classes, zero_dp_strategy=sharding_strategy, device=device,
                                    overlap_grad_reduce=True, overlap_param_gather=True,
                                    sync_model_each_microbatch=True)
@@ -74,7 +141,10 @@ def _build_nvidia(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_op
         mains = "fp32 main parameters and gradients"
     else:  # 0.3.1: preserve_fp32_weights (default True) keeps fp32 main weights; gradients as its defaults
         mains = "fp32 main parameters (preserve_fp32_weights), gradients per grad_reduce_in_fp32=False"
-    if "expt_device_mesh" in accepted and any(".experts." in n for n, _ in model.named_parameters()):
+    if expert_groups is not None:
+        options["expt_device_mesh"] = _expert_mesh(device, expert_groups)
+        mains += f", expert parallel {dist.get_world_size(expert_groups[0])} (expt_device_mesh)"
+    elif "expt_device_mesh" in accepted and any(".experts." in n for n, _ in model.named_parameters()):
         # NVIDIA's engine takes a parameter named ``*.experts.*`` for an expert parameter and shards it over the
         # expert data-parallel group, which fully_shard only has from expt_device_mesh. EP = 1: every rank, as
         # the default mesh fully_shard builds for the other parameters (its dimension names).
@@ -110,24 +180,47 @@ def _nvidia_run(model: nn.Module, root: nn.Module, optimizer: torch.optim.Optimi
                       final_parameters=lambda: {n: cpu_copy(local(p)) for n, p in named}, precision=precision)
 
 
+def _check_parallel_state_groups(expert_groups: ExpertGroups) -> None:
+    """wrapper='mcore': ``FullyShardedDataParallel`` takes its expert groups from megatron-core's parallel state;
+    refuse expert groups of other ranks (the model's exchange and the engine's sharding would disagree)."""
+    from megatron.core import parallel_state as ps
+
+    ranks = dist.get_process_group_ranks
+    ours = [ranks(g) for g in expert_groups]
+    if not ps.model_parallel_is_initialized():
+        raise ValueError("engine_options wrapper='mcore' with expert_groups: megatron-core's parallel state is not "
+                         "initialised; FullyShardedDataParallel reads its expert groups from there: call "
+                         "parallel_state.initialize_model_parallel(expert_model_parallel_size=EP) first")
+    theirs = [ranks(ps.get_expert_model_parallel_group()), ranks(ps.get_expert_data_parallel_group())]
+    if ours != theirs:
+        raise ValueError(f"[rank {dist.get_rank()}] engine_options wrapper='mcore': expert_groups (EP {ours[0]}, "
+                         f"EDP {ours[1]}) are not megatron-core's parallel-state groups (EP {theirs[0]}, EDP "
+                         f"{theirs[1]}), which FullyShardedDataParallel shards the experts with; pass "
+                         "parallel_state.get_expert_model_parallel_group() and get_expert_data_parallel_group()")
+
+
 def _build_nvidia_mcore(model: nn.Module, *, classes: Sequence[type], make_optimizer: MakeOptimizer,
                         device: torch.device, sharding_strategy: str,
-                        compute_dtype: Optional[torch.dtype]) -> ShardedRun:
+                        compute_dtype: Optional[torch.dtype], expert_groups: Optional[ExpertGroups] = None
+                        ) -> ShardedRun:
     """NVIDIA Megatron-FSDP as megatron-core ships it: ``FullyShardedDataParallel(config, ddp_config, module)``
     builds the same ``MegatronFSDP`` as ``fully_shard`` (same hooks, buffers and double buffer), with its
-    process groups from ``megatron.core.parallel_state`` (which the model's builder initialised) and its
-    precision from the ``DistributedDataParallelConfig``; NVIDIA's ``fully_shard_optimizer`` wires the optimizer
-    (grad sync before ``step``, weights installed after), as ``fully_shard`` does."""
+    process groups from ``megatron.core.parallel_state`` (which the model's builder initialised; with expert
+    parallelism its expert device mesh too, from the expert-data-parallel group) and its precision from the
+    ``DistributedDataParallelConfig``; NVIDIA's ``fully_shard_optimizer`` wires the optimizer (grad sync before
+    ``step``, weights installed after), as ``fully_shard`` does."""
     import dataclasses as _dc
-
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-    from megatron.core.distributed.fsdp.src import megatron_fsdp as mf
 
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "cuda_graph_impl"):
         raise ValueError(f"engine_options wrapper='mcore' wraps a megatron-core model (one with a TransformerConfig "
                          f"as .config); {type(model).__name__} has none: use wrapper='fully_shard'")
+    if expert_groups is not None:
+        _check_parallel_state_groups(expert_groups)
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.distributed.fsdp.src import megatron_fsdp as mf
     fields = {f.name for f in _dc.fields(DistributedDataParallelConfig)}
     ddp: Dict[str, Any] = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=sharding_strategy,
                                overlap_grad_reduce=True, overlap_param_gather=True)
@@ -150,7 +243,8 @@ def _build_nvidia_mcore(model: nn.Module, *, classes: Sequence[type], make_optim
         wrapped, user, optimizer, named, wrapping="megatron-core's FullyShardedDataParallel (wrapper='mcore')",
         precision=(f"module in {compute_dtype or 'its own dtype'}, {mains} (this rank's shards compared), "
                    f"megatron-core FullyShardedDataParallel (megatron_fsdp {getattr(mf, '__version__', '?')}), "
-                   f"{sharding_strategy}"),
+                   f"{sharding_strategy}"
+                   + (f", expert parallel {dist.get_world_size(expert_groups[0])}" if expert_groups else "")),
     )
 
 

@@ -2,6 +2,8 @@
 
     CUBLAS_WORKSPACE_CONFIG=:4096:8 python tests/gpu/scripts/mcore_gpt.py --out mcore-1.json                      # 1 GPU
     CUBLAS_WORKSPACE_CONFIG=:4096:8 torchrun --nproc-per-node 2 tests/gpu/scripts/mcore_gpt.py --out mcore-2.json  # 2 GPUs
+    torchrun --nproc-per-node 2 tests/gpu/scripts/mcore_gpt.py --expert-parallel 2 --out mcore-ep2.json   # + EP 2
+    torchrun --nproc-per-node 4 tests/gpu/scripts/mcore_gpt.py --expert-parallel 4 2 --only-ep --out mcore-ep4.json
     torchrun --nproc-per-node 2 tests/gpu/scripts/mcore_gpt.py --device cpu --out mcore-cpu.json                   # Gloo
 
 Needs megatron-core (0.19.2 on the GPU image: ``pip install --no-deps --target /tmp/site .whl/*.whl``); TE is
@@ -16,6 +18,16 @@ and with graphs captured at step 2: every loss and final parameter ``torch.equal
 a negative control (the last router's graph scaled by 1.01) that must be named as the culprit. On the CPU only
 ``megatron_fsdp`` and ``fsdp2`` run (NVIDIA's engine needs CUDA), inside ``cpu_shims``, protocol backend. A row that raises
 is recorded with its error and fails ``ok``. Rank 0 writes the JSON; the exit status is 1 unless ``ok``.
+
+Expert parallelism (megatron-core's ``expert_model_parallel_size``; ``--expert-parallel N [N ..]``, default on
+2+ ranks: every ``N > 1`` that divides the world size and the 4 experts, e.g. 2 on 2 ranks, 2 and 4 on 4; ``1``:
+none): per EP size rows ``moe_alltoall`` and ``moe_allgather`` x ``attn_router`` for engines ``megatron_fsdp``
+(megatron-core's EP and EDP groups passed to ``fully_shard``), ``nvidia`` (NVIDIA's ``fully_shard`` with an
+``expt_device_mesh`` over the EDP group) and ``nvidia_mcore`` (``FullyShardedDataParallel`` builds its expert mesh
+from parallel_state), eager against graphed as above, plus per engine the negative control at that EP; ``fsdp2``
+gets one row that must be refused (``NotImplementedError``: FSDP2 would shard each rank's different local experts
+over all ranks; Megatron-LM refuses ``--use-torch-fsdp2`` with EP too). Every rank trains its own micro-batch;
+EP changes only where the experts live. ``--only-ep`` skips the EP = 1 rows.
 """
 
 import argparse
@@ -39,15 +51,22 @@ ENGINES = {"megatron_fsdp": ("megatron_fsdp", None), "nvidia": ("nvidia", "fully
 CASES = [("dense", "layer"), ("dense", "attn_mlp"), ("moe_alltoall", "attn_router"), ("moe_allgather", "attn_router")]
 
 
+#: the MoE models of the expert-parallel rows, and the engines that shard megatron-core's local experts
+EP_MODELS = ["moe_alltoall", "moe_allgather"]
+EP_ENGINES = ["megatron_fsdp", "nvidia", "nvidia_mcore"]
+
+
 def row(engine: str, model: str, scope: str, device: torch.device, backend: Optional[str],
-        perturb: Optional[str]) -> Dict[str, Any]:
+        perturb: Optional[str], expert_parallel: int = 1) -> Dict[str, Any]:
     from fsdp_cudagraph.apps import mcore_gpt
 
     name, wrapper = ENGINES[engine]
-    out: Dict[str, Any] = {"engine": engine, "model": model, "scope": scope, "perturb": perturb}
+    out: Dict[str, Any] = {"engine": engine, "model": model, "scope": scope, "perturb": perturb,
+                           "expert_parallel": expert_parallel}
     try:
+        shape = mcore_gpt.base_shape(device, model, expert_parallel_size=expert_parallel)
         report = mcore_gpt.run(model=model, engine=name, scope=scope, device=device, backend=backend,
-                               perturb=perturb, nvidia_wrapper=wrapper)
+                               perturb=perturb, nvidia_wrapper=wrapper, shape=shape)
     except Exception as exc:  # recorded: one failing row must not hide the others
         out.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
         return out
@@ -59,6 +78,44 @@ def row(engine: str, model: str, scope: str, device: torch.device, backend: Opti
     return out
 
 
+def refused_row(engine: str, device: torch.device, expert_parallel: int) -> Dict[str, Any]:
+    """An engine that must refuse megatron-core's expert parallelism: ok when run() raises NotImplementedError."""
+    from fsdp_cudagraph.apps import mcore_gpt
+
+    name, wrapper = ENGINES[engine]
+    out: Dict[str, Any] = {"engine": engine, "model": "moe_alltoall", "scope": "attn_router", "perturb": None,
+                           "expert_parallel": expert_parallel, "expect": "NotImplementedError"}
+    try:
+        mcore_gpt.run(model="moe_alltoall", engine=name, scope="attn_router", device=device, nvidia_wrapper=wrapper,
+                      shape=mcore_gpt.base_shape(device, "moe_alltoall", expert_parallel_size=expert_parallel))
+        out.update(ok=False, error="not refused")
+    except NotImplementedError as exc:
+        out.update(ok=True, refused=str(exc))
+    except Exception as exc:  # noqa: BLE001 - recorded
+        out.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
+    return out
+
+
+def expert_parallel_sizes(asked: Optional[List[int]], world: int, num_experts: int) -> List[int]:
+    """The EP sizes of the expert-parallel rows: ``asked`` (1 dropped), or every ``N > 1`` dividing both the world
+    size and the number of experts; SystemExit naming the rule for a size that divides neither."""
+    if asked is None:
+        return [n for n in range(2, world + 1) if world % n == 0 and num_experts % n == 0]
+    fits = [n for n in range(1, world + 1) if world % n == 0 and num_experts % n == 0]
+    for n in asked:
+        if n not in fits:
+            raise SystemExit(f"--expert-parallel {n}: an EP size must divide the world size ({world}) and the "
+                             f"{num_experts} experts; pick from {fits}")
+    return sorted({n for n in asked if n > 1})
+
+
+def _print(rows: List[Dict[str, Any]]) -> None:
+    if dist.get_rank() == 0:
+        for r in rows:
+            print(f"{r['engine']:14s} {r['model']:14s} {r['scope']:12s} ep={r['expert_parallel']} "
+                  f"perturb={bool(r['perturb'])!s:5s} ok={r['ok']} {r.get('error', '')}", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -66,6 +123,10 @@ def main() -> int:
                    help="default: all three on CUDA, megatron_fsdp on the CPU")
     p.add_argument("--backend", choices=["te", "torch", "protocol"], default=None)
     p.add_argument("--port", type=int, default=29561)
+    p.add_argument("--expert-parallel", type=int, nargs="+", default=None, metavar="N",
+                   help="EP sizes of the expert-parallel rows (default: every N > 1 dividing the world size and the 4 "
+                        "experts; 1: none)")
+    p.add_argument("--only-ep", action="store_true", help="run only the expert-parallel rows")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -73,37 +134,56 @@ def main() -> int:
     from fsdp_cudagraph.apps import mcore_gpt
 
     engines = args.engines or (sorted(ENGINES) if device.type == "cuda" else ["fsdp2", "megatron_fsdp"])
+    base = mcore_gpt.base_shape(device, "moe_alltoall")
+    eps = expert_parallel_sizes(args.expert_parallel, dist.get_world_size(), base.num_experts)
+    if args.only_ep and not eps:
+        raise SystemExit(f"--only-ep with no expert-parallel size on {dist.get_world_size()} rank(s): nothing to run")
+    control = f"decoder.layers.{base.num_layers - 1}.mlp.router"
     rows: List[Dict[str, Any]] = []
     with (mcore_gpt.cpu_shims() if device.type == "cpu" else contextlib.nullcontext()):
-        # what each model runs (layer spec, experts, dispatcher, grouped GEMM, fused permute), for the record
-        layouts = {m: mcore_gpt.layout(mcore_gpt.spec(m, device).model) for m in dict(CASES)}
         for engine in engines:
             if device.type == "cpu" and engine.startswith("nvidia"):
                 raise SystemExit(f"engine {engine} needs CUDA (NVIDIA's MegatronFSDP builds CUDA streams)")
+        # what each model runs (layer spec, experts, dispatcher, grouped GEMM, fused permute, EP), for the record
+        layouts = {} if args.only_ep else {m: mcore_gpt.layout(mcore_gpt.spec(m, device).model) for m in dict(CASES)}
+        for ep in eps:
+            for m in EP_MODELS:
+                shape = mcore_gpt.base_shape(device, m, expert_parallel_size=ep)
+                layouts[f"{m}/ep{ep}"] = mcore_gpt.layout(mcore_gpt.spec(m, device, shape).model)
+        for engine in [] if args.only_ep else engines:
             for model, scope in CASES:
                 rows.append(row(engine, model, scope, device, args.backend, None))
                 rows[-1]["layout"] = layouts[model]
-            layers = mcore_gpt.base_shape(device, "moe_alltoall").num_layers
-            rows.append(row(engine, "moe_alltoall", "attn_router", device, args.backend,
-                            f"decoder.layers.{layers - 1}.mlp.router"))
+            rows.append(row(engine, "moe_alltoall", "attn_router", device, args.backend, control))
             rows[-1]["layout"] = layouts["moe_alltoall"]
-            if dist.get_rank() == 0:
-                for r in rows[-len(CASES) - 1:]:
-                    print(f"{r['engine']:14s} {r['model']:14s} {r['scope']:12s} perturb={bool(r['perturb'])!s:5s} "
-                          f"ok={r['ok']} {r.get('error', '')}", flush=True)
+            _print(rows[-len(CASES) - 1:])
+        for ep in eps:
+            for engine in engines:
+                if engine not in EP_ENGINES:
+                    rows.append(refused_row(engine, device, ep))
+                    _print(rows[-1:])
+                    continue
+                for model in EP_MODELS:
+                    rows.append(row(engine, model, "attn_router", device, args.backend, None, ep))
+                    rows[-1]["layout"] = layouts[f"{model}/ep{ep}"]
+                rows.append(row(engine, "moe_alltoall", "attn_router", device, args.backend, control, ep))
+                rows[-1]["layout"] = layouts[f"moe_alltoall/ep{ep}"]
+                _print(rows[-len(EP_MODELS) - 1:])
     ok = bool(rows) and all(r["ok"] for r in rows)
     if dist.get_rank() == 0:
         from fsdp_cudagraph.capture import te as _te
 
-        record = {"ok": ok, "rows": rows, "layouts": layouts, "world_size": dist.get_world_size(), "command": sys.argv,
+        record = {"ok": ok, "rows": rows, "layouts": layouts, "world_size": dist.get_world_size(),
+                  "expert_parallel_sizes": eps, "command": sys.argv,
                   "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "versions": {"torch": torch.__version__, "megatron_core": mcore_gpt.MCORE_VERSION,
                                "transformer_engine": str(_te.TE_VERSION) if _te.HAS_TE else None,
                                "python": sys.version.split()[0]}}
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1, default=str)
-        print(json.dumps({"ok": ok, "rows": len(rows), "failed": [
-            f"{r['engine']}/{r['model']}/{r['scope']}{'/perturb' if r['perturb'] else ''}" for r in rows if not r["ok"]]}))
+        failed = [f"{r['engine']}/{r['model']}/{r['scope']}/ep{r['expert_parallel']}"
+                  f"{'/perturb' if r['perturb'] else ''}" for r in rows if not r["ok"]]
+        print(json.dumps({"ok": ok, "rows": len(rows), "expert_parallel_sizes": eps, "failed": failed}))
     dist.destroy_process_group()
     return 0 if ok else 1
 
