@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 tests/gpu/scripts/tp_graphs.py --out tp-2gpu.json   # 1 (dp) x 2 (tp)
     torchrun --nproc-per-node 4 tests/gpu/scripts/tp_graphs.py --out tp-4gpu.json   # 2 (dp) x 2 (tp)
 
-Torch layers, fp32 (TF32 off, math attention: deterministic kernels), ``fully_shard(process_group=dp,
+Torch layers with grouped-query attention (8 query, 4 key/value heads), fp32 (TF32 off, math attention: deterministic kernels), ``fully_shard(process_group=dp,
 tensor_parallel_group=tp)`` with ZeRO-3 and double buffering, Adam (eps 1e-3), ``clip_grad_norm_(1.0)``; each DP
 rank trains its rows of one global batch. Rows:
 
@@ -37,7 +37,7 @@ from fsdp_cudagraph.apps.tp import merge_tp_state_dicts  # noqa: E402
 from tests.gpu_utils import init_script_ranks  # noqa: E402
 
 TP, STEPS, CAPTURE_AT, GLOBAL_ROWS, CLIP = 2, 6, 2, 8, 1.0
-MODEL = dict(vocab_size=512, hidden_size=256, num_layers=4, num_heads=8, seq_len=128)
+MODEL = dict(vocab_size=512, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, seq_len=128)  # GQA
 RTOL = 1e-4  # fp32 on the GPU, differently grouped sums, Adam with eps 1e-3 (tests/engine/test_tp_training.py)
 SCOPES = {"attn+mlp": ["attn", "mlp"], "layers": []}
 
@@ -116,7 +116,7 @@ def main() -> None:
     tp_group = groups[0]
     peers: List[Any] = [None] * TP
     dist.all_gather_object(peers, runs["eager"]["params"], group=tp_group)
-    merged = merge_tp_state_dicts(peers, num_heads=MODEL["num_heads"])
+    merged = merge_tp_state_dicts(peers, num_heads=MODEL["num_heads"], num_kv_heads=MODEL["num_kv_heads"])
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
