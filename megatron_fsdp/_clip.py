@@ -178,6 +178,9 @@ def total_grad_norm(engine: Engine, norm_type: float = 2.0) -> torch.Tensor:
         raise ValueError(f"norm_type={norm_type} must be positive or inf; use 2.0 (Euclidean) or float('inf')")
     dev = engine.device
     inf = math.isinf(norm_type)
+    if getattr(engine, "tp_topology", None) is not None:
+        total = _tensor_parallel_norm(engine, norm_type, inf)
+        return total if inf else total.pow(1.0 / norm_type)
 
     def local_part(expert: bool) -> torch.Tensor:
         grads = [u._main_grad_data for u in engine.all_units()
@@ -204,6 +207,46 @@ def total_grad_norm(engine: Engine, norm_type: float = 2.0) -> torch.Tensor:
         local = _reduce_local(engine, local, inf, engine.group, engine.world_size, "gradient norms")
     total = local[0]
     return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
+def _tensor_parallel_norm(engine: Engine, norm_type: float, inf: bool) -> torch.Tensor:
+    """The p-th power of the norm (the maximum for inf) over the (dp, tp) grid ([Note: tensor parallelism] in
+    _tensor.py, Clipping): each shard split at the end of its unit's replicated range; both parts summed over DP,
+    the TP shards' part over TP too, the replicated part counted once."""
+    from ._state_dict import shard_start  # _state_dict imports this module's users; a local import keeps it a leaf
+
+    rep: List[torch.Tensor] = []
+    shd: List[torch.Tensor] = []
+    for u in engine.all_units():
+        if not u.grad_numel or u.main_shard.grad is None:
+            continue
+        g = u._main_grad_data
+        cut = min(max(u.tp_replicated_numel - shard_start(engine, u.layout, u), 0), g.numel())
+        if cut:
+            rep.append(g[:cut])
+        if cut < g.numel():
+            shd.append(g[cut:])
+
+    def part(grads: List[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=engine.device)
+        if inf:
+            return torch.stack([g.abs().max() for g in grads]).max().to(torch.float32)
+        return torch.stack(torch._foreach_norm(grads, norm_type)).pow(norm_type).sum().to(torch.float32)
+
+    topo = engine.tp_topology
+    sharded = engine.strategy.shards_optimizer and engine.world_size > 1
+    if inf:
+        local = torch.maximum(part(rep), part(shd)).reshape(1)
+        if sharded:
+            local = _reduce_local(engine, local, True, engine.group, engine.world_size, "gradient norms")
+        return _reduce_local(engine, local, True, topo.tp_group, topo.tp_size, "gradient norms over TP")[0]
+    local = torch.stack([part(rep), part(shd)])
+    if sharded:
+        local = _reduce_local(engine, local, False, engine.group, engine.world_size, "gradient norms")
+    shards = _reduce_local(engine, local[1:].clone(), False, topo.tp_group, topo.tp_size,
+                           "tensor-parallel shards' gradient norms")
+    return local[0] + shards[0]
 
 
 def _reduce_local(engine: Engine, local: torch.Tensor, inf: bool, group: Any, size: int, what: str) -> torch.Tensor:

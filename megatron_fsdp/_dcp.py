@@ -9,7 +9,8 @@ Every parameter (and every element-wise optimizer state tensor: Adam's ``exp_avg
 leave ``Replicate()``. Keys are the unwrapped model's, as in ``model.state_dict()``. Under expert parallelism an
 expert parameter is placed the same way over its expert-data-parallel group, and a stacked one (its module's
 ``stacked_expert_dims``) leaves with its global shape over the 2-D ``(ep, edp)`` mesh ([Note: expert parallelism]
-in _expert.py, Checkpoints).
+in _expert.py, Checkpoints). Under tensor parallelism a TP shard's key names its TP rank (``{name}@tp{r}of{TP}``:
+[Note: tensor parallelism] in _tensor.py).
 
 Our flat per-unit shards do not split along dim 0: a rank owns a contiguous element range of the unit's
 flat buffer, which cuts parameters mid-row and puts a parameter's rows on other ranks than ``Shard(0)``
@@ -46,6 +47,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._common import Engine, Unit
 from ._expert import refuse_colliding_names
+from ._tensor import dcp_key, foreign_tp_keys
 from ._state_dict import clean_fqn, extra_state_modules, gather_region, mark_stale, persistent_buffers, regions, shard_start
 
 if TYPE_CHECKING:
@@ -230,9 +232,9 @@ def sharded_state_dict(engine: Engine) -> Dict[str, Any]:
     for u in engine.all_units():
         for layout, local in regions(u):
             for n, value in zip(layout.names, _region_dtensors(engine, layout, local, u)):
-                out[clean_fqn(n)] = value
+                out[dcp_key(engine.tp_topology, clean_fqn(n))] = value
     for name, first in engine.tied_names.items():  # the same DTensor under every name ([Note: tied parameters])
-        out[name] = out[first]
+        out[dcp_key(engine.tp_topology, name)] = out[dcp_key(engine.tp_topology, first)]
     for n, b in persistent_buffers(engine.module):
         out[n] = b.detach()
     for n, m in extra_state_modules(engine.module):
@@ -247,22 +249,33 @@ def load_sharded_state_dict(engine: Engine, state_dict: Dict[str, Any]) -> None:
     """
     refuse_colliding_names(engine.expert_topology, "load_sharded_state_dict()")
     # A tied parameter is read from its first name, or from another of its names when the first is absent.
+    topo = engine.tp_topology
     key = {n: n for n in state_dict}
     for name, first in engine.tied_names.items():
+        name, first = dcp_key(topo, name), dcp_key(topo, first)
         if name in state_dict and first not in key:
             key[first] = name
-    expected = {clean_fqn(n) for u in engine.all_units() for layout, _ in regions(u) for n in layout.names}
+    expected = {dcp_key(topo, clean_fqn(n)) for u in engine.all_units() for layout, _ in regions(u) for n in layout.names}
     expected |= {n for n, _ in persistent_buffers(engine.module)}
     extras = list(extra_state_modules(engine.module, loading=True))
     expected |= {n for n, _ in extras}
     missing = sorted(expected - set(key))
+    foreign = foreign_tp_keys(topo, list(state_dict))
+    if foreign or (missing and topo is not None and any("@tp" in m for m in missing)):
+        raise ValueError(
+            f"load_sharded_state_dict: the dict holds tensor-parallel keys of another layout ({foreign[:3]}) or lacks "
+            f"this rank's ({[m for m in missing if '@tp' in m][:3]}); a checkpoint with TP shards loads at the "
+            f"same tensor_parallel_size ({engine.tensor_parallel_size} here), at any data-parallel size. To change "
+            "TP, load it at its own TP, merge the TP ranks' state_dict()s (fsdp_cudagraph.apps.tp."
+            "merge_tp_state_dicts) and slice them for the new TP (slice_tp_state_dict)")
     if missing:
         raise ValueError(f"load_sharded_state_dict: missing keys {missing[:10]}; pass the dict returned by "
                          "sharded_state_dict() after torch.distributed.checkpoint.load filled it")
     for u in engine.all_units():
         for layout, local in regions(u):
             for i, n in enumerate(layout.names):
-                _copy_in(engine, layout, local, i, state_dict[key[clean_fqn(n)]], key[clean_fqn(n)], u)
+                k = key[dcp_key(topo, clean_fqn(n))]
+                _copy_in(engine, layout, local, i, state_dict[k], k, u)
         mark_stale(u)
     with torch.no_grad():
         for n, b in persistent_buffers(engine.module):
@@ -325,7 +338,7 @@ def optimizer_state_dict(engine: Engine, optimizer: torch.optim.Optimizer) -> Di
                         f"optimizer state {k!r} of unit {u.name} has shape {tuple(v.shape)}, neither the main shard's "
                         f"{tuple(u.main_shard.shape)} nor a scalar; optimizer_state_dict handles element-wise state "
                         "(Adam, SGD momentum) only")
-            entries = [state.setdefault(clean_fqn(n), {}) for n in u.layout.names]
+            entries = [state.setdefault(dcp_key(engine.tp_topology, clean_fqn(n)), {}) for n in u.layout.names]
             for k, v in optimizer.state[u.main_shard].items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     for entry, value in zip(entries, _region_dtensors(engine, u.layout, v, u)):
@@ -378,7 +391,7 @@ def load_optimizer_state_dict(engine: Engine, optimizer: torch.optim.Optimizer,
             for k in list(st):
                 fqns = [clean_fqn(n) for n in u.layout.names]
                 try:
-                    values = [state_dict["state"][f][k] for f in fqns]
+                    values = [state_dict["state"][dcp_key(engine.tp_topology, f)][k] for f in fqns]
                 except KeyError as exc:
                     raise ValueError(f"the optimizer state in the checkpoint lacks {exc} for unit {u.name}; load a "
                                      "checkpoint of the same optimizer type") from None

@@ -25,7 +25,7 @@ from torch.autograd import Variable
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _clip, _dcp, _expert, _guards, _hsdp, _state_dict
+from . import _clip, _dcp, _expert, _guards, _hsdp, _state_dict, _tensor
 from . import _collectives as C
 from ._collectives import backend_for
 from ._common import COMPUTING, ShardingStrategy, TrainingState, _cast_floating, is_capturing, log_rank0, phase
@@ -73,6 +73,8 @@ def fully_shard(
     expert_parallel_group: Optional[dist.ProcessGroup] = None,
     expert_data_parallel_group: Optional[dist.ProcessGroup] = None,
     expert_mesh: Optional[DeviceMesh] = None,
+    tensor_parallel_size: Optional[int] = None,
+    tensor_parallel_group: Optional[dist.ProcessGroup] = None,
 ) -> "MegatronFSDP":
     """Shard ``module`` over ``process_group`` and return the wrapper to train with.
 
@@ -128,6 +130,18 @@ def fully_shard(
         expert_mesh: the same as a 2-D ``DeviceMesh`` ``(expert_data_parallel, expert_parallel)`` over the
             data-parallel ranks (torchtitan's ``(efsdp, ep)``; NVIDIA Megatron-FSDP's expert device mesh), e.g.
             ``init_device_mesh(device_type, (W // EP, EP))``; not with the two groups.
+        tensor_parallel_size: tensor parallelism (TP, [Note: tensor parallelism] in _tensor.py): the world forms a
+            ``(dp, tp)`` grid, TP groups of contiguous ranks (the model splits every layer among them) and
+            data-parallel groups strided by ``TP`` (the ranks holding the same TP slice). The model is already
+            this rank's TP slice ("TP first, FSDP last"); the engine shards, gathers and reduces over the
+            data-parallel group only, sums the gradients of parameters tagged ``sequence_parallel`` over the TP
+            group before that, clips by the norm over both, and keys TP shards (``tensor_model_parallel``) per TP
+            rank in DCP checkpoints. Builds the groups from the world (``process_group`` must be left out); a model
+            that exposes ``tensor_parallel_group`` must hold the same ranks. Not with hybrid sharding or expert
+            parallelism.
+        tensor_parallel_group: the same, given as this rank's TP group, with ``process_group`` its data-parallel
+            group (both, e.g. from ``megatron_fsdp.tensor_parallel_groups(tp)``, whose TP group the model uses too);
+            they must tile the world as a grid.
 
     Lifecycle: build the optimizer over ``model.optimizer_parameters()`` (fp32 main shards; an optimizer
     over ``model.parameters()`` is refused at its first step); call ``model(...)``, ``loss.backward()``
@@ -167,6 +181,8 @@ def fully_shard(
         expert_parallel_group=expert_parallel_group,
         expert_data_parallel_group=expert_data_parallel_group,
         expert_mesh=expert_mesh,
+        tensor_parallel_size=tensor_parallel_size,
+        tensor_parallel_group=tensor_parallel_group,
     )
 
 
@@ -200,6 +216,8 @@ class MegatronFSDP(nn.Module):
         expert_parallel_group: Optional[dist.ProcessGroup] = None,
         expert_data_parallel_group: Optional[dist.ProcessGroup] = None,
         expert_mesh: Optional[DeviceMesh] = None,
+        tensor_parallel_size: Optional[int] = None,
+        tensor_parallel_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -210,6 +228,15 @@ class MegatronFSDP(nn.Module):
                 "torch.distributed.init_process_group('nccl' on GPUs, 'gloo' on CPU) first (torchrun sets the "
                 "environment it reads)"
             )
+        #: The TP group ([Note: tensor parallelism] in _tensor.py), or None without tensor parallelism; with TP
+        #: the process group is the data-parallel group (one TP column of the (dp, tp) grid).
+        process_group, self.tp_topology = _tensor.resolve(
+            process_group=process_group, tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_group=tensor_parallel_group,
+            hybrid=mesh is not None or replicate_group is not None or shard_group is not None,
+            expert=bool(expert_parallel_size and expert_parallel_size > 1) or expert_parallel_group is not None
+            or expert_data_parallel_group is not None or expert_mesh is not None)
+        _tensor.check_model_group(self.tp_topology, module)
         # The shard group carries every sharding collective; a replicate group (HSDP) adds one all-reduce of
         # the reduced gradients ([Note: hybrid sharding] in _hsdp.py).
         self.hsdp = hsdp = _hsdp.resolve(process_group=process_group, mesh=mesh, replicate_group=replicate_group,
@@ -314,9 +341,10 @@ class MegatronFSDP(nn.Module):
         self._guard_handles = [_guards.guard_direct_calls(self)] + _state_dict.guard_module_state_dicts(self)
         log_rank0(
             logging.INFO,
-            "megatron_fsdp: %d units + root, strategy %s, world %d (replicate %d x shard %d), expert parallel %d, "
-            "compute %s, double buffer %s", len(self.units), self.strategy.value, self.dp_world_size, hsdp.replicate_size,
-            self.world_size, self.expert_parallel_size, self.compute_dtype, fsdp_double_buffer,
+            "megatron_fsdp: %d units + root, strategy %s, data parallel %d (replicate %d x shard %d), expert parallel %d, "
+            "tensor parallel %d, compute %s, double buffer %s", len(self.units), self.strategy.value, self.dp_world_size,
+            hsdp.replicate_size, self.world_size, self.expert_parallel_size, self.tensor_parallel_size,
+            self.compute_dtype, fsdp_double_buffer,
         )
 
     @property
@@ -377,6 +405,16 @@ class MegatronFSDP(nn.Module):
         """The group that shards this rank's local experts (None without expert parallelism)."""
         return self.expert_topology.edp_group if self.expert_topology is not None else None
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """TP: the ranks that split every layer of the model (1 without tensor parallelism)."""
+        return self.tp_topology.tp_size if self.tp_topology is not None else 1
+
+    @property
+    def tensor_parallel_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's tensor-parallel group, or None without tensor parallelism."""
+        return self.tp_topology.tp_group if self.tp_topology is not None else None
+
     def expert_unit_of(self, unit: FSDPUnit) -> Optional[FSDPUnit]:
         """The expert bucket over ``unit``'s module (None when it has none), for a dense unit or an expert one."""
         return unit if unit.is_expert else unit.partner
@@ -423,6 +461,7 @@ class MegatronFSDP(nn.Module):
                 "parameters; tag their module with is_expert = True (or give it a name segment 'experts')")
         stacked: Dict[str, Tuple[int, Tuple[int, ...]]] = {}
         plan: List[Tuple[str, List[Tuple[str, Tuple[int, ...]]], List[Tuple[str, Tuple[int, ...]]]]] = []
+        tp_plan: List[Tuple[str, List[Tuple[str, Tuple[int, ...], str]]]] = []
         for index, (name, m) in enumerate(unit_modules):
             names, ps = [], []
             for pn, p in self._own_params(m, unit_set):
@@ -435,6 +474,9 @@ class MegatronFSDP(nn.Module):
                 names.append(f"{name}.{pn}")
                 ps.append(p)
             self._check_params(name, names, ps)
+            if self.tp_topology is not None:  # [Note: tensor parallelism] in _tensor.py: the TP all-reduce's range
+                names, ps = _tensor.tp_order(names, ps)
+                tp_plan.append((name, [(n, tuple(p.shape), _tensor.kind_of(p)) for n, p in zip(names, ps)]))
             # [Note: expert parallelism] in _expert.py: a unit's expert parameters form a second unit (bucket) over
             # the same module, sharded over the expert-data-parallel group.
             dense = [(n, p) for n, p in zip(names, ps) if id(p) not in experts]
@@ -478,6 +520,12 @@ class MegatronFSDP(nn.Module):
                     "is_expert = True, or a parameter name with a segment 'experts'); tag the experts module with "
                     "is_expert = True, or pass expert_parallel_size=1")
             _expert.check_expert_plan(topo, self.group, plan, stacked)
+        if self.tp_topology is not None:
+            root_names, root_params = _tensor.tp_order(root_names, root_params)
+            tp_plan.append(("<root>", [(n, tuple(p.shape), _tensor.kind_of(p)) for n, p in zip(root_names, root_params)]))
+            _tensor.check_tp_plan(self.tp_topology, tp_plan)
+            self.tp_topology.shard_names = {_state_dict.clean_fqn(n) for _, ps in tp_plan for n, _, k in ps
+                                            if k == "shard"}
         if root_params:
             self._check_params("<root>", root_names, root_params)
             self.root_unit = FSDPUnit(engine=self, name="", module=self.module, names=root_names, params=root_params, index=-1, is_root=True)
@@ -574,6 +622,7 @@ class MegatronFSDP(nn.Module):
         slot_of = {id(u): i % 2 for i, u in enumerate(x for x in db_units if not x.is_expert)}
         slot_of.update({id(u): 2 + i % 2 for i, u in enumerate(x for x in db_units if x.is_expert)})
         root_gslot = self._root_grad_slot(db_units, n_gslots)
+        differ: List[str] = []  # parameters replicated over TP whose values differ from TP rank 0's
         with torch.no_grad():
             for u in all_units:
                 flat = torch.zeros(u.numel, dtype=torch.float32, device=dev)
@@ -584,6 +633,9 @@ class MegatronFSDP(nn.Module):
                 for dim, group in order:
                     what = f"initial values of unit {u.name}" + (f" over the {dim} group" if self.hsdp.hybrid else "")
                     C.broadcast(flat, 0, group, what)
+                if self.tp_topology is not None:
+                    differ += _tensor.differing_replicated(self.tp_topology, dev, [
+                        (n, v) for n, p, v in zip(u.names, u.all_params, u.views(flat)) if not _tensor.is_tp_shard(p)])
                 s = slot_of.get(id(u))
                 # Unsharded strategies keep compute parameters resident, so only ZeRO-3 puts them in slots;
                 # `optim` (ZeRO-1) keeps its full gradient buffer by definition.
@@ -600,6 +652,8 @@ class MegatronFSDP(nn.Module):
                     gkeep = self.fsdp_double_buffer or self.strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM)
                     gbuf = _Buffer("persistent" if gkeep else "dynamic", torch.zeros(u.grad_numel, dtype=gdt, device=dev))
                 u.init_storage(flat, pbuf, gbuf)
+            if self.tp_topology is not None:
+                _tensor.refuse_differing_replicated(self.tp_topology, differ)
 
     def _root_grad_slot(self, db_units: List[FSDPUnit], n_gslots: int) -> Optional[int]:
         """The gradient slot the root unit borrows, or None for a buffer of its own.

@@ -118,6 +118,13 @@ def reduce_grads(unit: Unit, grads: List[Optional[torch.Tensor]], written: Optio
             torch._foreach_mul_(copy_views + written_views, unit.grad_scale)
     for p in unit.params:
         p.grad = None
+    if unit.tp_sum_numel:
+        # [Note: tensor parallelism] in _tensor.py: gradients of the parameters replicated over TP under sequence
+        # parallelism are partial sums per TP rank; summed over TP here, before the data-parallel reduction.
+        tp_work = C.all_reduce(flat[: unit.tp_sum_numel], eng.tp_topology.tp_group,
+                               f"sequence-parallel gradients of unit {unit.name} over the tensor-parallel group")
+        if tp_work is not None:
+            tp_work.wait()
     accumulate = unit._bound_main_grad() is not None
     if eng.strategy is ShardingStrategy.NO_SHARD:
         work = C.all_reduce(flat, unit.group, f"gradients of unit {unit.name}", average=unit.reduce_average)

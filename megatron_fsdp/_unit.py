@@ -92,6 +92,14 @@ class FSDPUnit:
         self.all_params: List[nn.Parameter] = self.params + self.frozen_params
         self.layout = FlatLayout([n for n, _ in trainable], self.params, self.shard_size)
         self.frozen_layout = FlatLayout([n for n, _ in frozen], self.frozen_params, self.shard_size)
+        #: Tensor parallelism ([Note: tensor parallelism] in _tensor.py): the trainable region starts with the
+        #: parameters whose gradients are summed over TP (``[0, tp_sum_numel)``), then the other parameters
+        #: replicated over TP (up to ``tp_replicated_numel``), then the TP shards. (0, whole region) without TP.
+        self.tp_sum_numel, self.tp_replicated_numel = 0, self.layout.total_numel
+        if getattr(engine, "tp_topology", None) is not None:
+            from ._tensor import region_ends
+
+            self.tp_sum_numel, self.tp_replicated_numel = region_ends(self.layout, self.params)
         self.state = TrainingState.IDLE
         self.param_buffer: Optional[_Buffer] = None
         self.grad_buffer: Optional[_Buffer] = None

@@ -127,6 +127,10 @@ class StaticStep:
                     f"{engine.dp_world_size}) to be the whole world ({dist.get_world_size()} ranks), so that they "
                     "capture together; use per-layer graphs or a world of only data-parallel ranks")
             return dist.group.WORLD
+        if getattr(engine, "tp_topology", None) is not None:
+            # [Note: tensor parallelism] in _tensor.py: the graph holds the model's TP collectives and the engine's TP
+            # sums too, so every rank of the (dp, tp) grid, which tiles the world, captures and agrees together.
+            return dist.group.WORLD
         return engine.group
 
     @property

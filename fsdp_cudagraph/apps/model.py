@@ -26,13 +26,15 @@ from fsdp_cudagraph.capture import fp8 as _fp8
 from fsdp_cudagraph.capture.te import require_te
 from fsdp_cudagraph.apps.moe import MOE_EXPERTS, Experts, MoEBlock, MoEPreprocess, Router, SharedExpert, unpermute
 from fsdp_cudagraph.apps.moe_ep import merge_expert_state_dicts, slice_expert_state_dict
+from fsdp_cudagraph.apps import tp as _tp
+from fsdp_cudagraph.apps.tp import merge_tp_state_dicts, slice_tp_state_dict
 
 __all__ = ["GPTConfig", "GPT", "TransformerBlock", "SelfAttention", "MLP", "MoEBlock", "Router", "MoEPreprocess",
            "Experts", "SharedExpert", "unpermute", "MOE_EXPERTS", "olmoe_config", "qwen3_moe_config",
            "mixtral_config", "loss_fn",
            "synthetic_batch", "moe_checker_spec", "moe_split", "moe_grouped_mm", "moe_capacity", "EP_EXPERTS",
            "check_expert_parallel",
-           "slice_expert_state_dict", "merge_expert_state_dicts"]
+           "slice_expert_state_dict", "merge_expert_state_dicts", "slice_tp_state_dict", "merge_tp_state_dicts"]
 
 
 @dataclasses.dataclass
@@ -74,6 +76,15 @@ class GPTConfig:
     #: model with ``GPT(cfg, expert_parallel_group=...)`` (e.g. ``megatron_fsdp.expert_parallel_groups(ep)[0]``)
     #: and shard it with ``fully_shard(..., expert_parallel_size=ep)``. 1: today's model, unchanged.
     expert_parallel_size: int = 1
+    #: Tensor parallelism (``apps/tp.py``, [Note: tensor parallelism of the reference GPT]): each rank of a
+    #: tensor-parallel group of this size holds ``1/TP`` of every layer (attention heads, MLP columns) and the
+    #: activations between layers are split along the sequence. Build the model with ``GPT(cfg,
+    #: tensor_parallel_group=...)`` (e.g. ``megatron_fsdp.tensor_parallel_groups(tp)[0]``) and shard it with
+    #: ``fully_shard(..., tensor_parallel_size=tp)`` (or the same groups). 1: today's model, unchanged.
+    tensor_parallel_size: int = 1
+    #: Sequence parallelism between the layers (megatron-core's ``sequence_parallel``); required with
+    #: ``tensor_parallel_size > 1`` (the only TP layout implemented), ignored at 1.
+    sequence_parallel: bool = False
     use_te: bool = False
     #: ``block``: our TransformerBlock (batch-first); ``te_layer``: TE's own ``TransformerLayer`` as the unit
     #: (sequence-first layout, needs ``use_te``).
@@ -128,6 +139,7 @@ class GPTConfig:
             raise ValueError("fuse_wgrad=True is TE's fuse_wgrad_accumulation and needs use_te=True (got use_te=False)")
         self._check_expert_parallel()
         self._check_fp8()
+        self._check_tensor_parallel()
         if self.moe_every < 0 or not (1 <= self.moe_top_k <= self.num_experts):
             raise ValueError(
                 f"moe_every={self.moe_every}, moe_top_k={self.moe_top_k}, num_experts={self.num_experts}: need "
@@ -174,6 +186,42 @@ class GPTConfig:
             raise ValueError(f"expert_parallel_size={ep} with unit={self.unit!r}: only unit='block' has MoE layers")
 
 
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size={tp!r} must be a positive integer (1: no tensor parallelism)")
+        if tp == 1:
+            return
+        if self.fp8 is not None:
+            raise NotImplementedError(
+                f"tensor_parallel_size={tp} with fp8={self.fp8!r}: FP8 with tensor-parallel TE layers (amax reductions "
+                "over the TP group, FP8 all-gathers of the sequence) is not built here; use fp8=None or "
+                "tensor_parallel_size=1")
+        if not self.sequence_parallel:
+            raise NotImplementedError(
+                f"tensor_parallel_size={tp} with sequence_parallel=False: the reference GPT implements tensor "
+                "parallelism with sequence parallelism only (activations split along the sequence between layers, "
+                "megatron-core's sequence_parallel=True); set sequence_parallel=True")
+        for what, value in (("num_heads", self.num_heads), ("num_kv_heads", self.num_kv_heads),
+                            ("ffn_hidden_size", self.ffn_hidden_size), ("seq_len", self.seq_len)):
+            if value % tp:
+                why = {"num_heads": "each TP rank runs num_heads / TP query heads",
+                       "num_kv_heads": "each TP rank holds num_kv_heads / TP key/value heads (with its query heads: "
+                                       "a key/value head is not split between ranks)",
+                       "ffn_hidden_size": "each TP rank holds ffn_hidden_size / TP columns of the MLP",
+                       "seq_len": "sequence parallelism gives each TP rank seq_len / TP positions"}[what]
+                raise ValueError(f"tensor_parallel_size={tp} does not divide {what}={value}: {why}; pick a "
+                                 f"tensor_parallel_size that divides {value} (or change {what})")
+        for bad, what in ((self.moe_every > 0, f"moe_every={self.moe_every} (MoE layers)"),
+                          (self.expert_parallel_size > 1, f"expert_parallel_size={self.expert_parallel_size}"),
+                          (self.rich_calls, "rich_calls=True"), (self.unit != "block", f"unit={self.unit!r}")):
+            if bad:
+                raise NotImplementedError(
+                    f"tensor_parallel_size={tp} with {what}: tensor parallelism is implemented for dense layers of "
+                    "unit='block' (torch or TE modules) with plain calls; set moe_every=0, expert_parallel_size=1, "
+                    "rich_calls=False and unit='block', or tensor_parallel_size=1")
+
+
 #: ``moe_experts`` values that run with ``expert_parallel_size > 1``.
 EP_EXPERTS = ("split", "grouped_mm", "te_grouped")
 
@@ -190,14 +238,18 @@ class SelfAttention(nn.Module):
 
     cuda_graph_module = "attn"
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, tp_group: Optional[Any] = None) -> None:
         super().__init__()
         h, self.num_heads, self.num_kv_heads, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.head_dim = d
         qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d  # [q heads | k heads | v heads]
         self.use_te = cfg.use_te
         self.rich_calls = cfg.rich_calls
-        if cfg.use_te:
+        #: tensor parallelism ([Note: tensor parallelism of the reference GPT] in apps/tp.py): None at TP=1
+        self.tp_group = tp_group if cfg.tensor_parallel_size > 1 else None
+        if self.tp_group is not None:
+            self._build_tp(cfg)
+        elif cfg.use_te:
             te = require_te("GPTConfig(use_te=True)")
             fuse = {"fuse_wgrad_accumulation": cfg.fuse_wgrad}
             self.ln_qkv = te.LayerNormLinear(h, qkv, bias=True, params_dtype=torch.float32, **fuse)
@@ -209,7 +261,57 @@ class SelfAttention(nn.Module):
             self.qkv = nn.Linear(h, qkv)
             self.proj = nn.Linear(cfg.num_heads * d, h)
 
+    def _build_tp(self, cfg: GPTConfig) -> None:
+        """This TP rank's heads: the TP=1 module is drawn first (the same random draws as at TP=1), then the local
+        modules are built without drawing and take their slice."""
+        import torch.distributed as dist
+
+        tp, rank, h, d = cfg.tensor_parallel_size, dist.get_rank(self.tp_group), cfg.hidden_size, cfg.head_dim
+        self.local_heads, self.local_kv_heads = cfg.num_heads // tp, cfg.num_kv_heads // tp
+        qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d  # [q heads | k heads | v heads] at TP=1
+        full = SelfAttention(dataclasses.replace(cfg, tensor_parallel_size=1))
+        with torch.random.fork_rng(devices=_tp.fork_rng_devices()):
+            if cfg.use_te:
+                te = require_te("GPTConfig(use_te=True)")
+                par = dict(tp_group=self.tp_group, tp_size=tp, sequence_parallel=True)
+                fuse = {"fuse_wgrad_accumulation": cfg.fuse_wgrad}
+                self.ln_qkv = te.LayerNormLinear(h, qkv, bias=True, params_dtype=torch.float32,
+                                                 parallel_mode="column", **par, **fuse)
+                gqa = {} if cfg.num_kv_heads == cfg.num_heads else {"num_gqa_groups": cfg.num_kv_heads}
+                self.core = te.DotProductAttention(cfg.num_heads, d, attn_mask_type="causal", qkv_format="sbhd",
+                                                   tp_size=tp, tp_group=self.tp_group, **gqa)
+                self.proj = te.Linear(cfg.num_heads * d, h, bias=True, params_dtype=torch.float32,
+                                      parallel_mode="row", **par, **fuse)
+            else:
+                self.ln = nn.LayerNorm(h)
+                self.qkv = _tp.local_linear(h, qkv // tp)
+                self.proj = _tp.local_linear(cfg.num_heads * d // tp, h)
+                _tp.mark_tensor_parallel(self.qkv.weight, 0)
+                _tp.mark_tensor_parallel(self.qkv.bias, 0)
+                _tp.mark_tensor_parallel(self.proj.weight, 1)
+                for p in (self.ln.weight, self.ln.bias, self.proj.bias):
+                    _tp.mark_sequence_parallel(p)
+        _tp.copy_tp_slice(self, full, prefix="attn.", tp_rank=rank, tp_size=tp, num_heads=cfg.num_heads,
+                          num_kv_heads=cfg.num_kv_heads)
+
+    def _tp_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: this rank's positions, ``[s/TP, b, h]`` (sequence first); the same back."""
+        group, nq, nkv, d = self.tp_group, self.local_heads, self.local_kv_heads, self.head_dim
+        if self.use_te:
+            qkv = self.ln_qkv(x)  # TE: norm on the local positions, all-gather, column-parallel GEMM
+            s, b = qkv.shape[:2]
+            q, k, v = qkv.view(s, b, nq + 2 * nkv, d).split([nq, nkv, nkv], dim=2)
+            return x + self.proj(self.core(q, k, v))  # TE: row-parallel GEMM, reduce-scatter, bias
+        full = _tp.gather_sequence(self.ln(x), group)
+        s, b = full.shape[:2]
+        q, k, v = self.qkv(full).view(s, b, nq + 2 * nkv, d).permute(1, 2, 0, 3).split([nq, nkv, nkv], dim=1)
+        gqa = {} if nkv == nq else {"enable_gqa": True}
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa).permute(2, 0, 1, 3).reshape(s, b, nq * d)
+        return x + (_tp.reduce_scatter_sequence(F.linear(y, self.proj.weight), group) + self.proj.bias)
+
     def forward(self, x: torch.Tensor) -> Any:
+        if self.tp_group is not None:
+            return self._tp_forward(x)
         b, s, _ = x.shape
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.use_te:
@@ -228,10 +330,13 @@ class MLP(nn.Module):
 
     cuda_graph_module = "mlp"
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, tp_group: Optional[Any] = None) -> None:
         super().__init__()
         self.use_te = cfg.use_te
-        if cfg.use_te:
+        self.tp_group = tp_group if cfg.tensor_parallel_size > 1 else None
+        if self.tp_group is not None:
+            self._build_tp(cfg)
+        elif cfg.use_te:
             te = require_te("GPTConfig(use_te=True)")
             self.ln_mlp = te.LayerNormMLP(cfg.hidden_size, cfg.ffn_hidden_size, bias=True, params_dtype=torch.float32,
                                           fuse_wgrad_accumulation=cfg.fuse_wgrad)
@@ -240,7 +345,34 @@ class MLP(nn.Module):
             self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size)
             self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size)
 
+    def _build_tp(self, cfg: GPTConfig) -> None:
+        """This TP rank's MLP columns, drawn as at TP=1 (see SelfAttention._build_tp)."""
+        import torch.distributed as dist
+
+        tp, rank, h, f = cfg.tensor_parallel_size, dist.get_rank(self.tp_group), cfg.hidden_size, cfg.ffn_hidden_size
+        full = MLP(dataclasses.replace(cfg, tensor_parallel_size=1))
+        with torch.random.fork_rng(devices=_tp.fork_rng_devices()):
+            if cfg.use_te:
+                te = require_te("GPTConfig(use_te=True)")
+                self.ln_mlp = te.LayerNormMLP(h, f, bias=True, params_dtype=torch.float32,
+                                              fuse_wgrad_accumulation=cfg.fuse_wgrad, tp_group=self.tp_group,
+                                              tp_size=tp, sequence_parallel=True, set_parallel_mode=True)
+            else:
+                self.ln = nn.LayerNorm(h)
+                self.fc1 = _tp.local_linear(h, f // tp)
+                self.fc2 = _tp.local_linear(f // tp, h)
+                _tp.mark_tensor_parallel(self.fc1.weight, 0)
+                _tp.mark_tensor_parallel(self.fc1.bias, 0)
+                _tp.mark_tensor_parallel(self.fc2.weight, 1)
+                for p in (self.ln.weight, self.ln.bias, self.fc2.bias):
+                    _tp.mark_sequence_parallel(p)
+        _tp.copy_tp_slice(self, full, prefix="mlp.", tp_rank=rank, tp_size=tp, num_heads=cfg.num_heads)
+
     def forward(self, x: torch.Tensor, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.tp_group is not None and not self.use_te:
+            full = _tp.gather_sequence(self.ln(x), self.tp_group)
+            partial = F.linear(F.gelu(self.fc1(full)), self.fc2.weight)
+            return x + (_tp.reduce_scatter_sequence(partial, self.tp_group) + self.fc2.bias)
         out = x + self.ln_mlp(x, **_te_step_kwargs()) if self.use_te else x + self.fc2(F.gelu(self.fc1(self.ln(x))))
         return out if skip is None else out + 0.5 * skip.to(out.dtype)
 
@@ -248,14 +380,15 @@ class MLP(nn.Module):
 class TransformerBlock(nn.Module):
     """One layer: attention then a dense MLP or an MoE block. The FSDP unit of the reference model."""
 
-    def __init__(self, cfg: GPTConfig, layer_number: int, ep_group: Optional[Any] = None) -> None:
+    def __init__(self, cfg: GPTConfig, layer_number: int, ep_group: Optional[Any] = None,
+                 tp_group: Optional[Any] = None) -> None:
         super().__init__()
-        self.attn = SelfAttention(cfg)
+        self.attn = SelfAttention(cfg, tp_group)
         is_moe = cfg.moe_every > 0 and layer_number % cfg.moe_every == 0
         if is_moe:
             self.moe = MoEBlock(cfg, ep_group)
         else:
-            self.mlp = MLP(cfg)
+            self.mlp = MLP(cfg, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ffn = self.moe if hasattr(self, "moe") else self.mlp
@@ -272,24 +405,48 @@ class GPT(nn.Module):
     the experts (size ``expert_parallel_size``); this rank builds only its ``E/EP`` experts, equal to the EP=1
     model's slice for the same seed. Take it from ``megatron_fsdp.expert_parallel_groups(ep)[0]`` (the layout
     ``fully_shard(..., expert_parallel_size=ep)`` builds too) after ``init_process_group``.
+
+    ``tensor_parallel_group``: with ``cfg.tensor_parallel_size > 1``, the process group of the ranks that split
+    every layer (size ``tensor_parallel_size``); this rank builds only its slice, equal to the TP=1 model's slice
+    for the same seed ([Note: tensor parallelism of the reference GPT] in ``apps/tp.py``). Take it from
+    ``megatron_fsdp.tensor_parallel_groups(tp)[0]``. The layers then take and return ``[s/TP, b, h]`` (sequence
+    first, this rank's positions); the model's input and logits keep their shapes (every TP rank computes the
+    same logits).
     """
 
     #: Declared for graph kinds that pad sequences (inference ``seq_buckets``): position i never attends later.
     causal = True
 
-    def __init__(self, cfg: GPTConfig, *, expert_parallel_group: Optional[Any] = None) -> None:
+    def __init__(self, cfg: GPTConfig, *, expert_parallel_group: Optional[Any] = None,
+                 tensor_parallel_group: Optional[Any] = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.expert_parallel_group = _check_ep_group(cfg, expert_parallel_group)
+        #: The TP group (read by megatron_fsdp.fully_shard, which refuses another layout); None at TP=1.
+        self.tensor_parallel_group = _check_tp_group(cfg, tensor_parallel_group)
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden_size)
-        self.layers = nn.ModuleList(_layer(cfg, i + 1, self.expert_parallel_group) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(_layer(cfg, i + 1, self.expert_parallel_group, self.tensor_parallel_group)
+                                    for i in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.tensor_parallel_group is not None:
+            for p in self.ln_f.parameters():  # runs on this rank's positions: a partial gradient
+                _tp.mark_sequence_parallel(p)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
         x = self.tok(tokens) + self.pos(torch.arange(s, device=tokens.device))[None]
+        group = self.tensor_parallel_group
+        if group is not None:  # [Note: tensor parallelism of the reference GPT] in apps/tp.py
+            tp = self.cfg.tensor_parallel_size
+            if s % tp:
+                raise ValueError(f"GPT got sequences of {s} positions with tensor_parallel_size={tp}: sequence "
+                                 f"parallelism splits them over the TP ranks; pad them to a multiple of {tp}")
+            x = _tp.scatter_sequence(x.transpose(0, 1), group)  # [s/TP, b, h]: this rank's positions
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(_tp.gather_sequence_replicated(self.ln_f(x), group).transpose(0, 1))
         seq_first = self.cfg.unit == "te_layer"
         if seq_first:
             x = x.transpose(0, 1).contiguous()  # TE TransformerLayer's default layout is [seq, batch, hidden]
@@ -335,6 +492,28 @@ def _check_ep_group(cfg: GPTConfig, group: Optional[Any]) -> Optional[Any]:
     return group
 
 
+def _check_tp_group(cfg: GPTConfig, group: Optional[Any]) -> Optional[Any]:
+    import torch.distributed as dist
+
+    tp = cfg.tensor_parallel_size
+    if tp == 1:
+        if group is not None and dist.get_world_size(group) != 1:
+            raise ValueError(f"GPT got tensor_parallel_group= of {dist.get_world_size(group)} ranks but "
+                             "cfg.tensor_parallel_size=1; set GPTConfig(tensor_parallel_size="
+                             f"{dist.get_world_size(group)}, sequence_parallel=True) or drop the group")
+        return None
+    if group is None:
+        raise ValueError(f"GPTConfig(tensor_parallel_size={tp}) needs the tensor-parallel process group: "
+                         f"GPT(cfg, tensor_parallel_group=megatron_fsdp.tensor_parallel_groups({tp})[0]) after "
+                         "torch.distributed.init_process_group")
+    got = dist.get_world_size(group)
+    if got != tp:
+        raise ValueError(f"tensor_parallel_group has {got} ranks but GPTConfig(tensor_parallel_size={tp}); they must "
+                         f"agree: pass the group of megatron_fsdp.tensor_parallel_groups({tp}) or set "
+                         f"tensor_parallel_size={got}")
+    return group
+
+
 def check_expert_parallel(sharded: Any) -> None:
     """After ``fully_shard``: the GPT's experts and all-to-all must match the engine's expert parallelism.
 
@@ -366,9 +545,10 @@ def check_expert_parallel(sharded: Any) -> None:
                              "fully_shard as expert_parallel_group= and expert_data_parallel_group=)")
 
 
-def _layer(cfg: GPTConfig, layer_number: int, ep_group: Optional[Any] = None) -> nn.Module:
+def _layer(cfg: GPTConfig, layer_number: int, ep_group: Optional[Any] = None,
+           tp_group: Optional[Any] = None) -> nn.Module:
     if cfg.unit == "block":
-        return TransformerBlock(cfg, layer_number, ep_group)
+        return TransformerBlock(cfg, layer_number, ep_group, tp_group)
     te = require_te("GPTConfig(unit='te_layer')")
     return te.TransformerLayer(
         cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_heads, layer_number=layer_number, hidden_dropout=0.0,
