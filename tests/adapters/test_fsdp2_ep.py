@@ -45,8 +45,9 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from fsdp_cudagraph.apps.model import GPTConfig, merge_expert_state_dicts, slice_expert_state_dict
+from fsdp_cudagraph.apps.model import GPTConfig, slice_expert_state_dict
 from tests.dist_utils import run_gloo
+from tests.graphs.test_moe_ep import _full_params, _rel  # EP runs merged to the EP=1 shape, relative distance
 
 pytestmark = pytest.mark.gloo
 
@@ -262,19 +263,6 @@ def four() -> List[Dict[str, Any]]:
 @pytest.fixture(scope="module")
 def two() -> List[Dict[str, Any]]:
     return run_gloo(_two, 2)
-
-
-def _full_params(per_rank: List[Dict[str, Any]], run: str, ep: int) -> Dict[str, torch.Tensor]:
-    """The EP=1-shaped parameters of a run: each EP group's ranks merged; every EP group must agree."""
-    groups = [merge_expert_state_dicts([per_rank[g * ep + q][run]["params"] for q in range(ep)])
-              for g in range(len(per_rank) // ep)]
-    for other in groups[1:]:
-        assert other.keys() == groups[0].keys() and all(torch.equal(other[k], groups[0][k]) for k in other)
-    return groups[0]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def _distance(per_rank: List[Dict[str, Any]], run: str, ep: int, ref: str = "ref") -> Dict[str, float]:
