@@ -106,7 +106,7 @@ def git_commit() -> str:
 
 def load_model_code(isolated: bool) -> Any:
     """The reference GPT (``fsdp_cudagraph/apps/model.py``, with its MoE classes from ``apps/moe.py`` and
-    ``apps/moe_ep.py``, which import only torch), TE probe (``fsdp_cudagraph/capture/te.py``) and FP8 settings
+    ``apps/moe_ep.py`` and its tensor-parallel slices from ``apps/tp.py``, which import only torch), TE probe (``fsdp_cudagraph/capture/te.py``) and FP8 settings
     (``capture/fp8.py``, which imports only torch and the probe).
 
     ``isolated`` (the Megatron-FSDP process, which must not import our ``megatron_fsdp``): the files are

@@ -54,8 +54,10 @@ def run_gloo(fn: Callable, world_size: int, *args: Any) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned Gloo ranks; return each rank's result.
 
     A rank that raises makes this raise with that rank's traceback. Ranks exit normally once their outcome is
-    saved (see ``_worker``). A rank still killed by a signal while no rank raised is retried once on a fresh
-    port, with a warning (its Python stacks are in the captured stderr); a second such failure raises.
+    saved (see ``_worker``). A rank still killed by a signal while no rank raised, or a rendezvous whose port another
+    process took between ``_free_port`` and rank 0's bind (``EADDRINUSE``, when other jobs share the host), is
+    retried once on a fresh port, with a warning (its Python stacks are in the captured stderr); a second such
+    failure raises.
     """
     for attempt in (1, 2):
         try:
@@ -83,8 +85,8 @@ def _run_once(fn: Callable, world_size: int, args: tuple) -> List[Any]:
                     rec = torch.load(path, weights_only=False)
                     if not rec["ok"]:
                         errors.append(f"--- rank {r} ---\n{rec['error']}")
-            if not errors and "signal" in str(exc):
-                raise _AbortedWithoutError(str(exc)) from None
+            if not errors and ("signal" in str(exc) or "EADDRINUSE" in str(exc)):
+                raise _AbortedWithoutError(str(exc)[-2000:]) from None
             raise RuntimeError("distributed run failed:\n" + "\n".join(errors or [str(exc)])) from None
         out = []
         for r in range(world_size):

@@ -21,7 +21,8 @@ leaked = sorted(m for m in sys.modules if m == "megatron_fsdp" or m.startswith("
                                                                   "fsdp_cudagraph.capture.te", "fsdp_cudagraph.capture.fp8",
                                                                   "fsdp_cudagraph.apps.model",
                                                                   "fsdp_cudagraph.apps.moe",
-                                                                  "fsdp_cudagraph.apps.moe_ep"))
+                                                                  "fsdp_cudagraph.apps.moe_ep",
+                                                                  "fsdp_cudagraph.apps.tp"))
 print(leaked, sum(p.numel() for p in gpt.parameters()))
 """
 
