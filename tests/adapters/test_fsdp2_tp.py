@@ -36,9 +36,9 @@ STEPS = 3
 CAPTURE_AT = 1
 BATCH = 4  # global rows per step
 VOCAB, HIDDEN, HEADS, LAYERS, SEQ = 32, 16, 2, 2, 8
-MAX_NORM = 0.5  # below the measured norms (about 0.8 to 0.9): clipping scales every step
+MAX_NORM = 0.5  # below the measured norms (0.79 to 0.91): clipping scales every step
 #: Eager TP against the 1-D reference, relative to each tensor's largest magnitude. Measured (torch 2.13 CPU,
-#: fp32, 3 steps): parameters 5.3e-7 (2x2) and 6.4e-7 (1x2), losses 0 (2x2) and 7.0e-8 (1x2), norms 1.3e-7 and
+#: fp32, 3 steps): parameters 5.7e-7 (2x2) and 6.7e-7 (1x2), losses 0 (2x2) and 6.9e-8 (1x2), norms 1.3e-7 and
 #: 7.5e-8; adding 1e-3 to one TP rank's shard of a q projection before training moves the parameters by 3.7e-3
 #: (the negative control, 370 times the bound).
 RTOL = 1e-5
@@ -94,7 +94,7 @@ class TinyGPT(nn.Module):
         self.ln_f, self.head = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))[None]
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))[None]
         for layer in self.layers:
             x = layer(x)
         return self.head(self.ln_f(x))
@@ -107,11 +107,11 @@ def _tp_plan() -> Dict[str, Any]:
             "attn.proj": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
 
 
-def _parallelized(mesh2d) -> TinyGPT:
+def _parallelized(mesh2d, device: str = "cpu") -> TinyGPT:
     from torch.distributed.tensor.parallel import parallelize_module
 
     torch.manual_seed(0)
-    model = TinyGPT()
+    model = TinyGPT().to(device)
     for layer in model.layers:
         parallelize_module(layer, mesh2d["tp"], _tp_plan())
     return model
@@ -123,20 +123,21 @@ def _batch(step: int):
     return x[:, :-1], x[:, 1:]
 
 
-def _train(rank: int, world: int, tp: int, *, scope: Optional[List[str]] = None,
-           perturb: bool = False) -> Dict[str, Any]:
-    """tp > 1: the 2-D run (tp ranks per data-parallel rank); tp == 1: the 1-D reference over all ranks."""
+def _train(rank: int, world: int, tp: int, *, scope: Optional[List[str]] = None, perturb: bool = False,
+           device: str = "cpu") -> Dict[str, Any]:
+    """tp > 1: the 2-D run (tp ranks per data-parallel rank); tp == 1: the 1-D reference over all ranks. ``device``
+    "cuda" (tests/gpu/scripts/fsdp2_tp_graphs.py): NCCL meshes and the torch backend."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs, keep_unsharded_storage
     from fsdp_cudagraph.engines.fsdp2 import clip_grad_norm_, fsdp2_mesh, shard_fsdp2
 
     if tp > 1:
-        mesh2d = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
-        model, dp_mesh = _parallelized(mesh2d), mesh2d["dp"]
+        mesh2d = init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        model, dp_mesh = _parallelized(mesh2d, device), mesh2d["dp"]
     else:
         torch.manual_seed(0)
-        model, dp_mesh = TinyGPT(), fsdp2_mesh("cpu")
+        model, dp_mesh = TinyGPT().to(device), fsdp2_mesh(device)
     shard_fsdp2(model, list(model.layers), mesh=dp_mesh)
     keep_unsharded_storage(model)
     if perturb and rank == 1:  # negative control: one TP rank's shard of layer 0's q projection
@@ -146,14 +147,15 @@ def _train(rank: int, world: int, tp: int, *, scope: Optional[List[str]] = None,
     graphs = None
     if scope is not None:
         graphs = PartialCudaGraphs(model, CudaGraphConfig(cuda_graph_impl="local", cuda_graph_modules=scope,
-                                                          cuda_graph_warmup_steps=CAPTURE_AT), backend="protocol")
+                                                          cuda_graph_warmup_steps=CAPTURE_AT),
+                                   backend="protocol" if device == "cpu" else "torch")
     dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
     rows = BATCH // dp
     out: Dict[str, Any] = {"losses": [], "norms": []}
     for step in range(STEPS):
         if graphs is not None and step == CAPTURE_AT:
             out["callables"] = graphs.capture().callables
-        x, y = _batch(step)
+        x, y = (t.to(device) for t in _batch(step))
         loss = F.cross_entropy(model(x[dp_rank * rows:(dp_rank + 1) * rows]).flatten(0, 1),
                                y[dp_rank * rows:(dp_rank + 1) * rows].flatten())
         loss.backward()
@@ -163,16 +165,16 @@ def _train(rank: int, world: int, tp: int, *, scope: Optional[List[str]] = None,
                 out["torch_clip"] = None
             except RuntimeError as exc:  # raised at the stack of norms, before any gradient is scaled
                 out["torch_clip"] = str(exc)
-        out["norms"].append(clip_grad_norm_(model, MAX_NORM).detach().clone())
+        out["norms"].append(clip_grad_norm_(model, MAX_NORM).detach().cpu())
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # every rank of a data-parallel rank holds its loss: the world mean is the global one
-        out["losses"].append(mean / world)
+        out["losses"].append((mean / world).cpu())
     if graphs is not None:
         out["replays"] = {n: model.get_submodule(n).__dict__["forward"].replays for n in out["callables"]}
         graphs.delete()
-    out["params"] = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    out["params"] = {n: p.full_tensor().detach().cpu() for n, p in model.named_parameters()}
     if tp > 1:
         out["placements"] = {n: [type(pl).__name__ for pl in p.placements] for n, p in model.named_parameters()}
     return out
