@@ -15,7 +15,7 @@ model's: ``--device cpu`` means CPU whatever the machine has.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from fsdp_cudagraph.engines.registry import register_builder
 from fsdp_cudagraph.engines.fsdp2 import expert as _ep
 from fsdp_cudagraph.engines.fsdp2.storage import keep_unsharded_storage, use_unsharded_slots
 
-__all__ = ["BUILDER", "shard_fsdp2", "fsdp2_shard", "fsdp2_mesh", "FSDP2_MIXED_PRECISION", "FSDP2_STORAGE"]
+__all__ = ["BUILDER", "shard_fsdp2", "fsdp2_shard", "fsdp2_mesh", "tensor_parallel_mesh", "check_tensor_parallel_mesh", "FSDP2_MIXED_PRECISION", "FSDP2_STORAGE"]
 
 
 def fsdp2_mesh(device: Union[torch.device, str], group: Any = None) -> Any:
@@ -44,7 +44,9 @@ def fsdp2_shard(module: Union[nn.Module, List[nn.Module]], *, device: Union[torc
                 mesh: Any = None, **fully_shard_kwargs: Any) -> Any:
     """torch's ``fully_shard(module, mesh=...)`` with a mesh on ``device`` (default: the first parameter's device of
     ``module``, or of the first module of a list: one FSDP2 unit of several modules). ``mesh``: one to use instead,
-    refused unless its device type is ``device``'s. Returns what ``fully_shard`` returns. [Note: the FSDP2 mesh]."""
+    refused unless its device type is ``device``'s. Returns what ``fully_shard`` returns. [Note: the FSDP2 mesh].
+    A module with DTensor (tensor-parallel) parameters needs ``mesh=mesh['dp']`` of its ``(dp, tp)`` mesh, refused
+    otherwise ([Note: FSDP2 with DTensor tensor parallelism])."""
     from torch.distributed.fsdp import fully_shard
 
     if device is None:
@@ -52,12 +54,75 @@ def fsdp2_shard(module: Union[nn.Module, List[nn.Module]], *, device: Union[torc
         p = next(iter(first.parameters()), None)
         device = p.device if p is not None else torch.device("cpu")
     device = torch.device(device)
+    explicit = mesh is not None
     if mesh is None:
         mesh = fsdp2_mesh(device)
     elif mesh.device_type != device.type:
         raise ValueError(f"mesh.device_type={mesh.device_type!r} is not the model's device type {device.type!r}; FSDP2 "
                          "would move the parameters to the mesh's device: pass a mesh on the model's device, or none")
+    tp_mesh = tensor_parallel_mesh(module)
+    if tp_mesh is not None:
+        check_tensor_parallel_mesh(mesh, tp_mesh, explicit=explicit)
     return fully_shard(module, mesh=mesh, **fully_shard_kwargs)
+
+
+def _own_parameters(module: Union[nn.Module, List[nn.Module]]) -> List[Tuple[str, torch.Tensor]]:
+    """The parameters under ``module`` (or a list of modules) that no inner FSDP2 unit manages yet."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out: List[Tuple[str, torch.Tensor]] = []
+    stack = list(module) if isinstance(module, (list, tuple)) else [module]
+    roots = {id(m) for m in stack}
+    while stack:
+        m = stack.pop()
+        if id(m) not in roots and isinstance(m, FSDPModule):
+            continue
+        out.extend(m.named_parameters(recurse=False))
+        stack.extend(m.children())
+    return out
+
+
+def tensor_parallel_mesh(module: Union[nn.Module, List[nn.Module]]) -> Any:
+    """The 1-D mesh of the DTensor (tensor-parallel) parameters under ``module`` that FSDP2 does not manage yet, or
+    None when there are none. Refuses DTensors on several meshes or on a mesh of more than one dimension (ValueError).
+    [Note: FSDP2 with DTensor tensor parallelism]."""
+    meshes = {}
+    for name, p in _own_parameters(module):
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            meshes.setdefault(id(mesh), (mesh, name))
+    if not meshes:
+        return None
+    if len(meshes) > 1 or next(iter(meshes.values()))[0].ndim != 1:
+        found = ", ".join(f"{n}: {m}" for m, n in meshes.values())
+        raise ValueError(f"fully_shard of DTensor parameters on {found}: FSDP2 with tensor parallelism here takes "
+                         "parameters parallelized over one 1-D mesh (mesh['tp'] of a (dp, tp) DeviceMesh, as "
+                         "parallelize_module(block, mesh['tp'], plan) makes them); parallelize every block over the "
+                         "same mesh['tp']")
+    return next(iter(meshes.values()))[0]
+
+
+def check_tensor_parallel_mesh(mesh: Any, tp_mesh: Any, *, explicit: bool = True) -> None:
+    """Refuse a data-parallel ``mesh`` that does not pair with the tensor-parallel ``tp_mesh`` ([Note: FSDP2 with
+    DTensor tensor parallelism]): ValueError naming both meshes, the rule and ``mesh['dp']``."""
+    tp_name = (tp_mesh.mesh_dim_names or ("?",))[0]
+    fix = (f"pass mesh=mesh['dp'] of the 2-D (dp, {tp_name}) DeviceMesh whose mesh[{tp_name!r}] parallelized the "
+           "model")
+    if not explicit:
+        raise ValueError(f"fully_shard of a model with DTensor parameters on {tp_mesh} (tensor parallelism) without a "
+                         "mesh: the default mesh is 1-D over the world and would shard the TP slices over the TP "
+                         f"ranks as well; {fix}")
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"fully_shard with the {mesh.ndim}-D mesh {mesh} of a model whose DTensor parameters are on {tp_mesh}: "
+            "FSDP2 with tensor parallelism here shards over one data-parallel dimension (HSDP with TP and the "
+            f"whole (dp, tp) mesh are not supported); {fix}")
+    root, names = mesh._get_root_mesh(), set(mesh.mesh_dim_names or ())
+    same_root = root is tp_mesh._get_root_mesh() or root == tp_mesh._get_root_mesh()
+    if not same_root or names & set(tp_mesh.mesh_dim_names or ()) or mesh.size() * tp_mesh.size() != root.size():
+        raise ValueError(f"fully_shard with mesh {mesh} ({mesh.size()} ranks) of a model whose DTensor parameters are "
+                         f"on {tp_mesh} ({tp_mesh.size()} ranks): the data-parallel mesh must be the other dimension "
+                         f"of the same root mesh ({root.size()} ranks), so that dp * tp covers it; {fix}")
 
 
 def shard_fsdp2(model: nn.Module, units: Sequence[nn.Module] = (), *, device: Union[torch.device, str, None] = None,
@@ -79,16 +144,28 @@ def shard_fsdp2(model: nn.Module, units: Sequence[nn.Module] = (), *, device: Un
     ValueError: EP not dividing the world, a model whose experts' ``ep_group`` disagrees with the mesh, experts with
     EP > 1 sharded at ``expert_parallel_size=1``; NotImplementedError: a dense mesh other than 1-D over the world
     (HSDP) with EP. ``model.state_dict()``/``load_state_dict()`` then refuse (the local experts share keys).
+
+    Tensor parallelism: a model whose blocks ``parallelize_module`` made DTensors over ``mesh2d['tp']`` is sharded
+    with ``mesh=mesh2d['dp']``; another mesh, none, or EP with it are refused ([Note: FSDP2 with DTensor tensor
+    parallelism]).
     """
     if device is None:
         p = next(iter(model.parameters()), None)
         device = p.device if p is not None else torch.device("cpu")
     ep = expert_parallel_size
+    if (ep != 1 or expert_mesh is not None) and tensor_parallel_mesh(model) is not None:
+        raise NotImplementedError(
+            f"shard_fsdp2(expert_parallel_size={ep}) of a model with DTensor (tensor-parallel) parameters on "
+            f"{tensor_parallel_mesh(model)}: expert parallelism and tensor parallelism under FSDP2 are not composed "
+            "here; use one of the two")
     if ep != 1 or expert_mesh is not None:
         expert_mesh = _expert_mesh(device, mesh, ep, expert_mesh)
         ep = expert_mesh["ep"].size()
     experts = _ep.check_expert_groups(model, ep, expert_mesh)
     if mesh is None:
+        tp_mesh = tensor_parallel_mesh(model)
+        if tp_mesh is not None:
+            check_tensor_parallel_mesh(None, tp_mesh, explicit=False)
         mesh = fsdp2_mesh(device)
     if ep > 1:
         for _, m in experts:

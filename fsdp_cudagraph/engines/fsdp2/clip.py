@@ -17,8 +17,13 @@ computed honestly instead, each element counted once:
 - total ``(dense^p + experts^p)^(1/p)``; every rank gets the same value.
 
 Then every gradient is scaled by ``min(1, max_norm / (total + 1e-6))`` in place (its local shard), as torch does.
-Without an expert layout (EP = 1) the function is torch's on one mesh; gradients on several meshes without one are
-refused (it could not tell whether the meshes hold the same elements).
+Without an expert layout (EP = 1) the function is torch's on one mesh. Tensor parallelism ([Note: FSDP2 with DTensor
+tensor parallelism] in ``build.py``) puts the gradients on two meshes of one root: the plain parameters' on
+``mesh['dp']`` (replicated over ``tp``), the TP slices' on the whole ``(dp, tp)`` mesh. Each mesh's norm is then
+whole (``full_tensor`` over every dimension the mesh has) and the meshes hold disjoint parameters, so the total is
+``(sum of the meshes' norm^p)^(1/p)`` (the maximum for ``inf``); torch's ``clip_grad_norm_`` raises there (its
+``stack`` of per-parameter norms refuses operands on different meshes). Gradients on several meshes of different
+roots without an expert layout are refused (it could not tell whether the meshes hold the same elements).
 """
 
 from __future__ import annotations
@@ -45,6 +50,14 @@ def _mesh_norm(grads: List[torch.Tensor], norm_type: float) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
+def _one_root(meshes: List[Any]) -> bool:
+    """Whether ``meshes`` (DeviceMeshes, or None for plain gradients) are all slices of one root mesh."""
+    if any(m is None for m in meshes):
+        return False
+    roots = [m._get_root_mesh() for m in meshes]
+    return all(r is roots[0] or r == roots[0] for r in roots)
+
+
 def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     """The global ``norm_type``-norm of every gradient of ``model`` (an FSDP2 root), each element counted once
     ([Note: FSDP2 clipping with experts]). A collective: every rank calls it; all get the same fp32 value."""
@@ -64,6 +77,12 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
         by_mesh.setdefault((id(p) in expert_ids, id(mesh)), []).append(p.grad)
     dense_meshes = {m for e, m in by_mesh if not e}
     expert_meshes = {m for e, m in by_mesh if e}
+    if layout is None and len(dense_meshes) > 1 and _one_root([meshes[m] for m in dense_meshes]):
+        # tensor parallelism: the dp mesh and the (dp, tp) mesh of one root hold disjoint parameters, each whole
+        norms = [_mesh_norm(gs, norm_type).to(torch.float32) for gs in by_mesh.values()]
+        if math.isinf(norm_type):
+            return torch.stack(norms).max()
+        return torch.stack(norms).pow(norm_type).sum().pow(1.0 / norm_type)
     if layout is None and len(dense_meshes) > 1:
         raise NotImplementedError(
             f"fsdp_cudagraph: the gradients of {type(model).__name__} live on {len(dense_meshes)} device meshes and the "
