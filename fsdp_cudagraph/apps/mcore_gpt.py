@@ -1,7 +1,7 @@
 """megatron-core's own ``GPTModel`` (dense and MoE) under an FSDP engine, eager against partial CUDA graphs.
 
-The model is built as megatron-core users build it: ``parallel_state.initialize_model_parallel`` (TP = PP = 1,
-EP = ``--expert-parallel``, default 1) over the existing default process group, a ``TransformerConfig``,
+The model is built as megatron-core users build it: ``parallel_state.initialize_model_parallel`` (PP = 1,
+TP = ``--tensor-parallel``, EP = ``--expert-parallel``, default 1) over the existing default process group, a ``TransformerConfig``,
 TransformerEngine's layer spec (``get_gpt_layer_with_transformer_engine_spec``) when TE is importable, else
 megatron-core's local spec (``get_gpt_layer_local_spec``), and ``GPTModel``. The FSDP unit is
 ``TransformerLayer``; engines ``megatron_fsdp`` (ours), ``nvidia`` (NVIDIA Megatron-FSDP, the bundled
@@ -43,12 +43,25 @@ FSDP2 with EP too), and so are EP on the dense model and an ``N`` that divides n
 not change: ``attn_router``, the exchange and the experts eager between graphs. State dicts of an EP model are
 refused by our engine (the EP ranks' local experts share names); training is not affected.
 
+Tensor parallelism (``--tensor-parallel N``, ``MCoreShape.tensor_parallel_size``; the dense model, ``N`` dividing
+the world size, the heads, the MLP, the vocabulary and the sequence): ``initialize_model_parallel(
+tensor_model_parallel_size=N)`` and ``TransformerConfig(tensor_model_parallel_size=N, sequence_parallel=True)``;
+each rank builds its TP slice (megatron-core tags the shards ``tensor_model_parallel``, the vocabulary-parallel
+embedding among them, and the norms ``sequence_parallel``); every TP rank of a data-parallel group takes the same
+micro-batch (:func:`batch`). megatron-core's groups (:func:`tensor_groups`) reach the engine as
+``ModelSpec.tensor_groups``: ``megatron_fsdp`` passes them as ``fully_shard(process_group=dp,
+tensor_parallel_group=tp)``, which sums the ``sequence_parallel`` gradients over TP (megatron-core's
+``finalize_model_grads`` does that in Megatron-LM; it is not called here). Scopes ``attn_mlp`` and ``layer``, the TP
+collectives inside the graphs. Refused: engines ``nvidia`` and ``fsdp2`` (``NotImplementedError``), TP on the MoE
+models, TP with EP. On the local spec without apex the norms are :class:`SequenceParallelLayerNorm`.
+
 Run (1 GPU, 2 GPUs, CPU on Gloo with the protocol backend)::
 
     python -m fsdp_cudagraph.apps.mcore_gpt --engine megatron_fsdp --model moe_alltoall --scope attn_router
     torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.mcore_gpt --engine nvidia --model dense --scope layer
     python -m fsdp_cudagraph.apps.mcore_gpt --device cpu --model moe_allgather --scope attn_router --json r.json
     torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.mcore_gpt --model moe_alltoall --expert-parallel 2
+    torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.mcore_gpt --model dense --tensor-parallel 2 --scope attn_mlp
 
 and through the alignment checker (the factories :func:`dense`, :func:`moe_alltoall`, :func:`moe_allgather`
 and :func:`moe_alltoall_ep`, EP = world size, tag ``self_attention`` as ``attn``, a dense ``mlp`` as ``mlp``
@@ -256,8 +269,9 @@ def check_tensor_parallel_world(tensor_parallel_size: int, world_size: int) -> N
 
 def init_parallel_state(seed: int, device: torch.device, expert_parallel_size: int = 1,
                         tensor_parallel_size: int = 1) -> None:
-    """megatron-core's parallel state over the default process group (TP = PP = 1, data parallel over every rank,
-    ``expert_model_parallel_size=expert_parallel_size``), once per EP size (another size rebuilds it:
+    """megatron-core's parallel state over the default process group (PP = 1, ``tensor_model_parallel_size=
+    tensor_parallel_size``, data parallel over the rest, ``expert_model_parallel_size=expert_parallel_size``),
+    once per EP and TP size (another size rebuilds it:
     ``destroy_model_parallel`` then ``initialize_model_parallel``); and, on CUDA, its model-parallel RNG states
     from ``seed`` (what TE's layers fork; the experts of each EP rank draw from their own state).
 
