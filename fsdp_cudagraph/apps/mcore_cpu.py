@@ -1,7 +1,7 @@
 """The CPU shims of :mod:`fsdp_cudagraph.apps.mcore_gpt`: megatron-core's GPTModel on the host (Gloo ranks).
 
-megatron-core calls a few CUDA-only functions that do not touch the model's math at TP = 1 with no dropout
-(the current device, CUDA streams and events, the CUDA RNG tracker's fork, the alltoall dispatcher's host copy of
+megatron-core calls a few CUDA-only functions that do not touch the model's math at any TP or EP size with no
+dropout (the current device, CUDA streams and events, the CUDA RNG tracker's fork, the alltoall dispatcher's host copy of
 its split sizes); :func:`cpu_shims` replaces each with its host equivalent while it is entered. The app's
 ``--device cpu`` and the CPU tests enter it; a checker factory on a machine without CUDA installs it for the
 rest of the process (:func:`shims_for_factory`); :func:`check_device` refuses a CPU build outside it.
@@ -61,10 +61,11 @@ _SHIMS_ACTIVE = False
 def cpu_shims() -> Iterator[List[str]]:
     """Let megatron-core's GPTModel (local spec) train on the CPU; yields the names replaced, restored on exit.
 
-    megatron-core calls CUDA-only functions that have no effect on the model's math at TP = 1 (any EP) with no
+    megatron-core calls CUDA-only functions that have no effect on the model's math at any TP or EP size with no
     dropout; each is replaced by its host equivalent:
 
-    - ``torch.cuda.current_device`` returns ``"cpu"``: RoPE and the router place tensors on "the current device";
+    - ``torch.cuda.current_device`` returns ``"cpu"``: RoPE, the router and (TP > 1) the sequence-parallel
+      all-gather's buffer (megatron-core's global memory buffer) place tensors on "the current device";
     - ``CudaRNGStatesTracker.fork`` is a no-op context: it switches the CUDA RNG state around attention
       dropout, which is 0 here (the tracker needs CUDA to hold a state at all);
     - ``torch.cuda.Stream``, ``torch.cuda.current_stream``, ``torch.cuda.stream``: the alltoall dispatcher copies

@@ -1,7 +1,7 @@
 """megatron-core's own ``GPTModel`` (dense and MoE) under an FSDP engine, eager against partial CUDA graphs.
 
-The model is built as megatron-core users build it: ``parallel_state.initialize_model_parallel`` (TP = PP = 1,
-EP = ``--expert-parallel``, default 1) over the existing default process group, a ``TransformerConfig``,
+The model is built as megatron-core users build it: ``parallel_state.initialize_model_parallel`` (PP = 1,
+TP = ``--tensor-parallel``, EP = ``--expert-parallel``, default 1) over the existing default process group, a ``TransformerConfig``,
 TransformerEngine's layer spec (``get_gpt_layer_with_transformer_engine_spec``) when TE is importable, else
 megatron-core's local spec (``get_gpt_layer_local_spec``), and ``GPTModel``. The FSDP unit is
 ``TransformerLayer``; engines ``megatron_fsdp`` (ours), ``nvidia`` (NVIDIA Megatron-FSDP, the bundled
@@ -43,12 +43,25 @@ FSDP2 with EP too), and so are EP on the dense model and an ``N`` that divides n
 not change: ``attn_router``, the exchange and the experts eager between graphs. State dicts of an EP model are
 refused by our engine (the EP ranks' local experts share names); training is not affected.
 
+Tensor parallelism (``--tensor-parallel N``, ``MCoreShape.tensor_parallel_size``; the dense model, ``N`` dividing
+the world size, the heads, the MLP, the vocabulary and the sequence): ``initialize_model_parallel(
+tensor_model_parallel_size=N)`` and ``TransformerConfig(tensor_model_parallel_size=N, sequence_parallel=True)``;
+each rank builds its TP slice (megatron-core tags the shards ``tensor_model_parallel``, the vocabulary-parallel
+embedding among them, and the norms ``sequence_parallel``); every TP rank of a data-parallel group takes the same
+micro-batch (:func:`batch`). megatron-core's groups (:func:`tensor_groups`) reach the engine as
+``ModelSpec.tensor_groups``: ``megatron_fsdp`` passes them as ``fully_shard(process_group=dp,
+tensor_parallel_group=tp)``, which sums the ``sequence_parallel`` gradients over TP (megatron-core's
+``finalize_model_grads`` does that in Megatron-LM; it is not called here). Scopes ``attn_mlp`` and ``layer``, the TP
+collectives inside the graphs. Refused: engines ``nvidia`` and ``fsdp2`` (``NotImplementedError``), TP on the MoE
+models, TP with EP. On the local spec without apex the norms are :class:`SequenceParallelLayerNorm`.
+
 Run (1 GPU, 2 GPUs, CPU on Gloo with the protocol backend)::
 
     python -m fsdp_cudagraph.apps.mcore_gpt --engine megatron_fsdp --model moe_alltoall --scope attn_router
     torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.mcore_gpt --engine nvidia --model dense --scope layer
     python -m fsdp_cudagraph.apps.mcore_gpt --device cpu --model moe_allgather --scope attn_router --json r.json
     torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.mcore_gpt --model moe_alltoall --expert-parallel 2
+    torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.mcore_gpt --model dense --tensor-parallel 2 --scope attn_mlp
 
 and through the alignment checker (the factories :func:`dense`, :func:`moe_alltoall`, :func:`moe_allgather`
 and :func:`moe_alltoall_ep`, EP = world size, tag ``self_attention`` as ``attn``, a dense ``mlp`` as ``mlp``
@@ -80,7 +93,8 @@ from torch import nn
 from fsdp_cudagraph.apps.mcore_cpu import check_device, cpu_shims, shims_for_factory
 
 __all__ = ["HAS_MCORE", "MCORE_REASON", "MCORE_VERSION", "MCoreShape", "MODELS", "SCOPES", "cpu_shims",
-           "init_parallel_state", "expert_groups", "check_expert_parallel_world", "check_engine_expert_parallel",
+           "init_parallel_state", "expert_groups", "tensor_groups",
+           "check_tensor_parallel_world", "check_engine_tensor_parallel", "SequenceParallelLayerNorm", "check_expert_parallel_world", "check_engine_expert_parallel",
            "build", "layout", "tag_modules", "scope_patterns", "check_megatron_graphs_off", "batch", "loss", "spec",
            "dense", "moe_alltoall", "moe_allgather", "moe_alltoall_ep", "run", "main"]
 
@@ -124,6 +138,9 @@ class MCoreShape:
     #: and the dispatcher brings them their tokens (alltoall: an all-to-all over the EP group; allgather: every
     #: rank of the group gathers every token, then a reduce-scatter); 1: every rank holds every expert
     expert_parallel_size: int = 1
+    #: megatron-core's ``tensor_model_parallel_size`` (TP, with sequence parallelism; dense model only): each rank
+    #: builds its TP slice of every layer and of the vocabulary-parallel embedding and output layer; 1: no TP
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
@@ -131,7 +148,30 @@ class MCoreShape:
                              "'allgather' (the flex dispatcher needs DeepEP/HybridEP, not checked here)")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size({self.hidden_size}) % num_heads({self.num_heads}) != 0")
+        self._check_tensor_parallel()
         self._check_expert_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size={tp!r} must be a positive integer (1: no tensor parallelism)")
+        if tp == 1:
+            return
+        if self.expert_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tp} with expert_parallel_size={self.expert_parallel_size}: "
+                             "the engine takes one of the two (its expert and tensor-parallel groups are not built "
+                             "for a third dimension); use one of them")
+        if self.num_experts is not None:
+            raise ValueError(f"tensor_parallel_size={tp} on an MoE model: megatron-core's expert tensor parallelism "
+                             "and the MoE layer's sequence-parallel dispatch are not wired into this app or checked; "
+                             "use model dense with tensor parallelism, or tensor_parallel_size=1 (expert "
+                             "parallelism: --expert-parallel)")
+        for what, n in (("num_heads", self.num_heads), ("ffn_hidden_size", self.ffn_hidden_size),
+                        ("vocab_size", self.vocab_size), ("seq_len", self.seq_len)):
+            if n % tp:
+                raise ValueError(f"tensor_parallel_size={tp} does not divide {what}={n}: megatron-core splits the "
+                                 f"heads, the MLP's hidden units and the vocabulary over the TP ranks, and sequence "
+                                 f"parallelism the sequence; pick a TP size dividing {what}")
 
     def _check_expert_parallel(self) -> None:
         ep = self.expert_parallel_size
@@ -219,25 +259,41 @@ def check_expert_parallel_world(expert_parallel_size: int, world_size: int) -> N
                          f"pick a divisor of {world_size} (e.g. --expert-parallel {world_size})")
 
 
-def init_parallel_state(seed: int, device: torch.device, expert_parallel_size: int = 1) -> None:
-    """megatron-core's parallel state over the default process group (TP = PP = 1, data parallel over every rank,
-    ``expert_model_parallel_size=expert_parallel_size``), once per EP size (another size rebuilds it:
+def check_tensor_parallel_world(tensor_parallel_size: int, world_size: int) -> None:
+    """Refuse (ValueError) a tensor-parallel size that does not divide the number of ranks."""
+    if world_size % tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} does not divide the world size {world_size}: "
+                         "megatron-core splits the ranks into tensor-parallel groups of that size; pick a divisor of "
+                         f"{world_size} (e.g. --tensor-parallel {world_size})")
+
+
+def init_parallel_state(seed: int, device: torch.device, expert_parallel_size: int = 1,
+                        tensor_parallel_size: int = 1) -> None:
+    """megatron-core's parallel state over the default process group (PP = 1, ``tensor_model_parallel_size=
+    tensor_parallel_size``, data parallel over the rest, ``expert_model_parallel_size=expert_parallel_size``),
+    once per EP and TP size (another size rebuilds it:
     ``destroy_model_parallel`` then ``initialize_model_parallel``); and, on CUDA, its model-parallel RNG states
     from ``seed`` (what TE's layers fork; the experts of each EP rank draw from their own state).
 
     megatron-core's rank order (``tp-cp-ep-dp-pp``) makes the expert-parallel groups contiguous ranks and the
     expert-data-parallel groups strided by EP, the layout of ``megatron_fsdp``'s expert parallelism
     ([Note: expert parallelism] in ``megatron_fsdp/_expert.py``): :func:`expert_groups` hands both to the
-    engine, which checks that they tile the ranks."""
+    engine, which checks that they tile the ranks. ``tensor_parallel_size`` > 1: megatron-core's TP groups are
+    contiguous ranks and its data-parallel groups strided by TP, the layout of ``megatron_fsdp``'s tensor
+    parallelism ([Note: tensor parallelism] in ``megatron_fsdp/_tensor.py``); :func:`tensor_groups` hands both
+    to the engine."""
     _require()
     if not dist.is_initialized():
         raise RuntimeError("init_parallel_state needs torch.distributed initialised first (init_process_group or "
                            "torchrun); megatron-core builds its groups over the default group")
     check_expert_parallel_world(expert_parallel_size, dist.get_world_size())
-    if _ps.model_parallel_is_initialized() and _ps.get_expert_model_parallel_world_size() != expert_parallel_size:
+    check_tensor_parallel_world(tensor_parallel_size, dist.get_world_size())
+    if _ps.model_parallel_is_initialized() and (
+            _ps.get_expert_model_parallel_world_size() != expert_parallel_size
+            or _ps.get_tensor_model_parallel_world_size() != tensor_parallel_size):
         _ps.destroy_model_parallel()  # drops megatron-core's references to its groups; new ones are built below
     if not _ps.model_parallel_is_initialized():
-        _ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        _ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size, pipeline_model_parallel_size=1,
                                       expert_model_parallel_size=expert_parallel_size)
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -263,6 +319,52 @@ def expert_groups() -> Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]]:
     if _ps.get_expert_model_parallel_world_size() == 1:
         return None
     return _ps.get_expert_model_parallel_group(), _ps.get_expert_data_parallel_group()
+
+
+def tensor_groups() -> Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]]:
+    """megatron-core's ``(tensor-parallel group, data-parallel group)`` of this rank (the groups its TP layers
+    gather and reduce-scatter over, and the ranks that hold the same TP slice), or None at TP = 1. Our engine
+    takes them as ``fully_shard(tensor_parallel_group=, process_group=)``."""
+    if _ps.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return _ps.get_tensor_model_parallel_group(), _ps.get_data_parallel_group()
+
+
+class SequenceParallelLayerNorm:
+    """[Note: megatron-core's local norm under sequence parallelism]
+    megatron-core's local spec builds its norms as ``LNImpl``: apex's ``FusedLayerNorm`` when apex imports, else
+    ``WrappedTorchNorm`` (a ``torch.nn.LayerNorm``), which asserts ``not config.sequence_parallel``. Under
+    sequence parallelism a norm needs nothing from the TP group in its forward (it normalises each position on
+    its own, and each TP rank holds its positions): ``FusedLayerNorm`` only tags its weight and bias
+    ``sequence_parallel = True`` so that their gradients, partial per TP rank, are summed over TP after
+    backward (megatron-core's ``finalize_model_grads``; our engine does it in its gradient fold). This class is
+    that: a ``torch.nn.LayerNorm`` (what ``WrappedTorchNorm`` builds) with the tags, used by :func:`build` for
+    the layers' and the final norm when TP > 1, the local spec is chosen and apex is missing (the CPU)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any) -> nn.Module:
+        if config.normalization != "LayerNorm":
+            raise ValueError(f"normalization={config.normalization!r} with sequence parallelism on the local spec "
+                             "without apex: only LayerNorm is provided here; use normalization='LayerNorm' or TE")
+        norm = nn.LayerNorm(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+
+def _sequence_parallel_local_spec(layer_spec: Any, num_layers: int) -> Any:
+    """The local layer spec with :class:`SequenceParallelLayerNorm` in place of ``WrappedTorchNorm`` (its layers'
+    norms and the block's final norm), as a ``TransformerBlockSubmodules``; unchanged when apex provides
+    ``FusedLayerNorm`` (it handles sequence parallelism itself)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    subs = layer_spec.submodules
+    if subs.input_layernorm is not WrappedTorchNorm and subs.pre_mlp_layernorm is not WrappedTorchNorm:
+        return layer_spec
+    norms = {f: SequenceParallelLayerNorm for f in ("input_layernorm", "pre_mlp_layernorm")
+             if getattr(subs, f) is WrappedTorchNorm}
+    layer_spec = dataclasses.replace(layer_spec, submodules=dataclasses.replace(subs, **norms))
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=SequenceParallelLayerNorm)
 
 
 def _fix_router_without_te() -> None:
@@ -297,10 +399,13 @@ def build(shape: MCoreShape, device: torch.device, *, dtype: torch.dtype = torch
         raise ImportError(f"use_te=True needs TransformerEngine: {TE_REASON}")
     moe = shape.num_experts is not None
     held = _ps.get_expert_model_parallel_world_size() if _ps.model_parallel_is_initialized() else None
-    if held != shape.expert_parallel_size:
-        raise ValueError(f"expert_parallel_size={shape.expert_parallel_size} but megatron-core's parallel state has "
-                         f"expert_model_parallel_size={held} (None: not initialised); call "
-                         "init_parallel_state(seed, device, shape.expert_parallel_size) first")
+    held_tp = _ps.get_tensor_model_parallel_world_size() if _ps.model_parallel_is_initialized() else None
+    if held != shape.expert_parallel_size or held_tp != shape.tensor_parallel_size:
+        raise ValueError(f"expert_parallel_size={shape.expert_parallel_size}, tensor_parallel_size="
+                         f"{shape.tensor_parallel_size} but megatron-core's parallel state has expert_model_parallel_"
+                         f"size={held}, tensor_model_parallel_size={held_tp} (None: not initialised); call "
+                         "init_parallel_state(seed, device, shape.expert_parallel_size, shape.tensor_parallel_size) "
+                         "first")
     grouped = te if shape.moe_grouped_gemm is None else shape.moe_grouped_gemm
     fusion = te if shape.moe_permute_fusion is None else shape.moe_permute_fusion
     if moe and (grouped or fusion) and not te:
@@ -315,6 +420,9 @@ def build(shape: MCoreShape, device: torch.device, *, dtype: torch.dtype = torch
         # needs gradients returned, not fused into main_grad (docs/engines.md).
         cuda_graph_impl="none", gradient_accumulation_fusion=False,
     )
+    tp = shape.tensor_parallel_size
+    if tp > 1:  # every TP rank builds its slice; activations between TP regions are split along the sequence
+        kwargs.update(tensor_model_parallel_size=tp, sequence_parallel=True)
     if moe:
         kwargs.update(num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_router_topk,
                       moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
@@ -325,6 +433,8 @@ def build(shape: MCoreShape, device: torch.device, *, dtype: torch.dtype = torch
     config = TransformerConfig(**kwargs)
     spec_fn = get_gpt_layer_with_transformer_engine_spec if te else get_gpt_layer_local_spec
     layer_spec = spec_fn(num_experts=shape.num_experts, moe_grouped_gemm=grouped)
+    if tp > 1 and not te:  # [Note: megatron-core's local norm under sequence parallelism]
+        layer_spec = _sequence_parallel_local_spec(layer_spec, shape.num_layers)
     model = GPTModel(config, layer_spec, vocab_size=shape.vocab_size, max_sequence_length=shape.seq_len,
                      position_embedding_type="rope")
     model = model.to(device)
@@ -401,8 +511,14 @@ def batch(step: int, shape: MCoreShape, device: torch.device, *, seed: int = 123
     """This rank's batch of ``step``: token ids, position ids, the attention mask and the labels (next tokens),
     deterministic and different on each rank. The mask is None on CUDA (megatron-core's layers apply their
     causal mask themselves, as Megatron-LM trains with ``--no-create-attention-mask-in-dataloader``); on the CPU
-    the explicit causal mask (True = masked), because the local attention's default mask is made on "cuda"."""
+    the explicit causal mask (True = masked), because the local attention's default mask is made on "cuda".
+
+    With tensor parallelism (``shape.tensor_parallel_size`` > 1) the batch is the data-parallel rank's, as
+    megatron-core feeds it: every TP rank of a data-parallel group takes the same micro-batch (``[b, s]`` token
+    ids; the embedding scatters its ``[s, b, h]`` output along the sequence), different DP ranks different ones."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if shape.tensor_parallel_size > 1:
+        rank, world = _ps.get_data_parallel_rank(), _ps.get_data_parallel_world_size()
     g = torch.Generator().manual_seed(seed * 100003 + step)
     tokens = torch.randint(0, shape.vocab_size, (shape.micro_batch_size * world, shape.seq_len + 1), generator=g)
     mine = tokens[rank * shape.micro_batch_size:(rank + 1) * shape.micro_batch_size].to(device)
@@ -458,12 +574,13 @@ def spec(name: str, device: torch.device, shape: Optional[MCoreShape] = None, *,
     _require()
     shims_for_factory(device)
     shape = shape or base_shape(device, name)
-    init_parallel_state(seed, device, shape.expert_parallel_size)
+    init_parallel_state(seed, device, shape.expert_parallel_size, shape.tensor_parallel_size)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build(shape, device, dtype=dtype, use_te=shape.use_te)
     check_megatron_graphs_off(model)
     return ModelSpec(model=model, unit_modules=[TransformerLayer],
-                     batch=lambda step: batch(step, shape, device, seed=seed), loss=loss, expert_groups=expert_groups())
+                     batch=lambda step: batch(step, shape, device, seed=seed), loss=loss, expert_groups=expert_groups(),
+                     tensor_groups=tensor_groups())
 
 
 def dense(device: torch.device) -> Any:
@@ -504,6 +621,18 @@ def check_engine_expert_parallel(engine: str, expert_parallel_size: int) -> None
             "too); use --engine megatron_fsdp or nvidia, or --expert-parallel 1")
 
 
+def check_engine_tensor_parallel(engine: str, tensor_parallel_size: int) -> None:
+    """Refuse (NotImplementedError) an engine other than ``megatron_fsdp`` at TP > 1: the checker's FSDP2 and
+    NVIDIA builders shard over one group of all ranks, which would treat the TP ranks' different slices as one
+    data-parallel model."""
+    if engine != "megatron_fsdp" and tensor_parallel_size > 1:
+        raise NotImplementedError(
+            f"engine={engine!r} with tensor_parallel_size={tensor_parallel_size}: this app hands megatron-core's "
+            "tensor-parallel and data-parallel groups to megatron_fsdp only (fully_shard(process_group=dp, "
+            f"tensor_parallel_group=tp)); {engine} would shard the TP ranks' different slices over all ranks as if "
+            "they were one model; use --engine megatron_fsdp, or --tensor-parallel 1")
+
+
 def run(*, model: str, engine: str, scope: str, device: torch.device, steps: int = 6, capture_step: int = 2,
         backend: Optional[str] = None, perturb: Optional[str] = None, shape: Optional[MCoreShape] = None,
         sharding_strategy: str = "optim_grads_params", nvidia_wrapper: Optional[str] = None) -> Any:
@@ -520,6 +649,8 @@ def run(*, model: str, engine: str, scope: str, device: torch.device, steps: int
     patterns = scope_patterns(scope, moe=shape.num_experts is not None)
     check_engine_expert_parallel(engine, shape.expert_parallel_size)
     check_expert_parallel_world(shape.expert_parallel_size, dist.get_world_size())
+    check_engine_tensor_parallel(engine, shape.tensor_parallel_size)
+    check_tensor_parallel_world(shape.tensor_parallel_size, dist.get_world_size())
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     return check_alignment(lambda dev: spec(model, dev, shape), steps=steps, capture_step=capture_step,
                            backend=backend, cuda_graph_module_patterns=list(patterns),
@@ -556,6 +687,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="megatron-core's expert_model_parallel_size (MoE models; N divides the world size and the 4 "
                         "experts; engines megatron_fsdp and nvidia)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="megatron-core's tensor_model_parallel_size with sequence parallelism (dense model; N divides "
+                        "the world size, the heads, the MLP and the vocabulary; engine megatron_fsdp)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--capture-step", type=int, default=2)
     p.add_argument("--backend", choices=["te", "torch", "protocol"], default=None)
@@ -572,7 +706,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     onoff = {"on": True, "off": False, None: None}
     shape = base_shape(device, args.model, use_te={"te": True, "local": False, None: None}[args.spec],
                        moe_grouped_gemm=onoff[args.moe_grouped_gemm], moe_permute_fusion=onoff[args.moe_permute_fusion],
-                       expert_parallel_size=args.expert_parallel)
+                       expert_parallel_size=args.expert_parallel, tensor_parallel_size=args.tensor_parallel)
     with (cpu_shims() if device.type == "cpu" else contextlib.nullcontext()):
         report = run(model=args.model, engine=args.engine, scope=scope, device=device, steps=args.steps,
                      capture_step=args.capture_step, backend=args.backend, perturb=args.perturb,
@@ -589,7 +723,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 json.dump(record, f, indent=1, default=str)
         print(json.dumps({"equal": report.equal, "params_equal": report.params_equal, "culprit": report.culprit,
                           "model": args.model, "engine": args.engine, "wrapper": args.nvidia_wrapper,
-                          "scope": scope, "expert_parallel": args.expert_parallel}))
+                          "scope": scope, "expert_parallel": args.expert_parallel,
+                          "tensor_parallel": args.tensor_parallel}))
     ok = report.culprit == args.perturb if args.perturb else report.equal
     dist.destroy_process_group()
     return 0 if ok else 1

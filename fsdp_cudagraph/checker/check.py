@@ -98,6 +98,11 @@ class ModelSpec:
             token exchange runs over the first group); None (default): no expert parallelism. The engine shards
             the expert parameters over the second group (``megatron_fsdp``: ``fully_shard(expert_parallel_group=,
             expert_data_parallel_group=)``; ``nvidia``: its expert device mesh); an engine that cannot is refused.
+        tensor_groups: ``(tensor-parallel group, data-parallel group)`` of this rank, for a model built with
+            tensor parallelism (TP > 1: each rank holds its TP slice; megatron-core's ``tensor_model_parallel`` and
+            ``sequence_parallel`` parameter tags say which parameters are shards and which need their gradients
+            summed over TP). ``megatron_fsdp`` takes them as ``fully_shard(process_group=dp,
+            tensor_parallel_group=tp)``; the other engines refuse them. None (default): no tensor parallelism.
     """
 
     model: nn.Module
@@ -106,6 +111,7 @@ class ModelSpec:
     loss: Callable[[nn.Module, Any], torch.Tensor]
     make_optimizer: Callable[[List[nn.Parameter]], torch.optim.Optimizer] = _adam
     expert_groups: Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
+    tensor_groups: Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
 
 
 @dataclasses.dataclass
@@ -228,6 +234,14 @@ def _train(factory: Callable[[torch.device], ModelSpec], *, engine: EngineBuilde
     extra: Dict[str, Any] = {"options": engine_options} if engine_options else {}
     if spec.expert_groups is not None:
         extra["expert_groups"] = spec.expert_groups
+    if spec.tensor_groups is not None:
+        if not engine.tensor_parallel:
+            raise NotImplementedError(
+                f"engine={engine.name!r} with a model's tensor-parallel groups (TP="
+                f"{dist.get_world_size(spec.tensor_groups[0])}): its builder shards every parameter over one group "
+                "of all ranks and would treat the TP ranks' different slices as one data-parallel model; use "
+                "engine='megatron_fsdp' (fully_shard(process_group=dp, tensor_parallel_group=tp))")
+        extra["tensor_groups"] = spec.tensor_groups
     run = engine.build(spec.model, unit_modules=spec.unit_modules, make_optimizer=spec.make_optimizer, device=device,
                        sharding_strategy=sharding_strategy, compute_dtype=compute_dtype, **extra)
     model, opt, root, precision = run.model, run.optimizer, run.root, run.precision

@@ -93,6 +93,9 @@ class EngineBuilder:
     fix: str = ""
     #: the ``engine_options`` keys ``build`` takes (passed as ``options=``); others are refused
     options: Tuple[str, ...] = ()
+    #: whether ``build`` takes ``tensor_groups=`` (``(TP group, DP group)``, ``ModelSpec.tensor_groups``); the
+    #: checker refuses a TP model on an engine that does not
+    tensor_parallel: bool = False
 
 
 def check_options(builder: EngineBuilder, options: Optional[Dict[str, Any]]) -> Dict[str, Any]:

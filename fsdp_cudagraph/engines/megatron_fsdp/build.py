@@ -9,6 +9,10 @@ a grid ([Note: expert parallelism] in ``megatron_fsdp/_expert.py``). The final p
 rank's full parameters under ``summon_full_params()`` (dense ones and this rank's local experts, gathered over
 the expert-data-parallel group), compared rank by rank: ``full_state_dict()`` refuses a model whose EP ranks
 give their different local experts one name (megatron-core's ``local_experts.0`` on every EP rank).
+
+Tensor parallelism (``tensor_groups``, the factory's ``ModelSpec.tensor_groups``): ``fully_shard(process_group=dp,
+tensor_parallel_group=tp)`` ([Note: tensor parallelism] in ``megatron_fsdp/_tensor.py``); the final parameters
+are then this rank's TP slice, full over the data-parallel group, compared rank by rank.
 """
 
 from __future__ import annotations
@@ -28,14 +32,16 @@ __all__ = ["BUILDER"]
 def _build_megatron_fsdp(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_optimizer: MakeOptimizer,
                          device: torch.device, sharding_strategy: str,
                          compute_dtype: Optional[torch.dtype],
-                         expert_groups: Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]] = None) -> ShardedRun:
+                         expert_groups: Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]] = None,
+                         tensor_groups: Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]] = None) -> ShardedRun:
     from megatron_fsdp import fully_shard
 
     ep = {} if expert_groups is None else dict(expert_parallel_group=expert_groups[0],
                                                  expert_data_parallel_group=expert_groups[1])
+    tp = {} if tensor_groups is None else dict(tensor_parallel_group=tensor_groups[0], process_group=tensor_groups[1])
     sharded = fully_shard(model, fsdp_unit_modules=unit_modules, sharding_strategy=sharding_strategy,
                           compute_dtype=compute_dtype, fsdp_double_buffer=True,
-                          fsdp_db_use_persist_buf_on_alloc_fail=True, **ep)
+                          fsdp_db_use_persist_buf_on_alloc_fail=True, **ep, **tp)
 
     def final() -> Dict[str, torch.Tensor]:
         if sharded.expert_parallel_group is None:
@@ -47,6 +53,9 @@ def _build_megatron_fsdp(model: nn.Module, *, unit_modules: Sequence[UnitSpec], 
     ep_text = (f", expert parallel {sharded.expert_parallel_size} (experts sharded over the "
                f"{dist.get_world_size(sharded.expert_data_parallel_group)}-rank expert-data-parallel group)"
                if ep else "")
+    if tp:
+        ep_text += (f", tensor parallel {dist.get_world_size(tensor_groups[0])} (data-parallel group of "
+                    f"{dist.get_world_size(tensor_groups[1])})")
     return ShardedRun(
         model=sharded, root=sharded.module, optimizer=make_optimizer(sharded.optimizer_parameters()),
         named_parameters=sharded.named_optimizer_parameters, final_parameters=final,
@@ -55,4 +64,5 @@ def _build_megatron_fsdp(model: nn.Module, *, unit_modules: Sequence[UnitSpec], 
     )
 
 
-BUILDER = register_builder(EngineBuilder("megatron_fsdp", _build_megatron_fsdp, lambda device: None, True))
+BUILDER = register_builder(EngineBuilder("megatron_fsdp", _build_megatron_fsdp, lambda device: None, True,
+                                            tensor_parallel=True))

@@ -5,6 +5,8 @@
     torchrun --nproc-per-node 2 tests/gpu/scripts/mcore_gpt.py --expert-parallel 2 --out mcore-ep2.json   # + EP 2
     torchrun --nproc-per-node 4 tests/gpu/scripts/mcore_gpt.py --expert-parallel 4 2 --only-ep --out mcore-ep4.json
     torchrun --nproc-per-node 2 tests/gpu/scripts/mcore_gpt.py --device cpu --out mcore-cpu.json                   # Gloo
+    torchrun --nproc-per-node 2 tests/gpu/scripts/mcore_gpt.py --tensor-parallel 2 --only-tp --out mcore-tp2.json  # 1x2
+    torchrun --nproc-per-node 4 tests/gpu/scripts/mcore_gpt.py --tensor-parallel 2 4 --only-tp --out mcore-tp4.json
 
 Needs megatron-core (0.19.2 on the GPU image: ``pip install --no-deps --target /tmp/site .whl/*.whl``); TE is
 used when importable (TE's layer spec, grouped GEMM and fused permute for MoE), else megatron-core's local spec.
@@ -28,6 +30,15 @@ from parallel_state), eager against graphed as above, plus per engine the negati
 gets one row that must be refused (``NotImplementedError``: FSDP2 would shard each rank's different local experts
 over all ranks; Megatron-LM refuses ``--use-torch-fsdp2`` with EP too). Every rank trains its own micro-batch;
 EP changes only where the experts live. ``--only-ep`` skips the EP = 1 rows.
+
+Tensor parallelism (megatron-core's ``tensor_model_parallel_size`` with sequence parallelism; ``--tensor-parallel N
+[N ..]``, opt-in, each ``N > 1`` dividing the world size): per TP size rows ``dense`` x ``layer`` and ``attn_mlp``
+for engine ``megatron_fsdp`` (megatron-core's TP and DP groups passed to ``fully_shard(process_group=dp,
+tensor_parallel_group=tp)``; the TP collectives inside the captured graphs), eager against graphed as above, plus
+the negative control (the last MLP's graph scaled by 1.01); every other engine gets one row that must be refused
+(``NotImplementedError``). The TP ranks of a data-parallel group train the same micro-batch. ``--only-tp`` runs only
+these rows. After rows with TP on CUDA the script leaves without ``destroy_process_group()`` once every rank passed
+a barrier ([Note: no destroy after captured NCCL collectives] in tests/gpu/scripts/tp_graphs.py).
 """
 
 import argparse
@@ -54,17 +65,21 @@ CASES = [("dense", "layer"), ("dense", "attn_mlp"), ("moe_alltoall", "attn_route
 #: the MoE models of the expert-parallel rows, and the engines that shard megatron-core's local experts
 EP_MODELS = ["moe_alltoall", "moe_allgather"]
 EP_ENGINES = ["megatron_fsdp", "nvidia", "nvidia_mcore"]
+#: the dense scopes of the tensor-parallel rows, and the engines that take megatron-core's TP groups
+TP_SCOPES = ["layer", "attn_mlp"]
+TP_ENGINES = ["megatron_fsdp"]
 
 
 def row(engine: str, model: str, scope: str, device: torch.device, backend: Optional[str],
-        perturb: Optional[str], expert_parallel: int = 1) -> Dict[str, Any]:
+        perturb: Optional[str], expert_parallel: int = 1, tensor_parallel: int = 1) -> Dict[str, Any]:
     from fsdp_cudagraph.apps import mcore_gpt
 
     name, wrapper = ENGINES[engine]
     out: Dict[str, Any] = {"engine": engine, "model": model, "scope": scope, "perturb": perturb,
-                           "expert_parallel": expert_parallel}
+                           "expert_parallel": expert_parallel, "tensor_parallel": tensor_parallel}
     try:
-        shape = mcore_gpt.base_shape(device, model, expert_parallel_size=expert_parallel)
+        shape = mcore_gpt.base_shape(device, model, expert_parallel_size=expert_parallel,
+                                     tensor_parallel_size=tensor_parallel)
         report = mcore_gpt.run(model=model, engine=name, scope=scope, device=device, backend=backend,
                                perturb=perturb, nvidia_wrapper=wrapper, shape=shape)
     except Exception as exc:  # recorded: one failing row must not hide the others
@@ -78,16 +93,21 @@ def row(engine: str, model: str, scope: str, device: torch.device, backend: Opti
     return out
 
 
-def refused_row(engine: str, device: torch.device, expert_parallel: int) -> Dict[str, Any]:
-    """An engine that must refuse megatron-core's expert parallelism: ok when run() raises NotImplementedError."""
+def refused_row(engine: str, device: torch.device, expert_parallel: int = 1, tensor_parallel: int = 1
+                ) -> Dict[str, Any]:
+    """An engine that must refuse megatron-core's expert (or tensor) parallelism: ok when run() raises
+    NotImplementedError."""
     from fsdp_cudagraph.apps import mcore_gpt
 
     name, wrapper = ENGINES[engine]
-    out: Dict[str, Any] = {"engine": engine, "model": "moe_alltoall", "scope": "attn_router", "perturb": None,
-                           "expert_parallel": expert_parallel, "expect": "NotImplementedError"}
+    model, scope = ("dense", "attn_mlp") if tensor_parallel > 1 else ("moe_alltoall", "attn_router")
+    out: Dict[str, Any] = {"engine": engine, "model": model, "scope": scope, "perturb": None,
+                           "expert_parallel": expert_parallel, "tensor_parallel": tensor_parallel,
+                           "expect": "NotImplementedError"}
     try:
-        mcore_gpt.run(model="moe_alltoall", engine=name, scope="attn_router", device=device, nvidia_wrapper=wrapper,
-                      shape=mcore_gpt.base_shape(device, "moe_alltoall", expert_parallel_size=expert_parallel))
+        mcore_gpt.run(model=model, engine=name, scope=scope, device=device, nvidia_wrapper=wrapper,
+                      shape=mcore_gpt.base_shape(device, model, expert_parallel_size=expert_parallel,
+                                                 tensor_parallel_size=tensor_parallel))
         out.update(ok=False, error="not refused")
     except NotImplementedError as exc:
         out.update(ok=True, refused=str(exc))
@@ -113,6 +133,7 @@ def _print(rows: List[Dict[str, Any]]) -> None:
     if dist.get_rank() == 0:
         for r in rows:
             print(f"{r['engine']:14s} {r['model']:14s} {r['scope']:12s} ep={r['expert_parallel']} "
+                  f"tp={r.get('tensor_parallel', 1)} "
                   f"perturb={bool(r['perturb'])!s:5s} ok={r['ok']} {r.get('error', '')}", flush=True)
 
 
@@ -127,6 +148,9 @@ def main() -> int:
                    help="EP sizes of the expert-parallel rows (default: every N > 1 dividing the world size and the 4 "
                         "experts; 1: none)")
     p.add_argument("--only-ep", action="store_true", help="run only the expert-parallel rows")
+    p.add_argument("--tensor-parallel", type=int, nargs="+", default=[], metavar="N",
+                   help="TP sizes of the tensor-parallel rows (each N > 1 dividing the world size; default: none)")
+    p.add_argument("--only-tp", action="store_true", help="run only the tensor-parallel rows")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -138,6 +162,15 @@ def main() -> int:
     eps = expert_parallel_sizes(args.expert_parallel, dist.get_world_size(), base.num_experts)
     if args.only_ep and not eps:
         raise SystemExit(f"--only-ep with no expert-parallel size on {dist.get_world_size()} rank(s): nothing to run")
+    tps = sorted({n for n in args.tensor_parallel if n > 1})
+    for n in tps:
+        if dist.get_world_size() % n:
+            raise SystemExit(f"--tensor-parallel {n}: a TP size must divide the world size ({dist.get_world_size()})")
+    if args.only_tp and not tps:
+        raise SystemExit("--only-tp with no --tensor-parallel size > 1: nothing to run")
+    if args.only_tp:
+        eps = []
+    only = args.only_ep or args.only_tp
     control = f"decoder.layers.{base.num_layers - 1}.mlp.router"
     rows: List[Dict[str, Any]] = []
     with (mcore_gpt.cpu_shims() if device.type == "cpu" else contextlib.nullcontext()):
@@ -145,12 +178,15 @@ def main() -> int:
             if device.type == "cpu" and engine.startswith("nvidia"):
                 raise SystemExit(f"engine {engine} needs CUDA (NVIDIA's MegatronFSDP builds CUDA streams)")
         # what each model runs (layer spec, experts, dispatcher, grouped GEMM, fused permute, EP), for the record
-        layouts = {} if args.only_ep else {m: mcore_gpt.layout(mcore_gpt.spec(m, device).model) for m in dict(CASES)}
+        layouts = {} if only else {m: mcore_gpt.layout(mcore_gpt.spec(m, device).model) for m in dict(CASES)}
         for ep in eps:
             for m in EP_MODELS:
                 shape = mcore_gpt.base_shape(device, m, expert_parallel_size=ep)
                 layouts[f"{m}/ep{ep}"] = mcore_gpt.layout(mcore_gpt.spec(m, device, shape).model)
-        for engine in [] if args.only_ep else engines:
+        for tp in tps:
+            shape = mcore_gpt.base_shape(device, "dense", tensor_parallel_size=tp)
+            layouts[f"dense/tp{tp}"] = mcore_gpt.layout(mcore_gpt.spec("dense", device, shape).model)
+        for engine in [] if only else engines:
             for model, scope in CASES:
                 rows.append(row(engine, model, scope, device, args.backend, None))
                 rows[-1]["layout"] = layouts[model]
@@ -169,21 +205,42 @@ def main() -> int:
                 rows.append(row(engine, "moe_alltoall", "attn_router", device, args.backend, control, ep))
                 rows[-1]["layout"] = layouts[f"moe_alltoall/ep{ep}"]
                 _print(rows[-len(EP_MODELS) - 1:])
+        tp_control = f"decoder.layers.{base.num_layers - 1}.mlp"
+        for tp in tps:
+            for engine in engines:
+                if engine not in TP_ENGINES:
+                    rows.append(refused_row(engine, device, tensor_parallel=tp))
+                    _print(rows[-1:])
+                    continue
+                for scope in TP_SCOPES:
+                    rows.append(row(engine, "dense", scope, device, args.backend, None, tensor_parallel=tp))
+                    rows[-1]["layout"] = layouts[f"dense/tp{tp}"]
+                rows.append(row(engine, "dense", "attn_mlp", device, args.backend, tp_control, tensor_parallel=tp))
+                rows[-1]["layout"] = layouts[f"dense/tp{tp}"]
+                _print(rows[-len(TP_SCOPES) - 1:])
     ok = bool(rows) and all(r["ok"] for r in rows)
     if dist.get_rank() == 0:
         from fsdp_cudagraph.capture import te as _te
 
         record = {"ok": ok, "rows": rows, "layouts": layouts, "world_size": dist.get_world_size(),
-                  "expert_parallel_sizes": eps, "command": sys.argv,
+                  "expert_parallel_sizes": eps, "tensor_parallel_sizes": tps, "command": sys.argv,
                   "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "versions": {"torch": torch.__version__, "megatron_core": mcore_gpt.MCORE_VERSION,
                                "transformer_engine": str(_te.TE_VERSION) if _te.HAS_TE else None,
                                "python": sys.version.split()[0]}}
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1, default=str)
-        failed = [f"{r['engine']}/{r['model']}/{r['scope']}/ep{r['expert_parallel']}"
+        failed = [f"{r['engine']}/{r['model']}/{r['scope']}/ep{r['expert_parallel']}/tp{r.get('tensor_parallel', 1)}"
                   f"{'/perturb' if r['perturb'] else ''}" for r in rows if not r["ok"]]
-        print(json.dumps({"ok": ok, "rows": len(rows), "expert_parallel_sizes": eps, "failed": failed}))
+        print(json.dumps({"ok": ok, "rows": len(rows), "expert_parallel_sizes": eps, "tensor_parallel_sizes": tps,
+                          "failed": failed}))
+    if tps and device.type == "cuda":
+        # [Note: no destroy after captured NCCL collectives] in tests/gpu/scripts/tp_graphs.py: the TP rows captured
+        # NCCL collectives into graphs; destroy_process_group() hung there afterwards. Leave once every rank is here.
+        dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0 if ok else 1)
     dist.destroy_process_group()
     return 0 if ok else 1
 
