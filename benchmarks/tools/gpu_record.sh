@@ -39,6 +39,9 @@
 #                   GPTModel under ours and NVIDIA's (mcore_gpt.py --only-ep; needs PYTHONPATH=/tmp/site), and the
 #                   Qwen3-30B-A3B-shaped benchmark (bench_engines.py --config qwen3moe) at sequence 1024 and
 #                   4096 (EP_SEQS, EP_PARTS: "align fsdp2 mcore bench")       -> ep-*.json, bench-qwen3moe-*.json
+#   tp              tensor parallelism on 2 and NPROC GPUs: the reference GPT on the (dp, tp) grid
+#                   (tests/gpu/scripts/tp_graphs.py), FSDP2 with DTensor TP (fsdp2_tp_graphs.py), megatron-core's
+#                   GPTModel with TP under ours (mcore_gpt.py --only-tp; PYTHONPATH=/tmp/site)  -> tp-*.json
 #   hsdp            hybrid sharding on NPROC as (NPROC/2) x 2 or 2 x 1: bench_hsdp.py --align (flat vs HSDP, both
 #                   engines, eager vs partial graphs bit for bit, bytes across the slow dimension) and the
 #                   demo with --hsdp                                                 -> hsdp-*.json
@@ -279,6 +282,21 @@ stage_ep() {
   fi
 }
 
+stage_tp() {
+  multi || { echo "tp: needs 2+ GPUs"; return 0; }
+  local sizes="$N" n; [ "$N" -gt 2 ] && sizes="2 $N"
+  for n in $sizes; do
+    local run="python3 -m torch.distributed.run --standalone --nproc-per-node $n"
+    step tp-graphs-${n}gpu.log timeout 200 $run tests/gpu/scripts/tp_graphs.py --out "$OUT/tp-graphs-${n}gpu.json"
+    tail -4 "$OUT/tp-graphs-${n}gpu.log"
+    step tp-fsdp2-${n}gpu.log timeout 200 $run tests/gpu/scripts/fsdp2_tp_graphs.py --out "$OUT/tp-fsdp2-${n}gpu.json"
+    tail -4 "$OUT/tp-fsdp2-${n}gpu.log"
+    step tp-mcore-${n}gpu.log timeout 240 $run tests/gpu/scripts/mcore_gpt.py --tensor-parallel 2 --only-tp \
+      --out "$OUT/tp-mcore-${n}gpu.json"
+    grep -E "ok=|\"ok\"" "$OUT/tp-mcore-${n}gpu.log" | tail -12
+  done
+}
+
 stage_hsdp() {
   multi || { echo "hsdp: needs 2+ GPUs"; return 0; }
   local r=${HSDP_REPLICATE:-2}
@@ -288,7 +306,7 @@ stage_hsdp() {
   tail -4 "$OUT/demo-hsdp-${N}gpu.log"
 }
 
-STAGES="align full_iteration engines pytest perf depth features demo moe mcore bench ep hsdp"
+STAGES="align full_iteration engines pytest perf depth features demo moe mcore bench ep tp hsdp"
 [ $# -ge 1 ] || { echo "usage: bash benchmarks/tools/gpu_record.sh <stage>... (stages: $STAGES all)"; exit 2; }
 for stage in "$@"; do
   for s in $([ "$stage" = all ] && echo "$STAGES" || echo "$stage"); do
