@@ -468,49 +468,32 @@ class GPT(nn.Module):
 
 
 def _check_ep_group(cfg: GPTConfig, group: Optional[Any]) -> Optional[Any]:
-    ep = cfg.expert_parallel_size
-    if ep == 1:
-        if group is not None:
-            import torch.distributed as dist
-
-            if dist.get_world_size(group) != 1:
-                raise ValueError(f"GPT got expert_parallel_group= of {dist.get_world_size(group)} ranks but "
-                                 "cfg.expert_parallel_size=1; set GPTConfig(expert_parallel_size="
-                                 f"{dist.get_world_size(group)}) or drop the group")
-        return None
-    if group is None:
-        raise ValueError(f"GPTConfig(expert_parallel_size={ep}) needs the expert-parallel process group: "
-                         f"GPT(cfg, expert_parallel_group=megatron_fsdp.expert_parallel_groups({ep})[0]) after "
-                         "torch.distributed.init_process_group")
-    import torch.distributed as dist
-
-    got = dist.get_world_size(group)
-    if got != ep:
-        raise ValueError(f"expert_parallel_group has {got} ranks but GPTConfig(expert_parallel_size={ep}); they must "
-                         f"agree: pass the group of megatron_fsdp.expert_parallel_groups({ep}) or set "
-                         f"expert_parallel_size={got}")
-    return group
+    return _check_parallel_group(cfg.expert_parallel_size, group, "expert")
 
 
 def _check_tp_group(cfg: GPTConfig, group: Optional[Any]) -> Optional[Any]:
+    return _check_parallel_group(cfg.tensor_parallel_size, group, "tensor", also=", sequence_parallel=True")
+
+
+def _check_parallel_group(size: int, group: Optional[Any], kind: str, also: str = "") -> Optional[Any]:
+    """The model's ``{kind}_parallel_group`` against ``GPTConfig({kind}_parallel_size=size)``: None at size 1 (a
+    one-rank group is accepted and dropped), else the group, which must have ``size`` ranks. ``also``: further
+    config fields the fix names when a group comes with size 1."""
     import torch.distributed as dist
 
-    tp = cfg.tensor_parallel_size
-    if tp == 1:
+    field, arg, groups = f"{kind}_parallel_size", f"{kind}_parallel_group", f"megatron_fsdp.{kind}_parallel_groups"
+    if size == 1:
         if group is not None and dist.get_world_size(group) != 1:
-            raise ValueError(f"GPT got tensor_parallel_group= of {dist.get_world_size(group)} ranks but "
-                             "cfg.tensor_parallel_size=1; set GPTConfig(tensor_parallel_size="
-                             f"{dist.get_world_size(group)}, sequence_parallel=True) or drop the group")
+            raise ValueError(f"GPT got {arg}= of {dist.get_world_size(group)} ranks but cfg.{field}=1; set "
+                             f"GPTConfig({field}={dist.get_world_size(group)}{also}) or drop the group")
         return None
     if group is None:
-        raise ValueError(f"GPTConfig(tensor_parallel_size={tp}) needs the tensor-parallel process group: "
-                         f"GPT(cfg, tensor_parallel_group=megatron_fsdp.tensor_parallel_groups({tp})[0]) after "
-                         "torch.distributed.init_process_group")
+        raise ValueError(f"GPTConfig({field}={size}) needs the {kind}-parallel process group: "
+                         f"GPT(cfg, {arg}={groups}({size})[0]) after torch.distributed.init_process_group")
     got = dist.get_world_size(group)
-    if got != tp:
-        raise ValueError(f"tensor_parallel_group has {got} ranks but GPTConfig(tensor_parallel_size={tp}); they must "
-                         f"agree: pass the group of megatron_fsdp.tensor_parallel_groups({tp}) or set "
-                         f"tensor_parallel_size={got}")
+    if got != size:
+        raise ValueError(f"{arg} has {got} ranks but GPTConfig({field}={size}); they must agree: pass the group of "
+                         f"{groups}({size}) or set {field}={got}")
     return group
 
 
