@@ -31,7 +31,7 @@ from fsdp_cudagraph.graphs.partial import CaptureReport, PartialCudaGraphs, matc
 from fsdp_cudagraph.checker.records import exit_process  # noqa: F401 - re-exported for the entry points
 
 __all__ = ["RunSpec", "RunResult", "build_model", "graph_config", "run_training", "use_deterministic_kernels",
-           "init_distributed", "rank_batches", "states_equal"]
+           "use_sdpa_math", "init_distributed", "rank_batches", "states_equal"]
 
 
 def init_distributed(*, default_port: int = 29512) -> torch.device:
@@ -68,7 +68,13 @@ def use_deterministic_kernels(*, sdpa_math: bool = True) -> None:
     """
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
-    if sdpa_math and torch.cuda.is_available():
+    if sdpa_math:
+        use_sdpa_math()
+
+
+def use_sdpa_math() -> None:
+    """PyTorch's SDPA on its math kernel only (deterministic; see :func:`use_deterministic_kernels`)."""
+    if torch.cuda.is_available():
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(False)

@@ -32,6 +32,7 @@ import torch.distributed as dist  # noqa: E402
 
 from tests.adapters.test_fsdp2_tp import CAPTURE_AT, STEPS, _rel, _train  # noqa: E402
 from tests.gpu_utils import init_script_ranks  # noqa: E402
+from fsdp_cudagraph.apps.train import use_sdpa_math  # noqa: E402
 
 TP = 2
 RTOL = 1e-4  # fp32 on the GPU with differently grouped sums (CPU, math kernel: 2.9e-6); tighten once measured
@@ -44,9 +45,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = ap.parse_args()
     dev = init_script_ranks(args.device, 29533)
-    for enable in (torch.backends.cuda.enable_flash_sdp, torch.backends.cuda.enable_mem_efficient_sdp,
-                   torch.backends.cuda.enable_cudnn_sdp):
-        enable(False)  # the math kernel: deterministic, so that graphed and eager can be compared bit for bit
+    use_sdpa_math()  # deterministic, so that graphed and eager can be compared bit for bit
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = _train(rank, world, 1, device=dev.type)
     eager = _train(rank, world, TP, device=dev.type)

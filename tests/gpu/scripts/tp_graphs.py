@@ -35,6 +35,7 @@ from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs  # noqa: E402
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch  # noqa: E402
 from fsdp_cudagraph.apps.tp import merge_tp_state_dicts  # noqa: E402
 from tests.gpu_utils import init_script_ranks  # noqa: E402
+from fsdp_cudagraph.apps.train import use_sdpa_math  # noqa: E402
 
 TP, STEPS, CAPTURE_AT, GLOBAL_ROWS, CLIP = 2, 6, 2, 8, 1.0
 MODEL = dict(vocab_size=512, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, seq_len=128)  # GQA
@@ -105,9 +106,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = ap.parse_args()
     dev = init_script_ranks(args.device, 29531)
-    for enable in (torch.backends.cuda.enable_flash_sdp, torch.backends.cuda.enable_mem_efficient_sdp,
-                   torch.backends.cuda.enable_cudnn_sdp):
-        enable(False)  # the math kernel: deterministic, so that graphed and eager can be compared bit for bit
+    use_sdpa_math()  # deterministic, so that graphed and eager can be compared bit for bit
     groups = megatron_fsdp.tensor_parallel_groups(TP)
     runs = {"eager": train(dev, groups, None)}
     for scope in SCOPES:
