@@ -42,6 +42,9 @@
 #   tp              tensor parallelism on 2 and NPROC GPUs: the reference GPT on the (dp, tp) grid
 #                   (tests/gpu/scripts/tp_graphs.py), FSDP2 with DTensor TP (fsdp2_tp_graphs.py), megatron-core's
 #                   GPTModel with TP under ours (mcore_gpt.py --only-tp; PYTHONPATH=/tmp/site)  -> tp-*.json
+#   fp8             FP8 with TE (needs TE): apps.align --rows FP8 and full_iteration_align --fp8-only on 1 GPU and
+#                   NPROC, and benchmarks/fp8_numerics.py (every recipe beside bf16, FP8_STEPS=300) on 1 GPU
+#                                                                      -> fp8-align-*.json, fp8-fi-*.json, fp8-numerics-1gpu.json
 #   hsdp            hybrid sharding on NPROC as (NPROC/2) x 2 or 2 x 1: bench_hsdp.py --align (flat vs HSDP, both
 #                   engines, eager vs partial graphs bit for bit, bytes across the slow dimension) and the
 #                   demo with --hsdp                                                 -> hsdp-*.json
@@ -299,6 +302,28 @@ stage_tp() {
   done
 }
 
+stage_fp8() {
+  # FP8 with TE: the per-layer and whole-step rows on 1 GPU (side by side on two GPUs when there are two) and NPROC,
+  # then the numerics run (every recipe beside bf16 for FP8_STEPS steps, benchmarks/fp8_numerics.py) on 1 GPU.
+  local other=$([ "$NGPU" -gt 1 ] && echo 1 || echo 0)
+  step fp8-align-1gpu.log $ONE timeout 200 python3 -m fsdp_cudagraph.apps.align --backends te --rows FP8 \
+    --out "$OUT/fp8-align-1gpu.json" &
+  step fp8-fi-1gpu.log env CUDA_VISIBLE_DEVICES=$other timeout 200 python3 -m fsdp_cudagraph.apps.full_iteration_align \
+    --fp8-only --models te --out "$OUT/fp8-fi-1gpu.json" &
+  wait
+  tail -3 "$OUT/fp8-align-1gpu.log" "$OUT/fp8-fi-1gpu.log"
+  if multi; then
+    step fp8-align-${N}gpu.log timeout 200 $RUN_N -m fsdp_cudagraph.apps.align --backends te --rows FP8 \
+      --out "$OUT/fp8-align-${N}gpu.json"
+    step fp8-fi-${N}gpu.log timeout 200 $RUN_N -m fsdp_cudagraph.apps.full_iteration_align --fp8-only --models te \
+      --out "$OUT/fp8-fi-${N}gpu.json"
+    tail -3 "$OUT/fp8-align-${N}gpu.log" "$OUT/fp8-fi-${N}gpu.log"
+  fi
+  step fp8-numerics-1gpu.log $ONE timeout ${FP8_NUMERICS_S:-400} python3 benchmarks/fp8_numerics.py \
+    --steps ${FP8_STEPS:-300} --out "$OUT/fp8-numerics-1gpu.json"
+  tail -8 "$OUT/fp8-numerics-1gpu.log"
+}
+
 stage_hsdp() {
   multi || { echo "hsdp: needs 2+ GPUs"; return 0; }
   local r=${HSDP_REPLICATE:-2}
@@ -308,7 +333,7 @@ stage_hsdp() {
   tail -4 "$OUT/demo-hsdp-${N}gpu.log"
 }
 
-STAGES="align full_iteration engines pytest perf depth features demo moe mcore bench ep tp hsdp"
+STAGES="align full_iteration engines pytest perf depth features demo moe mcore bench ep tp fp8 hsdp"
 [ $# -ge 1 ] || { echo "usage: bash benchmarks/tools/gpu_record.sh <stage>... (stages: $STAGES all)"; exit 2; }
 for stage in "$@"; do
   for s in $([ "$stage" = all ] && echo "$STAGES" || echo "$stage"); do

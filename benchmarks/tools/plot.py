@@ -4,8 +4,8 @@
 
 Needs matplotlib (not a dependency of the package: only this script uses it). Each input file is
 recognised by its content: an alignment run (``rows``), a partial-graph benchmark (``suites``), a profile
-of the compute step (``floor`` and ``columns``: its line-by-line budget) or a peers benchmark
-(``engines``/``results``). Files it does not recognise are skipped with a note.
+of the compute step (``floor`` and ``columns``: its line-by-line budget), an FP8 numerics run (``curves`` and
+``gaps``: benchmarks/fp8_numerics.py) or a peers benchmark (``engines``/``results``). Files it does not recognise are skipped with a note.
 """
 
 from __future__ import annotations
@@ -147,6 +147,33 @@ def plot_step_budget(d: Dict[str, Any], name: str, outdir: str) -> str:
     return path
 
 
+def plot_fp8_numerics(d: Dict[str, Any], name: str, outdir: str) -> str:
+    """benchmarks/fp8_numerics.py: every run's loss curve (bf16 and each FP8 recipe) and each recipe's gap to bf16."""
+    fig, (ax, gx) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for run, curve in d["curves"].items():
+        ax.plot(range(len(curve)), curve, "-" if run == "bf16" else "--", lw=1.2, label=run)
+    ax.axhline(d["ln_successors"], color="grey", lw=0.8, ls=":", label="ln K (the chain's entropy, at most)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean over ranks)")
+    ax.set_title("FP8 recipes beside bf16, same data")
+    ax.legend(fontsize=8)
+    bf16 = d["curves"]["bf16"]
+    for run, curve in d["curves"].items():
+        if run != "bf16":
+            gx.plot(range(len(curve)), [(a - b) / b * 100 for a, b in zip(curve, bf16)], lw=1, label=run)
+    gx.axhline(0, color="grey", lw=0.8)
+    gx.set_xlabel("step")
+    gx.set_ylabel("(FP8 - bf16) / bf16, %")
+    gaps = ", ".join(f"{r} {100 * g:.2f}%" for r, g in d["gaps"].items())
+    gx.set_title(f"gap over the last {d['config']['tail']} steps: {gaps}", fontsize=9)
+    gx.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(outdir, f"{name}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="*")
@@ -171,6 +198,8 @@ def main() -> None:
         elif "suites" in d:
             for path in plot_suites(d, name, args.outdir):
                 print("wrote", path)
+        elif "curves" in d and "gaps" in d:
+            print("wrote", plot_fp8_numerics(d, name, args.outdir))
         elif "floor" in d and "columns" in d:
             print("wrote", plot_step_budget(d, name, args.outdir))
         else:
