@@ -15,6 +15,12 @@ Configs (``--config``):
            EP = world size (each rank owns 128/EP experts whole; tokens travel by all-to-all, see
            ``apps/moe_ep.py``); partial graphs over ``attn moe_router moe_preprocess``. Needs 2+ GPUs (EP);
            depth by world size (2 GPUs 4, 4+ GPUs 8; 48 in Qwen3), printed.
+  llama70b Llama-3-70B-shaped dense slice under tensor parallelism (``apps.model.llama70b_config``: hidden 8192, 64
+           query / 8 KV heads of 128, Llama's SwiGLU FFN 28672 as a two-matrix MLP of 43008 (the same weights and
+           FLOPs), vocab 128256, sequence 4096 or ``--seq``; torch layers) on a (dp, tp) grid, ``--tensor-parallel N``
+           (default: the world size; TP ranks contiguous, the TP ranks of a data-parallel rank take the same
+           micro-batch); partial graphs over ``attn mlp``. Depth by world size (2 GPUs 4, 4+ GPUs 8; 80 in Llama),
+           printed. Tokens/s and TFLOP/s per GPU divide a data-parallel rank's micro-batch by TP. See ``_engines_tp.py``.
 
 Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; same seed and batches):
   ours_eager           megatron_fsdp (double buffer, persistent buffers); TE layers fuse weight gradients into
@@ -38,6 +44,15 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
   fsdp2_ep_partial     the same + keep_unsharded_storage + PartialCudaGraphs
   nvidia_ep_eager      (qwen3moe) NVIDIA Megatron-FSDP with its expert mesh: not applicable to this model, see
                        ``not_applicable``
+  ours_tp_eager        (llama70b) megatron_fsdp with the model's TP slice (``GPTConfig(tensor_parallel_size=N,
+                       sequence_parallel=True)``), ``fully_shard(process_group=dp, tensor_parallel_group=tp)``
+  ours_tp_partial      + PartialCudaGraphs over ``attn mlp`` (the TP collectives inside the graphs, FSDP's outside)
+  ours_tp_full         + FullIterationCudaGraph (the TP collectives and FSDP's in one graph)
+  fsdp2_tp_eager       (llama70b) FSDP2 + DTensor TP as torchtitan composes it: ``parallelize_module`` per layer over
+                       ``mesh['tp']`` (q, k, v split; no sequence parallelism), ``fully_shard`` over ``mesh['dp']``
+  fsdp2_tp_partial     the same + keep_unsharded_storage + PartialCudaGraphs over ``attn mlp``
+  nvidia_tp_eager      (llama70b) NVIDIA Megatron-FSDP with TP: not applicable to this model (it takes TP from
+                       megatron-core's parallel state; the project refuses nvidia with TP in ``apps/mcore_gpt.py``)
 
 Per column: median step time over the timed steps (CUDA events; the slowest rank's), tokens/s per GPU, MFU
 (model FLOPs / the bf16 matmul rate measured in the same run), peak memory per GPU (max over ranks), host time
@@ -46,7 +61,7 @@ ahead of a GPU-bound step it waits there, so it then reads as the step time: ``-
 K's CUDA runtime calls and operators by their own host time) and the first losses. Each
 column is reported against the floor with communication ([Note: the floor with communication] in
 ``_perf_goals.py``; the all-gather and reduce-scatter rates of a layer-sized collective measured in the same
-run) and the engines-at-scale goals (llama8b) and the MoE goals (olmoe) get PASS / NOISE / FAIL / MISSING verdicts
+run) and the engines-at-scale goals (llama8b), the MoE goals (olmoe, qwen3moe) and the TP goals (llama70b) get PASS / NOISE / FAIL / MISSING verdicts
 (``_perf_goals.ENGINE_GOALS``); a column that does not apply here (slots on one rank, NVIDIA on CPU) is
 ``skipped`` with its reason and its goals are N/A.
 
@@ -61,6 +76,8 @@ the children's run ends that column at once and goes on.
     python benchmarks/bench_engines.py --config llama8b --nproc-per-node 2 --out llama8b-2gpu.json  # 16 layers
     python benchmarks/bench_engines.py --config olmoe --nproc-per-node 2 --out olmoe-2gpu.json
     torchrun --nproc-per-node 2 benchmarks/bench_engines.py --config llama8b   # one process per rank, no isolation
+    python benchmarks/bench_engines.py --config llama70b --nproc-per-node 2 --seq 8192 --out tp2.json   # TP 2
+    python benchmarks/bench_engines.py --config llama70b --nproc-per-node 4 --tensor-parallel 2 --out tp2x2.json
     python benchmarks/bench_engines.py --cpu-smoke --config llama8b            # Gloo, tiny shapes, protocol backend
 
 A child costs its start (Python, torch, TE, NCCL: ~15-25 s) on top of its column. Under a per-command time
