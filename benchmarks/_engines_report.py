@@ -137,7 +137,8 @@ def merge(paths: List[str]) -> Tuple[argparse.Namespace, int, Dict[str, Any], Di
     for path in paths:
         with open(path) as fh:
             records.append(json.load(fh))
-    key = ("config", "layers", "seq", "micro_batch", "layers_impl", "backend", "fuse_wgrad", "moe_experts", "cpu_smoke")
+    key = ("config", "layers", "seq", "micro_batch", "layers_impl", "backend", "fuse_wgrad", "moe_experts", "cpu_smoke",
+           "tensor_parallel")
     first = records[0]
     for path, r in zip(paths[1:], records[1:]):
         diff = {k: (first["config"].get(k), r["config"].get(k)) for k in key
