@@ -13,6 +13,14 @@ what crosses this rank's links under a ring (or pairwise) algorithm:
 - all-to-all: the bytes this rank sends to the other ranks (its own split stays);
 - nothing for a group of one rank (our engine copies locally there and calls no collective).
 
+Tensor parallelism: a call whose group is ``tp_group`` (the model's tensor-parallel group, given to
+:func:`count_collectives`) counts under ``tp_<kind>`` instead, and the reference GPT's sequence-parallel
+all-gathers and reduce-scatters (``fsdp_cudagraph.apps.tp``'s ``_all_gather_single`` / ``_reduce_scatter_single``,
+bound at import) are patched where they live, so a TP step splits into the TP collectives inside the layers (and
+the engine's all-reduce of the ``sequence_parallel`` gradients over TP) and FSDP's over the data-parallel group.
+DTensor's TP collectives (FSDP2 + ``parallelize_module``) are torch's functional collectives
+(``torch.ops._c10d_functional``), which this counter does not see: an FSDP2 TP row holds FSDP2's bytes only.
+
 Only calls made from Python during the block count: a collective inside a replayed CUDA graph is not seen
 (partial graphs hold none: FSDP's collectives and the all-to-alls run eagerly between them). The counts are of
 this rank; :func:`reduce_max` gives the largest over the ranks (the all-to-all's splits differ by rank).
@@ -23,14 +31,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["KINDS", "count_collectives", "reduce_max"]
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "tp_all_gather", "tp_reduce_scatter",
+         "tp_all_reduce")
 
 
 def _size(group: Optional[dist.ProcessGroup]) -> int:
@@ -64,12 +73,14 @@ def _ring(kind: str) -> Callable[[torch.Tensor, Optional[torch.Tensor], Dict[str
     return nbytes
 
 
-def _measure(kind: str, fn: Callable[..., Any], args: tuple, kwargs: Dict[str, Any]) -> int:
-    """The call's arguments by name (callers pass them positionally or by keyword), then the kind's bytes."""
+def _measure(kind: str, fn: Callable[..., Any], args: tuple, kwargs: Dict[str, Any]) -> Tuple[int, Any]:
+    """The call's arguments by name (callers pass them positionally or by keyword), then the kind's bytes and the
+    call's group (None: the default group)."""
     sig = inspect.signature(fn)
     bound = sig.bind_partial(*args, **kwargs).arguments
     names = list(sig.parameters)
-    return _MEASURES[kind](bound[names[0]], bound.get(names[1]) if len(names) > 1 else None, bound)
+    nbytes = _MEASURES[kind](bound[names[0]], bound.get(names[1]) if len(names) > 1 else None, bound)
+    return nbytes, bound.get("group")
 
 
 class _State:
@@ -85,15 +96,19 @@ _MEASURES = {"all_gather": _ring("all_gather"), "reduce_scatter": _ring("reduce_
 
 
 @contextlib.contextmanager
-def count_collectives() -> Iterator[Dict[str, int]]:
-    """``with count_collectives() as moved:`` ... ``moved[kind]`` is this rank's bytes (see the Note)."""
+def count_collectives(tp_group: Optional[dist.ProcessGroup] = None) -> Iterator[Dict[str, int]]:
+    """``with count_collectives() as moved:`` ... ``moved[kind]`` is this rank's bytes (see the Note);
+    ``tp_group``: calls over this group count under ``tp_<kind>``."""
     import megatron_fsdp._collectives as ours
+    from fsdp_cudagraph.apps import tp as tp_layers
 
     moved: Dict[str, int] = {k: 0 for k in KINDS}
     targets = [(dist, "all_gather_into_tensor", "all_gather"), (dist, "all_gather_single", "all_gather"),
                (dist, "reduce_scatter_tensor", "reduce_scatter"), (dist, "reduce_scatter_single", "reduce_scatter"),
                (dist, "all_reduce", "all_reduce"), (dist, "all_to_all_single", "all_to_all"),
-               (ours, "_all_gather_single", "all_gather"), (ours, "_reduce_scatter_single", "reduce_scatter")]
+               (ours, "_all_gather_single", "all_gather"), (ours, "_reduce_scatter_single", "reduce_scatter"),
+               (tp_layers, "_all_gather_single", "all_gather"),
+               (tp_layers, "_reduce_scatter_single", "reduce_scatter")]
     saved = []
     for owner, name, kind in targets:
         fn = getattr(owner, name, None)
@@ -103,7 +118,8 @@ def count_collectives() -> Iterator[Dict[str, int]]:
         @functools.wraps(fn)
         def counted(*args: Any, _fn: Callable[..., Any] = fn, _kind: str = kind, **kwargs: Any) -> Any:
             if not counted_state.inside:
-                moved[_kind] += _measure(_kind, _fn, args, kwargs)
+                nbytes, group = _measure(_kind, _fn, args, kwargs)
+                moved[f"tp_{_kind}" if tp_group is not None and group is tp_group else _kind] += nbytes
             counted_state.inside = True
             try:
                 return _fn(*args, **kwargs)

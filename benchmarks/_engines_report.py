@@ -23,20 +23,30 @@ def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], column
     floor: Optional[Dict[str, Any]] = None
     flops = None
     by_bytes = "all_to_all_gbps" in rates  # MoE configs measure the exchange's rate: floors per column
+    tp = counts.get("tensor_parallel_size", 1) if counts is not None else 1
     if counts is not None:
         tokens = args.micro_batch * counts["seq_len"]
+        # model FLOPs of a data-parallel rank's micro-batch; its TP ranks share them (Megatron's count: TP does
+        # not change the model FLOPs per token, the head's replicated GEMM is not counted again)
         flops = _flops.transformer_flops_per_step(matmul_params=counts["matmul_params"],
                                                   num_layers=counts["num_layers"], seq_len=counts["seq_len"],
                                                   attn_hidden=counts.get("attn_hidden", counts["hidden_size"]),
-                                                  tokens=tokens)
+                                                  tokens=tokens) / tp
         if "matmul_tflops" in rates:
-            base = goals.floor_ms(flops=flops, bytes_moved=goals.optimizer_bytes(counts["num_params"], world),
+            # with TP: one TP rank's slice (``rank_params``: its layers' 1/TP and the root, replicated over TP) under
+            # ZeRO-3 over the data-parallel ranks; the TP collectives inside the layers are not in it
+            params, dp = counts.get("rank_params", counts["num_params"]), world // tp
+            base = goals.floor_ms(flops=flops, bytes_moved=goals.optimizer_bytes(params, dp),
                                   matmul_tflops=rates["matmul_tflops"], copy_gbps=rates["copy_gbps"])
             floor = goals.floor_with_comm_ms(
-                matmul_ms=base["matmul_ms"], optimizer_ms=base["optimizer_ms"], num_params=counts["num_params"],
-                first_unit_params=counts["root_params"], last_unit_params=counts["root_params"], world_size=world,
+                matmul_ms=base["matmul_ms"], optimizer_ms=base["optimizer_ms"], num_params=params,
+                first_unit_params=counts["root_params"], last_unit_params=counts["root_params"], world_size=dp,
                 all_gather_gbps=rates.get("all_gather_gbps"), reduce_scatter_gbps=rates.get("reduce_scatter_gbps"))
             floor["model_flops_per_rank"] = flops
+            if tp > 1:
+                floor["tensor_parallel"] = (f"TP {tp} x DP {dp}: FSDP's collectives over the {dp} data-parallel "
+                                            "rank(s) of one TP slice; the TP collectives inside the layers are not "
+                                            "in the floor")
     for r in columns.values():
         if "step_ms" in r:
             if floor is not None and r.get("comm_bytes", {}).get("all_to_all") is not None and by_bytes:
@@ -47,17 +57,21 @@ def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], column
                 r["x_floor"] = r["step_ms"] / r["floor_bytes"]["floor_ms"]
             elif floor is not None:
                 r["x_floor"] = r["step_ms"] / floor["floor_ms"]
+            if flops is not None:
+                r["model_tflops_per_gpu"] = flops / (r["step_ms"] * 1e-3) / 1e12
             if flops is not None and "matmul_tflops" in rates:
                 r["mfu"] = flops / (r["step_ms"] * 1e-3) / (rates["matmul_tflops"] * 1e12)
     for graphed, eager in (("ours_partial", "ours_eager"), ("ours_full", "ours_eager"),
                            ("fsdp2_keep_partial", "fsdp2_eager"), ("fsdp2_slots_partial", "fsdp2_eager"),
                            ("nvidia_partial", "nvidia_eager"), ("ours_ep_partial", "ours_ep_eager"),
-                           ("fsdp2_ep_partial", "fsdp2_ep_eager")):
+                           ("fsdp2_ep_partial", "fsdp2_ep_eager"), ("ours_tp_partial", "ours_tp_eager"),
+                           ("ours_tp_full", "ours_tp_eager"), ("fsdp2_tp_partial", "fsdp2_tp_eager")):
         a, b = columns.get(graphed, {}), columns.get(eager, {})
         if "losses" in a and "losses" in b:
             a["losses_equal_to_" + eager] = a["losses"] == b["losses"]
     seq = counts["seq_len"] if counts is not None else None
-    applicable = [g for g in goals.ENGINE_GOALS if g.config == args.config and g.seq in (None, seq)]
+    applicable = [g for g in goals.ENGINE_GOALS if g.config == args.config and g.seq in (None, seq)
+                  and g.tp in (None, tp)]
     na = [g for g in applicable if g.num in skipped or g.den in skipped]
     run_goals = [g for g in applicable if g not in na]
     cfg = {args.config: {"columns": {c: r for c, r in columns.items() if c not in skipped},
@@ -74,21 +88,26 @@ def table(args: argparse.Namespace, columns: Dict[str, Dict[str, Any]], skipped:
         return fmt.format(r[k]) if k in r else "-"
 
     moved = any("comm_bytes" in r for r in columns.values())
-    lines = ["| column | step ms | x floor | tokens/s/GPU | MFU | peak GiB | host ms/step | capture s | first losses |"
-             + (" GB moved: all-gather / reduce-scatter / all-to-all |" if moved else ""),
-             "| --- |" + " --- |" * (9 if moved else 8)]
+    kinds = ["all_gather", "reduce_scatter", "all_to_all"]
+    header = " GB moved: all-gather / reduce-scatter / all-to-all"
+    if any(r.get("comm_bytes", {}).get(f"tp_{k}") for r in columns.values() for k in kinds + ["all_reduce"]):
+        kinds += ["all_reduce", "tp_all_gather", "tp_reduce_scatter", "tp_all_reduce"]
+        header += " / all-reduce / TP all-gather / TP reduce-scatter / TP all-reduce"
+    lines = ["| column | step ms | x floor | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB | host ms/step | capture s | "
+             "first losses |" + (header + " |" if moved else ""),
+             "| --- |" + " --- |" * (10 if moved else 9)]
     for c, r in columns.items():
         if c in skipped:
-            lines.append(f"| {c} | skipped: {skipped[c][:80]} |" + " |" * 7)
+            lines.append(f"| {c} | skipped: {skipped[c][:80]} |" + " |" * 8)
         elif "step_ms" not in r:
-            lines.append(f"| {c} | FAILED: {r.get('error', '?')[:120]} |" + " |" * 7)
+            lines.append(f"| {c} | FAILED: {r.get('error', '?')[:120]} |" + " |" * 8)
         else:
             lines.append(f"| {c} | {r['step_ms']:.1f} | {f(r, 'x_floor', '{:.2f}')} | "
-                         f"{r['tokens_per_s_per_gpu']:.0f} | {f(r, 'mfu', '{:.1%}')} | {r['peak_memory_gib']:.2f} | "
+                         f"{r['tokens_per_s_per_gpu']:.0f} | {f(r, 'model_tflops_per_gpu', '{:.1f}')} | "
+                         f"{f(r, 'mfu', '{:.1%}')} | {r['peak_memory_gib']:.2f} | "
                          f"{r['host_ms']:.1f} | {f(r, 'capture_s', '{:.1f}')} | "
                          + ", ".join(f"{v:.4f}" for v in r["losses"][:3]) + " |"
-                         + (" " + " / ".join(f"{r['comm_bytes'].get(k, 0) / 1e9:.2f}" for k in
-                                             ("all_gather", "reduce_scatter", "all_to_all")) + " |"
+                         + (" " + " / ".join(f"{r['comm_bytes'].get(k, 0) / 1e9:.2f}" for k in kinds) + " |"
                             if moved and "comm_bytes" in r else " - |" if moved else ""))
     per_column = {c: r["floor_bytes"] for c, r in columns.items() if "floor_bytes" in r}
     if per_column:
@@ -100,7 +119,7 @@ def table(args: argparse.Namespace, columns: Dict[str, Dict[str, Any]], skipped:
                   f"optimizer {floor['optimizer_ms']:.1f}, collectives {floor['comm_ms']:.1f} (all-gather "
                   f"{floor['all_gather_ms']:.1f}, reduce-scatter {floor['reduce_scatter_ms']:.1f}; not overlappable: "
                   f"first gather {floor['first_gather_ms']:.1f}, last reduce-scatter "
-                  f"{floor['last_reduce_scatter_ms']:.1f})"]
+                  f"{floor['last_reduce_scatter_ms']:.1f})"] + ([floor["tensor_parallel"]] if "tensor_parallel" in floor else [])
     lines += ["", "| goal | ratio | goal | noise | verdict |", "| --- | --- | --- | --- | --- |"]
     for r in ev["goals"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
@@ -118,7 +137,8 @@ def merge(paths: List[str]) -> Tuple[argparse.Namespace, int, Dict[str, Any], Di
     for path in paths:
         with open(path) as fh:
             records.append(json.load(fh))
-    key = ("config", "layers", "seq", "micro_batch", "layers_impl", "backend", "fuse_wgrad", "moe_experts", "cpu_smoke")
+    key = ("config", "layers", "seq", "micro_batch", "layers_impl", "backend", "fuse_wgrad", "moe_experts", "cpu_smoke",
+           "tensor_parallel")
     first = records[0]
     for path, r in zip(paths[1:], records[1:]):
         diff = {k: (first["config"].get(k), r["config"].get(k)) for k in key

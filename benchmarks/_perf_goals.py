@@ -178,7 +178,8 @@ def verdict(ratio: Optional[float], goal: float, noise: float) -> str:
 @dataclass(frozen=True)
 class Goal:
     """``num / den <= goal`` for one config, on step time (``ms``), peak memory (``mem``) or the bytes a rank
-    moves per step (``bytes``, :mod:`_comm_bytes`); ``seq``: only for that sequence length (None: any)."""
+    moves per step (``bytes``, :mod:`_comm_bytes`); ``seq``: only for that sequence length (None: any); ``tp``: only
+    at that tensor-parallel size (None: any)."""
 
     name: str
     config: str
@@ -187,6 +188,7 @@ class Goal:
     den: str
     goal: float
     seq: Optional[int] = None
+    tp: Optional[int] = None
 
 
 #: The performance goals. "full" is the ``full_iteration`` column (optimizer eager), the one of the goals' table.
@@ -204,7 +206,8 @@ GOALS: List[Goal] = [
 ]
 
 
-#: The engines-at-scale goals (config ``llama8b``) and the MoE goals (config ``olmoe``) over ``bench_engines.py``'s columns.
+#: The engines-at-scale goals (config ``llama8b``), the MoE goals (``olmoe``, ``qwen3moe``) and the tensor-parallel
+#: goals (``llama70b``, the same tokens per GPU per step in every column of one run) over ``bench_engines.py``'s columns.
 #: A tokens/s goal "a >= x * b" with the same tokens per step is the step-time goal "a / b <= 1 / x".
 ENGINE_GOALS: List[Goal] = [
     Goal("ours eager step / floor with communication", "llama8b", "ms", "ours_eager", "floor", 1.2),
@@ -240,6 +243,14 @@ ENGINE_GOALS: List[Goal] = [
     Goal("ours EP eager step / NVIDIA EP eager (tokens/s >= 1.2x)", "qwen3moe", "ms", "ours_ep_eager",
          "nvidia_ep_eager", 1 / 1.2),
     Goal("ours EP eager peak / NVIDIA EP eager peak", "qwen3moe", "mem", "ours_ep_eager", "nvidia_ep_eager", 1.0),
+    Goal("ours TP + partial step / ours TP eager", "llama70b", "ms", "ours_tp_partial", "ours_tp_eager", 0.9,
+         seq=4096, tp=4),
+    Goal("ours TP + partial step / ours TP eager (never slower)", "llama70b", "ms", "ours_tp_partial",
+         "ours_tp_eager", 1.0),
+    Goal("ours TP eager step / FSDP2 + DTensor TP eager (tokens/s per GPU >= 1.15x)", "llama70b", "ms",
+         "ours_tp_eager", "fsdp2_tp_eager", 1 / 1.15),
+    Goal("ours TP eager step / NVIDIA TP eager (tokens/s per GPU >= 1.1x)", "llama70b", "ms", "ours_tp_eager",
+         "nvidia_tp_eager", 1 / 1.1),
 ]
 
 

@@ -15,6 +15,12 @@ Configs (``--config``):
            EP = world size (each rank owns 128/EP experts whole; tokens travel by all-to-all, see
            ``apps/moe_ep.py``); partial graphs over ``attn moe_router moe_preprocess``. Needs 2+ GPUs (EP);
            depth by world size (2 GPUs 4, 4+ GPUs 8; 48 in Qwen3), printed.
+  llama70b Llama-3-70B-shaped dense slice under tensor parallelism (``apps.model.llama70b_config``: hidden 8192, 64
+           query / 8 KV heads of 128, Llama's SwiGLU FFN 28672 as a two-matrix MLP of 43008 (the same weights and
+           FLOPs), vocab 128256, sequence 4096 or ``--seq``; torch layers) on a (dp, tp) grid, ``--tensor-parallel N``
+           (default: the world size; TP ranks contiguous, the TP ranks of a data-parallel rank take the same
+           micro-batch); partial graphs over ``attn mlp``. Depth by world size (2 GPUs 4, 4+ GPUs 8; 80 in Llama),
+           printed. Tokens/s and TFLOP/s per GPU divide a data-parallel rank's micro-batch by TP. See ``_engines_tp.py``.
 
 Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; same seed and batches):
   ours_eager           megatron_fsdp (double buffer, persistent buffers); TE layers fuse weight gradients into
@@ -38,6 +44,15 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
   fsdp2_ep_partial     the same + keep_unsharded_storage + PartialCudaGraphs
   nvidia_ep_eager      (qwen3moe) NVIDIA Megatron-FSDP with its expert mesh: not applicable to this model, see
                        ``not_applicable``
+  ours_tp_eager        (llama70b) megatron_fsdp with the model's TP slice (``GPTConfig(tensor_parallel_size=N,
+                       sequence_parallel=True)``), ``fully_shard(process_group=dp, tensor_parallel_group=tp)``
+  ours_tp_partial      + PartialCudaGraphs over ``attn mlp`` (the TP collectives inside the graphs, FSDP's outside)
+  ours_tp_full         + FullIterationCudaGraph (the TP collectives and FSDP's in one graph)
+  fsdp2_tp_eager       (llama70b) FSDP2 + DTensor TP as torchtitan composes it: ``parallelize_module`` per layer over
+                       ``mesh['tp']`` (q, k, v split; no sequence parallelism), ``fully_shard`` over ``mesh['dp']``
+  fsdp2_tp_partial     the same + keep_unsharded_storage + PartialCudaGraphs over ``attn mlp``
+  nvidia_tp_eager      (llama70b) NVIDIA Megatron-FSDP with TP: not applicable to this model (it takes TP from
+                       megatron-core's parallel state; the project refuses nvidia with TP in ``apps/mcore_gpt.py``)
 
 Per column: median step time over the timed steps (CUDA events; the slowest rank's), tokens/s per GPU, MFU
 (model FLOPs / the bf16 matmul rate measured in the same run), peak memory per GPU (max over ranks), host time
@@ -46,7 +61,7 @@ ahead of a GPU-bound step it waits there, so it then reads as the step time: ``-
 K's CUDA runtime calls and operators by their own host time) and the first losses. Each
 column is reported against the floor with communication ([Note: the floor with communication] in
 ``_perf_goals.py``; the all-gather and reduce-scatter rates of a layer-sized collective measured in the same
-run) and the engines-at-scale goals (llama8b) and the MoE goals (olmoe) get PASS / NOISE / FAIL / MISSING verdicts
+run) and the engines-at-scale goals (llama8b), the MoE goals (olmoe, qwen3moe) and the TP goals (llama70b) get PASS / NOISE / FAIL / MISSING verdicts
 (``_perf_goals.ENGINE_GOALS``); a column that does not apply here (slots on one rank, NVIDIA on CPU) is
 ``skipped`` with its reason and its goals are N/A.
 
@@ -61,6 +76,8 @@ the children's run ends that column at once and goes on.
     python benchmarks/bench_engines.py --config llama8b --nproc-per-node 2 --out llama8b-2gpu.json  # 16 layers
     python benchmarks/bench_engines.py --config olmoe --nproc-per-node 2 --out olmoe-2gpu.json
     torchrun --nproc-per-node 2 benchmarks/bench_engines.py --config llama8b   # one process per rank, no isolation
+    python benchmarks/bench_engines.py --config llama70b --nproc-per-node 2 --seq 8192 --out tp2.json   # TP 2
+    python benchmarks/bench_engines.py --config llama70b --nproc-per-node 4 --tensor-parallel 2 --out tp2x2.json
     python benchmarks/bench_engines.py --cpu-smoke --config llama8b            # Gloo, tiny shapes, protocol backend
 
 A child costs its start (Python, torch, TE, NCCL: ~15-25 s) on top of its column. Under a per-command time
@@ -96,6 +113,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
+import _engines_tp  # noqa: E402
 import _flops  # noqa: E402
 from _comm_bytes import count_collectives, reduce_max  # noqa: E402
 from _engines_report import assemble, merge  # noqa: E402
@@ -118,17 +136,24 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
     "fsdp2_ep_eager": ("fsdp2_default", {"expert_parallel": True}, "eager"),
     "fsdp2_ep_partial": ("fsdp2", {"storage": "keep", "mixed_precision": "bf16", "expert_parallel": True}, "partial"),
     "nvidia_ep_eager": ("nvidia", {"expert_parallel": True}, "eager"),
+    "ours_tp_eager": ("megatron_fsdp", {"tensor_parallel": True}, "eager"),
+    "ours_tp_partial": ("megatron_fsdp", {"tensor_parallel": True}, "partial"),
+    "ours_tp_full": ("megatron_fsdp", {"tensor_parallel": True}, "full"),
+    "fsdp2_tp_eager": ("fsdp2", {"tensor_parallel": True}, "eager"),
+    "fsdp2_tp_partial": ("fsdp2", {"tensor_parallel": True, "storage": "keep"}, "partial"),
+    "nvidia_tp_eager": ("nvidia", {"tensor_parallel": True}, "eager"),
 }
 COLUMNS = {
-    "llama8b": list(COLUMN_SPECS),
+    "llama8b": [c for c in COLUMN_SPECS if c not in _engines_tp.TP_COLUMNS],
     "olmoe": ["ours_eager", "ours_partial", "ours_full", "fsdp2_eager", "fsdp2_keep_partial", "nvidia_eager",
               "nvidia_partial"],
     "qwen3moe": ["ours_eager", "ours_partial", "ours_ep_eager", "ours_ep_partial", "fsdp2_ep_eager", "fsdp2_ep_partial",
                  "nvidia_ep_eager"],
+    "llama70b": list(_engines_tp.TP_COLUMNS),
 }
 #: depth by world size when --layers is not given (see the module docstring)
-DEFAULT_LAYERS = {"llama8b": {1: 4, 2: 16}, "olmoe": {1: 4, 2: 8}, "qwen3moe": {1: 2, 2: 4}}
-DEEPEST = {"llama8b": 32, "olmoe": 16, "qwen3moe": 8}
+DEFAULT_LAYERS = {"llama8b": {1: 4, 2: 16}, "olmoe": {1: 4, 2: 8}, "qwen3moe": {1: 2, 2: 4}, "llama70b": {1: 2, 2: 4}}
+DEEPEST = {"llama8b": 32, "olmoe": 16, "qwen3moe": 8, "llama70b": 8}
 OLMOE_SCOPES = ["attn", "moe_router", "moe_preprocess"]
 CHILD_ENV = "BENCH_ENGINES_CHILD"
 
@@ -152,6 +177,9 @@ class Model:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     batch: Callable[[int, int, torch.device], Tuple[torch.Tensor, torch.Tensor]]
     counts: Dict[str, Any]
+    #: this rank's (data-parallel rank, data-parallel size) where it differs from (rank, world): TP ranks of one
+    #: data-parallel rank take the same rows
+    data_parallel: Optional[Tuple[int, int]] = None
 
 
 def _llama_config(args: argparse.Namespace, *, fuse_wgrad: bool) -> Any:
@@ -209,6 +237,8 @@ def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, f
     if device.type == "cuda":
         torch.cuda.manual_seed_all(1234)
     fuse = ours and args.fuse_wgrad == "on"
+    if args.config == "llama70b":
+        return _tensor_parallel_model(args, device, ours=ours)
     if args.config == "llama8b":
         from fsdp_cudagraph.apps import llama
 
@@ -257,6 +287,18 @@ def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, f
                  lambda step, n, dev: batch(step, n, cfg, dev), counts)
 
 
+def _tensor_parallel_model(args: argparse.Namespace, device: torch.device, *, ours: bool) -> Model:
+    """``--config llama70b``: ours' TP slice of the reference GPT, or FSDP2's DTensor model (``_engines_tp.py``)."""
+    from fsdp_cudagraph.apps import model as gpt
+
+    module, cfg, counts = _engines_tp.build(args, device, dtensor=not ours)
+    counts["model_config"] = {k: v for k, v in dataclasses.asdict(cfg).items()
+                              if isinstance(v, (int, float, str, bool, type(None)))}
+    return Model(module, module.unit_class, list(_engines_tp.SCOPES), cfg.seq_len, cfg.vocab_size, gpt.loss_fn,
+                 lambda step, n, dev: gpt.synthetic_batch(step, n, cfg, dev), counts,
+                 _engines_tp.data_parallel_rank(counts["tensor_parallel_size"]))
+
+
 # ---------------------------------------------------------------------------------------------- the engines
 
 
@@ -292,6 +334,10 @@ def shard(column: str, model: Model, device: torch.device) -> Sharded:
     from fsdp_cudagraph.engines.registry import engine_builder
 
     name, options, _ = COLUMN_SPECS[column]
+    if (options or {}).get("tensor_parallel"):
+        net, opt, use_mf, precision, _ = _engines_tp.shard(column, model.module, model.unit_class, device,
+                                                           model.counts["tensor_parallel_size"], _adam(device))
+        return Sharded(net, opt, use_mf, precision)
     if name == "fsdp2_default":
         return _fsdp2_default(model.module, model.unit_class, device, expert_parallel_size(column))
     if (options or {}).get("expert_parallel") and name == "megatron_fsdp":
@@ -315,8 +361,11 @@ def shard(column: str, model: Model, device: torch.device) -> Sharded:
     return Sharded(run.model, run.optimizer, builder.use_megatron_fsdp, run.precision)
 
 
-def not_applicable(column: str, world: int, device: torch.device) -> Optional[str]:
+def not_applicable(column: str, world: int, device: torch.device,
+                   args: Optional[argparse.Namespace] = None) -> Optional[str]:
     """Why ``column`` cannot run here by design (None: it can). A failure to run is not this: it is an error."""
+    if column in _engines_tp.TP_COLUMNS:
+        return _engines_tp.not_applicable(column, world, args if args is not None else parse([]))
     if column == "fsdp2_slots_partial" and world < 2:
         return ("use_unsharded_slots needs 2+ ranks (on one rank FSDP2 copies its all-gather into the outputs' "
                 "storage directly); run with --nproc-per-node 2")
@@ -389,10 +438,14 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     mbs = args.micro_batch
+    dp_rank, dp = model.data_parallel or (rank, world)
+    tp = counts.get("tensor_parallel_size", 1)
+    tp_group = getattr(model.module, "tensor_parallel_group", None) if tp > 1 else None
     batches = []
     for step in range(args.warmup + args.steps):
-        x, y = model.batch(step, mbs * world, device)
-        batches.append((x[rank * mbs:(rank + 1) * mbs].contiguous(), y[rank * mbs:(rank + 1) * mbs].contiguous()))
+        x, y = model.batch(step, mbs * dp, device)
+        batches.append((x[dp_rank * mbs:(dp_rank + 1) * mbs].contiguous(),
+                        y[dp_rank * mbs:(dp_rank + 1) * mbs].contiguous()))
     loss_of = model.loss
     net, opt = sharded.model, sharded.optimizer
     partial = full = None
@@ -422,8 +475,10 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
                 start.record()
             profiling = step == args.profile_step
             prof = _host_profiler() if profiling else contextlib.nullcontext()
-            counting = step == args.warmup - 1  # the last untimed step, graphs captured: its bytes by kind
-            counter = count_collectives() if counting else contextlib.nullcontext()
+            # the last untimed step, graphs captured: its bytes by kind; with TP the first (eager in every column),
+            # since the TP collectives inside the graphs are not seen ([Note: counting a step's bytes])
+            counting = step == (0 if tp > 1 else args.warmup - 1)
+            counter = count_collectives(tp_group) if counting else contextlib.nullcontext()
             t0 = time.perf_counter()
             with prof, counter as moved:
                 if full is not None:
@@ -453,7 +508,7 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
         if full is not None:
             full.delete()
     timed = slice(args.warmup, None)
-    tokens = mbs * counts["seq_len"]
+    tokens = mbs * counts["seq_len"] / tp  # the TP ranks of a data-parallel rank share its micro-batch
     row: Dict[str, Any] = {
         "step_ms": statistics.median(step_ms[timed]), "step_ms_all": step_ms,
         "host_ms": statistics.median(host_ms[timed]), "host_ms_all": host_ms,
@@ -509,6 +564,8 @@ def layer_numel(args: argparse.Namespace) -> int:
     """Parameters of one layer from the config's arithmetic (the size of the timed collectives)."""
     if args.config == "llama8b":
         return _llama_config(args, fuse_wgrad=False).layer_params()
+    if args.config == "llama70b":
+        return _engines_tp.layer_numel(args, dist.get_world_size())
     if args.config == "qwen3moe":
         cfg = _qwen3_moe_config(args, fuse_wgrad=False, ep=1)
         h, d = cfg.hidden_size, cfg.head_dim
@@ -654,6 +711,8 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="depth (default: by world size, printed)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the config's, 4096)")
     p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--tensor-parallel", type=int, default=None,
+                   help="llama70b: TP ranks per data-parallel rank (default: the world size)")
     p.add_argument("--columns", nargs="+", default=None, choices=list(COLUMN_SPECS),
                    help="default: every column of the config")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (graphs are captured at --capture-step)")
@@ -685,6 +744,8 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.cpu_smoke:
         args.layers_impl, args.backend = "torch", "protocol"
+    if args.config == "llama70b":  # torch layers (TE's TP modules are not run on GPUs yet)
+        args.layers_impl = "torch"
     if args.backend is None:
         args.backend = "te" if HAS_TE and args.layers_impl == "te" else "torch"
     if not 0 < args.capture_step < args.warmup:
@@ -731,7 +792,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.layers = 2 if args.cpu_smoke else default_layers(args.config, world)
         argv += ["--layers", str(args.layers)]
     columns = args.columns or COLUMNS[args.config]
-    skipped = {c: why for c in columns if (why := not_applicable(c, world, device)) is not None}
+    if args.config == "llama70b":
+        tp = _engines_tp.tensor_parallel_size(args, world)
+        _say(f"llama70b: {args.layers} of Llama-3-70B's 80 layers, TP {tp} x DP {world // tp}, sequence "
+             f"{args.seq or 4096}, micro-batch {args.micro_batch}")
+    skipped = {c: why for c in columns if (why := not_applicable(c, world, device, args)) is not None}
     _say(f"bench_engines: config {args.config}, {args.layers} layers, {world} rank(s), layers {args.layers_impl}, "
          f"graphs {args.backend}, columns {columns}, isolation {args.isolate}"
          + (" (CPU smoke: times and verdicts mean nothing)" if args.cpu_smoke else ""))

@@ -31,7 +31,7 @@ from fsdp_cudagraph.apps.tp import merge_tp_state_dicts, slice_tp_state_dict
 
 __all__ = ["GPTConfig", "GPT", "TransformerBlock", "SelfAttention", "MLP", "MoEBlock", "Router", "MoEPreprocess",
            "Experts", "SharedExpert", "unpermute", "MOE_EXPERTS", "olmoe_config", "qwen3_moe_config",
-           "mixtral_config", "loss_fn",
+           "mixtral_config", "llama70b_config", "loss_fn",
            "synthetic_batch", "moe_checker_spec", "moe_split", "moe_grouped_mm", "moe_capacity", "EP_EXPERTS",
            "check_expert_parallel",
            "slice_expert_state_dict", "merge_expert_state_dicts", "slice_tp_state_dict", "merge_tp_state_dicts"]
@@ -558,6 +558,18 @@ def qwen3_moe_config(**overrides: Any) -> GPTConfig:
     base: Dict[str, Any] = dict(vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
                                 head_dim=128, seq_len=4096, moe_every=1, num_experts=128, moe_top_k=8,
                                 moe_ffn_hidden_size=1152, moe_experts="grouped_mm", moe_grouped_mm_dtype="bfloat16")
+    return GPTConfig(**{**base, **overrides})
+
+
+def llama70b_config(**overrides: Any) -> GPTConfig:
+    """A Llama-3-70B-shaped dense config: hidden 8192, 80 layers, 64 query heads of 128 and 8 key/value heads,
+    vocabulary 128256, sequence 4096. Llama's MLP is SwiGLU with three 8192 x 28672 matrices; ours is ``gelu(x W1)
+    W2`` with two, so the FFN is 43008 = 3/2 x 28672: each layer has Llama's MLP weights (705 M) and FLOPs per
+    token (attention 151 M, a layer 856 M). Norms are LayerNorm and positions learned (Llama: RMSNorm, RoPE): a few
+    vector operations, no matmul; the linears carry biases (a few thousand parameters a layer). For a slice,
+    override ``num_layers``; with ``tensor_parallel_size=TP`` pass ``sequence_parallel=True`` too."""
+    base: Dict[str, Any] = dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                                head_dim=128, ffn_hidden_size=43008, seq_len=4096)
     return GPTConfig(**{**base, **overrides})
 
 
