@@ -313,7 +313,8 @@ def _fsdp2_default(model: nn.Module, unit_class: type, device: torch.device, ep:
 # each rank keeps its experts whole (its fp32 main weights, gradients and Adam state too), as ours and FSDP2's EP
 # layouts do. NVIDIA scales dense and expert gradients alike by 1 / data-parallel size (``average_in_collective``
 # off), the same mean as ours and FSDP2 (gradient divide factor W). NVIDIA casts the whole module to bf16 and
-# keeps fp32 main parameters and gradients, as its other columns do. The first losses must agree with
+# keeps fp32 main parameters and gradients, as its other columns do (its fp32 main weights start from the
+# bf16-rounded ones, ours from the fp32 ones: the same first forward, then a drift). The first losses must agree with
 # ours_ep_eager ([Note: losses across engines] in ``_engines_report.py``); that check needs the GPU, since
 # NVIDIA's engine builds CUDA streams when constructed.
 
