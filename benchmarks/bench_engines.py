@@ -341,7 +341,7 @@ def shard(column: str, model: Model, device: torch.device) -> Sharded:
         run = builder.build(model.module, unit_modules=[model.unit_class], make_optimizer=_adam(device), device=device,
                             sharding_strategy="optim_grads_params", compute_dtype=torch.bfloat16,
                             expert_groups=nvidia_expert_groups(model))
-        return Sharded(run.model, run.optimizer, True, run.precision)
+        return Sharded(run.model, run.optimizer, builder.use_megatron_fsdp, run.precision)
     if options and options.get("expert_parallel"):  # the builder's option: EP = the world size
         options = {**{k: v for k, v in options.items() if k != "expert_parallel"},
                    "expert_parallel_size": expert_parallel_size(column)}
