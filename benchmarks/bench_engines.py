@@ -42,8 +42,11 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
                        sharded over the expert-data-parallel mesh, gradient divide factor the world size
                        (``shard_fsdp2(expert_parallel_size=)``, docs/engines.md)
   fsdp2_ep_partial     the same + keep_unsharded_storage + PartialCudaGraphs
-  nvidia_ep_eager      (qwen3moe) NVIDIA Megatron-FSDP with its expert mesh: not applicable to this model, see
-                       ``not_applicable``
+  nvidia_ep_eager      (qwen3moe) NVIDIA Megatron-FSDP (as nvidia_eager) on the same EP model: its expert mesh
+                       ``expt_device_mesh`` over the expert-data-parallel group (one rank at EP = world size), the
+                       experts found by name (``moe.experts.*``) and marked as megatron-core marks its own ([Note:
+                       NVIDIA's expert-parallel column]); its losses are checked against ours_ep_eager's
+  nvidia_ep_partial    + PartialCudaGraphs (as ours_ep_partial)
   ours_tp_eager        (llama70b) megatron_fsdp with the model's TP slice (``GPTConfig(tensor_parallel_size=N,
                        sequence_parallel=True)``), ``fully_shard(process_group=dp, tensor_parallel_group=tp)``
   ours_tp_partial      + PartialCudaGraphs over ``attn mlp`` (the TP collectives inside the graphs, FSDP's outside)
@@ -61,9 +64,12 @@ ahead of a GPU-bound step it waits there, so it then reads as the step time: ``-
 K's CUDA runtime calls and operators by their own host time) and the first losses. Each
 column is reported against the floor with communication ([Note: the floor with communication] in
 ``_perf_goals.py``; the all-gather and reduce-scatter rates of a layer-sized collective measured in the same
-run) and the engines-at-scale goals (llama8b), the MoE goals (olmoe, qwen3moe) and the TP goals (llama70b) get PASS / NOISE / FAIL / MISSING verdicts
-(``_perf_goals.ENGINE_GOALS``); a column that does not apply here (slots on one rank, NVIDIA on CPU) is
-``skipped`` with its reason and its goals are N/A.
+run) and the engines-at-scale goals (llama8b), the MoE goals (olmoe), the expert-parallel goals (qwen3moe, among
+them ours EP eager >= 1.2x NVIDIA EP eager's tokens/s at no more peak) and the TP goals (llama70b) get PASS / NOISE /
+FAIL / MISSING verdicts (``_perf_goals.ENGINE_GOALS``); the losses of a column of another engine on the same EP model are checked against
+ours EP eager's ([Note: losses across engines] in ``_engines_report.py``: AGREE or DISAGREE, which fails the
+run). A column that does not apply here (slots on one rank, EP on one rank, NVIDIA on CPU or without
+megatron-core) is ``skipped`` with its reason and its goals are N/A.
 
 Isolation: by default every column (and the rate measurement) runs in its own ``torchrun`` child, so each peak
 is the column's alone and a column that crashes (out of memory, an NCCL abort) is recorded as failed while the
@@ -75,6 +81,7 @@ the children's run ends that column at once and goes on.
     python benchmarks/bench_engines.py --config llama8b --out llama8b-1gpu.json                    # 1 GPU, 4 layers
     python benchmarks/bench_engines.py --config llama8b --nproc-per-node 2 --out llama8b-2gpu.json  # 16 layers
     python benchmarks/bench_engines.py --config olmoe --nproc-per-node 2 --out olmoe-2gpu.json
+    python benchmarks/bench_engines.py --config qwen3moe --nproc-per-node 2 --seq 4096 --out qwen3moe-2gpu.json
     torchrun --nproc-per-node 2 benchmarks/bench_engines.py --config llama8b   # one process per rank, no isolation
     python benchmarks/bench_engines.py --config llama70b --nproc-per-node 2 --seq 8192 --out tp2.json   # TP 2
     python benchmarks/bench_engines.py --config llama70b --nproc-per-node 4 --tensor-parallel 2 --out tp2x2.json
@@ -136,6 +143,7 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
     "fsdp2_ep_eager": ("fsdp2_default", {"expert_parallel": True}, "eager"),
     "fsdp2_ep_partial": ("fsdp2", {"storage": "keep", "mixed_precision": "bf16", "expert_parallel": True}, "partial"),
     "nvidia_ep_eager": ("nvidia", {"expert_parallel": True}, "eager"),
+    "nvidia_ep_partial": ("nvidia", {"expert_parallel": True}, "partial"),
     "ours_tp_eager": ("megatron_fsdp", {"tensor_parallel": True}, "eager"),
     "ours_tp_partial": ("megatron_fsdp", {"tensor_parallel": True}, "partial"),
     "ours_tp_full": ("megatron_fsdp", {"tensor_parallel": True}, "full"),
@@ -144,11 +152,11 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
     "nvidia_tp_eager": ("nvidia", {"tensor_parallel": True}, "eager"),
 }
 COLUMNS = {
-    "llama8b": [c for c in COLUMN_SPECS if c not in _engines_tp.TP_COLUMNS],
+    "llama8b": [c for c in COLUMN_SPECS if "_ep_" not in c and c not in _engines_tp.TP_COLUMNS],
     "olmoe": ["ours_eager", "ours_partial", "ours_full", "fsdp2_eager", "fsdp2_keep_partial", "nvidia_eager",
               "nvidia_partial"],
     "qwen3moe": ["ours_eager", "ours_partial", "ours_ep_eager", "ours_ep_partial", "fsdp2_ep_eager", "fsdp2_ep_partial",
-                 "nvidia_ep_eager"],
+                 "nvidia_ep_eager", "nvidia_ep_partial"],
     "llama70b": list(_engines_tp.TP_COLUMNS),
 }
 #: depth by world size when --layers is not given (see the module docstring)
@@ -180,6 +188,9 @@ class Model:
     #: this rank's (data-parallel rank, data-parallel size) where it differs from (rank, world): TP ranks of one
     #: data-parallel rank take the same rows
     data_parallel: Optional[Tuple[int, int]] = None
+    #: with expert parallelism, this rank's ``(EP group, EDP group)``: the model's all-to-all runs over the first;
+    #: NVIDIA's columns build its expert mesh from the second (our engine and FSDP2 build groups of the same ranks)
+    expert_groups: Optional[Tuple[Any, Any]] = None
 
 
 def _llama_config(args: argparse.Namespace, *, fuse_wgrad: bool) -> Any:
@@ -237,6 +248,7 @@ def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, f
     if device.type == "cuda":
         torch.cuda.manual_seed_all(1234)
     fuse = ours and args.fuse_wgrad == "on"
+    expert_groups = None
     if args.config == "llama70b":
         return _tensor_parallel_model(args, device, ours=ours)
     if args.config == "llama8b":
@@ -254,9 +266,9 @@ def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, f
         from fsdp_cudagraph.apps import model as gpt
 
         cfg = _qwen3_moe_config(args, fuse_wgrad=fuse, ep=ep)
-        group = megatron_fsdp.expert_parallel_groups(ep)[0] if ep > 1 else None
+        expert_groups = megatron_fsdp.expert_parallel_groups(ep) if ep > 1 else None
         with device:
-            module = gpt.GPT(cfg, expert_parallel_group=group)
+            module = gpt.GPT(cfg, expert_parallel_group=expert_groups[0] if expert_groups else None)
         top_k, num_experts = cfg.moe_top_k, cfg.num_experts // ep  # the local experts' share of a token
         scopes = list(OLMOE_SCOPES)
         loss, batch = gpt.loss_fn, gpt.synthetic_batch
@@ -284,7 +296,8 @@ def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, f
               "model_config": {k: v for k, v in dataclasses.asdict(cfg).items()
                                if isinstance(v, (int, float, str, bool, type(None)))}}
     return Model(module, unit_class, scopes, cfg.seq_len, cfg.vocab_size, loss,
-                 lambda step, n, dev: batch(step, n, cfg, dev), counts)
+                 lambda step, n, dev: batch(step, n, cfg, dev), counts,
+                 expert_groups=expert_groups)
 
 
 def _tensor_parallel_model(args: argparse.Namespace, device: torch.device, *, ours: bool) -> Model:
@@ -330,6 +343,24 @@ def _fsdp2_default(model: nn.Module, unit_class: type, device: torch.device, ep:
                    "reshard_after_forward=True (default ZeRO-3)")
 
 
+# [Note: NVIDIA's expert-parallel column]
+# nvidia_ep_eager / nvidia_ep_partial train the model of the other qwen3moe columns (the reference GPT, its
+# ``grouped_mm`` experts, EP = world size, built with this rank's E/EP experts and the EP group its all-to-all
+# runs over) under NVIDIA Megatron-FSDP's ``fully_shard``: only the engine differs. NVIDIA's engine takes a
+# parameter for an expert parameter when its name contains ``.experts.`` (``is_expert_parameter`` in its
+# ``param_and_grad_buffer.py``, megatron-core 0.16.1 and 0.19.2), which the reference GPT's ``moe.experts.w1``/
+# ``w2`` do; the checker's ``nvidia`` builder, given ``expert_groups``, marks them ``allreduce = False`` as
+# megatron-core marks its own (``tag_expert_parameters``; then NVIDIA refuses to run without an expert group) and
+# builds NVIDIA's expert mesh ``expt_device_mesh`` over the expert-data-parallel group, of one rank at EP = world:
+# each rank keeps its experts whole (its fp32 main weights, gradients and Adam state too), as ours and FSDP2's EP
+# layouts do. NVIDIA scales dense and expert gradients alike by 1 / data-parallel size (``average_in_collective``
+# off), the same mean as ours and FSDP2 (gradient divide factor W). NVIDIA casts the whole module to bf16 and
+# keeps fp32 main parameters and gradients, as its other columns do (its fp32 main weights start from the
+# bf16-rounded ones, ours from the fp32 ones: the same first forward, then a drift). The first losses must agree with
+# ours_ep_eager ([Note: losses across engines] in ``_engines_report.py``); that check needs the GPU, since
+# NVIDIA's engine builds CUDA streams when constructed.
+
+
 def shard(column: str, model: Model, device: torch.device) -> Sharded:
     from fsdp_cudagraph.engines.registry import engine_builder
 
@@ -351,6 +382,12 @@ def shard(column: str, model: Model, device: torch.device) -> Sharded:
                        f"compute in bf16, fp32 main parameters and gradients, ZeRO-3; EP {ep}: experts whole on "
                        f"their rank (expert-data-parallel groups of {dist.get_world_size() // ep})")
     builder = engine_builder(name, device)
+    if (options or {}).get("expert_parallel") and name == "nvidia":
+        # [Note: NVIDIA's expert-parallel column]
+        run = builder.build(model.module, unit_modules=[model.unit_class], make_optimizer=_adam(device), device=device,
+                            sharding_strategy="optim_grads_params", compute_dtype=torch.bfloat16,
+                            expert_groups=nvidia_expert_groups(model))
+        return Sharded(run.model, run.optimizer, builder.use_megatron_fsdp, run.precision)
     if options and options.get("expert_parallel"):  # the builder's option: EP = the world size
         options = {**{k: v for k, v in options.items() if k != "expert_parallel"},
                    "expert_parallel_size": expert_parallel_size(column)}
@@ -359,6 +396,23 @@ def shard(column: str, model: Model, device: torch.device) -> Sharded:
                         sharding_strategy="optim_grads_params",
                         compute_dtype=None if name == "fsdp2" else torch.bfloat16, **extra)
     return Sharded(run.model, run.optimizer, builder.use_megatron_fsdp, run.precision)
+
+
+def nvidia_expert_groups(model: Model) -> Tuple[Any, Any]:
+    """The ``(EP group, EDP group)`` NVIDIA's column shards ``model`` with: the groups the model was built with
+    (its experts' all-to-all runs over the first), refused (ValueError) where the model has none or its experts
+    exchange over another group."""
+    if model.expert_groups is None:
+        raise ValueError("NVIDIA's expert-parallel column needs the model built with expert parallelism "
+                         "(build_model(..., ep=world size) keeps its groups in Model.expert_groups); got a model "
+                         "without expert groups: build it with ep > 1")
+    ep_group = model.expert_groups[0]
+    for name, m in model.module.named_modules():
+        if getattr(m, "is_expert", False) is True and getattr(m, "ep_group", None) is not ep_group:
+            raise ValueError(f"{name}: its all-to-all group is not Model.expert_groups[0]; NVIDIA's expert mesh would "
+                             "describe other ranks than the exchange; build the model and its groups together "
+                             "(build_model)")
+    return model.expert_groups
 
 
 def not_applicable(column: str, world: int, device: torch.device,
@@ -371,13 +425,21 @@ def not_applicable(column: str, world: int, device: torch.device,
                 "storage directly); run with --nproc-per-node 2")
     if "_ep_" in column and world < 2:
         return "expert parallelism needs 2+ ranks (EP = world size); run with --nproc-per-node 2 or more"
-    if column == "nvidia_ep_eager":
-        return ("NVIDIA Megatron-FSDP takes its expert mesh from megatron-core's parallel state, for megatron-core "
-                "models (GPTModel with expert_model_parallel_size); this column's model is the reference GPT. The "
-                "megatron-core rows (tests/gpu/scripts/mcore_gpt.py --expert-parallel) run it")
-    if column.startswith("nvidia") and device.type != "cuda":
-        return "NVIDIA Megatron-FSDP builds CUDA streams and buffers when constructed: GPU only"
+    if column.startswith("nvidia"):
+        if device.type != "cuda":
+            return "NVIDIA Megatron-FSDP builds CUDA streams and buffers when constructed: GPU only"
+        if not _has_megatron_core():
+            return ("NVIDIA Megatron-FSDP is megatron-core's bundled copy and megatron-core is not importable here; "
+                    "install it with: pip install 'megatron-core==0.19.2'")
     return None
+
+
+def _has_megatron_core() -> bool:
+    try:
+        from megatron.core.distributed.fsdp.src import megatron_fsdp  # noqa: F401
+    except Exception:  # noqa: BLE001 - ImportError, or a megatron-core that fails at import
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- one column

@@ -14,6 +14,12 @@ from the expert-data-parallel group (``expt_device_mesh``, dimensions ``("fsdp",
 default mesh, the expert tensor-parallel dimension of size 1), as megatron-core's adapter builds it;
 ``mcore``: ``FullyShardedDataParallel`` builds it itself from ``megatron.core.parallel_state``, so the groups
 must be parallel_state's (checked).
+
+Models other than megatron-core's (the reference GPT, whose ``Experts`` module carries ``is_expert = True`` and is
+named ``experts``): :func:`tag_expert_parameters` gives the parameters of every ``is_expert`` module megatron-core's
+own mark, ``allreduce = False`` (megatron-core sets it on its expert parameters at EP > 1; NVIDIA's engine then
+refuses to run without an expert group, and its ``broadcast_params`` uses the expert-data-parallel group for them),
+and refuses an ``is_expert`` parameter whose name lacks ``.experts.``: NVIDIA would shard it as a dense one.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from torch import nn
 from fsdp_cudagraph.engines.build import EngineBuilder, MakeOptimizer, ShardedRun, UnitSpec, cpu_copy, unit_classes
 from fsdp_cudagraph.engines.registry import register_builder
 
-__all__ = ["BUILDER", "NVIDIA_PIP", "NVIDIA_WRAPPERS"]
+__all__ = ["BUILDER", "NVIDIA_PIP", "NVIDIA_WRAPPERS", "tag_expert_parameters"]
 
 #: What installs NVIDIA Megatron-FSDP 0.6.1 (megatron-core's bundled copy), the version checked on a GPU.
 NVIDIA_PIP = "pip install 'megatron-core==0.19.2'"
@@ -68,6 +74,35 @@ def _check_expert_names(model: nn.Module, expert_groups: ExpertGroups) -> None:
             "it would shard the local experts over every rank as if they were replicated; hold the experts in a "
             "submodule named experts (megatron-core's mlp.experts), or use engine megatron_fsdp (which also takes "
             "an is_expert = True module tag)")
+
+
+def tag_expert_parameters(model: nn.Module) -> List[str]:
+    """Mark the parameters of every module tagged ``is_expert = True`` as megatron-core marks its expert parameters
+    (``allreduce = False``) and return their names, in module order (empty for a model without such modules,
+    e.g. megatron-core's, whose parameters carry the mark already).
+
+    NVIDIA's engine takes a parameter for an expert parameter by its name (``.experts.``) and shards it over the
+    expert mesh; the mark makes it refuse to run without one. A parameter of an ``is_expert`` module whose name
+    lacks ``.experts.`` is refused (ValueError): NVIDIA would shard that rank-local expert over every rank as if
+    it were replicated."""
+    tagged: List[str] = []
+    seen = set()
+    for mname, module in model.named_modules():
+        if getattr(module, "is_expert", False) is not True:
+            continue
+        for pname, p in module.named_parameters(prefix=mname):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if ".experts." not in pname:  # NVIDIA's own test, on the name it will see
+                raise ValueError(
+                    f"{pname}: a parameter of {type(module).__name__} (is_expert = True) whose name does not contain "
+                    "'.experts.', NVIDIA Megatron-FSDP's test for an expert parameter, so it would shard this "
+                    "rank's local experts over every rank as if they were replicated; hold the experts in a "
+                    "submodule named experts (as the reference GPT's moe.experts and megatron-core's mlp.experts)")
+            p.allreduce = False
+            tagged.append(pname)
+    return tagged
 
 
 def _expert_mesh(device: torch.device, expert_groups: ExpertGroups) -> Any:
@@ -118,6 +153,8 @@ def _build_nvidia(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_op
         _check_expert_names(model, expert_groups)
     if compute_dtype is not None:
         model = model.to(compute_dtype)  # NVIDIA computes in the module's dtype
+    if expert_groups is not None:
+        tag_expert_parameters(model)  # after the cast, on the parameters NVIDIA will see
     if wrapper == "mcore":
         return _build_nvidia_mcore(model, classes=classes, make_optimizer=make_optimizer, device=device,
                                    sharding_strategy=sharding_strategy, compute_dtype=compute_dtype,
