@@ -292,8 +292,10 @@ def copy_tp_slice(local: nn.Module, full: nn.Module, *, prefix: str, tp_rank: in
 
 
 def local_linear(in_features: int, out_features: int, *, bias: bool = True) -> nn.Linear:
-    """An ``nn.Linear`` whose values the caller copies in: made without drawing from the random stream."""
-    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias)
+    """An ``nn.Linear`` whose values the caller copies in: made without drawing from the random stream, on the
+    default device (``skip_init`` alone puts it on the CPU, also inside ``with torch.device("cuda"):``)."""
+    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias,
+                                    device=torch.get_default_device())
 
 
 def fork_rng_devices() -> List[int]:

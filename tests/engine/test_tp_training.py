@@ -533,3 +533,14 @@ def test_slices_round_trip():
     assert torch.equal(parts[1]["layers.0.attn.qkv.weight"], torch.cat([w[16:32], w[40:48], w[56:64]]))
     back = merge_tp_state_dicts(parts, num_heads=4, num_kv_heads=2)
     assert all(torch.equal(back[k], full[k]) for k in full)
+
+
+def test_tp_linears_are_made_on_the_default_device():
+    # the TP slices' linears are filled by copy, made with skip_init; built inside `with torch.device(...)` (as
+    # benchmarks build on the GPU) they must land there, not on the CPU where fully_shard would refuse the mix
+    from fsdp_cudagraph.apps.tp import local_linear
+
+    with torch.device("meta"):
+        lin = local_linear(4, 8)
+    assert lin.weight.device.type == "meta" and lin.bias.device.type == "meta"
+    assert local_linear(4, 8).weight.device.type == "cpu"
