@@ -50,6 +50,8 @@
 #                   demo with --hsdp                                                 -> hsdp-*.json
 #   all             every stage above, in that order
 #
+# Every command runs under tools/limit.py: past its limit the whole process group (torchrun and its ranks) prints
+# its stacks, then stops, and the step's rc is 124.
 # Write-ups: benchmarks/results/<topic>_<hw>_<date>.md cite the JSON this writes (benchmarks/README.md).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -62,6 +64,8 @@ NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null |
 N=${NPROC:-$NGPU}
 RUN_N="python3 -m torch.distributed.run --standalone --nproc-per-node $N"
 ONE="env CUDA_VISIBLE_DEVICES=0"
+# every command under a time limit that prints each process's stacks before it stops a hung run (tools/limit.py)
+LIMIT="python3 $PWD/benchmarks/tools/limit.py"
 
 versions() {  # the records' versions (device, torch, CUDA, NCCL, cuDNN, TE, commit) + installed packages
   python3 - "$1" <<'PY' > "$OUT/versions-$1.json"
@@ -92,32 +96,32 @@ step() {
 multi() { [ "$N" -gt 1 ]; }
 
 stage_align() {
-  step align-1gpu.log $ONE timeout 280 python3 -m fsdp_cudagraph.apps.align --out "$OUT/align-1gpu.json"
+  step align-1gpu.log $ONE $LIMIT 280 python3 -m fsdp_cudagraph.apps.align --out "$OUT/align-1gpu.json"
   tail -3 "$OUT/align-1gpu.log"
   if multi; then
-    step align-${N}gpu.log timeout 280 $RUN_N -m fsdp_cudagraph.apps.align --out "$OUT/align-${N}gpu.json"
+    step align-${N}gpu.log $LIMIT 280 $RUN_N -m fsdp_cudagraph.apps.align --out "$OUT/align-${N}gpu.json"
     tail -3 "$OUT/align-${N}gpu.log"
   fi
 }
 
 stage_full_iteration() {
-  step fi-align-1gpu.log $ONE timeout 260 python3 -m fsdp_cudagraph.apps.full_iteration_align --out "$OUT/fi-align-1gpu.json"
+  step fi-align-1gpu.log $ONE $LIMIT 260 python3 -m fsdp_cudagraph.apps.full_iteration_align --out "$OUT/fi-align-1gpu.json"
   tail -4 "$OUT/fi-align-1gpu.log"
   if multi; then
-    step fi-align-${N}gpu.log timeout 300 $RUN_N -m fsdp_cudagraph.apps.full_iteration_align --out "$OUT/fi-align-${N}gpu.json"
+    step fi-align-${N}gpu.log $LIMIT 300 $RUN_N -m fsdp_cudagraph.apps.full_iteration_align --out "$OUT/fi-align-${N}gpu.json"
     tail -4 "$OUT/fi-align-${N}gpu.log"
   fi
 }
 
 stage_engines() {
-  step engines-1gpu.log $ONE timeout 200 python3 benchmarks/engines_align.py ${ENGINES_1:+--engines $ENGINES_1} \
+  step engines-1gpu.log $ONE $LIMIT 200 python3 benchmarks/engines_align.py ${ENGINES_1:+--engines $ENGINES_1} \
     --out "$OUT/engines-1gpu.json"
   tail -12 "$OUT/engines-1gpu.log"
-  step check-fsdp2-mp-bf16-1gpu.log $ONE timeout 100 python3 -m fsdp_cudagraph.check --engine fsdp2 --fsdp2-mp bf16 \
+  step check-fsdp2-mp-bf16-1gpu.log $ONE $LIMIT 100 python3 -m fsdp_cudagraph.check --engine fsdp2 --fsdp2-mp bf16 \
     --model tests.apps.test_check_engines:dense_gpt_factory --json "$OUT/check-fsdp2-mp-bf16-1gpu.json"
   tail -3 "$OUT/check-fsdp2-mp-bf16-1gpu.log"
   if multi; then
-    step engines-${N}gpu.log timeout 200 $RUN_N benchmarks/engines_align.py ${ENGINES_N:+--engines $ENGINES_N} \
+    step engines-${N}gpu.log $LIMIT 200 $RUN_N benchmarks/engines_align.py ${ENGINES_N:+--engines $ENGINES_N} \
       --out "$OUT/engines-${N}gpu.json"
     tail -12 "$OUT/engines-${N}gpu.log"
     local checks=("fsdp2" "megatron_fsdp" "nvidia" "fsdp2 --fsdp2-storage slots" "fsdp2 --fsdp2-mp bf16"
@@ -125,11 +129,11 @@ stage_engines() {
     [ -n "${CHECKS_FROM:-}" ] && checks=("${checks[@]:$CHECKS_FROM}")  # e.g. 3: only the FSDP2 settings
     for e in "${checks[@]}"; do
       local tag=$(echo "$e" | sed 's/ --fsdp2-storage /-/; s/ --fsdp2-mp /-mp-/')
-      step check-$tag-${N}gpu.log timeout 100 $RUN_N -m fsdp_cudagraph.check --engine $e \
+      step check-$tag-${N}gpu.log $LIMIT 100 $RUN_N -m fsdp_cudagraph.check --engine $e \
         --model tests.apps.test_check_engines:dense_gpt_factory --json "$OUT/check-$tag-${N}gpu.json"
       tail -3 "$OUT/check-$tag-${N}gpu.log"
     done
-    step nccl-average-${N}gpu.log timeout 60 $RUN_N tests/gpu/scripts/nccl_average.py --out "$OUT/nccl-average-${N}gpu.json"
+    step nccl-average-${N}gpu.log $LIMIT 60 $RUN_N tests/gpu/scripts/nccl_average.py --out "$OUT/nccl-average-${N}gpu.json"
     tail -3 "$OUT/nccl-average-${N}gpu.log"
   fi
 }
@@ -144,7 +148,7 @@ stage_pytest() {
   # Under CUDA_VISIBLE_DEVICES=a,b (e.g. two records side by side on one 4-GPU machine, with and without TE) the
   # 1-GPU halves take GPUs a and b and the multi-GPU tests see a,b.
   local mark=${PYTEST_MARK:-gpu} split=${PYTEST_SPLIT:-(alignment or check_engines or args) and not (expert_parallel or tensor_parallel)}
-  local py="timeout ${PYTEST_S:-560} python3 -m pytest -q -p no:cacheprovider --durations=30 -rs"
+  local py="$LIMIT ${PYTEST_S:-560} python3 -m pytest -q -p no:cacheprovider --durations=30 -rs"
   local sel=${PYTEST_SELECT:+ and ($PYTEST_SELECT)}
   local devs
   IFS=, read -ra devs <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((NGPU > 0 ? NGPU - 1 : 0)))}"
@@ -170,10 +174,10 @@ stage_pytest() {
 stage_perf() {
   local parts=${PERF_PARTS:-suite peers profile peak}
   if [[ " $parts " == *" suite "* ]]; then
-    step perf-1gpu.log $ONE timeout 200 python3 benchmarks/bench_partial_graphs.py --suite full --out "$OUT/perf_goals-1gpu.json"
+    step perf-1gpu.log $ONE $LIMIT 200 python3 benchmarks/bench_partial_graphs.py --suite full --out "$OUT/perf_goals-1gpu.json"
     local files="$OUT/perf_goals-1gpu.json"
     if multi; then
-      step perf-${N}gpu.log timeout 240 $RUN_N benchmarks/bench_partial_graphs.py --suite full --out "$OUT/perf_goals-${N}gpu.json"
+      step perf-${N}gpu.log $LIMIT 240 $RUN_N benchmarks/bench_partial_graphs.py --suite full --out "$OUT/perf_goals-${N}gpu.json"
       files="$files $OUT/perf_goals-${N}gpu.json"
     fi
     grep -hE "^\| (compute|launch) \|" "$OUT"/perf-*gpu.log | tail -40
@@ -182,69 +186,69 @@ stage_perf() {
   fi
   if [[ " $parts " == *" peers "* ]] && [ -d .whl ]; then
     for n in 1 $(multi && echo "$N"); do
-      step peers-${n}gpu.log timeout 200 python3 benchmarks/bench_peers.py --engine all --wheel-dir .whl --nproc-per-node $n \
+      step peers-${n}gpu.log $LIMIT 200 python3 benchmarks/bench_peers.py --engine all --wheel-dir .whl --nproc-per-node $n \
         --vocab 1024 --out "$OUT/peers-${n}gpu.json"
       tail -8 "$OUT/peers-${n}gpu.log"
     done
   fi
   if [[ " $parts " == *" profile "* ]]; then
-    step profile-${N}gpu.log timeout 200 $RUN_N benchmarks/diagnose/profile_step.py --out "$OUT/profile-compute-${N}gpu.json"
+    step profile-${N}gpu.log $LIMIT 200 $RUN_N benchmarks/diagnose/profile_step.py --out "$OUT/profile-compute-${N}gpu.json"
     tail -32 "$OUT/profile-${N}gpu.log"
   fi
   if [[ " $parts " == *" peak "* ]]; then
-    step peak-compute-${N}gpu.log timeout 150 $RUN_N benchmarks/diagnose/peak_composition.py --config compute \
+    step peak-compute-${N}gpu.log $LIMIT 150 $RUN_N benchmarks/diagnose/peak_composition.py --config compute \
       --columns eager fsdp2 --out "$OUT/peak-compute-${N}gpu.json"
     grep -E "^(eager|fsdp2) " "$OUT/peak-compute-${N}gpu.log"
   fi
 }
 
 stage_depth() {
-  step depth.log $ONE timeout 400 python3 benchmarks/bench_depth.py --layers 8 32 64 --out "$OUT/depth.json"
+  step depth.log $ONE $LIMIT 400 python3 benchmarks/bench_depth.py --layers 8 32 64 --out "$OUT/depth.json"
   tail -20 "$OUT/depth.log"
 }
 
 stage_features() {
-  step offload-1gpu.log $ONE timeout 150 python3 benchmarks/bench_offload.py --out "$OUT/offload-1gpu.json"
+  step offload-1gpu.log $ONE $LIMIT 150 python3 benchmarks/bench_offload.py --out "$OUT/offload-1gpu.json"
   tail -8 "$OUT/offload-1gpu.log"
-  step length-buckets-1gpu.log $ONE timeout 150 python3 benchmarks/bench_length_buckets.py --out "$OUT/length-buckets-1gpu.json"
+  step length-buckets-1gpu.log $ONE $LIMIT 150 python3 benchmarks/bench_length_buckets.py --out "$OUT/length-buckets-1gpu.json"
   tail -8 "$OUT/length-buckets-1gpu.log"
-  step inference-1gpu.log $ONE timeout 120 python3 benchmarks/bench_inference.py --out "$OUT/inference-1gpu.json"
+  step inference-1gpu.log $ONE $LIMIT 120 python3 benchmarks/bench_inference.py --out "$OUT/inference-1gpu.json"
   tail -12 "$OUT/inference-1gpu.log"
-  step hf-1gpu.log $ONE timeout 150 python3 benchmarks/hf_models.py --out "$OUT/hf-1gpu.json"
+  step hf-1gpu.log $ONE $LIMIT 150 python3 benchmarks/hf_models.py --out "$OUT/hf-1gpu.json"
   tail -4 "$OUT/hf-1gpu.log"
 }
 
 stage_demo() {
-  step demo-${N}rank.log env NPROC=$([ "$N" -gt 0 ] && echo "$N" || echo 2) timeout 200 bash scripts/demo.sh
+  step demo-${N}rank.log env NPROC=$([ "$N" -gt 0 ] && echo "$N" || echo 2) $LIMIT 200 bash scripts/demo.sh
   tail -8 "$OUT/demo-${N}rank.log"
-  step demo-1gpu.log $ONE timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m fsdp_cudagraph.apps.demo
+  step demo-1gpu.log $ONE $LIMIT 120 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m fsdp_cudagraph.apps.demo
   tail -6 "$OUT/demo-1gpu.log"
 }
 
 stage_moe() {
   for b in ${MOE_BACKENDS:-te torch}; do
-    step align-moe-$b-1gpu.log $ONE timeout 150 python3 -m fsdp_cudagraph.apps.align --backends $b --rows MoE \
+    step align-moe-$b-1gpu.log $ONE $LIMIT 150 python3 -m fsdp_cudagraph.apps.align --backends $b --rows MoE \
       --out "$OUT/align-moe-$b-1gpu.json"
     tail -2 "$OUT/align-moe-$b-1gpu.log"
     if multi; then
-      step align-moe-$b-${N}gpu.log timeout 150 $RUN_N -m fsdp_cudagraph.apps.align --backends $b --rows MoE \
+      step align-moe-$b-${N}gpu.log $LIMIT 150 $RUN_N -m fsdp_cudagraph.apps.align --backends $b --rows MoE \
         --out "$OUT/align-moe-$b-${N}gpu.json"
       tail -2 "$OUT/align-moe-$b-${N}gpu.log"
     fi
   done
-  step fi-moe-1gpu.log $ONE timeout 100 python3 -m fsdp_cudagraph.apps.full_iteration_align --moe-only \
+  step fi-moe-1gpu.log $ONE $LIMIT 100 python3 -m fsdp_cudagraph.apps.full_iteration_align --moe-only \
     --out "$OUT/fi-moe-1gpu.json"
   tail -2 "$OUT/fi-moe-1gpu.log"
-  step pytest-moe.log $ONE timeout 150 python3 -m pytest tests/graphs/test_moe_layer.py -q -p no:cacheprovider
+  step pytest-moe.log $ONE $LIMIT 150 python3 -m pytest tests/graphs/test_moe_layer.py -q -p no:cacheprovider
   tail -3 "$OUT/pytest-moe.log"
 }
 
 stage_mcore() {
   for b in ${MCORE_BACKENDS:-te}; do
-    step mcore-$b-1gpu.log $ONE timeout 200 python3 tests/gpu/scripts/mcore_gpt.py --backend $b --out "$OUT/mcore-$b-1gpu.json"
+    step mcore-$b-1gpu.log $ONE $LIMIT 200 python3 tests/gpu/scripts/mcore_gpt.py --backend $b --out "$OUT/mcore-$b-1gpu.json"
     grep -E "ok=|\"ok\"" "$OUT/mcore-$b-1gpu.log" | tail -21
     if multi; then
-      step mcore-$b-${N}gpu.log timeout 200 $RUN_N tests/gpu/scripts/mcore_gpt.py --backend $b --out "$OUT/mcore-$b-${N}gpu.json"
+      step mcore-$b-${N}gpu.log $LIMIT 200 $RUN_N tests/gpu/scripts/mcore_gpt.py --backend $b --out "$OUT/mcore-$b-${N}gpu.json"
       grep -E "ok=|\"ok\"" "$OUT/mcore-$b-${N}gpu.log" | tail -21
     fi
   done
@@ -252,7 +256,7 @@ stage_mcore() {
 
 stage_bench() {
   for c in ${BENCH_CONFIGS:-llama8b olmoe}; do
-    step bench-$c-${N}gpu.log timeout ${BENCH_S:-400} python3 benchmarks/bench_engines.py --config $c --nproc-per-node $N \
+    step bench-$c-${N}gpu.log $LIMIT ${BENCH_S:-400} python3 benchmarks/bench_engines.py --config $c --nproc-per-node $N \
       ${BENCH_ARGS:-} --out "$OUT/bench-$c-${N}gpu.json"
     tail -40 "$OUT/bench-$c-${N}gpu.log"
   done
@@ -265,22 +269,22 @@ stage_ep() {
   for n in $sizes; do
     local run="python3 -m torch.distributed.run --standalone --nproc-per-node $n"
     if [[ " $parts " == *" align "* ]]; then
-      step ep-align-${n}gpu.log timeout 200 $run tests/gpu/scripts/ep_align.py --out "$OUT/ep-align-${n}gpu.json"
+      step ep-align-${n}gpu.log $LIMIT 200 $run tests/gpu/scripts/ep_align.py --out "$OUT/ep-align-${n}gpu.json"
       grep -E "^(ok |BAD|control)|\"ok\"" "$OUT/ep-align-${n}gpu.log"
     fi
     if [[ " $parts " == *" fsdp2 "* ]]; then
-      step ep-fsdp2-${n}gpu.log timeout 150 $run tests/gpu/scripts/fsdp2_ep.py --out "$OUT/ep-fsdp2-${n}gpu.json"
+      step ep-fsdp2-${n}gpu.log $LIMIT 150 $run tests/gpu/scripts/fsdp2_ep.py --out "$OUT/ep-fsdp2-${n}gpu.json"
       tail -6 "$OUT/ep-fsdp2-${n}gpu.log"
     fi
     if [[ " $parts " == *" mcore "* ]]; then
-      step ep-mcore-${n}gpu.log timeout 240 $run tests/gpu/scripts/mcore_gpt.py --only-ep --out "$OUT/ep-mcore-${n}gpu.json"
+      step ep-mcore-${n}gpu.log $LIMIT 240 $run tests/gpu/scripts/mcore_gpt.py --only-ep --out "$OUT/ep-mcore-${n}gpu.json"
       grep -E "ok=|\"ok\"" "$OUT/ep-mcore-${n}gpu.log" | tail -24
     fi
   done
   if [[ " $parts " == *" bench "* ]]; then
     local seq
     for seq in ${EP_SEQS:-1024 4096}; do
-      step bench-qwen3moe-seq$seq-${N}gpu.log timeout ${BENCH_S:-400} python3 benchmarks/bench_engines.py --config qwen3moe \
+      step bench-qwen3moe-seq$seq-${N}gpu.log $LIMIT ${BENCH_S:-400} python3 benchmarks/bench_engines.py --config qwen3moe \
         --nproc-per-node $N --seq $seq ${BENCH_ARGS:-} --out "$OUT/bench-qwen3moe-seq$seq-${N}gpu.json"
       grep -vE "^(W1|\[rank)" "$OUT/bench-qwen3moe-seq$seq-${N}gpu.log" | tail -30
     done
@@ -292,11 +296,11 @@ stage_tp() {
   local sizes="$N" n; [ "$N" -gt 2 ] && sizes="2 $N"
   for n in $sizes; do
     local run="python3 -m torch.distributed.run --standalone --nproc-per-node $n"
-    step tp-graphs-${n}gpu.log timeout 200 $run tests/gpu/scripts/tp_graphs.py --out "$OUT/tp-graphs-${n}gpu.json"
+    step tp-graphs-${n}gpu.log $LIMIT 200 $run tests/gpu/scripts/tp_graphs.py --out "$OUT/tp-graphs-${n}gpu.json"
     tail -4 "$OUT/tp-graphs-${n}gpu.log"
-    step tp-fsdp2-${n}gpu.log timeout 200 $run tests/gpu/scripts/fsdp2_tp_graphs.py --out "$OUT/tp-fsdp2-${n}gpu.json"
+    step tp-fsdp2-${n}gpu.log $LIMIT 200 $run tests/gpu/scripts/fsdp2_tp_graphs.py --out "$OUT/tp-fsdp2-${n}gpu.json"
     tail -4 "$OUT/tp-fsdp2-${n}gpu.log"
-    step tp-mcore-${n}gpu.log timeout 240 $run tests/gpu/scripts/mcore_gpt.py --tensor-parallel 2 --only-tp \
+    step tp-mcore-${n}gpu.log $LIMIT 240 $run tests/gpu/scripts/mcore_gpt.py --tensor-parallel 2 --only-tp \
       --out "$OUT/tp-mcore-${n}gpu.json"
     grep -E "ok=|\"ok\"" "$OUT/tp-mcore-${n}gpu.log" | tail -12
   done
@@ -306,20 +310,20 @@ stage_fp8() {
   # FP8 with TE: the per-layer and whole-step rows on 1 GPU (side by side on two GPUs when there are two) and NPROC,
   # then the numerics run (every recipe beside bf16 for FP8_STEPS steps, benchmarks/fp8_numerics.py) on 1 GPU.
   local other=$([ "$NGPU" -gt 1 ] && echo 1 || echo 0)
-  step fp8-align-1gpu.log $ONE timeout 200 python3 -m fsdp_cudagraph.apps.align --backends te --rows FP8 \
+  step fp8-align-1gpu.log $ONE $LIMIT 200 python3 -m fsdp_cudagraph.apps.align --backends te --rows FP8 \
     --out "$OUT/fp8-align-1gpu.json" &
-  step fp8-fi-1gpu.log env CUDA_VISIBLE_DEVICES=$other timeout 200 python3 -m fsdp_cudagraph.apps.full_iteration_align \
+  step fp8-fi-1gpu.log env CUDA_VISIBLE_DEVICES=$other $LIMIT 200 python3 -m fsdp_cudagraph.apps.full_iteration_align \
     --fp8-only --models te --out "$OUT/fp8-fi-1gpu.json" &
   wait
   tail -3 "$OUT/fp8-align-1gpu.log" "$OUT/fp8-fi-1gpu.log"
   if multi; then
-    step fp8-align-${N}gpu.log timeout 200 $RUN_N -m fsdp_cudagraph.apps.align --backends te --rows FP8 \
+    step fp8-align-${N}gpu.log $LIMIT 200 $RUN_N -m fsdp_cudagraph.apps.align --backends te --rows FP8 \
       --out "$OUT/fp8-align-${N}gpu.json"
-    step fp8-fi-${N}gpu.log timeout 200 $RUN_N -m fsdp_cudagraph.apps.full_iteration_align --fp8-only --models te \
+    step fp8-fi-${N}gpu.log $LIMIT 200 $RUN_N -m fsdp_cudagraph.apps.full_iteration_align --fp8-only --models te \
       --out "$OUT/fp8-fi-${N}gpu.json"
     tail -3 "$OUT/fp8-align-${N}gpu.log" "$OUT/fp8-fi-${N}gpu.log"
   fi
-  step fp8-numerics-1gpu.log $ONE timeout ${FP8_NUMERICS_S:-400} python3 benchmarks/fp8_numerics.py \
+  step fp8-numerics-1gpu.log $ONE $LIMIT ${FP8_NUMERICS_S:-400} python3 benchmarks/fp8_numerics.py \
     --steps ${FP8_STEPS:-300} --out "$OUT/fp8-numerics-1gpu.json"
   tail -8 "$OUT/fp8-numerics-1gpu.log"
 }
@@ -327,9 +331,9 @@ stage_fp8() {
 stage_hsdp() {
   multi || { echo "hsdp: needs 2+ GPUs"; return 0; }
   local r=${HSDP_REPLICATE:-2}
-  step hsdp-${N}gpu.log timeout 200 $RUN_N benchmarks/bench_hsdp.py --replicate $r --align --out "$OUT/hsdp-${N}gpu.json"
+  step hsdp-${N}gpu.log $LIMIT 200 $RUN_N benchmarks/bench_hsdp.py --replicate $r --align --out "$OUT/hsdp-${N}gpu.json"
   tail -8 "$OUT/hsdp-${N}gpu.log"
-  step demo-hsdp-${N}gpu.log timeout 150 $RUN_N -m fsdp_cudagraph.apps.demo --hsdp $r --out "$OUT/demo-hsdp-${N}gpu.json"
+  step demo-hsdp-${N}gpu.log $LIMIT 150 $RUN_N -m fsdp_cudagraph.apps.demo --hsdp $r --out "$OUT/demo-hsdp-${N}gpu.json"
   tail -4 "$OUT/demo-hsdp-${N}gpu.log"
 }
 

@@ -1,0 +1,44 @@
+"""benchmarks/tools/limit.py: the GPU record's time limit stops a hung command's whole process group, printing
+every Python process's stacks first, and otherwise passes the command's exit status through."""
+
+import os
+import subprocess
+import sys
+
+from tests.gpu_utils import ROOT
+
+TOOL = os.path.join(ROOT, "benchmarks", "tools", "limit.py")
+# a launcher and its rank, both hung (the shape of torchrun and its ranks)
+HUNG = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time\\ndef hung_rank():\\n    time.sleep(600)\\nhung_rank()"])
+print("CHILD-PID", child.pid, flush=True)
+def hung_launcher():
+    child.wait()
+hung_launcher()
+"""
+
+
+def _state(pid: int):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+def test_a_hung_command_is_stopped_with_every_processs_stacks():
+    proc = subprocess.run([sys.executable, TOOL, "3", sys.executable, "-c", HUNG], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 124, proc.stderr[-3000:]
+    assert "still running after 3 s" in proc.stderr
+    assert "hung_launcher" in proc.stderr and "hung_rank" in proc.stderr, proc.stderr[-3000:]
+    child = int(proc.stdout.split("CHILD-PID ", 1)[1].split()[0])
+    assert _state(child) in (None, "Z"), _state(child)
+
+
+def test_exit_status_and_bad_arguments():
+    ok = subprocess.run([sys.executable, TOOL, "30", sys.executable, "-c", "import sys; sys.exit(3)"], timeout=60)
+    assert ok.returncode == 3
+    bad = subprocess.run([sys.executable, TOOL, "soon", "true"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "SECONDS must be a number, got 'soon'" in bad.stderr
