@@ -116,3 +116,25 @@ def init_script_ranks(device: str, port: int):
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     return torch.device("cpu")
+
+
+#: A launcher and its one rank, both hung (the shape of a hung ``torchrun``): the child's pid is printed as
+#: ``CHILD-PID <pid>``; the tests of the time limits (run_entry, benchmarks/tools/limit.py) stop it.
+HUNG_LAUNCHER = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time\\ndef hung_rank():\\n    time.sleep(600)\\nhung_rank()"])
+print("CHILD-PID", child.pid, flush=True)
+def hung_launcher():
+    child.wait()
+hung_launcher()
+"""
+
+
+def process_state(pid: int) -> Optional[str]:
+    """The state letter of process ``pid`` (``Z``: a zombie), None when it is gone (Linux ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+

@@ -6,35 +6,17 @@ import sys
 
 import pytest
 
-from tests.gpu_utils import run_entry
-
-# A parent that starts a child and both wait: the shape of torchrun and its ranks, the ranks hung.
-HUNG = """
-import subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "import time\\ndef hung_rank():\\n    time.sleep(600)\\nhung_rank()"])
-print("CHILD-PID", child.pid, flush=True)
-def hung_launcher():
-    child.wait()
-hung_launcher()
-"""
+from tests.gpu_utils import HUNG_LAUNCHER, process_state, run_entry
 
 
-def test_a_hung_entry_fails_naming_its_limit_and_where_it_stood(tmp_path):
+def test_a_hung_entry_fails_naming_its_limit_and_where_it_stood():
     with pytest.raises(AssertionError) as err:
-        run_entry([sys.executable, "-c", HUNG], env=dict(os.environ), timeout=3)
+        run_entry([sys.executable, "-c", HUNG_LAUNCHER], env=dict(os.environ), timeout=3)
     text = str(err.value)
     assert "still running after 3 s" in text and "FSDP_CUDAGRAPH_TEST_TIMEOUT" in text
     assert "hung_launcher" in text and "hung_rank" in text  # the launcher's and its child's tracebacks
     child = int(text.rsplit("CHILD-PID ", 1)[1].split()[0])
-    assert _state(child) in (None, "Z"), _state(child)  # the child went with its group (a zombie at most)
-
-
-def _state(pid: int):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return None
+    assert process_state(child) in (None, "Z"), process_state(child)  # gone with its group (a zombie at most)
 
 
 def test_an_entry_within_its_limit_returns_its_output():

@@ -5,36 +5,19 @@ import os
 import subprocess
 import sys
 
-from tests.gpu_utils import ROOT
+from tests.gpu_utils import HUNG_LAUNCHER, ROOT, process_state
 
 TOOL = os.path.join(ROOT, "benchmarks", "tools", "limit.py")
-# a launcher and its rank, both hung (the shape of torchrun and its ranks)
-HUNG = """
-import subprocess, sys
-child = subprocess.Popen([sys.executable, "-c", "import time\\ndef hung_rank():\\n    time.sleep(600)\\nhung_rank()"])
-print("CHILD-PID", child.pid, flush=True)
-def hung_launcher():
-    child.wait()
-hung_launcher()
-"""
-
-
-def _state(pid: int):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return None
 
 
 def test_a_hung_command_is_stopped_with_every_processs_stacks():
-    proc = subprocess.run([sys.executable, TOOL, "3", sys.executable, "-c", HUNG], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, TOOL, "3", sys.executable, "-c", HUNG_LAUNCHER], capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 124, proc.stderr[-3000:]
     assert "still running after 3 s" in proc.stderr
     assert "hung_launcher" in proc.stderr and "hung_rank" in proc.stderr, proc.stderr[-3000:]
     child = int(proc.stdout.split("CHILD-PID ", 1)[1].split()[0])
-    assert _state(child) in (None, "Z"), _state(child)
+    assert process_state(child) in (None, "Z"), process_state(child)
 
 
 def test_exit_status_and_bad_arguments():
