@@ -424,7 +424,8 @@ class GPT(nn.Module):
     for the same seed ([Note: tensor parallelism of the reference GPT] in ``apps/tp.py``). Take it from
     ``megatron_fsdp.tensor_parallel_groups(tp)[0]``. The layers then take and return ``[s/TP, b, h]`` (sequence
     first, this rank's positions); the model's input and logits keep their shapes (every TP rank computes the
-    same logits).
+    same logits). With ``cfg.vocab_parallel`` this rank's ``tok`` and ``head`` hold only its ``vocab_size / TP``
+    rows (the TP=1 model's rows of the same seed); the logits are still whole.
     """
 
     #: Declared for graph kinds that pad sequences (inference ``seq_buckets``): position i never attends later.
