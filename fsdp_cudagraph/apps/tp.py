@@ -26,25 +26,25 @@ one slice of each layer, as megatron-core's ``ColumnParallelLinear``/``RowParall
   head (:func:`gather_sequence_replicated`, backward: this rank's positions of the gradient, which is the same
   on every TP rank), so every TP rank computes the same logits and loss, and their gradients are whole, the same
   on every TP rank: no TP reduction, no tag. The head's GEMM is computed ``TP`` times.
-- with ``GPTConfig(vocab_parallel=True)`` the token embedding and the LM head are split over the vocabulary
-  instead (megatron-core's ``VocabParallelEmbedding`` and a column-parallel output layer): TP rank ``r`` holds rows
+- with ``GPTConfig(vocab_parallel=True)`` the token embedding and the LM head are split over the vocabulary instead
+  (megatron-core's ``VocabParallelEmbedding`` and a column-parallel output layer): TP rank ``r`` holds rows
   ``[r*V/TP, (r+1)*V/TP)`` of each. The lookup (:func:`vocab_parallel_embedding`) gives zero rows for ids outside
   them, and :func:`reduce_scatter_sequence` sums the ranks' parts straight into the sequence split (a sum of one
-  value and zeros: bit-equal to the whole lookup); the replicated positional embedding is scattered
-  (:func:`scatter_sequence`, after broadcasting over the batch is undone: its backward all-gathers ``[s/TP, 1, h]``)
-  and added, so the layers' input equals the replicated path's. The head takes the whole sequence from
-  :func:`gather_sequence` (backward reduce-scatter: each rank's ``V/TP`` columns give a partial input gradient) and
-  :func:`gather_vocab` all-gathers the ``V/TP`` logits along the vocabulary, so every TP rank still computes the
-  same whole logits and loss (``loss_fn`` and the output shape unchanged). Gradient semantics: the loss, and so
-  ``dL/dlogits``, is whole and alike on every TP rank; the gather's backward takes this rank's vocabulary columns
-  (a sum would scale every gradient by TP), which makes the head slice's weight gradient the whole gradient of
-  those rows, and the reduce-scatter's backward all-gathers ``dL/dx`` of every position, which makes the
-  embedding slice's gradient whole for its rows (the masked ids get none). Neither needs a sum over TP: both are
-  tagged ``tensor_model_parallel`` with ``partition_dim = 0`` (TP shards, no ``sequence_parallel`` tag), as the
-  engine expects; ``pos`` stays replicated and untagged (whole gradient on every rank). The head's GEMM then runs
-  once over the TP group, and each rank keeps ``1/TP`` of both tables and their optimizer state.
-  The tables are plain torch modules also with ``use_te=True`` (only the layers are TE's), so the split does not
-  depend on the layers' kind.
+  value and zeros: bit-equal to the whole lookup); the replicated positional embedding, ``[s, 1, h]``, is scattered
+  (:func:`scatter_sequence`; its backward all-gathers the batch-summed ``[s/TP, 1, h]`` gradient, so ``pos``'s
+  gradient is whole on every rank) and added, so the layers' input equals the replicated path's. The head takes the
+  whole sequence from :func:`gather_sequence` (backward reduce-scatter: each rank's ``V/TP`` columns give a partial
+  input gradient) and :func:`gather_vocab` all-gathers the ``V/TP`` logits along the vocabulary, so every TP rank
+  still computes the same whole logits and loss (``loss_fn`` and the output shape unchanged). Gradient semantics:
+  the loss, and so ``dL/dlogits``, is whole and alike on every TP rank; the gather's backward takes this rank's
+  vocabulary columns (a sum would scale every gradient by TP), which makes the head slice's weight gradient the
+  whole gradient of those rows, and the reduce-scatter's backward all-gathers ``dL/dx`` of every position, which
+  makes the embedding slice's gradient whole for its rows (the masked ids get none). Neither needs a sum over TP:
+  both are tagged ``tensor_model_parallel`` with ``partition_dim = 0`` (TP shards, no ``sequence_parallel`` tag), as
+  the engine expects; ``pos`` stays replicated and untagged (whole gradient on every rank). The head's GEMM then
+  runs once over the TP group, and each rank keeps ``1/TP`` of both tables and their optimizer state. The tables are
+  plain torch modules also with ``use_te=True`` (only the layers are TE's), so the split does not depend on the
+  layers' kind.
 - TP-sharded parameters carry ``tensor_model_parallel = True`` and ``partition_dim`` (megatron-core's and TE's
   attributes): the engine keys them per TP rank in checkpoints.
 
@@ -53,15 +53,16 @@ module's values from the random stream (the same draws in the same order as at T
 module without drawing and copies its slice in (the vocabulary-parallel tables likewise, in the GPT);
 :func:`slice_tp_state_dict` maps a TP=1 state dict to a TP rank's and :func:`merge_tp_state_dicts` the ranks' back.
 
-State dicts of a vocabulary-parallel model: the rules are matched by key, and ``tok.weight``/``head.weight`` are
-the same keys in a model with and without the split, so their rule (:data:`VOCAB_PARALLEL_RULES`) is not in
+State dicts of a vocabulary-parallel model: the rules are matched by key, and ``tok.weight``/``head.weight`` are the
+same keys in a model with and without the split, so their rule (:data:`VOCAB_PARALLEL_RULES`) is not in
 :data:`TP_RULES`: :func:`tp_kind`, :func:`slice_tp_state_dict`, :func:`merge_tp_state_dicts` and
-:func:`copy_tp_slice` take ``vocab_parallel=False`` and apply it only when the caller says so (the GPT passes
-``cfg.vocab_parallel``). The default keeps every existing call's meaning; a dict of the other kind is not
-silently misread: merging split tables as replicated fails the replicated check (whose message names
-``vocab_parallel=True``), and slicing whole tables for a split model fails ``load_state_dict`` on the shapes.
-Inferring the split from shapes was rejected: a TP=1 dict and a TP rank's look alike to ``slice``, and ``merge``
-cannot tell a split table from a replicated one whose vocabulary happens to be ``V/TP``.
+:func:`copy_tp_slice` take ``vocab_parallel=False`` and apply it only when the caller says so (the GPT's
+construction passes it for its two tables; callers of slice/merge pass ``cfg.vocab_parallel``). The default keeps
+every existing call's meaning; a dict of the other kind is not silently misread: merging split tables as replicated
+fails the replicated check (whose message names ``vocab_parallel=True``), and slicing whole tables for a split model
+fails ``load_state_dict`` on the shapes. Inferring the split was rejected: ``slice`` gets a TP=1 dict, which cannot
+say whether the target model splits its tables, and ``merge`` cannot tell a split table from a replicated one by its
+shape.
 
 With ``use_te=True`` the same split is TE's: ``LayerNormLinear(parallel_mode="column")``,
 ``Linear(parallel_mode="row")``, ``LayerNormMLP(set_parallel_mode=True)``, each with ``tp_group``, ``tp_size`` and
