@@ -174,11 +174,12 @@ def merge(paths: List[str]) -> Tuple[argparse.Namespace, int, Dict[str, Any], Di
         with open(path) as fh:
             records.append(json.load(fh))
     key = ("config", "layers", "seq", "micro_batch", "layers_impl", "backend", "fuse_wgrad", "moe_experts", "cpu_smoke",
-           "tensor_parallel")
+           "tensor_parallel", "vocab_parallel")
+    absent = {"vocab_parallel": False}  # records made before the flag existed ran without it
     first = records[0]
     for path, r in zip(paths[1:], records[1:]):
-        diff = {k: (first["config"].get(k), r["config"].get(k)) for k in key
-                if first["config"].get(k) != r["config"].get(k)}
+        diff = {k: (first["config"].get(k, absent.get(k)), r["config"].get(k, absent.get(k))) for k in key
+                if first["config"].get(k, absent.get(k)) != r["config"].get(k, absent.get(k))}
         if diff or r["world_size"] != first["world_size"]:
             raise ValueError(f"--merge {path}: not the same run setup as {paths[0]} ({diff}, world size "
                              f"{first['world_size']} vs {r['world_size']}); merge records of one config, depth and "

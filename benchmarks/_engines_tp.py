@@ -7,12 +7,16 @@ data-parallel ranks; the TP ranks of one data-parallel rank take the same micro-
 
 - ours (``ours_tp_*``): ``GPTConfig(tensor_parallel_size=TP, sequence_parallel=True)``, built with
   ``megatron_fsdp.tensor_parallel_groups(TP)`` and sharded with ``fully_shard(process_group=dp,
-  tensor_parallel_group=tp)`` (docs/tensor-parallel.md); the embeddings and the LM head are replicated over TP.
+  tensor_parallel_group=tp)`` (docs/tensor-parallel.md); the embeddings and the LM head are replicated over TP,
+  or with ``--vocab-parallel`` the token embedding and the LM head split over the vocabulary
+  (``GPTConfig(vocab_parallel=True)``).
 - FSDP2 (``fsdp2_tp_*``): the same model at TP=1 with the same seed, its fused ``[q | k | v]`` projection split
   into ``q``, ``k`` and ``v`` linears (:class:`SplitQKVAttention`: ``ColwiseParallel`` must give each rank whole
   heads), then torchtitan's composition as ``tests/adapters/test_fsdp2_tp.py`` builds it: ``parallelize_module``
   of every layer over ``mesh['tp']`` (``ColwiseParallel`` q, k, v, ``fc1``; ``RowwiseParallel`` ``proj``,
-  ``fc2``; no sequence parallelism: not tried with FSDP2 here), ``shard_fsdp2(mesh=mesh['dp'])`` with
+  ``fc2``; no sequence parallelism: not tried with FSDP2 here; with ``--vocab-parallel`` also the root's
+  ``tok``: ``RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())`` and ``head``:
+  ``ColwiseParallel(output_layouts=Replicate())``, :func:`_root_tp_plan`), ``shard_fsdp2(mesh=mesh['dp'])`` with
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; the partial column adds
   ``keep_unsharded_storage``. Each rank starts from the same values as ours (the TP=1 model's slice).
 - NVIDIA Megatron-FSDP: not applicable (:func:`not_applicable`).
@@ -61,7 +65,8 @@ def config(args: argparse.Namespace, tp: int) -> Any:
     """The column's GPTConfig: the 70B shape at ``--layers`` (``--seq``), or a tiny one under ``--cpu-smoke``."""
     from fsdp_cudagraph.apps.model import llama70b_config
 
-    par = dict(tensor_parallel_size=tp, sequence_parallel=tp > 1)
+    par = dict(tensor_parallel_size=tp, sequence_parallel=tp > 1,
+               vocab_parallel=bool(getattr(args, "vocab_parallel", False)) and tp > 1)
     if args.cpu_smoke:
         return llama70b_config(vocab_size=128, hidden_size=32, num_layers=args.layers, num_heads=4, num_kv_heads=2,
                                head_dim=8, ffn_hidden_size=64, seq_len=16, **par)
@@ -131,6 +136,16 @@ def _tp_plan() -> Dict[str, Any]:
             "attn.proj": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
 
 
+def _root_tp_plan() -> Dict[str, Any]:
+    """``--vocab-parallel``: the root's token embedding (rows by vocabulary; replicated ids in, the summed lookup
+    out) and LM head (rows by vocabulary; the whole logits out), the split ours makes with ``vocab_parallel``."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Replicate())}
+
+
 def build(args: argparse.Namespace, device: torch.device, *, dtensor: bool) -> Tuple[nn.Module, Any, Dict[str, Any]]:
     """This rank's model for a TP column (seeded by the caller): ours (``dtensor=False``: the reference GPT's own TP
     slice) or FSDP2's (the TP=1 model, q/k/v split, ``parallelize_module`` over ``mesh['tp']``); its config and
@@ -156,6 +171,8 @@ def build(args: argparse.Namespace, device: torch.device, *, dtensor: bool) -> T
             mesh = _mesh(device, tp)
             for layer in module.layers:
                 parallelize_module(layer, mesh["tp"], _tp_plan())
+            if getattr(args, "vocab_parallel", False):
+                parallelize_module(module, mesh["tp"], _root_tp_plan())
         factor = {}  # a DTensor's numel is the global one
     in_units = {id(p) for layer in module.layers for p in layer.parameters()}
 
@@ -195,10 +212,12 @@ def shard(column: str, module: nn.Module, unit_class: type, device: torch.device
         sharded = fully_shard(module, fsdp_unit_modules=[unit_class], sharding_strategy="optim_grads_params",
                               compute_dtype=torch.bfloat16, fsdp_double_buffer=True,
                               fsdp_db_use_persist_buf_on_alloc_fail=True, **kw)
+        vocab = "; embedding and LM head split over the vocabulary" if module.cfg.vocab_parallel else ""
         return (sharded, make_optimizer(list(sharded.optimizer_parameters())), True,
                 f"compute in bf16, fp32 main parameters and gradients, ZeRO-3 over the data-parallel group; TP {tp} "
-                "with sequence parallelism (the engine's)", tp_group)
+                f"with sequence parallelism (the engine's){vocab}", tp_group)
     from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
 
     from fsdp_cudagraph import keep_unsharded_storage
     from fsdp_cudagraph.engines.fsdp2 import shard_fsdp2
@@ -213,6 +232,7 @@ def shard(column: str, module: nn.Module, unit_class: type, device: torch.device
     return (module, make_optimizer(list(module.parameters())), False,
             f"fp32 sharded parameters, MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), ZeRO-3 over "
             f"mesh['dp']; DTensor TP {tp} over mesh['tp'] (no sequence parallelism)"
+            + ("; embedding and LM head split over the vocabulary" if isinstance(module.head.weight, DTensor) else "")
             + ("; keep_unsharded_storage" if keep else ""), None)
 
 

@@ -20,7 +20,9 @@ Configs (``--config``):
            FLOPs), vocab 128256, sequence 4096 or ``--seq``; torch layers) on a (dp, tp) grid, ``--tensor-parallel N``
            (default: the world size; TP ranks contiguous, the TP ranks of a data-parallel rank take the same
            micro-batch); partial graphs over ``attn mlp``. Depth by world size (2 GPUs 4, 4+ GPUs 8; 80 in Llama),
-           printed. Tokens/s and TFLOP/s per GPU divide a data-parallel rank's micro-batch by TP. See ``_engines_tp.py``.
+           printed. Tokens/s and TFLOP/s per GPU divide a data-parallel rank's micro-batch by TP. ``--vocab-parallel``:
+           the token embedding and the LM head split over the vocabulary too, in ours and FSDP2's columns alike
+           (default: both replicated over TP). See ``_engines_tp.py``.
 
 Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; same seed and batches):
   ours_eager           megatron_fsdp (double buffer, persistent buffers); TE layers fuse weight gradients into
@@ -85,6 +87,7 @@ the children's run ends that column at once and goes on.
     torchrun --nproc-per-node 2 benchmarks/bench_engines.py --config llama8b   # one process per rank, no isolation
     python benchmarks/bench_engines.py --config llama70b --nproc-per-node 2 --seq 8192 --out tp2.json   # TP 2
     python benchmarks/bench_engines.py --config llama70b --nproc-per-node 4 --tensor-parallel 2 --out tp2x2.json
+    python benchmarks/bench_engines.py --config llama70b --nproc-per-node 2 --layers 2 --vocab-parallel --out vp.json
     python benchmarks/bench_engines.py --cpu-smoke --config llama8b            # Gloo, tiny shapes, protocol backend
 
 A child costs its start (Python, torch, TE, NCCL: ~15-25 s) on top of its column. Under a per-command time
@@ -775,6 +778,9 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--tensor-parallel", type=int, default=None,
                    help="llama70b: TP ranks per data-parallel rank (default: the world size)")
+    p.add_argument("--vocab-parallel", action="store_true",
+                   help="llama70b: split the token embedding and the LM head over the vocabulary across the TP group "
+                        "(ours: GPTConfig(vocab_parallel=True); FSDP2: RowwiseParallel/ColwiseParallel on tok/head)")
     p.add_argument("--columns", nargs="+", default=None, choices=list(COLUMN_SPECS),
                    help="default: every column of the config")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (graphs are captured at --capture-step)")
@@ -806,6 +812,9 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.cpu_smoke:
         args.layers_impl, args.backend = "torch", "protocol"
+    if args.vocab_parallel and args.config != "llama70b":
+        p.error(f"--vocab-parallel with --config {args.config}: the vocabulary split is the tensor-parallel reference "
+                "GPT's (--config llama70b); drop the flag or use --config llama70b")
     if args.config == "llama70b":  # torch layers (TE's TP modules are not run on GPUs yet)
         args.layers_impl = "torch"
     if args.backend is None:

@@ -85,6 +85,11 @@ class GPTConfig:
     #: Sequence parallelism between the layers (megatron-core's ``sequence_parallel``); required with
     #: ``tensor_parallel_size > 1`` (the only TP layout implemented), ignored at 1.
     sequence_parallel: bool = False
+    #: With ``tensor_parallel_size > 1``: the token embedding and the LM head split over the vocabulary across the
+    #: TP group (each rank holds ``vocab_size / TP`` rows of each; the logits are gathered, so the model's output
+    #: and ``loss_fn`` are unchanged), as megatron-core and torchtitan split them ([Note: tensor parallelism of the
+    #: reference GPT] in ``apps/tp.py``). False: both replicated on every TP rank.
+    vocab_parallel: bool = False
     use_te: bool = False
     #: ``block``: our TransformerBlock (batch-first); ``te_layer``: TE's own ``TransformerLayer`` as the unit
     #: (sequence-first layout, needs ``use_te``).
@@ -190,8 +195,16 @@ class GPTConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size={tp!r} must be a positive integer (1: no tensor parallelism)")
+        if self.vocab_parallel and tp == 1:
+            raise ValueError("vocab_parallel=True with tensor_parallel_size=1: the embedding and the LM head split "
+                             "over the vocabulary across the tensor-parallel group, and there is none; set "
+                             "tensor_parallel_size > 1 (with sequence_parallel=True) or vocab_parallel=False")
         if tp == 1:
             return
+        if self.vocab_parallel and self.vocab_size % tp:
+            raise ValueError(f"vocab_parallel=True with tensor_parallel_size={tp} does not divide vocab_size="
+                             f"{self.vocab_size}: each TP rank holds vocab_size / TP rows of the embedding and the "
+                             f"LM head; pad vocab_size to a multiple of {tp} or set vocab_parallel=False")
         if self.fp8 is not None:
             raise NotImplementedError(
                 f"tensor_parallel_size={tp} with fp8={self.fp8!r}: FP8 with tensor-parallel TE layers (amax reductions "
@@ -269,7 +282,7 @@ class SelfAttention(nn.Module):
         tp, rank, h, d = cfg.tensor_parallel_size, dist.get_rank(self.tp_group), cfg.hidden_size, cfg.head_dim
         self.local_heads, self.local_kv_heads = cfg.num_heads // tp, cfg.num_kv_heads // tp
         qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d  # [q heads | k heads | v heads] at TP=1
-        full = SelfAttention(dataclasses.replace(cfg, tensor_parallel_size=1))
+        full = SelfAttention(dataclasses.replace(cfg, tensor_parallel_size=1, vocab_parallel=False))
         with torch.random.fork_rng(devices=_tp.fork_rng_devices()):
             if cfg.use_te:
                 te = require_te("GPTConfig(use_te=True)")
@@ -350,7 +363,7 @@ class MLP(nn.Module):
         import torch.distributed as dist
 
         tp, rank, h, f = cfg.tensor_parallel_size, dist.get_rank(self.tp_group), cfg.hidden_size, cfg.ffn_hidden_size
-        full = MLP(dataclasses.replace(cfg, tensor_parallel_size=1))
+        full = MLP(dataclasses.replace(cfg, tensor_parallel_size=1, vocab_parallel=False))
         with torch.random.fork_rng(devices=_tp.fork_rng_devices()):
             if cfg.use_te:
                 te = require_te("GPTConfig(use_te=True)")
@@ -411,7 +424,8 @@ class GPT(nn.Module):
     for the same seed ([Note: tensor parallelism of the reference GPT] in ``apps/tp.py``). Take it from
     ``megatron_fsdp.tensor_parallel_groups(tp)[0]``. The layers then take and return ``[s/TP, b, h]`` (sequence
     first, this rank's positions); the model's input and logits keep their shapes (every TP rank computes the
-    same logits).
+    same logits). With ``cfg.vocab_parallel`` this rank's ``tok`` and ``head`` hold only its ``vocab_size / TP``
+    rows (the TP=1 model's rows of the same seed); the logits are still whole.
     """
 
     #: Declared for graph kinds that pad sequences (inference ``seq_buckets``): position i never attends later.
@@ -424,29 +438,57 @@ class GPT(nn.Module):
         self.expert_parallel_group = _check_ep_group(cfg, expert_parallel_group)
         #: The TP group (read by megatron_fsdp.fully_shard, which refuses another layout); None at TP=1.
         self.tensor_parallel_group = _check_tp_group(cfg, tensor_parallel_group)
-        self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        #: The embedding and the LM head split over the vocabulary across the TP group (``cfg.vocab_parallel``).
+        self.vocab_parallel = cfg.vocab_parallel and self.tensor_parallel_group is not None
+        self.tok = self._vocab_slice(nn.Embedding(cfg.vocab_size, cfg.hidden_size), "tok.")
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden_size)
         self.layers = nn.ModuleList(_layer(cfg, i + 1, self.expert_parallel_group, self.tensor_parallel_group)
                                     for i in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = self._vocab_slice(nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False), "head.")
         if self.tensor_parallel_group is not None:
             for p in self.ln_f.parameters():  # runs on this rank's positions: a partial gradient
                 _tp.mark_sequence_parallel(p)
 
+    def _vocab_slice(self, full: nn.Module, prefix: str) -> nn.Module:
+        """``full`` (drawn as at TP=1), or with ``vocab_parallel`` this TP rank's rows of it (vocabulary ids
+        ``[r*V/TP, (r+1)*V/TP)``), tagged as a TP shard split along dim 0."""
+        if not self.vocab_parallel:
+            return full
+        import torch.distributed as dist
+
+        cfg = self.cfg
+        tp, rank = cfg.tensor_parallel_size, dist.get_rank(self.tensor_parallel_group)
+        if isinstance(full, nn.Embedding):
+            local: nn.Module = _tp.local_embedding(cfg.vocab_size // tp, cfg.hidden_size)
+        else:
+            local = _tp.local_linear(cfg.hidden_size, cfg.vocab_size // tp, bias=False)
+        _tp.copy_tp_slice(local, full, prefix=prefix, tp_rank=rank, tp_size=tp, num_heads=cfg.num_heads,
+                          vocab_parallel=True)
+        _tp.mark_tensor_parallel(local.weight, 0)
+        return local
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
-        x = self.tok(tokens) + self.pos(torch.arange(s, device=tokens.device))[None]
         group = self.tensor_parallel_group
         if group is not None:  # [Note: tensor parallelism of the reference GPT] in apps/tp.py
             tp = self.cfg.tensor_parallel_size
             if s % tp:
                 raise ValueError(f"GPT got sequences of {s} positions with tensor_parallel_size={tp}: sequence "
                                  f"parallelism splits them over the TP ranks; pad them to a multiple of {tp}")
-            x = _tp.scatter_sequence(x.transpose(0, 1), group)  # [s/TP, b, h]: this rank's positions
+            if self.vocab_parallel:  # this rank's vocabulary rows, summed over TP into this rank's positions
+                x = _tp.reduce_scatter_sequence(
+                    _tp.vocab_parallel_embedding(tokens, self.tok.weight, group).transpose(0, 1), group)
+                x = x + _tp.scatter_sequence(self.pos(torch.arange(s, device=tokens.device))[:, None], group)
+            else:
+                x = self.tok(tokens) + self.pos(torch.arange(s, device=tokens.device))[None]
+                x = _tp.scatter_sequence(x.transpose(0, 1), group)  # [s/TP, b, h]: this rank's positions
             for layer in self.layers:
                 x = layer(x)
+            if self.vocab_parallel:  # this rank's V/TP logits of every position, gathered along the vocabulary
+                return _tp.gather_vocab(self.head(_tp.gather_sequence(self.ln_f(x), group).transpose(0, 1)), group)
             return self.head(_tp.gather_sequence_replicated(self.ln_f(x), group).transpose(0, 1))
+        x = self.tok(tokens) + self.pos(torch.arange(s, device=tokens.device))[None]
         seq_first = self.cfg.unit == "te_layer"
         if seq_first:
             x = x.transpose(0, 1).contiguous()  # TE TransformerLayer's default layout is [seq, batch, hidden]

@@ -26,13 +26,43 @@ one slice of each layer, as megatron-core's ``ColumnParallelLinear``/``RowParall
   head (:func:`gather_sequence_replicated`, backward: this rank's positions of the gradient, which is the same
   on every TP rank), so every TP rank computes the same logits and loss, and their gradients are whole, the same
   on every TP rank: no TP reduction, no tag. The head's GEMM is computed ``TP`` times.
+- with ``GPTConfig(vocab_parallel=True)`` the token embedding and the LM head are split over the vocabulary instead
+  (megatron-core's ``VocabParallelEmbedding`` and a column-parallel output layer): TP rank ``r`` holds rows
+  ``[r*V/TP, (r+1)*V/TP)`` of each. The lookup (:func:`vocab_parallel_embedding`) gives zero rows for ids outside
+  them, and :func:`reduce_scatter_sequence` sums the ranks' parts straight into the sequence split (a sum of one
+  value and zeros: bit-equal to the whole lookup); the replicated positional embedding, ``[s, 1, h]``, is scattered
+  (:func:`scatter_sequence`; its backward all-gathers the batch-summed ``[s/TP, 1, h]`` gradient, so ``pos``'s
+  gradient is whole on every rank) and added, so the layers' input equals the replicated path's. The head takes the
+  whole sequence from :func:`gather_sequence` (backward reduce-scatter: each rank's ``V/TP`` columns give a partial
+  input gradient) and :func:`gather_vocab` all-gathers the ``V/TP`` logits along the vocabulary, so every TP rank
+  still computes the same whole logits and loss (``loss_fn`` and the output shape unchanged). Gradient semantics:
+  the loss, and so ``dL/dlogits``, is whole and alike on every TP rank; the gather's backward takes this rank's
+  vocabulary columns (a sum would scale every gradient by TP), which makes the head slice's weight gradient the
+  whole gradient of those rows, and the reduce-scatter's backward all-gathers ``dL/dx`` of every position, which
+  makes the embedding slice's gradient whole for its rows (the masked ids get none). Neither needs a sum over TP:
+  both are tagged ``tensor_model_parallel`` with ``partition_dim = 0`` (TP shards, no ``sequence_parallel`` tag), as
+  the engine expects; ``pos`` stays replicated and untagged (whole gradient on every rank). The head's GEMM then
+  runs once over the TP group, and each rank keeps ``1/TP`` of both tables and their optimizer state. The tables are
+  plain torch modules also with ``use_te=True`` (only the layers are TE's), so the split does not depend on the
+  layers' kind.
 - TP-sharded parameters carry ``tensor_model_parallel = True`` and ``partition_dim`` (megatron-core's and TE's
   attributes): the engine keys them per TP rank in checkpoints.
 
 Initial values: each rank's slice equals the TP=1 model's slice for the same seed. The layer draws the TP=1
 module's values from the random stream (the same draws in the same order as at TP=1), then builds its local
-module without drawing and copies its slice in; :func:`slice_tp_state_dict` maps a TP=1 state dict to a TP rank's
-and :func:`merge_tp_state_dicts` the ranks' back.
+module without drawing and copies its slice in (the vocabulary-parallel tables likewise, in the GPT);
+:func:`slice_tp_state_dict` maps a TP=1 state dict to a TP rank's and :func:`merge_tp_state_dicts` the ranks' back.
+
+State dicts of a vocabulary-parallel model: the rules are matched by key, and ``tok.weight``/``head.weight`` are the
+same keys in a model with and without the split, so their rule (:data:`VOCAB_PARALLEL_RULES`) is not in
+:data:`TP_RULES`: :func:`tp_kind`, :func:`slice_tp_state_dict`, :func:`merge_tp_state_dicts` and
+:func:`copy_tp_slice` take ``vocab_parallel=False`` and apply it only when the caller says so (the GPT's
+construction passes it for its two tables; callers of slice/merge pass ``cfg.vocab_parallel``). The default keeps
+every existing call's meaning; a dict of the other kind is not silently misread: merging split tables as replicated
+fails the replicated check (whose message names ``vocab_parallel=True``), and slicing whole tables for a split model
+fails ``load_state_dict`` on the shapes. Inferring the split was rejected: ``slice`` gets a TP=1 dict, which cannot
+say whether the target model splits its tables, and ``merge`` cannot tell a split table from a replicated one by its
+shape.
 
 With ``use_te=True`` the same split is TE's: ``LayerNormLinear(parallel_mode="column")``,
 ``Linear(parallel_mode="row")``, ``LayerNormMLP(set_parallel_mode=True)``, each with ``tp_group``, ``tp_size`` and
@@ -52,11 +82,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["gather_sequence", "reduce_scatter_sequence", "scatter_sequence", "gather_sequence_replicated",
-           "mark_tensor_parallel", "mark_sequence_parallel", "tp_kind", "slice_tp_state_dict",
-           "merge_tp_state_dicts", "copy_tp_slice", "TP_RULES"]
+           "gather_vocab", "vocab_parallel_embedding", "mark_tensor_parallel", "mark_sequence_parallel", "tp_kind",
+           "slice_tp_state_dict", "merge_tp_state_dicts", "copy_tp_slice", "TP_RULES", "VOCAB_PARALLEL_RULES"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -147,6 +178,30 @@ class _GatherSequenceReplicated(torch.autograd.Function):
         return _split(grad, ctx.group), None
 
 
+class _GatherVocab(torch.autograd.Function):
+    """After the vocabulary-parallel LM head: all-gather of each rank's ``V/TP`` logits along the last dimension
+    (TP rank order), so every TP rank holds the whole logits and computes the same loss; backward: this rank's
+    vocabulary slice of the gradient, no communication.
+
+    Why a slice and not a sum: the loss is computed whole and alike on every TP rank, so the gradient arriving here
+    is the whole ``dL/dlogits``, the same on every rank, not a partial sum. This rank's logits slice fed only its
+    columns of the gather, so its gradient is exactly those columns. Summing over TP (a reduce-scatter) would scale
+    the head's weight gradient and its input gradient by TP."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        size = dist.get_world_size(group)
+        parts = _gather(x.unsqueeze(0), group)  # [TP, ..., V/TP]
+        return parts.movedim(0, -2).reshape(tuple(x.shape[:-1]) + (size * x.shape[-1],))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        per = grad.shape[-1] // size
+        return grad[..., rank * per:(rank + 1) * per].contiguous(), None
+
+
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``[s/TP, ...] -> [s, ...]`` before a column-parallel GEMM (backward: reduce-scatter)."""
     return _GatherSequence.apply(x, group)
@@ -165,6 +220,22 @@ def scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 def gather_sequence_replicated(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``[s/TP, ...] -> [s, ...]`` for compute replicated over TP (backward: this rank's positions)."""
     return _GatherSequenceReplicated.apply(x, group)
+
+
+def gather_vocab(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[..., V/TP]`` this rank's logits -> ``[..., V]`` whole (backward: this rank's vocabulary slice)."""
+    return _GatherVocab.apply(x, group)
+
+
+def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's part of an embedding lookup split over the vocabulary: ``weight`` holds rows ``[r*V/TP,
+    (r+1)*V/TP)`` of the table (TP rank ``r``); ids outside them give zero rows (and no gradient), so the sum over
+    the TP group (the caller's reduce-scatter) is the whole lookup."""
+    per = weight.shape[0]
+    local = tokens - dist.get_rank(group) * per
+    outside = (local < 0) | (local >= per)
+    out = F.embedding(local.masked_fill(outside, 0), weight)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 def mark_tensor_parallel(p: torch.Tensor, partition_dim: int) -> None:
@@ -190,10 +261,17 @@ TP_RULES = (
     (re.compile(r"(^|\.)mlp\.(fc2\.weight|ln_mlp\.fc2_weight)$"), "row"),
 )
 
+#: With ``GPTConfig(vocab_parallel=True)`` also the token embedding and the LM head split by rows (vocabulary),
+#: applied only when the caller passes ``vocab_parallel=True``: the same keys are replicated otherwise.
+VOCAB_PARALLEL_RULES = (
+    (re.compile(r"(^|\.)(tok|head)\.weight$"), "column"),
+)
 
-def tp_kind(key: str) -> Optional[str]:
-    """``qkv``, ``column`` or ``row`` for a TP-sharded parameter's key, None for one replicated over TP."""
-    for pattern, kind in TP_RULES:
+
+def tp_kind(key: str, *, vocab_parallel: bool = False) -> Optional[str]:
+    """``qkv``, ``column`` or ``row`` for a TP-sharded parameter's key, None for one replicated over TP.
+    ``vocab_parallel``: the model was built with ``GPTConfig(vocab_parallel=True)`` (its ``tok``/``head`` split)."""
+    for pattern, kind in TP_RULES + (VOCAB_PARALLEL_RULES if vocab_parallel else ()):
         if pattern.search(key):
             return kind
     return None
@@ -239,56 +317,68 @@ def _merge(kind: str, values: Sequence[torch.Tensor], num_heads: int, num_kv_hea
 
 
 def slice_tp_state_dict(state_dict: Mapping[str, torch.Tensor], *, tensor_parallel_size: int, tp_rank: int,
-                        num_heads: int, num_kv_heads: Optional[int] = None) -> Dict[str, torch.Tensor]:
+                        num_heads: int, num_kv_heads: Optional[int] = None, vocab_parallel: bool = False
+                        ) -> Dict[str, torch.Tensor]:
     """A TP=1 state dict of the reference GPT -> the state dict of TP rank ``tp_rank`` (same keys; TP-sharded
-    entries sliced by :data:`TP_RULES`, replicated ones passed through). ``num_kv_heads``: default ``num_heads``."""
+    entries sliced by :data:`TP_RULES`, replicated ones passed through). ``num_kv_heads``: default ``num_heads``.
+    ``vocab_parallel``: for a model built with ``GPTConfig(vocab_parallel=True)``: ``tok.weight`` and
+    ``head.weight`` sliced by rows too (:data:`VOCAB_PARALLEL_RULES`); otherwise they are replicated."""
     if tensor_parallel_size < 1 or not 0 <= tp_rank < tensor_parallel_size:
         raise ValueError(f"tp_rank={tp_rank} with tensor_parallel_size={tensor_parallel_size}: need "
                          "tensor_parallel_size >= 1 and 0 <= tp_rank < tensor_parallel_size")
     out: Dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
-        kind = tp_kind(key)
+        kind = tp_kind(key, vocab_parallel=vocab_parallel)
         out[key] = value if kind is None else _slice(kind, value, tp_rank, tensor_parallel_size, num_heads, key,
                                                      num_kv_heads).clone()
     return out
 
 
 def merge_tp_state_dicts(per_tp_rank: Sequence[Mapping[str, torch.Tensor]], *, num_heads: int,
-                         num_kv_heads: Optional[int] = None, check_replicated: bool = True
-                         ) -> Dict[str, torch.Tensor]:
+                         num_kv_heads: Optional[int] = None, check_replicated: bool = True,
+                         vocab_parallel: bool = False) -> Dict[str, torch.Tensor]:
     """The TP ranks' state dicts (in TP rank order) -> the TP=1 state dict (the inverse of
-    :func:`slice_tp_state_dict`). Replicated entries must agree bit for bit (``check_replicated=False``: TP rank
-    0's are taken, for diagnosing a run whose replicas drifted apart)."""
+    :func:`slice_tp_state_dict`, ``vocab_parallel`` as there). Replicated entries must agree bit for bit
+    (``check_replicated=False``: TP rank 0's are taken, for diagnosing a run whose replicas drifted apart)."""
     out: Dict[str, torch.Tensor] = {}
     for key, value in per_tp_rank[0].items():
-        kind = tp_kind(key)
+        kind = tp_kind(key, vocab_parallel=vocab_parallel)
         if kind is not None:
             out[key] = _merge(kind, [sd[key] for sd in per_tp_rank], num_heads, num_kv_heads)
             continue
         if check_replicated and isinstance(value, torch.Tensor):
             for q, sd in enumerate(per_tp_rank[1:], 1):
                 if not torch.equal(sd[key], value):
+                    hint = ("; or, if the model was built with GPTConfig(vocab_parallel=True) (its tok and head "
+                            "split over the vocabulary), pass vocab_parallel=True"
+                            if tp_kind(key, vocab_parallel=True) else "")
                     raise ValueError(f"{key} differs between TP ranks 0 and {q}: parameters replicated over TP must "
                                      "stay equal (their gradients summed over TP where sequence parallelism makes "
-                                     "them partial); merge state dicts of one model at one step")
+                                     f"them partial); merge state dicts of one model at one step{hint}")
         out[key] = value
     return out
 
 
 def copy_tp_slice(local: nn.Module, full: nn.Module, *, prefix: str, tp_rank: int, tp_size: int,
-                  num_heads: int, num_kv_heads: Optional[int] = None) -> None:
+                  num_heads: int, num_kv_heads: Optional[int] = None, vocab_parallel: bool = False) -> None:
     """Copy into ``local`` (a TP module) its slice of ``full`` (the same module at TP=1), parameter by parameter;
-    ``prefix``: the modules' key in the GPT (e.g. ``"attn."``) that :data:`TP_RULES` match."""
+    ``prefix``: the modules' key in the GPT (e.g. ``"attn."``, ``"tok."``) that :data:`TP_RULES` (and with
+    ``vocab_parallel``, :data:`VOCAB_PARALLEL_RULES`) match."""
     full_params = dict(full.named_parameters())
     with torch.no_grad():
         for name, p in local.named_parameters():
             value = full_params[name].detach()
-            kind = tp_kind(prefix + name)
+            kind = tp_kind(prefix + name, vocab_parallel=vocab_parallel)
             if kind is not None:
                 value = _slice(kind, value, tp_rank, tp_size, num_heads, prefix + name, num_kv_heads)
             if tuple(value.shape) != tuple(p.shape):
                 raise AssertionError(f"{prefix}{name}: slice {tuple(value.shape)} vs local {tuple(p.shape)}")
             p.copy_(value)
+
+
+def local_embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """An ``nn.Embedding`` whose values the caller copies in (as :func:`local_linear`)."""
+    return torch.nn.utils.skip_init(nn.Embedding, num_embeddings, embedding_dim, device=torch.get_default_device())
 
 
 def local_linear(in_features: int, out_features: int, *, bias: bool = True) -> nn.Linear:

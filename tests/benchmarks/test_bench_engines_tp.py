@@ -112,3 +112,26 @@ def test_bench_engines_cpu_smoke_llama70b_tensor_parallel(tmp_path):
     assert moved["all_gather"] == 0  # DP 1: FSDP's group is one rank
     assert "mcore_gpt.py" in cols["nvidia_tp_eager"]["skipped"]
     assert {g["verdict"] for g in r["evaluation"]["goals"]} <= {"PASS", "NOISE", "FAIL"}
+
+
+def test_vocab_parallel_flag_splits_both_columns_alike():
+    """``--vocab-parallel``: ours' config splits the tables (only at TP > 1: the TP=1 model FSDP2 starts from keeps
+    them whole), FSDP2's root plan names the same two modules of the reference GPT; other configs refuse the flag.
+    (On 2 Gloo ranks the CPU smoke with the flag gives both columns the same parameters per rank.)"""
+    import bench_engines
+    from fsdp_cudagraph.apps.model import GPT
+
+    args = _args(cpu_smoke=True, layers=1, vocab_parallel=True)
+    assert _engines_tp.config(args, 2).vocab_parallel is True
+    assert _engines_tp.config(args, 1).vocab_parallel is False
+    assert _engines_tp.config(_args(cpu_smoke=True, layers=1), 2).vocab_parallel is False  # default off
+    plan = _engines_tp._root_tp_plan()
+    with torch.device("meta"):
+        children = dict(GPT(_engines_tp.config(args, 1)).named_children())
+    assert sorted(plan) == ["head", "tok"]
+    assert isinstance(children["tok"], torch.nn.Embedding) and isinstance(children["head"], torch.nn.Linear)
+    assert type(plan["tok"]).__name__ == "RowwiseParallel" and type(plan["head"]).__name__ == "ColwiseParallel"
+    assert bench_engines.parse(["--config", "llama70b", "--vocab-parallel"]).vocab_parallel is True
+    assert bench_engines.parse(["--config", "llama70b"]).vocab_parallel is False
+    with pytest.raises(SystemExit):
+        bench_engines.parse(["--config", "llama8b", "--vocab-parallel"])
