@@ -24,9 +24,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple) -> None:
+def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple, env: dict) -> None:
     # A rank that the C++ side aborts prints every thread's Python stack first, so a CI log says where.
     faulthandler.enable(all_threads=True)
+    os.environ.clear()  # the caller's environment as it is now, as a spawned rank sees it ([Note: ranks from a
+    os.environ.update(env)  # fork server])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -48,6 +50,26 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
     torch.save(record, os.path.join(outdir, f"{rank}.pt"))
     # The outcome is on disk; the exit status mirrors it (a normal interpreter exit).
     exit_process(code)
+
+
+# [Note: ranks from a fork server]
+# Each Gloo rank used to be a spawned interpreter that imported torch and the package again: a few seconds of CPU
+# per rank, paid some hundred times by the suite on two cores. The ranks now fork from multiprocessing's fork
+# server, started once per test process with torch, torch.distributed and the package imported
+# (``set_forkserver_preload``), so a rank starts from those modules already loaded; the server is a fresh
+# interpreter that has started nothing else (no threads, no process group, no CUDA), which is what makes forking
+# it safe. What a spawned rank had and a forked one would not is restored explicitly: the caller's environment as
+# it is at the call (the server's is the one it started with), passed to ``_worker``. The test module holding
+# ``fn`` is imported in the rank, as under spawn. FSDP_CUDAGRAPH_TEST_START=spawn goes back to spawning.
+
+
+def _start_method() -> str:
+    method = os.environ.get("FSDP_CUDAGRAPH_TEST_START", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"FSDP_CUDAGRAPH_TEST_START={method!r}: use forkserver (default) or spawn")
+    if method == "forkserver":
+        mp.set_forkserver_preload(["torch", "torch.distributed", "fsdp_cudagraph", "megatron_fsdp"])
+    return method
 
 
 def run_gloo(fn: Callable, world_size: int, *args: Any) -> List[Any]:
@@ -76,7 +98,8 @@ class _AbortedWithoutError(Exception):
 def _run_once(fn: Callable, world_size: int, args: tuple) -> List[Any]:
     with tempfile.TemporaryDirectory() as outdir:
         try:
-            mp.spawn(_worker, args=(world_size, _free_port(), outdir, fn, args), nprocs=world_size, join=True)
+            mp.start_processes(_worker, args=(world_size, _free_port(), outdir, fn, args, dict(os.environ)),
+                               nprocs=world_size, join=True, start_method=_start_method())
         except Exception as exc:
             errors = []
             for r in range(world_size):
