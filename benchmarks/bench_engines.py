@@ -67,11 +67,11 @@ K's CUDA runtime calls and operators by their own host time) and the first losse
 column is reported against the floor with communication ([Note: the floor with communication] in
 ``_perf_goals.py``; the all-gather and reduce-scatter rates of a layer-sized collective measured in the same
 run) and the engines-at-scale goals (llama8b), the MoE goals (olmoe), the expert-parallel goals (qwen3moe, among
-them ours EP eager >= 1.2x NVIDIA EP eager's tokens/s at no more peak) and the TP goals (llama70b) get PASS / NOISE /
-FAIL / MISSING verdicts (``_perf_goals.ENGINE_GOALS``); the losses of a column of another engine on the same EP model are checked against
-ours EP eager's ([Note: losses across engines] in ``_engines_report.py``: AGREE or DISAGREE, which fails the
-run). A column that does not apply here (slots on one rank, EP on one rank, NVIDIA on CPU or without
-megatron-core) is ``skipped`` with its reason and its goals are N/A.
+them ours EP eager >= 1.2x NVIDIA EP eager's tokens/s at no more peak) and the TP goals (llama70b) get PASS / NOISE
+/ FAIL / MISSING verdicts (``_perf_goals.ENGINE_GOALS``); the losses of a column of another engine on the same EP
+model are checked against ours EP eager's ([Note: losses across engines] in ``_engines_report.py``: AGREE or
+DISAGREE, which fails the run). A column that does not apply here (slots on one rank, EP on one rank, NVIDIA on CPU
+or without megatron-core) is ``skipped`` with its reason and its goals are N/A.
 
 Isolation: by default every column (and the rate measurement) runs in its own ``torchrun`` child, so each peak
 is the column's alone and a column that crashes (out of memory, an NCCL abort) is recorded as failed while the

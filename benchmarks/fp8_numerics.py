@@ -172,8 +172,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from fsdp_cudagraph.checker.records import write_record
 
         write_record(args.out, {**_common.record_fields(), **result})
-        print(f"bf16 learned the chain: {learned} (last {args.tail} mean {bf16_end:.3f}; ln V {math.log(args.vocab):.3f}, "
-              f"ln K {math.log(args.successors):.3f})")
+        print(f"bf16 learned the chain: {learned} (last {args.tail} mean {bf16_end:.3f}; "
+              f"ln V {math.log(args.vocab):.3f}, ln K {math.log(args.successors):.3f})")
         for r, g in gaps.items():
             print(f"{r:8s} gap {100 * g:.3f}% (goal <= {100 * GOAL_GAP:.0f}%): {result['verdicts'][r]}")
     dist.barrier()

@@ -2,10 +2,11 @@
 
     python benchmarks/tools/plot.py benchmarks/results/data/*.json --outdir benchmarks/results
 
-Needs matplotlib (not a dependency of the package: only this script uses it). Each input file is
-recognised by its content: an alignment run (``rows``), a partial-graph benchmark (``suites``), a profile
-of the compute step (``floor`` and ``columns``: its line-by-line budget), an FP8 numerics run (``curves`` and
-``gaps``: benchmarks/fp8_numerics.py) or a peers benchmark (``engines``/``results``). Files it does not recognise are skipped with a note.
+Needs matplotlib (not a dependency of the package: only this script uses it). Each input file is recognised by its
+content: an alignment run (``rows``), a partial-graph benchmark (``suites``), a profile of the compute step
+(``floor`` and ``columns``: its line-by-line budget), an FP8 numerics run (``curves`` and ``gaps``:
+benchmarks/fp8_numerics.py) or a peers benchmark (``engines``/``results``). Files it does not recognise are skipped
+with a note.
 """
 
 from __future__ import annotations
