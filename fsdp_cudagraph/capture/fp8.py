@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -203,6 +203,19 @@ def te_autocast_active() -> bool:
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager  # pragma: no cover - needs TE
 
     return bool(FP8GlobalStateManager.quantization_state.autocast_depth)  # pragma: no cover
+
+
+def te_modules_by_last_forward(named: Iterable[Tuple[str, nn.Module]]) -> Tuple[List[str], List[str]]:
+    """(qualified names of the TE modules under ``named`` ((prefix, module) pairs, e.g. graphed callables) whose last
+    forward ran in FP8, names of those whose last forward ran without): TE sets a module's ``fp8`` flag from its
+    autocast at every forward."""
+    ran_fp8: List[str] = []
+    ran_plain: List[str] = []
+    for prefix, top in named:
+        for name, m in top.named_modules(prefix=prefix):
+            if _is_te_module(m) and isinstance(getattr(m, "fp8", None), bool):
+                (ran_fp8 if m.fp8 else ran_plain).append(name)
+    return ran_fp8, ran_plain
 
 
 def delayed_scaling_modules(module: nn.Module) -> List[str]:

@@ -149,6 +149,10 @@ class EngineAdapter(abc.ABC):
 
     #: Short name for messages, e.g. ``"megatron_fsdp"`` or ``"torch FSDP2"``.
     name: str = "engine"
+    #: TE's FP8 under per-layer graphs is supported with this engine: proven bit-exact against eager on GPUs under
+    #: megatron_fsdp (docs/fp8.md); a module without an engine adds nothing to TE's own graph maker. Under any other
+    #: engine ``PartialCudaGraphs`` refuses an FP8 recipe (its parameter handling and TE's FP8 weights have not run).
+    fp8_supported: bool = False
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

@@ -27,6 +27,7 @@ class PlainModule(EngineAdapter, PerLayerEngine):
     """A module without an engine: the graph layer's questions answered by the module alone."""
 
     name = "the model"
+    fp8_supported = True
     address_hint = ""
 
     def __init__(self, model: nn.Module, *,

@@ -169,6 +169,13 @@ class PartialCudaGraphs:
             )
         self.backend = backend
         self.fp8 = fp8_for(config, fp8, backend)
+        if self.fp8 is not None and not self.engine.fp8_supported:
+            raise NotImplementedError(
+                f"{self.fp8!r} under {self.engine.name} is not supported yet: FP8 with TE's graph maker has been "
+                "proven bit-exact against eager under megatron_fsdp only; under "
+                f"{self.engine.name} TE's FP8 weights and their cached quantized copies would meet the engine's own "
+                "parameter handling (its resharding or FP8 buffers), which has not run. Train FP8 with graphs under "
+                "megatron_fsdp (docs/fp8.md), or without FP8 here")
         if backend != "protocol":
             # The machine first, before any hook or stream changes: a missing GPU or TE is known now, not
             # after the warmup steps.
@@ -283,8 +290,22 @@ class PartialCudaGraphs:
         """With FP8: refuse a capture inside a TE autocast region (TE's graph maker opens its own per callable, and
         the scaling bookkeeping of the outer one would mix with it), shapes TE's FP8 GEMMs refuse, and a capture
         that TE's process-wide weight flag would break ([Note: TE's one weight flag] in ``capture/fp8.py``)."""
+        ran_fp8, ran_plain = _fp8.te_modules_by_last_forward((c.name, c.module) for c in callables)
         if self.fp8 is None:
+            if ran_fp8:
+                raise ValueError(
+                    f"fsdp_cudagraph: TE modules {ran_fp8[:3]} ran their last forward in FP8 (inside TE's autocast), "
+                    "but these graphs have no FP8 recipe: TE's graph maker would capture them without FP8, and the "
+                    "replays would compute in bf16 what the eager steps computed in FP8. Pass the recipe of your "
+                    "autocast: PartialCudaGraphs(..., fp8=FP8Recipe(name)) or CudaGraphConfig(fp8_recipe=name), and "
+                    "run each micro-batch's forward under that object's autocast()")
             return
+        if ran_plain and not ran_fp8:
+            raise ValueError(
+                f"fsdp_cudagraph: these graphs capture with {self.fp8!r}, but no TE module of the graphed callables "
+                f"ran FP8 in the eager steps before capture ({ran_plain[:3]} ran without it): the replays would "
+                "compute in FP8 what the eager steps computed in bf16. Run each micro-batch's forward under "
+                "`with fp8.autocast():` (the same FP8Recipe object), or build the graphs without fp8")
         if _fp8.te_autocast_active():
             raise RuntimeError(
                 "fsdp_cudagraph: capture() was called inside a TE autocast region; TE's graph maker wraps each "

@@ -24,6 +24,7 @@ from fsdp_cudagraph import CudaGraphConfig, FP8Recipe, PartialCudaGraphs, add_cu
 from fsdp_cudagraph.apps.model import GPTConfig
 from fsdp_cudagraph.capture import fp8 as fp8_mod
 from fsdp_cudagraph.capture import schedules
+from tests.dist_utils import run_gloo
 
 TE = "transformer_engine"
 
@@ -240,6 +241,7 @@ class TELikeLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Any = None) -> torch.Tensor:
         self.calls.append(is_first_microbatch)
+        self.fp8 = fp8_mod.te_autocast_active()  # as TE sets it at every forward
         self._fp8_workspaces.setdefault("weight", FakeWorkspace(self.weight.numel()))
         return super().forward(x)
 
@@ -437,3 +439,41 @@ def test_final_states_compare_te_extra_state_by_content():
     assert not states_equal(a, {"w": w, "m._extra_state": te_state(torch.arange(4.0) + 1)})
     empty = torch.empty(0, dtype=torch.uint8)  # a stateless recipe's (current, block) or a bf16 TE module's
     assert states_equal({"m._extra_state": empty}, {"m._extra_state": empty.clone()})
+
+
+def test_eager_fp8_steps_with_graphs_built_without_a_recipe_are_refused_at_capture(stub_te):
+    # the replays would compute in bf16 what the eager steps computed in FP8: refused, naming the modules and the fix
+    model, graphs = _graphs(None)
+    _step(model, FP8Recipe("current"))
+    with pytest.raises(ValueError, match=r"TE modules \['0.fc', '1.fc'\] ran their last forward in FP8.*"
+                                         r"fp8=FP8Recipe\(name\)"):
+        graphs.capture()
+    graphs.delete()
+
+
+def test_graphs_with_a_recipe_after_eager_steps_without_fp8_are_refused_at_capture(stub_te):
+    fp8 = FP8Recipe("current")
+    model, graphs = _graphs(fp8)
+    for _ in range(2):
+        model(torch.randn(8, 32)).sum().backward()  # no fp8.autocast(): the eager steps ran bf16
+    with pytest.raises(ValueError, match=r"no TE module of the graphed callables ran FP8.*\['0.fc', '1.fc'\]"):
+        graphs.capture()
+    graphs.delete()
+
+
+def _fsdp2_with_fp8(rank: int, world: int) -> str:
+    from fsdp_cudagraph.engines.fsdp2 import shard_fsdp2
+
+    model = nn.Sequential(Block(), Block())
+    shard_fsdp2(model, list(model), device=torch.device("cpu"))
+    try:
+        PartialCudaGraphs(model, CudaGraphConfig(cuda_graph_impl=TE, cuda_graph_modules=["mlp"], fp8_recipe="current",
+                                                 use_megatron_fsdp=False))
+    except NotImplementedError as e:
+        return str(e)
+    return "no error"
+
+
+def test_fp8_under_an_engine_it_has_not_run_with_is_refused():
+    (msg,) = run_gloo(_fsdp2_with_fp8, 1)
+    assert "under torch FSDP2 is not supported yet" in msg and "megatron_fsdp" in msg, msg

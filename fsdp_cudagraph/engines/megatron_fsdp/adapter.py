@@ -70,6 +70,7 @@ class MegatronFSDPEngine(EngineAdapter, PerLayerEngine):
     """A :class:`megatron_fsdp.MegatronFSDP` model."""
 
     name = "megatron_fsdp"
+    fp8_supported = True
     address_hint = ("Keep the engine's buffers where capture found them (fsdp_double_buffer=True, or sharding_strategy "
                     "'no_shard'/'optim', whose buffers are persistent).")
 
