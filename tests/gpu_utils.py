@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import warnings
@@ -57,30 +56,26 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 ENTRY_TIMEOUT_S = 480.0
 
 
+#: The time limit every entry point runs under (its stacks printed before a hung run is stopped).
+LIMIT_TOOL = os.path.join(ROOT, "benchmarks", "tools", "limit.py")
+
+
 def run_entry(cmd: Sequence[str], *, env: Optional[dict] = None, timeout: Optional[float] = None):
     """``subprocess.run`` from the repository root, retried once when the process was killed by SIGABRT at
     teardown with no Python error (the policy ``tests.dist_utils.run_gloo`` applies to spawned ranks). The entry
-    runs in a process group of its own with Python's fault handler on; past its time limit the whole group gets
-    SIGABRT (every rank prints where each of its threads stands), then SIGKILL, and the test fails with that
-    output's tail, naming the limit."""
+    runs under ``benchmarks/tools/limit.py``: in a process group of its own with Python's fault handler on; past its
+    time limit the whole group gets SIGABRT (every rank prints where each of its threads stands), then SIGKILL, and
+    the test fails with that output's tail, naming the limit."""
     limit = timeout or float(os.environ.get("FSDP_CUDAGRAPH_TEST_TIMEOUT", ENTRY_TIMEOUT_S))
-    env = dict(env or gpu_env(), PYTHONFAULTHANDLER="1")
     for attempt in (1, 2):
-        proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGABRT)
-            try:
-                out, err = proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                out, err = proc.communicate()
+        proc = subprocess.run([sys.executable, LIMIT_TOOL, str(limit), *cmd], cwd=ROOT, env=env or gpu_env(),
+                              capture_output=True, text=True)
+        out, err = proc.stdout, proc.stderr
+        if proc.returncode == 124 and "\nlimit.py: " in "\n" + err:
             raise AssertionError(f"{' '.join(cmd[:6])} ...: still running after {limit:.0f} s (the limit: the call's "
                                  f"timeout, else FSDP_CUDAGRAPH_TEST_TIMEOUT, default {ENTRY_TIMEOUT_S:.0f}); where "
                                  f"each process stood when it was stopped:\n{out[-6000:]}\n{err[-12000:]}")
-        done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        done = subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
         aborted = done.returncode == -6 and TEARDOWN_ABORT in err and "Traceback" not in err
         if not aborted or attempt == 2:
             return done

@@ -4,10 +4,12 @@
 
 The command runs in a process group of its own with Python's fault handler on (``PYTHONFAULTHANDLER=1``). Past
 SECONDS the whole group gets SIGABRT, so every Python process in it (``torchrun`` and each of its ranks) prints
-where each of its threads stands, then SIGKILL 20 s later; the exit status is then 124, as ``timeout``'s.
-``timeout`` signals only its child: a hung ``torchrun`` died silently there and left its ranks holding the GPUs
-(a megatron-core EP run with TE on 2 x H200 at ``1ca97bc`` stopped so, with no clue where). Otherwise the exit
-status is the command's; SIGTERM and SIGINT sent to this wrapper go to the whole group.
+where each of its threads stands, then SIGKILL 20 s later; the exit status is then 124, as ``timeout``'s, and stderr
+says so in a line starting ``limit.py:``. ``timeout`` signals only its child: a hung ``torchrun`` died silently there
+and left its ranks holding the GPUs (a megatron-core EP run with TE on 2 x H200 at ``1ca97bc`` stopped so, with no
+clue where). Otherwise the exit status is the command's, and a command killed by a signal kills this wrapper by the
+same signal (its parent sees what the command's own parent would); SIGTERM and SIGINT sent to this wrapper go to
+the whole group. The GPU tests run their entry points through it too (``tests/gpu_utils.run_entry``).
 """
 
 from __future__ import annotations
@@ -61,5 +63,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     return run(limit, argv[1:])
 
 
+def exit_as(status: int) -> None:
+    """Leave with the command's status: a negative one (killed by that signal) by the same signal."""
+    if status < 0:
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_as(main())

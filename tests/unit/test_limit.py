@@ -25,3 +25,10 @@ def test_exit_status_and_bad_arguments():
     assert ok.returncode == 3
     bad = subprocess.run([sys.executable, TOOL, "soon", "true"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "SECONDS must be a number, got 'soon'" in bad.stderr
+
+
+def test_a_command_killed_by_a_signal_kills_the_wrapper_by_the_same_signal():
+    # what tests/gpu_utils.run_entry reads to retry a teardown abort (-6), as from the command itself
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGABRT)"
+    proc = subprocess.run([sys.executable, TOOL, "30", sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert proc.returncode == -6, (proc.returncode, proc.stderr[-2000:])
