@@ -18,6 +18,16 @@ import torch.multiprocessing as mp
 from fsdp_cudagraph.apps.train import exit_process
 
 
+def outcome(fn: Callable[[], Any], *expected: type) -> str:
+    """What calling ``fn`` did, as a rank job can return it: ``"no error"``, or ``"<Type>: <message>"`` of an
+    exception of the ``expected`` types (any other propagates)."""
+    try:
+        fn()
+    except expected as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_cudagraph.apps import mcore_gpt
-from tests.dist_utils import run_gloo
+from tests.dist_utils import outcome, run_gloo
 
 pytestmark = pytest.mark.skipif(not mcore_gpt.HAS_MCORE, reason=mcore_gpt.MCORE_REASON)
 
@@ -190,11 +190,7 @@ def _misuse() -> Dict[str, str]:
     out: Dict[str, str] = {}
 
     def catch(key: str, fn: Any, *exc: type) -> None:
-        try:
-            fn()
-            out[key] = "no error"
-        except exc as e:  # noqa: PERF203
-            out[key] = f"{type(e).__name__}: {e}"
+        out[key] = outcome(fn, *exc)
 
     for engine in ("fsdp2", "nvidia"):
         catch(f"app_{engine}", lambda: mcore_gpt.run(model="dense", engine=engine, scope="attn_mlp", device=CPU,
