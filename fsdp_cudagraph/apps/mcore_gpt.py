@@ -91,6 +91,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_cudagraph.apps.mcore_cpu import check_device, cpu_shims, shims_for_factory
+from fsdp_cudagraph.apps.model import check_parallel_size
 
 __all__ = ["HAS_MCORE", "MCORE_REASON", "MCORE_VERSION", "MCoreShape", "MODELS", "SCOPES", "cpu_shims",
            "init_parallel_state", "expert_groups", "tensor_groups",
@@ -153,8 +154,7 @@ class MCoreShape:
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size={tp!r} must be a positive integer (1: no tensor parallelism)")
+        check_parallel_size("tensor_parallel_size", tp, "tensor parallelism")
         if tp == 1:
             return
         if self.expert_parallel_size != 1:
@@ -175,8 +175,7 @@ class MCoreShape:
 
     def _check_expert_parallel(self) -> None:
         ep = self.expert_parallel_size
-        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
-            raise ValueError(f"expert_parallel_size={ep!r} must be a positive integer (1: no expert parallelism)")
+        check_parallel_size("expert_parallel_size", ep, "expert parallelism")
         if ep == 1:
             return
         if self.num_experts is None:

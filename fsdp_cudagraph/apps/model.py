@@ -33,8 +33,15 @@ __all__ = ["GPTConfig", "GPT", "TransformerBlock", "SelfAttention", "MLP", "MoEB
            "Experts", "SharedExpert", "unpermute", "MOE_EXPERTS", "olmoe_config", "qwen3_moe_config",
            "mixtral_config", "llama70b_config", "loss_fn",
            "synthetic_batch", "moe_checker_spec", "moe_split", "moe_grouped_mm", "moe_capacity", "EP_EXPERTS",
-           "check_expert_parallel",
+           "check_expert_parallel", "check_parallel_size",
            "slice_expert_state_dict", "merge_expert_state_dicts", "slice_tp_state_dict", "merge_tp_state_dicts"]
+
+
+def check_parallel_size(name: str, value: Any, meaning: str) -> None:
+    """A parallel size of a model config (``name``: the field, ``meaning``: what 1 switches off): a positive
+    integer, ``bool`` not counted as one; ValueError naming the value otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer (1: no {meaning})")
 
 
 @dataclasses.dataclass
@@ -172,8 +179,7 @@ class GPTConfig:
 
     def _check_expert_parallel(self) -> None:
         ep = self.expert_parallel_size
-        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
-            raise ValueError(f"expert_parallel_size={ep!r} must be a positive integer (1: no expert parallelism)")
+        check_parallel_size("expert_parallel_size", ep, "expert parallelism")
         if ep == 1:
             return
         if self.num_experts % ep:
@@ -193,8 +199,7 @@ class GPTConfig:
 
     def _check_tensor_parallel(self) -> None:
         tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size={tp!r} must be a positive integer (1: no tensor parallelism)")
+        check_parallel_size("tensor_parallel_size", tp, "tensor parallelism")
         if self.vocab_parallel and tp == 1:
             raise ValueError("vocab_parallel=True with tensor_parallel_size=1: the embedding and the LM head split "
                              "over the vocabulary across the tensor-parallel group, and there is none; set "
