@@ -55,7 +55,7 @@ def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], column
     by_bytes = "all_to_all_gbps" in rates  # MoE configs measure the exchange's rate: floors per column
     tp = counts.get("tensor_parallel_size", 1) if counts is not None else 1
     if counts is not None:
-        tokens = args.micro_batch * counts["seq_len"]
+        tokens = args.micro_batch * getattr(args, "micro_batches", 1) * counts["seq_len"]
         # model FLOPs of a data-parallel rank's micro-batch; its TP ranks share them (Megatron's count: TP does
         # not change the model FLOPs per token, the head's replicated GEMM is not counted again)
         flops = _flops.transformer_flops_per_step(matmul_params=counts["matmul_params"],
@@ -96,7 +96,10 @@ def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], column
                            ("nvidia_partial", "nvidia_eager"), ("ours_ep_partial", "ours_ep_eager"),
                            ("fsdp2_ep_partial", "fsdp2_ep_eager"), ("nvidia_ep_partial", "nvidia_ep_eager"),
                            ("ours_tp_partial", "ours_tp_eager"),
-                           ("ours_tp_full", "ours_tp_eager"), ("fsdp2_tp_partial", "fsdp2_tp_eager")):
+                           ("ours_tp_full", "ours_tp_eager"), ("fsdp2_tp_partial", "fsdp2_tp_eager"),
+                           # the graphed FP8 columns train with --fp8-recipe: their eager twin is that recipe's
+                           ("ours_fp8_partial", f"ours_fp8_{getattr(args, 'fp8_recipe', 'current')}_eager"),
+                           ("ours_fp8_full", f"ours_fp8_{getattr(args, 'fp8_recipe', 'current')}_eager")):
         a, b = columns.get(graphed, {}), columns.get(eager, {})
         if "losses" in a and "losses" in b:
             a["losses_equal_to_" + eager] = a["losses"] == b["losses"]

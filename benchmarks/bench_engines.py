@@ -23,6 +23,10 @@ Configs (``--config``):
            printed. Tokens/s and TFLOP/s per GPU divide a data-parallel rank's micro-batch by TP. ``--vocab-parallel``:
            the token embedding and the LM head split over the vocabulary too, in ours and FSDP2's columns alike
            (default: both replicated over TP). See ``_engines_tp.py``.
+  llama8b_fp8 the Llama-3-8B shape of llama8b at sequence 8192 (the published FP8 records' setting), bf16 beside TE's
+           FP8 recipes (delayed, current, block), FP8 with partial and whole-step graphs, NVIDIA Megatron-FSDP in FP8,
+           FSDP2 bf16 and FSDP2 + torchao float8 (torch layers, each compiled); ``--micro-batches N`` for gradient
+           accumulation. Depth as llama8b. See ``_engines_fp8.py``.
 
 Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; same seed and batches):
   ours_eager           megatron_fsdp (double buffer, persistent buffers); TE layers fuse weight gradients into
@@ -58,6 +62,12 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
   fsdp2_tp_partial     the same + keep_unsharded_storage + PartialCudaGraphs over ``attn mlp``
   nvidia_tp_eager      (llama70b) NVIDIA Megatron-FSDP with TP: not applicable to this model (it takes TP from
                        megatron-core's parallel state; the project refuses nvidia with TP in ``apps/mcore_gpt.py``)
+  ours_fp8_<r>_eager   (llama8b_fp8) ours_eager under TE's FP8 autocast with recipe r (delayed, current, block)
+  ours_fp8_partial     + PartialCudaGraphs with the recipe (``--fp8-recipe``, default current)
+  ours_fp8_full        + FullIterationCudaGraph, the autocast inside the captured step (``--fp8-recipe``)
+  nvidia_fp8_eager     NVIDIA Megatron-FSDP under the same autocast (``--fp8-recipe``; bf16 parameter all-gather)
+  fsdp2_torch_eager    FSDP2 bf16 on the torch layers, each layer compiled (``--fsdp2-compile``)
+  fsdp2_float8_eager   the same + torchao float8 (tensorwise, float8 all-gather; torchtitan's composition)
 
 Per column: median step time over the timed steps (CUDA events; the slowest rank's), tokens/s per GPU, MFU
 (model FLOPs / the bf16 matmul rate measured in the same run), peak memory per GPU (max over ranks), host time
@@ -88,6 +98,7 @@ the children's run ends that column at once and goes on.
     python benchmarks/bench_engines.py --config llama70b --nproc-per-node 2 --seq 8192 --out tp2.json   # TP 2
     python benchmarks/bench_engines.py --config llama70b --nproc-per-node 4 --tensor-parallel 2 --out tp2x2.json
     python benchmarks/bench_engines.py --config llama70b --nproc-per-node 2 --layers 2 --vocab-parallel --out vp.json
+    python benchmarks/bench_engines.py --config llama8b_fp8 --nproc-per-node 4 --out fp8-4gpu.json   # 32 layers, seq 8192
     python benchmarks/bench_engines.py --cpu-smoke --config llama8b            # Gloo, tiny shapes, protocol backend
 
 A child costs its start (Python, torch, TE, NCCL: ~15-25 s) on top of its column. Under a per-command time
@@ -123,6 +134,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
+import _engines_fp8  # noqa: E402
 import _engines_tp  # noqa: E402
 import _flops  # noqa: E402
 from _comm_bytes import count_collectives, reduce_max  # noqa: E402
@@ -153,18 +165,29 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
     "fsdp2_tp_eager": ("fsdp2", {"tensor_parallel": True}, "eager"),
     "fsdp2_tp_partial": ("fsdp2", {"tensor_parallel": True, "storage": "keep"}, "partial"),
     "nvidia_tp_eager": ("nvidia", {"tensor_parallel": True}, "eager"),
+    "ours_fp8_delayed_eager": ("megatron_fsdp", {"fp8": True}, "eager"),
+    "ours_fp8_current_eager": ("megatron_fsdp", {"fp8": True}, "eager"),
+    "ours_fp8_block_eager": ("megatron_fsdp", {"fp8": True}, "eager"),
+    "ours_fp8_partial": ("megatron_fsdp", {"fp8": True}, "partial"),
+    "ours_fp8_full": ("megatron_fsdp", {"fp8": True}, "full"),
+    "nvidia_fp8_eager": ("nvidia", {"fp8": True}, "eager"),
+    "fsdp2_torch_eager": ("fsdp2_torchtitan", None, "eager"),
+    "fsdp2_float8_eager": ("fsdp2_torchtitan", {"float8": True}, "eager"),
 }
 COLUMNS = {
-    "llama8b": [c for c in COLUMN_SPECS if "_ep_" not in c and c not in _engines_tp.TP_COLUMNS],
+    "llama8b": [c for c in COLUMN_SPECS if "_ep_" not in c and c not in _engines_tp.TP_COLUMNS
+                and (c == "ours_eager" or c not in _engines_fp8.FP8_COLUMNS)],
     "olmoe": ["ours_eager", "ours_partial", "ours_full", "fsdp2_eager", "fsdp2_keep_partial", "nvidia_eager",
               "nvidia_partial"],
     "qwen3moe": ["ours_eager", "ours_partial", "ours_ep_eager", "ours_ep_partial", "fsdp2_ep_eager", "fsdp2_ep_partial",
                  "nvidia_ep_eager", "nvidia_ep_partial"],
     "llama70b": list(_engines_tp.TP_COLUMNS),
+    "llama8b_fp8": list(_engines_fp8.FP8_COLUMNS),
 }
 #: depth by world size when --layers is not given (see the module docstring)
-DEFAULT_LAYERS = {"llama8b": {1: 4, 2: 16}, "olmoe": {1: 4, 2: 8}, "qwen3moe": {1: 2, 2: 4}, "llama70b": {1: 2, 2: 4}}
-DEEPEST = {"llama8b": 32, "olmoe": 16, "qwen3moe": 8, "llama70b": 8}
+DEFAULT_LAYERS = {"llama8b": {1: 4, 2: 16}, "olmoe": {1: 4, 2: 8}, "qwen3moe": {1: 2, 2: 4}, "llama70b": {1: 2, 2: 4},
+                  "llama8b_fp8": {1: 4, 2: 16}}
+DEEPEST = {"llama8b": 32, "olmoe": 16, "qwen3moe": 8, "llama70b": 8, "llama8b_fp8": 32}
 OLMOE_SCOPES = ["attn", "moe_router", "moe_preprocess"]
 CHILD_ENV = "BENCH_ENGINES_CHILD"
 
@@ -196,15 +219,16 @@ class Model:
     expert_groups: Optional[Tuple[Any, Any]] = None
 
 
-def _llama_config(args: argparse.Namespace, *, fuse_wgrad: bool) -> Any:
+def _llama_config(args: argparse.Namespace, *, fuse_wgrad: bool, layers_impl: Optional[str] = None) -> Any:
     from fsdp_cudagraph.apps.llama import LlamaConfig, llama3_8b_config
 
     if args.cpu_smoke:
         return LlamaConfig(vocab_size=128, hidden_size=32, num_layers=args.layers, num_heads=4, num_kv_heads=2,
                            ffn_hidden_size=64, seq_len=16, layers_impl="torch")
-    return llama3_8b_config(num_layers=args.layers, layers_impl=args.layers_impl,
-                            fuse_wgrad=fuse_wgrad and args.layers_impl == "te",
-                            **({"seq_len": args.seq} if args.seq else {}))
+    impl = layers_impl or args.layers_impl
+    seq = args.seq or (8192 if args.config == "llama8b_fp8" else None)
+    return llama3_8b_config(num_layers=args.layers, layers_impl=impl, fuse_wgrad=fuse_wgrad and impl == "te",
+                            **({"seq_len": seq} if seq else {}))
 
 
 def _olmoe_config(args: argparse.Namespace, *, fuse_wgrad: bool, experts: str) -> Any:
@@ -242,11 +266,13 @@ def expert_parallel_size(column: str) -> int:
     return dist.get_world_size() if options.get("expert_parallel") else 1
 
 
-def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, full: bool, ep: int = 1) -> Model:
+def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, full: bool, ep: int = 1,
+                layers_impl: Optional[str] = None) -> Model:
     """The column's model, seeded alike on every rank and in every column (``ours``: TE layers fuse weight
     gradients into our engine's main gradients when ``--fuse-wgrad on``; ``full``: the full-iteration column,
     whose MoE experts must be ``grouped_mm``; ``ep``: expert parallelism, the model built with this rank's
-    ``E/ep`` experts and the matching expert-parallel group)."""
+    ``E/ep`` experts and the matching expert-parallel group; ``layers_impl``: the Llama layers, te or torch,
+    instead of ``--layers-impl``)."""
     torch.manual_seed(1234)
     if device.type == "cuda":
         torch.cuda.manual_seed_all(1234)
@@ -254,10 +280,10 @@ def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, f
     expert_groups = None
     if args.config == "llama70b":
         return _tensor_parallel_model(args, device, ours=ours)
-    if args.config == "llama8b":
+    if args.config in ("llama8b", "llama8b_fp8"):
         from fsdp_cudagraph.apps import llama
 
-        cfg = _llama_config(args, fuse_wgrad=fuse)
+        cfg = _llama_config(args, fuse_wgrad=fuse, layers_impl=layers_impl)
         with device:  # parameters made where they train: an 8B-shaped model initialised on the host takes minutes
             module = llama.Llama(cfg)
         top_k = num_experts = 1
@@ -364,10 +390,18 @@ def _fsdp2_default(model: nn.Module, unit_class: type, device: torch.device, ep:
 # NVIDIA's engine builds CUDA streams when constructed.
 
 
-def shard(column: str, model: Model, device: torch.device) -> Sharded:
+def shard(column: str, model: Model, device: torch.device, args: argparse.Namespace) -> Sharded:
     from fsdp_cudagraph.engines.registry import engine_builder
 
     name, options, _ = COLUMN_SPECS[column]
+    if name == "fsdp2_torchtitan":
+        net, opt, precision = _engines_fp8.float8_fsdp2(model.module, model.unit_class, device,
+                                                        compile_layers=args.fsdp2_compile == "on",
+                                                        float8=bool((options or {}).get("float8")),
+                                                        make_optimizer=_adam(device))
+        return Sharded(net, opt, False, precision)
+    # FP8 is the training loop's (the autocast around each forward): the engine is built as without it
+    options = {k: v for k, v in (options or {}).items() if k != "fp8"} or None
     if (options or {}).get("tensor_parallel"):
         net, opt, use_mf, precision, _ = _engines_tp.shard(column, model.module, model.unit_class, device,
                                                            model.counts["tensor_parallel_size"], _adam(device))
@@ -423,6 +457,10 @@ def not_applicable(column: str, world: int, device: torch.device,
     """Why ``column`` cannot run here by design (None: it can). A failure to run is not this: it is an error."""
     if column in _engines_tp.TP_COLUMNS:
         return _engines_tp.not_applicable(column, world, args if args is not None else parse([]))
+    if column in _engines_fp8.FP8_COLUMNS:
+        why = _engines_fp8.not_applicable(column, device, args if args is not None else parse([]))
+        if why is not None:
+            return why
     if column == "fsdp2_slots_partial" and world < 2:
         return ("use_unsharded_slots needs 2+ ranks (on one rank FSDP2 copies its all-gather into the outputs' "
                 "storage directly); run with --nproc-per-node 2")
@@ -494,9 +532,10 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
     mode = COLUMN_SPECS[column][2]
     t_build = time.perf_counter()
     model = build_model(args, device, ours=column.startswith("ours"), full=mode == "full",
-                        ep=expert_parallel_size(column))
+                        ep=expert_parallel_size(column), layers_impl=_engines_fp8.layers_impl(column, args))
+    fp8 = _engines_fp8.make_recipe(column, args)  # the column's FP8Recipe, or None (bf16, torchao's float8)
     counts = model.counts
-    sharded = shard(column, model, device)
+    sharded = shard(column, model, device, args)
     build_s = time.perf_counter() - t_build
     if cuda:  # the peak of training, not of building (engines shard a full model each their own way)
         gc.collect()
@@ -506,19 +545,30 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
     dp_rank, dp = model.data_parallel or (rank, world)
     tp = counts.get("tensor_parallel_size", 1)
     tp_group = getattr(model.module, "tensor_parallel_group", None) if tp > 1 else None
-    batches = []
+    n_micro = args.micro_batches
+    batches = []  # per step, its micro-batches
     for step in range(args.warmup + args.steps):
-        x, y = model.batch(step, mbs * dp, device)
-        batches.append((x[dp_rank * mbs:(dp_rank + 1) * mbs].contiguous(),
-                        y[dp_rank * mbs:(dp_rank + 1) * mbs].contiguous()))
+        micro = []
+        for i in range(n_micro):
+            x, y = model.batch(step * n_micro + i, mbs * dp, device)
+            micro.append((x[dp_rank * mbs:(dp_rank + 1) * mbs].contiguous(),
+                          y[dp_rank * mbs:(dp_rank + 1) * mbs].contiguous()))
+        batches.append(micro)
     loss_of = model.loss
+
+    def forward_loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor, first: bool = True) -> torch.Tensor:
+        # FP8: one autocast region around each micro-batch's forward, eager, replayed and captured alike
+        with _engines_fp8.autocast(fp8, first):
+            out = m(x)
+        return loss_of(out, y) / n_micro
+
     net, opt = sharded.model, sharded.optimizer
     partial = full = None
     if mode == "partial":
         partial = PartialCudaGraphs(net, _graph_config(args, model.scopes, sharded.use_megatron_fsdp),
-                                    backend=args.backend)
+                                    backend=args.backend, **({"fp8": fp8} if fp8 is not None else {}))
     elif mode == "full":
-        full = FullIterationCudaGraph(net, lambda m, x, y: loss_of(m(x), y),
+        full = FullIterationCudaGraph(net, forward_loss,
                                       CudaGraphConfig(cuda_graph_impl="full_iteration",
                                                       cuda_graph_warmup_steps=args.capture_step),
                                       backend="torch" if cuda else "protocol")
@@ -530,7 +580,7 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
     comm_bytes: Dict[str, int] = {}
     capture_s = None
     try:
-        for step, (x, y) in enumerate(batches):
+        for step, micro in enumerate(batches):
             if partial is not None and step == args.capture_step:
                 t0 = time.perf_counter()
                 partial.capture()
@@ -547,12 +597,16 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
             t0 = time.perf_counter()
             with prof, counter as moved:
                 if full is not None:
-                    loss = full.step([(x, y)]).reshape(-1)[0]
+                    loss = full.step(micro).sum()
                     full.optimizer_step(opt)
                 else:
-                    loss = loss_of(net(x), y)
-                    loss.backward()
+                    loss = torch.zeros((), device=device)
+                    for i, (x, y) in enumerate(micro):
+                        mb_loss = forward_loss(net, x, y, i == 0)
+                        mb_loss.backward()
+                        loss = loss + mb_loss.detach()
                     opt.step()
+                _engines_fp8.after_optimizer_step(column, net)
                 opt.zero_grad(set_to_none=True)
             host_ms.append((time.perf_counter() - t0) * 1e3)
             if counting:
@@ -573,13 +627,14 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
         if full is not None:
             full.delete()
     timed = slice(args.warmup, None)
-    tokens = mbs * counts["seq_len"] / tp  # the TP ranks of a data-parallel rank share its micro-batch
+    tokens = mbs * n_micro * counts["seq_len"] / tp  # the TP ranks of a data-parallel rank share its micro-batch
     row: Dict[str, Any] = {
         "step_ms": statistics.median(step_ms[timed]), "step_ms_all": step_ms,
         "host_ms": statistics.median(host_ms[timed]), "host_ms_all": host_ms,
         "peak_memory_gib": peak / 2**30, "own_peak_gib": (peak - start_bytes) / 2**30,
         "losses": [float(v) for v in torch.stack(losses).cpu()], "tokens_per_gpu_per_step": tokens,
-        "build_s": build_s, "precision": sharded.precision, "counts": counts,
+        "build_s": build_s, "precision": sharded.precision + (f"; FP8 {fp8!r}" if fp8 is not None else ""),
+        "counts": counts, "micro_batches": n_micro,
     }
     row["comm_bytes"] = reduce_max(comm_bytes, device)  # [Note: counting a step's bytes]; the largest rank's
     if capture_s is not None:
@@ -627,7 +682,7 @@ def all_to_all_numel(args: argparse.Namespace) -> Optional[int]:
 
 def layer_numel(args: argparse.Namespace) -> int:
     """Parameters of one layer from the config's arithmetic (the size of the timed collectives)."""
-    if args.config == "llama8b":
+    if args.config in ("llama8b", "llama8b_fp8"):
         return _llama_config(args, fuse_wgrad=False).layer_params()
     if args.config == "llama70b":
         return _engines_tp.layer_numel(args, dist.get_world_size())
@@ -783,6 +838,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "(ours: GPTConfig(vocab_parallel=True); FSDP2: RowwiseParallel/ColwiseParallel on tok/head)")
     p.add_argument("--columns", nargs="+", default=None, choices=list(COLUMN_SPECS),
                    help="default: every column of the config")
+    _engines_fp8.add_arguments(p)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (graphs are captured at --capture-step)")
     p.add_argument("--steps", type=int, default=8, help="timed steps after the warmup")
     p.add_argument("--capture-step", type=int, default=2)
@@ -810,13 +866,14 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="no run: combine the columns of these records (same config, depth, world size; the first "
                         "record's rates) into one table and verdicts")
     args = p.parse_args(argv)
-    if args.cpu_smoke:
-        args.layers_impl, args.backend = "torch", "protocol"
+    if args.cpu_smoke:  # (no compile: the smoke checks the path, not the kernels)
+        args.layers_impl, args.backend, args.fsdp2_compile = "torch", "protocol", "off"
     if args.vocab_parallel and args.config != "llama70b":
         p.error(f"--vocab-parallel with --config {args.config}: the vocabulary split is the tensor-parallel reference "
                 "GPT's (--config llama70b); drop the flag or use --config llama70b")
     if args.config == "llama70b":  # torch layers (TE's TP modules are not run on GPUs yet)
         args.layers_impl = "torch"
+    _engines_fp8.check_arguments(p, args)
     if args.backend is None:
         args.backend = "te" if HAS_TE and args.layers_impl == "te" else "torch"
     if not 0 < args.capture_step < args.warmup:

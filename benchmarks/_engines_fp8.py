@@ -1,0 +1,180 @@
+"""``bench_engines.py --config llama8b_fp8``: the Llama-3-8B shape in FP8 beside bf16, the published records' setting.
+
+The model is ``apps/llama.py`` at Llama-3-8B's shape (hidden 4096, 32 query / 8 KV heads, FFN 14336, vocabulary
+128256), sequence 8192 by default (the Megatron-Bridge record's), micro-batch 1, ``--micro-batches N`` micro-batches
+a step (gradient accumulation, as Megatron reaches its global batch; default 1). The columns:
+
+- ``ours_eager``: bf16 compute, TE ``TransformerLayer`` units (the llama8b column).
+- ``ours_fp8_<recipe>_eager``: the same under TE's FP8 autocast with the recipe ``delayed``, ``current`` or ``block``
+  (``fsdp_cudagraph.FP8Recipe``): one autocast region around each micro-batch's forward, the amaxes of delayed
+  scaling reduced over the data-parallel group (the world); weights gathered in bf16 and quantized by TE in each
+  layer (no FP8 parameter all-gather in our engine yet).
+- ``ours_fp8_partial``: + ``PartialCudaGraphs`` (TE's graph maker with the recipe; whole layers graphed), recipe
+  ``--fp8-recipe`` (default ``current``, the record's).
+- ``ours_fp8_full``: + ``FullIterationCudaGraph`` (the autocast inside the captured step), recipe ``--fp8-recipe``;
+  ``delayed`` is refused there by the library (TE skips its backward amax update during a capture).
+- ``nvidia_fp8_eager``: NVIDIA Megatron-FSDP (the checker's ``nvidia`` builder) on the same TE layers under the same
+  autocast; its parameters are gathered in bf16 (``fp8_param_gather`` stays refused by our adapter).
+- ``fsdp2_torch_eager``: FSDP2 with ``MixedPrecisionPolicy(bf16, fp32)`` on the model's torch layers (nn.Linear:
+  what torchao converts), each layer compiled (``torch.compile`` per block, as torchtitan compiles; ``--fsdp2-compile
+  off``: not compiled).
+- ``fsdp2_float8_eager``: the same after torchao's ``convert_to_float8_training`` with the ``tensorwise`` recipe and
+  ``enable_fsdp_float8_all_gather=True``, the LM head left in bf16, and
+  ``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step: torchtitan's float8 composition. Needs
+  ``torchao`` (``pip install torchao``; its Float8Linear runs on CUDA only).
+
+No CUDA needed to import; the recipes are built lazily (``FP8Recipe``), so ``--cpu-smoke`` checks the plumbing of
+the bf16 columns on Gloo and reports the FP8 ones as not applicable there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+from torch import nn
+
+__all__ = ["FP8_COLUMNS", "COLUMN_RECIPE", "recipe_of", "autocast", "not_applicable", "float8_fsdp2",
+           "after_optimizer_step"]
+
+#: The columns of ``--config llama8b_fp8``, in the table's order (their specs are in bench_engines.COLUMN_SPECS).
+FP8_COLUMNS = ["ours_eager", "ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager",
+               "ours_fp8_partial", "ours_fp8_full", "nvidia_fp8_eager", "fsdp2_torch_eager", "fsdp2_float8_eager"]
+#: Columns whose recipe is fixed by their name; the others with ``fp8`` in their spec take ``--fp8-recipe``.
+COLUMN_RECIPE = {"ours_fp8_delayed_eager": "delayed", "ours_fp8_current_eager": "current",
+                 "ours_fp8_block_eager": "block"}
+#: The columns that run TE's FP8 (the torchao column's float8 is torchao's own, not TE's)
+TE_FP8 = ["ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager", "ours_fp8_partial",
+          "ours_fp8_full", "nvidia_fp8_eager"]
+
+
+def recipe_of(column: str, args: argparse.Namespace) -> Optional[str]:
+    """The TE recipe name ``column`` trains with (None: bf16, or torchao's float8)."""
+    if column not in TE_FP8:
+        return None
+    return COLUMN_RECIPE.get(column, args.fp8_recipe)
+
+
+def make_recipe(column: str, args: argparse.Namespace, group: Any = None) -> Any:
+    """``column``'s ``FP8Recipe`` (None for the bf16 and torchao columns); ``group``: the amax reduction group."""
+    name = recipe_of(column, args)
+    if name is None:
+        return None
+    from fsdp_cudagraph.capture.fp8 import FP8Recipe
+
+    return FP8Recipe(name, amax_reduction_group=group)
+
+
+@contextlib.contextmanager
+def autocast(fp8: Any, first_microbatch: bool) -> Iterator[None]:
+    """One micro-batch's forward region: TE's autocast with the recipe, or nothing without one."""
+    if fp8 is None:
+        yield
+        return
+    with fp8.autocast(first_microbatch=first_microbatch if fp8.cache_quantized_params else None):
+        yield
+
+
+def not_applicable(column: str, device: torch.device, args: argparse.Namespace) -> Optional[str]:
+    """Why ``column`` of ``--config llama8b_fp8`` cannot run here by design (None: it can)."""
+    from fsdp_cudagraph.capture import te as _te
+
+    name = recipe_of(column, args)
+    if name is not None:
+        if device.type != "cuda":
+            return "TE's FP8 GEMMs need a CUDA GPU of compute capability 8.9+ (9.0+ for block scaling)"
+        if not _te.HAS_TE:
+            return "FP8 runs in TransformerEngine's layers and TransformerEngine is not importable here"
+        if args.layers_impl != "te":
+            return f"FP8 runs in TE's layers; this run has --layers-impl {args.layers_impl}"
+        from fsdp_cudagraph.capture.fp8 import check_fp8_device
+
+        try:
+            check_fp8_device(name, torch.cuda.get_device_capability(device), torch.version.cuda)
+        except Exception as exc:  # noqa: BLE001 - the library's refusal names the device and the rule
+            return str(exc)
+    if column == "fsdp2_float8_eager":
+        if device.type != "cuda":
+            return "torchao's Float8Linear runs its scaled matmuls on CUDA only"
+        if importlib.util.find_spec("torchao") is None:
+            return "torchao is not importable here; install it with: pip install torchao"
+    return None
+
+
+def layers_impl(column: str, args: argparse.Namespace) -> str:
+    """The FSDP2 columns run the torch layers (nn.Linear, what torchao converts); the others ``--layers-impl``."""
+    return "torch" if column in ("fsdp2_torch_eager", "fsdp2_float8_eager") else args.layers_impl
+
+
+def _float8_config() -> Any:
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    # torchtitan's float8 all-gather: FSDP2 gathers the float8 weights (tensorwise scaling only)
+    config = type(config)(**{**{f: getattr(config, f) for f in config.__dataclass_fields__},
+                             "enable_fsdp_float8_all_gather": True})
+    return config
+
+
+def float8_fsdp2(module: nn.Module, unit_class: type, device: torch.device, *, compile_layers: bool,
+                 float8: bool, make_optimizer: Callable[[List[nn.Parameter]], torch.optim.Optimizer]) -> Any:
+    """FSDP2 as torchtitan composes it on ``module``'s torch layers: torchao float8 (``float8``), each block
+    compiled (``compile_layers``), then ``fully_shard`` per block and the root with the bf16 policy. Returns
+    ``(model, optimizer, precision)``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fsdp_cudagraph.engines.fsdp2 import shard_fsdp2
+    from fsdp_cudagraph.engines.fsdp2.build import FSDP2_MIXED_PRECISION
+
+    units = [m for m in module.modules() if isinstance(m, unit_class)]
+    what = []
+    if float8:
+        from torchao.float8 import convert_to_float8_training
+
+        # the LM head stays bf16 (torchtitan filters out its output layer)
+        convert_to_float8_training(module, config=_float8_config(),
+                                   module_filter_fn=lambda m, fqn: fqn != "head")
+        what.append("torchao float8 tensorwise, float8 all-gather, LM head bf16")
+    if compile_layers:
+        for u in units:
+            u.compile()
+        what.append("each layer torch.compile'd")
+    policy = MixedPrecisionPolicy(**FSDP2_MIXED_PRECISION["bf16"])
+    shard_fsdp2(module, list(reversed(units)), device=device, mp_policy=policy)
+    precision = ("fp32 sharded parameters, MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), "
+                 "torch layers" + ("; " + "; ".join(what) if what else ""))
+    return module, make_optimizer(list(module.parameters())), precision
+
+
+def after_optimizer_step(column: str, model: nn.Module) -> None:
+    """torchao's per-step work of the float8 column: the float8 scales of the next all-gather, in one reduction."""
+    if column == "fsdp2_float8_eager":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fp8-recipe", choices=["delayed", "current", "block"], default="current",
+                   help="llama8b_fp8: the recipe of the graphed FP8 columns and NVIDIA's (default: current, the "
+                        "record's)")
+    p.add_argument("--fsdp2-compile", choices=["on", "off"], default="on",
+                   help="llama8b_fp8: torch.compile each layer of the FSDP2 columns, as torchtitan does")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches per step (gradient accumulation; tokens per step scale with it)")
+
+
+def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.micro_batches < 1:
+        p.error(f"--micro-batches {args.micro_batches}: need at least one micro-batch a step")
+    if args.config == "llama8b_fp8" and args.fp8_recipe == "delayed" and "ours_fp8_full" in (args.columns or FP8_COLUMNS):
+        p.error("--fp8-recipe delayed with the ours_fp8_full column: delayed scaling is refused in a whole-step graph "
+                "(TE skips its backward amax update during a capture; docs/fp8.md); pick current or block, or leave "
+                "ours_fp8_full out with --columns")
+
+
+def record_counts(args: argparse.Namespace) -> Dict[str, Any]:
+    return {"micro_batches": args.micro_batches}

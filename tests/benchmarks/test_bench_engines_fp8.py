@@ -1,0 +1,107 @@
+"""``bench_engines.py --config llama8b_fp8`` on CPU: the FP8 benchmark's plumbing (the figures need a GPU and TE).
+
+Its bf16 columns run end to end on Gloo with gradient accumulation (``--micro-batches``); TE's FP8 columns and
+torchao's float8 column are reported as not applicable with their reasons, and their goals as N/A; the verdicts
+those goals give, and which eager column a graphed FP8 column is compared with bit for bit, are checked on
+synthetic rows; the argument refusals name the rule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import pytest
+
+from tests.benchmarks.test_bench_engines import ROOT, _bench, _smoke
+
+TE_FP8 = ["ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager", "ours_fp8_partial",
+          "ours_fp8_full", "nvidia_fp8_eager"]
+
+
+def test_fp8_config_cpu_smoke_with_gradient_accumulation(tmp_path):
+    r = _smoke(tmp_path, "fp8", "--config", "llama8b_fp8", "--isolate", "none", "--micro-batches", "3")
+    cols = r["columns"]
+    assert set(cols) == set(_bench().COLUMNS["llama8b_fp8"])
+    ran = {c for c, v in cols.items() if "step_ms" in v}
+    assert ran == {"ours_eager", "fsdp2_torch_eager"}, {c: v.get("skipped", v.get("error")) for c, v in cols.items()}
+    for c in ran:  # three micro-batches of one sequence a step
+        assert cols[c]["micro_batches"] == 3 and cols[c]["tokens_per_gpu_per_step"] == 3 * 16
+    # one model, one seed, the same batches: the two engines' first losses agree (fp32 on CPU)
+    assert cols["ours_eager"]["losses"][0] == pytest.approx(cols["fsdp2_torch_eager"]["losses"][0], rel=1e-6)
+    for c in TE_FP8:
+        assert "CUDA GPU" in cols[c]["skipped"], c
+    assert "CUDA only" in cols["fsdp2_float8_eager"]["skipped"]
+    # every FP8 goal names a column that cannot run here: N/A with its reason, not a failure
+    assert r["evaluation"]["goals"] == [] and len(r["evaluation"]["not_applicable"]) == 7
+    assert "torch layers" in cols["fsdp2_torch_eager"]["precision"]
+
+
+def _rows(**rows) -> dict:
+    counts = {"num_params": 8_030_261_248, "root_params": 1_050_673_152, "layer_params": 218_112_000,
+              "matmul_params": 6_979_321_856, "num_layers": 32, "hidden_size": 4096, "seq_len": 8192,
+              "attn_hidden": 4096}
+    out = {}
+    for c, (step_ms, peak, gathered, losses) in rows.items():
+        out[c] = {"step_ms": step_ms, "step_ms_all": [step_ms] * 8, "peak_memory_gib": peak, "losses": list(losses),
+                  "tokens_per_s_per_gpu": 8192 / step_ms * 1e3, "host_ms": 1.0, "counts": counts,
+                  "comm_bytes": {"all_gather": gathered, "reduce_scatter": 2 * gathered}}
+    return out
+
+
+def _assemble(columns: dict, recipe: str = "current") -> dict:
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from _engines_report import assemble
+
+    args = argparse.Namespace(config="llama8b_fp8", micro_batch=1, micro_batches=1, warmup=3, fp8_recipe=recipe)
+    rates = {"matmul_tflops": 800.0, "copy_gbps": 4000.0, "all_gather_gbps": 300.0, "reduce_scatter_gbps": 300.0}
+    return assemble(args, 4, rates, columns, {})
+
+
+def test_fp8_goals_from_measured_columns():
+    losses = [11.0, 10.9, 10.8]
+    cols = _rows(ours_eager=(1000.0, 80.0, 8e9, losses), ours_fp8_current_eager=(700.0, 78.0, 8e9, losses),
+                 ours_fp8_partial=(690.0, 79.0, 8e9, losses), ours_fp8_full=(720.0, 79.0, 8e9, [11.0, 10.9, 10.7]),
+                 nvidia_fp8_eager=(800.0, 85.0, 8e9, losses), fsdp2_float8_eager=(950.0, 70.0, 4e9, losses))
+    res = _assemble(cols)
+    by = {g["name"]: g for g in res["evaluation"]["goals"]}
+
+    def verdict(start: str) -> str:
+        (name,) = [n for n in by if n.startswith(start)]
+        return by[name]["verdict"]
+
+    assert verdict("ours FP8 (current) eager step / ours bf16") == "PASS"  # 1.43x tokens/s
+    assert verdict("ours FP8 (current) eager step / NVIDIA") == "PASS"  # 1.14x
+    assert verdict("ours FP8 (current) eager step / FSDP2") == "PASS"  # 1.36x
+    assert verdict("ours FP8 + partial") == "PASS" and verdict("ours FP8 whole-step") == "FAIL"
+    # the bf16 parameter all-gather of today: the same bytes as bf16, so the FP8-gather goal fails
+    assert by["ours FP8 (current) all-gather bytes / ours bf16 (FP8 parameter all-gather)"]["ratio"] == 1.0
+    assert verdict("ours FP8 (current) all-gather bytes") == "FAIL"
+    assert verdict("ours FP8 (current) eager peak") == "PASS"
+    # the graphed FP8 columns are compared bit for bit with the eager column of their recipe
+    assert cols["ours_fp8_partial"]["losses_equal_to_ours_fp8_current_eager"] is True
+    assert cols["ours_fp8_full"]["losses_equal_to_ours_fp8_current_eager"] is False
+    blk = _rows(ours_fp8_block_eager=(700.0, 78.0, 8e9, losses), ours_fp8_partial=(690.0, 79.0, 8e9, losses))
+    _assemble(blk, recipe="block")
+    assert blk["ours_fp8_partial"]["losses_equal_to_ours_fp8_block_eager"] is True
+    # a missing column is MISSING and fails the run
+    del cols["nvidia_fp8_eager"]
+    res = _assemble(cols)
+    assert res["evaluation"]["failed"]
+    assert any(g["verdict"] == "MISSING" for g in res["evaluation"]["goals"])
+
+
+def test_fp8_arguments_refused_with_the_rule():
+    b = _bench()
+    with pytest.raises(SystemExit):
+        b.parse(["--config", "llama8b_fp8", "--fp8-recipe", "delayed"])  # the whole-step column refuses delayed
+    args = b.parse(["--config", "llama8b_fp8", "--fp8-recipe", "delayed", "--columns", "ours_fp8_partial"])
+    assert args.fp8_recipe == "delayed"
+    with pytest.raises(SystemExit):
+        b.parse(["--config", "llama8b_fp8", "--micro-batches", "0"])
+    import _engines_fp8
+
+    assert _engines_fp8.recipe_of("ours_fp8_block_eager", args) == "block"
+    assert _engines_fp8.recipe_of("nvidia_fp8_eager", args) == "delayed"
+    assert _engines_fp8.recipe_of("ours_eager", args) is None and _engines_fp8.recipe_of("fsdp2_float8_eager", args) is None
