@@ -898,8 +898,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         result = assemble(margs, world, rates, rows, skipped)
         print(result["table"], flush=True)
         if args.out:
-            write_record(args.out, {**record_fields(), "world_size": world, "merged_from": args.merge,
-                                    "config": vars(margs), "columns": rows, **result})
+            # the measurements' machines and commands, not this (merging) one's
+            parts = []
+            for path in args.merge:
+                with open(path) as fh:
+                    part = json.load(fh)
+                parts.append({"path": path, "command": part.get("command"), "versions": part.get("versions")})
+            write_record(args.out, {**record_fields(), "world_size": world, "versions": parts[0]["versions"],
+                                    "merged_from": parts, "config": vars(margs), "columns": rows, **result})
         ran = all("step_ms" in r for c, r in rows.items() if c not in skipped)
         return 0 if ran and (margs.cpu_smoke or not result["evaluation"]["failed"]) else 1
     if not args.cpu_smoke and not torch.cuda.is_available():

@@ -115,11 +115,13 @@ def init_script_ranks(device: str, port: int):
     return torch.device("cpu")
 
 
-#: A launcher and its one rank, both hung (the shape of a hung ``torchrun``): the child's pid is printed as
-#: ``CHILD-PID <pid>``; the tests of the time limits (run_entry, benchmarks/tools/limit.py) stop it.
+#: A launcher and its one rank, both hung (the shape of a hung ``torchrun``, which starts each rank in a session of
+#: its own): the child's pid is printed as ``CHILD-PID <pid>``; the tests of the time limits (run_entry,
+#: benchmarks/tools/limit.py) stop it.
 HUNG_LAUNCHER = """
 import subprocess, sys
-child = subprocess.Popen([sys.executable, "-c", "import time\\ndef hung_rank():\\n    time.sleep(600)\\nhung_rank()"])
+child = subprocess.Popen([sys.executable, "-c", "import time\\ndef hung_rank():\\n    time.sleep(600)\\nhung_rank()"],
+                         start_new_session=True)
 print("CHILD-PID", child.pid, flush=True)
 def hung_launcher():
     child.wait()

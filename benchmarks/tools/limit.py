@@ -3,8 +3,11 @@
     python3 benchmarks/tools/limit.py SECONDS COMMAND [ARG ...]
 
 The command runs in a process group of its own with Python's fault handler on (``PYTHONFAULTHANDLER=1``). Past
-SECONDS the whole group gets SIGABRT, so every Python process in it (``torchrun`` and each of its ranks) prints
-where each of its threads stands, then SIGKILL 20 s later; the exit status is then 124, as ``timeout``'s, and stderr
+SECONDS the whole group and every descendant of the command get SIGABRT, so every Python process (``torchrun`` and
+each of its ranks) prints where each of its threads stands, then SIGKILL 20 s later. The descendants are found by
+their parent links (Linux ``/proc``), not by group: ``torchrun`` starts each rank in a session of its own, so a
+signal to the group alone reaches the launcher and none of its ranks (a megatron-core EP run with TE on 4 x H200 at
+``1d5df27`` stopped so: torchrun's stacks, none of its ranks'); the exit status is then 124, as ``timeout``'s, and stderr
 says so in a line starting ``limit.py:``. ``timeout`` signals only its child: a hung ``torchrun`` died silently there
 and left its ranks holding the GPUs (a megatron-core EP run with TE on 2 x H200 at ``1ca97bc`` stopped so, with no
 clue where). Otherwise the exit status is the command's, and a command killed by a signal kills this wrapper by the
@@ -18,9 +21,42 @@ import os
 import signal
 import subprocess
 import sys
-from typing import List, Optional
+from typing import Dict, Iterable, List, Optional
 
 GRACE_S = 20.0
+
+
+def descendants(pid: int) -> List[int]:
+    """Every live descendant of ``pid``, whatever its process group or session (Linux ``/proc``; elsewhere none)."""
+    children: Dict[int, List[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def signal_all(group: int, pids: Iterable[int], signum: int) -> None:
+    """``signum`` to the process group ``group`` and to each of ``pids`` that is still there."""
+    for target in [*pids, None]:
+        try:
+            os.kill(target, signum) if target is not None else os.killpg(group, signum)
+        except ProcessLookupError:
+            pass
 
 
 def run(limit: float, cmd: List[str]) -> int:
@@ -34,17 +70,18 @@ def run(limit: float, cmd: List[str]) -> int:
     try:
         return proc.wait(timeout=limit)
     except subprocess.TimeoutExpired:
+        # found before any signal: once the launcher dies its ranks are reparented and no longer its descendants
+        tree = descendants(proc.pid)
         print(f"limit.py: {' '.join(cmd[:6])} ... still running after {limit:.0f} s: SIGABRT to its process group "
-              f"(the tracebacks below), SIGKILL {GRACE_S:.0f} s later", file=sys.stderr, flush=True)
-        os.killpg(proc.pid, signal.SIGABRT)
+              f"and its {len(tree)} descendant process(es) (the tracebacks below), SIGKILL {GRACE_S:.0f} s later",
+              file=sys.stderr, flush=True)
+        signal_all(proc.pid, tree, signal.SIGABRT)
         try:
             proc.wait(timeout=GRACE_S)
         except subprocess.TimeoutExpired:
             pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # what is left of the group (ranks that ignored SIGABRT)
-        except ProcessLookupError:
-            pass
+        # what is left (processes that ignored SIGABRT), the ranks in their own sessions included
+        signal_all(proc.pid, tree + descendants(proc.pid), signal.SIGKILL)
         proc.wait()
         return 124
 

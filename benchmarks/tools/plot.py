@@ -4,7 +4,8 @@
 
 Needs matplotlib (not a dependency of the package: only this script uses it). Each input file is recognised by its
 content: an alignment run (``rows``), a partial-graph benchmark (``suites``), a profile of the compute step
-(``floor`` and ``columns``: its line-by-line budget), an FP8 numerics run (``curves`` and ``gaps``:
+(``floor`` and ``columns``: its line-by-line budget), the engines side by side (``evaluation`` and ``columns``:
+benchmarks/bench_engines.py, tokens/s per GPU by column), an FP8 numerics run (``curves`` and ``gaps``:
 benchmarks/fp8_numerics.py) or a peers benchmark (``engines``/``results``). Files it does not recognise are skipped
 with a note.
 """
@@ -148,6 +149,30 @@ def plot_step_budget(d: Dict[str, Any], name: str, outdir: str) -> str:
     return path
 
 
+def plot_engines(d: Dict[str, Any], name: str, outdir: str) -> str:
+    """benchmarks/bench_engines.py: each column's tokens/s per GPU as a bar, its TFLOP/s and peak written beside it."""
+    cols = [(c, r) for c, r in d["columns"].items() if "step_ms" in r]
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(cols) + 1.4))
+    names = [c for c, _ in cols][::-1]
+    tokens = [r["tokens_per_s_per_gpu"] for _, r in cols][::-1]
+    bars = ax.barh(names, tokens, color=["tab:green" if n.startswith("ours") else "tab:grey" for n in names])
+    for bar, (_, r) in zip(bars, cols[::-1]):
+        tflops = r.get("model_tflops_per_gpu")
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                f"  {bar.get_width():,.0f}" + (f"  ({tflops:.0f} TFLOP/s, " if tflops else "  (")
+                + f"{r['peak_memory_gib']:.0f} GiB)", va="center", fontsize=8)
+    cfg = d.get("config", {})
+    ax.set_xlabel("tokens/s per GPU")
+    ax.set_xlim(0, max(tokens) * 1.45)
+    ax.set_title(f"{cfg.get('config', '')}: {cfg.get('layers')} layers, {d.get('world_size')} x "
+                 f"{d.get('versions', {}).get('device', 'GPU')}", fontsize=10)
+    fig.tight_layout()
+    path = os.path.join(outdir, f"{name}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_fp8_numerics(d: Dict[str, Any], name: str, outdir: str) -> str:
     """benchmarks/fp8_numerics.py: every run's loss curve (bf16 and each FP8 recipe) and each recipe's gap to bf16."""
     fig, (ax, gx) = plt.subplots(1, 2, figsize=(13, 4.5))
@@ -201,6 +226,8 @@ def main() -> None:
                 print("wrote", path)
         elif "curves" in d and "gaps" in d:
             print("wrote", plot_fp8_numerics(d, name, args.outdir))
+        elif "evaluation" in d and "columns" in d:
+            print("wrote", plot_engines(d, name, args.outdir))
         elif "floor" in d and "columns" in d:
             print("wrote", plot_step_budget(d, name, args.outdir))
         else:
