@@ -62,13 +62,19 @@ LIMIT_TOOL = os.path.join(ROOT, "benchmarks", "tools", "limit.py")
 
 def run_entry(cmd: Sequence[str], *, env: Optional[dict] = None, timeout: Optional[float] = None):
     """``subprocess.run`` from the repository root, retried once when the process was killed by SIGABRT at
-    teardown with no Python error (the policy ``tests.dist_utils.run_gloo`` applies to spawned ranks). The entry
+    teardown with no Python error, or when its rendezvous port was taken between choosing it and binding it
+    (``EADDRINUSE``: other runs share the host; 2 of 40 tests of one GPU suite run beside another job on 4 x H200 at
+    ``1d5df27``), then on a fresh ``MASTER_PORT`` (the policy ``tests.dist_utils.run_gloo`` applies to spawned
+    ranks). The entry
     runs under ``benchmarks/tools/limit.py``: in a process group of its own with Python's fault handler on; past its
     time limit the whole group gets SIGABRT (every rank prints where each of its threads stands), then SIGKILL, and
     the test fails with that output's tail, naming the limit."""
+    from tests.dist_utils import _free_port
+
     limit = timeout or float(os.environ.get("FSDP_CUDAGRAPH_TEST_TIMEOUT", ENTRY_TIMEOUT_S))
+    env = env or gpu_env()
     for attempt in (1, 2):
-        proc = subprocess.run([sys.executable, LIMIT_TOOL, str(limit), *cmd], cwd=ROOT, env=env or gpu_env(),
+        proc = subprocess.run([sys.executable, LIMIT_TOOL, str(limit), *cmd], cwd=ROOT, env=env,
                               capture_output=True, text=True)
         out, err = proc.stdout, proc.stderr
         if proc.returncode == 124 and "\nlimit.py: " in "\n" + err:
@@ -77,9 +83,13 @@ def run_entry(cmd: Sequence[str], *, env: Optional[dict] = None, timeout: Option
                                  f"each process stood when it was stopped:\n{out[-6000:]}\n{err[-12000:]}")
         done = subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
         aborted = done.returncode == -6 and TEARDOWN_ABORT in err and "Traceback" not in err
-        if not aborted or attempt == 2:
+        port_taken = done.returncode != 0 and "EADDRINUSE" in err
+        if not (aborted or port_taken) or attempt == 2:
             return done
-        warnings.warn(f"{cmd[:3]}: aborted at teardown without a Python error; retrying once", RuntimeWarning)
+        if port_taken:
+            env = dict(env, MASTER_PORT=str(_free_port()))
+        why = "its port was taken (EADDRINUSE)" if port_taken else "aborted at teardown without a Python error"
+        warnings.warn(f"{cmd[:3]}: {why}; retrying once", RuntimeWarning)
     raise AssertionError("unreachable")
 
 
