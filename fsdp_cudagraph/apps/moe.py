@@ -220,7 +220,8 @@ class Experts(nn.Module):
     def _expert_parallel(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Exchange counts, dispatch, local experts, combine ([Note: deterministic expert parallelism])."""
         group = self.ep_group
-        send, recv = moe_ep.exchange_counts(counts, group, self.ep_size)  # the layer's one host sync
+        received = moe_ep.receive_counts(counts, group)
+        send, recv = moe_ep.host_tables(counts, received, self.ep_size)  # the layer's one host sync
         send_splits = [sum(row) for row in send]
         recv_splits = [sum(row) for row in recv]
         arrived = moe_ep.AllToAll.apply(x, recv_splits, send_splits, group)  # (source, local expert)
@@ -228,7 +229,7 @@ class Experts(nn.Module):
         sizes = [sum(recv[s][l] for s in range(self.ep_size)) for l in range(self.num_local)]
         # A rank that receives no rows runs the loop: grouped_mm's CPU backward refuses an empty gradient.
         if self.mode == "grouped_mm" and sum(sizes) > 0:
-            out = self._grouped_mm(by_expert, torch.tensor(sizes, device=x.device))
+            out = self._grouped_mm(by_expert, moe_ep.local_expert_counts(received, self.ep_size))
         else:
             out = self._on_host_sizes(by_expert, sizes)
         back = moe_ep.regroup(out, [list(col) for col in zip(*recv)])  # (source, local expert)

@@ -8,7 +8,8 @@ them. :class:`~fsdp_cudagraph.apps.moe.Experts` runs, eagerly, after the ``moe_p
 2. ``all_to_all_single`` of the counts over the EP group: rank ``q`` receives, from every source rank ``s``,
    how many rows ``s`` sends to each of ``q``'s local experts (a ``[EP, E/EP]`` table);
 3. one host read of both tables (``tolist()`` of one stacked tensor): the split sizes of the token all-to-all
-   and of the local experts. The one device-to-host sync of an MoE layer;
+   and of the local experts. The one device-to-host sync of an MoE layer (``grouped_mm`` takes its sizes from
+   the device table, :func:`local_expert_counts`: a host list copied back would synchronize the stream again);
 4. dispatch: ``all_to_all_single`` of the rows with variable splits; what arrives is ordered (source rank,
    local expert) and is regrouped to (local expert, source rank), so each local expert gets one contiguous
    batch, its sources in rank order;
@@ -45,8 +46,8 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["AllToAll", "exchange_counts", "regroup", "slice_expert_state_dict", "merge_expert_state_dicts",
-           "EXPERT_KEY"]
+__all__ = ["AllToAll", "exchange_counts", "receive_counts", "host_tables", "local_expert_counts", "regroup",
+           "slice_expert_state_dict", "merge_expert_state_dicts", "EXPERT_KEY"]
 
 #: State-dict keys of the stacked expert weights (``w1``/``w2``: dim 0 is the expert) and of TE's per-expert
 #: ``GroupedLinear`` weights (``fc1.weight{i}``: the index is the expert).
@@ -71,17 +72,35 @@ class AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
-def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, ep_size: int
-                    ) -> Tuple[List[List[int]], List[List[int]]]:
-    """Steps 2-3: ``(send, recv)``, each ``[EP][E/EP]`` host lists. ``send[q][l]``: rows this rank sends to
-    EP rank ``q``'s local expert ``l``; ``recv[s][l]``: rows source rank ``s`` sends to this rank's local expert
-    ``l``. One all-to-all of the ``E`` counts and one device-to-host copy of both tables."""
+def receive_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Step 2, on the device: ``received`` ``[E]`` laid out ``[EP][E/EP]``, ``received[s * E/EP + l]`` the rows
+    source rank ``s`` sends to this rank's local expert ``l``. One all-to-all of the ``E`` counts, no host read."""
     counts = counts.contiguous()
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
+    return received
+
+
+def host_tables(counts: torch.Tensor, received: torch.Tensor, ep_size: int) -> Tuple[List[List[int]], List[List[int]]]:
+    """Step 3: ``(send, recv)``, each ``[EP][E/EP]`` host lists. ``send[q][l]``: rows this rank sends to EP rank
+    ``q``'s local expert ``l``; ``recv[s][l]``: rows source rank ``s`` sends to this rank's local expert ``l``. One
+    device-to-host copy of both tables: the host sync."""
     num_local = counts.numel() // ep_size
-    send, recv = torch.stack([counts, received]).view(2, ep_size, num_local).tolist()  # the host sync
+    send, recv = torch.stack([counts, received]).view(2, ep_size, num_local).tolist()
     return send, recv
+
+
+def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, ep_size: int
+                    ) -> Tuple[List[List[int]], List[List[int]]]:
+    """Steps 2-3: :func:`receive_counts` then :func:`host_tables`."""
+    return host_tables(counts, receive_counts(counts, group), ep_size)
+
+
+def local_expert_counts(received: torch.Tensor, ep_size: int) -> torch.Tensor:
+    """Rows each local expert gets from all sources, ``[E/EP]`` on the device (the sum over source ranks of
+    :func:`receive_counts`' table): the grouped GEMM's sizes without a second host-to-device copy, which would
+    synchronize the stream again (a ``torch.tensor(list, device=...)`` copy waits for the stream)."""
+    return received.view(ep_size, -1).sum(0)
 
 
 def regroup(x: torch.Tensor, sizes: Sequence[Sequence[int]]) -> torch.Tensor:

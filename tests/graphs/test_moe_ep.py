@@ -248,7 +248,9 @@ def _exchange(rank: int, world: int) -> Dict[str, Any]:
 
 
 def _host_reads(rank: int, world: int) -> Dict[str, int]:
-    """``tolist()``/``item()`` calls in one forward and backward of the EP=world GPT (2 MoE layers), per mode."""
+    """Host reads (``tolist()``/``item()``) and host lists made into tensors (``torch.tensor(list)``: on a GPU a
+    copy that waits for the stream, a second sync) in one forward and backward of the EP=world GPT (2 MoE layers),
+    per mode."""
     import unittest.mock
 
     import megatron_fsdp
@@ -264,6 +266,7 @@ def _host_reads(rank: int, world: int) -> Dict[str, int]:
         model = GPT(_cfg(world, mode), expert_parallel_group=group)
         calls = []
         real = {name: getattr(torch.Tensor, name) for name in ("tolist", "item")}
+        real_tensor = torch.tensor
 
         def counted(name: str):
             def call(t: torch.Tensor, *a: Any, **k: Any) -> Any:
@@ -271,10 +274,16 @@ def _host_reads(rank: int, world: int) -> Dict[str, int]:
                 return real[name](t, *a, **k)
             return call
 
+        def tensor(data: Any, *a: Any, **k: Any) -> torch.Tensor:
+            if isinstance(data, (list, tuple)):
+                calls.append("tensor")
+            return real_tensor(data, *a, **k)
+
         with unittest.mock.patch.object(torch.Tensor, "tolist", counted("tolist")), \
-                unittest.mock.patch.object(torch.Tensor, "item", counted("item")):
+                unittest.mock.patch.object(torch.Tensor, "item", counted("item")), \
+                unittest.mock.patch.object(torch, "tensor", tensor):
             loss_fn(model(x[sl]), y[sl]).backward()
-        out[mode] = len(calls)
+        out[mode] = {name: calls.count(name) for name in sorted(set(calls))}
     return out
 
 
@@ -405,9 +414,10 @@ def test_exchange_with_an_empty_rank_is_bit_exact(two, mode):
 
 def test_one_host_read_per_moe_layer(two):
     """Forward and backward of the 2-layer EP=2 GPT read the device on the host twice: the counts tables, once per
-    MoE layer (the backward's all-to-alls reuse the forward's splits)."""
+    MoE layer (the backward's all-to-alls reuse the forward's splits); ``grouped_mm`` takes its sizes from the
+    device, not from a host list copied back (which waits for the stream on a GPU)."""
     for r in two:
-        assert r["host_reads"] == {"split": 2, "grouped_mm": 2}, r["host_reads"]
+        assert r["host_reads"] == {"split": {"tolist": 2}, "grouped_mm": {"tolist": 2}}, r["host_reads"]
 
 
 # ------------------------------------------------------------------ no process group
