@@ -16,7 +16,8 @@ data-parallel ranks; the TP ranks of one data-parallel rank take the same micro-
   of every layer over ``mesh['tp']`` (``ColwiseParallel`` q, k, v, ``fc1``; ``RowwiseParallel`` ``proj``,
   ``fc2``; no sequence parallelism: not tried with FSDP2 here; with ``--vocab-parallel`` also the root's
   ``tok``: ``RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())`` and ``head``:
-  ``ColwiseParallel(output_layouts=Replicate())``, :func:`_root_tp_plan`), ``shard_fsdp2(mesh=mesh['dp'])`` with
+  ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)`` with the loss under ``loss_parallel()``, as
+  torchtitan does by default, :func:`_root_tp_plan`), ``shard_fsdp2(mesh=mesh['dp'])`` with
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; the partial column adds
   ``keep_unsharded_storage``. Each rank starts from the same values as ours (the TP=1 model's slice).
 - NVIDIA Megatron-FSDP: not applicable (:func:`not_applicable`).
@@ -138,12 +139,26 @@ def _tp_plan() -> Dict[str, Any]:
 
 def _root_tp_plan() -> Dict[str, Any]:
     """``--vocab-parallel``: the root's token embedding (rows by vocabulary; replicated ids in, the summed lookup
-    out) and LM head (rows by vocabulary; the whole logits out), the split ours makes with ``vocab_parallel``."""
-    from torch.distributed.tensor import Replicate
+    out) and LM head (rows by vocabulary; the logits stay split over the vocabulary, a DTensor, and the loss is
+    taken by ``loss_parallel``: torchtitan's default, which never gathers the ``[tokens, vocabulary]`` logits), the
+    split ours makes with ``vocab_parallel``."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     return {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "head": ColwiseParallel(output_layouts=Replicate())}
+            "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+
+
+def loss_context(args: argparse.Namespace, dtensor: bool, tp: int) -> Any:
+    """What each micro-batch's forward and backward run inside: ``loss_parallel()`` for FSDP2's vocabulary-split
+    head (its cross-entropy over logits split by vocabulary, forward and backward alike), else nothing."""
+    import contextlib
+
+    if dtensor and tp > 1 and getattr(args, "vocab_parallel", False):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel
+    return contextlib.nullcontext
 
 
 def build(args: argparse.Namespace, device: torch.device, *, dtensor: bool) -> Tuple[nn.Module, Any, Dict[str, Any]]:

@@ -217,6 +217,8 @@ class Model:
     #: with expert parallelism, this rank's ``(EP group, EDP group)``: the model's all-to-all runs over the first;
     #: NVIDIA's columns build its expert mesh from the second (our engine and FSDP2 build groups of the same ranks)
     expert_groups: Optional[Tuple[Any, Any]] = None
+    #: what each micro-batch's forward and backward run inside (FSDP2's vocabulary-split loss: ``loss_parallel``)
+    loss_context: Callable[[], Any] = contextlib.nullcontext
 
 
 def _llama_config(args: argparse.Namespace, *, fuse_wgrad: bool, layers_impl: Optional[str] = None) -> Any:
@@ -336,9 +338,10 @@ def _tensor_parallel_model(args: argparse.Namespace, device: torch.device, *, ou
     module, cfg, counts = _engines_tp.build(args, device, dtensor=not ours)
     counts["model_config"] = {k: v for k, v in dataclasses.asdict(cfg).items()
                               if isinstance(v, (int, float, str, bool, type(None)))}
+    tp = counts["tensor_parallel_size"]
     return Model(module, module.unit_class, list(_engines_tp.SCOPES), cfg.seq_len, cfg.vocab_size, gpt.loss_fn,
                  lambda step, n, dev: gpt.synthetic_batch(step, n, cfg, dev), counts,
-                 _engines_tp.data_parallel_rank(counts["tensor_parallel_size"]))
+                 _engines_tp.data_parallel_rank(tp), loss_context=_engines_tp.loss_context(args, not ours, tp))
 
 
 # ---------------------------------------------------------------------------------------------- the engines
@@ -554,7 +557,7 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
             micro.append((x[dp_rank * mbs:(dp_rank + 1) * mbs].contiguous(),
                           y[dp_rank * mbs:(dp_rank + 1) * mbs].contiguous()))
         batches.append(micro)
-    loss_of = model.loss
+    loss_of, loss_context = model.loss, model.loss_context
 
     def forward_loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor, first: bool = True) -> torch.Tensor:
         # FP8: one autocast region around each micro-batch's forward, eager, replayed and captured alike
@@ -602,9 +605,10 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
                 else:
                     loss = torch.zeros((), device=device)
                     for i, (x, y) in enumerate(micro):
-                        mb_loss = forward_loss(net, x, y, i == 0)
-                        mb_loss.backward()
-                        loss = loss + mb_loss.detach()
+                        with loss_context():
+                            mb_loss = forward_loss(net, x, y, i == 0)
+                            mb_loss.backward()
+                        loss = loss + (mb_loss.full_tensor() if hasattr(mb_loss, "full_tensor") else mb_loss).detach()
                     opt.step()
                 _engines_fp8.after_optimizer_step(column, net)
                 opt.zero_grad(set_to_none=True)

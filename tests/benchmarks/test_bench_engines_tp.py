@@ -135,3 +135,28 @@ def test_vocab_parallel_flag_splits_both_columns_alike():
     assert bench_engines.parse(["--config", "llama70b"]).vocab_parallel is False
     with pytest.raises(SystemExit):
         bench_engines.parse(["--config", "llama8b", "--vocab-parallel"])
+
+
+@pytest.mark.gloo
+def test_bench_engines_cpu_smoke_llama70b_vocab_parallel_loss_parallel(tmp_path):
+    """``--vocab-parallel`` on 2 Gloo ranks: FSDP2's head keeps its logits split over the vocabulary (a DTensor,
+    ``Shard(-1)``) and takes the loss under ``loss_parallel()``, torchtitan's default; its first loss agrees with ours
+    (which splits the head the same way) and its graphed column trains like its eager one."""
+    from torch.distributed.tensor import Shard
+
+    head = _engines_tp._root_tp_plan()["head"]
+    assert tuple(head.output_layouts) == (Shard(-1),) and head.use_local_output is False
+    assert _engines_tp.loss_context(_args(vocab_parallel=True), True, 2).__name__ == "loss_parallel"
+    assert _engines_tp.loss_context(_args(vocab_parallel=True), False, 2) is not _engines_tp.loss_context(
+        _args(vocab_parallel=True), True, 2)  # ours computes its own vocabulary-parallel loss
+    out = tmp_path / "vp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "benchmarks", "bench_engines.py"), "--cpu-smoke", "--warmup", "2", "--steps", "2",
+           "--capture-step", "1", "--config", "llama70b", "--vocab-parallel", "--columns", "ours_tp_eager",
+           "fsdp2_tp_eager", "fsdp2_tp_partial", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cols = json.loads(out.read_text())["columns"]
+    assert cols["fsdp2_tp_partial"]["losses_equal_to_fsdp2_tp_eager"] is True
+    assert cols["fsdp2_tp_eager"]["losses"][0] == pytest.approx(cols["ours_tp_eager"]["losses"][0], rel=1e-3)
+    assert cols["fsdp2_tp_eager"]["counts"]["rank_params"] < cols["fsdp2_tp_eager"]["counts"]["num_params"]
