@@ -14,6 +14,14 @@ FSDP2 EP against ours EP: at most 8.7e-5, first losses bit-equal). :data:`LOSS_P
 every loss; a column whose experts were sharded or exchanged
 over the wrong ranks trains another model from step 0 and is far outside. Not seen by it: a gradient scale
 error that Adam normalises away. DISAGREE fails the run, like a failed goal.
+
+[Note: the FP8 floor]
+An FP8 column runs the layers' GEMMs in FP8 and the rest in bf16: TE's recipes and torchao's float8 leave
+attention (QK^T, AV) and the LM head in bf16. Its floor is the bf16 floor with the matmul part recomputed:
+``6 x tokens x unit_matmul_params`` (the layers' matmul weights) at the FP8 rate measured in the same run
+(``torch._scaled_mm`` of E4M3 operands, ``_flops.fp8_matmul_peak_tflops``), the other model FLOPs at the bf16 rate;
+optimizer and collectives as in bf16 (the parameters are gathered in bf16: no FP8 all-gather counted). The FP8
+columns' ``x_floor`` is against it (``floor["fp8"]``); MFU stays against the bf16 rate, as Megatron reports it.
 """
 
 from __future__ import annotations
@@ -73,6 +81,16 @@ def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], column
                 first_unit_params=counts["root_params"], last_unit_params=counts["root_params"], world_size=dp,
                 all_gather_gbps=rates.get("all_gather_gbps"), reduce_scatter_gbps=rates.get("reduce_scatter_gbps"))
             floor["model_flops_per_rank"] = flops
+            if "fp8_matmul_tflops" in rates and "unit_matmul_params" in counts:
+                # [Note: the FP8 floor]
+                fp8_flops = 6 * tokens * counts["unit_matmul_params"] / tp
+                fp8_matmul_ms = (fp8_flops / rates["fp8_matmul_tflops"]
+                                 + (flops - fp8_flops) / rates["matmul_tflops"]) / 1e12 * 1e3
+                floor["fp8"] = goals.floor_with_comm_ms(
+                    matmul_ms=fp8_matmul_ms, optimizer_ms=base["optimizer_ms"], num_params=params,
+                    first_unit_params=counts["root_params"], last_unit_params=counts["root_params"], world_size=dp,
+                    all_gather_gbps=rates.get("all_gather_gbps"), reduce_scatter_gbps=rates.get("reduce_scatter_gbps"))
+                floor["fp8"]["fp8_flops_share"] = fp8_flops / flops
             if tp > 1:
                 floor["tensor_parallel"] = (f"TP {tp} x DP {dp}: FSDP's collectives over the {dp} data-parallel "
                                             "rank(s) of one TP slice; the TP collectives inside the layers are not "
@@ -85,6 +103,8 @@ def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], column
                                                              optimizer_ms=floor["optimizer_ms"],
                                                              moved=r["comm_bytes"], rates=rates)
                 r["x_floor"] = r["step_ms"] / r["floor_bytes"]["floor_ms"]
+            elif floor is not None and r.get("fp8") and "fp8" in floor:
+                r["x_floor"] = r["step_ms"] / floor["fp8"]["floor_ms"]  # against the floor of its own GEMMs
             elif floor is not None:
                 r["x_floor"] = r["step_ms"] / floor["floor_ms"]
             if flops is not None:
@@ -103,6 +123,9 @@ def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], column
         a, b = columns.get(graphed, {}), columns.get(eager, {})
         if "losses" in a and "losses" in b:
             a["losses_equal_to_" + eager] = a["losses"] == b["losses"]
+    # with deterministic kernels a graphed column must train bit for bit like its eager column
+    unequal = [c for c, r in columns.items() if getattr(args, "deterministic", False)
+               and any(v is False for k, v in r.items() if k.startswith("losses_equal_to_"))]
     seq = counts["seq_len"] if counts is not None else None
     applicable = [g for g in goals.ENGINE_GOALS if g.config == args.config and g.seq in (None, seq)
                   and g.tp in (None, tp)]
@@ -116,7 +139,8 @@ def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], column
     ev["loss_checks"] = [loss_agreement(c, ref, columns[c]["losses"], columns[ref]["losses"])
                          for c, ref in LOSS_PAIRS
                          if "losses" in columns.get(c, {}) and "losses" in columns.get(ref, {})]
-    ev["failed"] = ev["failed"] or any(r["verdict"] == "DISAGREE" for r in ev["loss_checks"])
+    ev["failed"] = ev["failed"] or any(r["verdict"] == "DISAGREE" for r in ev["loss_checks"]) or bool(unequal)
+    ev["graphed_not_equal_to_eager"] = unequal
     return {"rates": rates, "floor": floor, "evaluation": ev, "table": table(args, columns, skipped, floor, ev)}
 
 
@@ -158,12 +182,19 @@ def table(args: argparse.Namespace, columns: Dict[str, Dict[str, Any]], skipped:
                   f"{floor['all_gather_ms']:.1f}, reduce-scatter {floor['reduce_scatter_ms']:.1f}; not overlappable: "
                   f"first gather {floor['first_gather_ms']:.1f}, last reduce-scatter "
                   f"{floor['last_reduce_scatter_ms']:.1f})"] + ([floor["tensor_parallel"]] if "tensor_parallel" in floor else [])
+        if "fp8" in floor:
+            f8 = floor["fp8"]
+            lines.append(f"FP8 floor {f8['floor_ms']:.1f} ms (the FP8 columns' x floor): matmul {f8['matmul_ms']:.1f} "
+                         f"({f8['fp8_flops_share']:.0%} of the FLOPs, the layers' GEMMs, at the measured FP8 rate; "
+                         f"attention and the LM head at the bf16 rate), optimizer {f8['optimizer_ms']:.1f}")
     lines += ["", "| goal | ratio | goal | noise | verdict |", "| --- | --- | --- | --- | --- |"]
     for r in ev["goals"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
         lines.append(f"| {r['name']} | {ratio} | <= {r['goal']:.3f} | {r['noise'] * 100:.1f}% | {r['verdict']} |")
     for r in ev["not_applicable"]:
         lines.append(f"| {r['name']} | - | <= {r['goal']:.3f} | - | N/A ({r['why'][:60]}) |")
+    for c in ev.get("graphed_not_equal_to_eager", []):
+        lines.append(f"| {c}: losses `==` its eager column's, deterministic kernels | - | equal | - | NOT EQUAL |")
     for r in ev.get("loss_checks", []):
         lines.append(f"| losses of {r['column']} / {r['reference']} (first; every step) | {r['first_rel_diff']:.1e}; "
                      f"{r['max_rel_diff']:.1e} | <= {r['first_rtol']:.0e}; {r['rtol']:.0e} | - | {r['verdict']} |")

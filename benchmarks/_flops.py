@@ -14,7 +14,7 @@ import torch
 from _common import cuda_time_ms
 from fsdp_cudagraph.apps.model import GPTConfig
 
-__all__ = ["matmul_peak_tflops", "copy_bandwidth_gbps", "adam_step_ms", "model_flops_per_step",
+__all__ = ["matmul_peak_tflops", "fp8_matmul_peak_tflops", "copy_bandwidth_gbps", "adam_step_ms", "model_flops_per_step",
            "active_matmul_params", "transformer_flops_per_step", "collective_rates_gbps"]
 
 
@@ -23,6 +23,17 @@ def matmul_peak_tflops(device: torch.device) -> float:
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     times = cuda_time_ms(lambda: a @ b, warmup=3, iters=10)
+    return 2 * 8192**3 / (statistics.median(times) * 1e-3) / 1e12
+
+
+def fp8_matmul_peak_tflops(device: torch.device) -> float:
+    """Measured FP8 matmul rate: ``torch._scaled_mm`` of two 8192^2 E4M3 tensors with per-tensor scales into bf16
+    (TE's FP8 GEMMs and torchao's run on the same tensor cores), median of 10 after warmup."""
+    a = torch.randn(8192, 8192, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device=device).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    one = torch.ones((), device=device)
+    times = cuda_time_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                         warmup=3, iters=10)
     return 2 * 8192**3 / (statistics.median(times) * 1e-3) / 1e12
 
 

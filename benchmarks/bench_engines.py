@@ -101,6 +101,11 @@ the children's run ends that column at once and goes on.
     python benchmarks/bench_engines.py --config llama8b_fp8 --nproc-per-node 4 --out fp8-4gpu.json   # 32 layers, seq 8192
     python benchmarks/bench_engines.py --cpu-smoke --config llama8b            # Gloo, tiny shapes, protocol backend
 
+Bit for bit: the speed record runs torch's fast kernels (flash attention's backward accumulates with atomics), so
+its graphed and eager columns may differ after the first step. ``--deterministic`` runs every column on
+deterministic kernels (SDPA's math kernel; TE's attention is deterministic already), where each graphed column
+must train bit for bit like its eager column, or the run fails naming it.
+
 A child costs its start (Python, torch, TE, NCCL: ~15-25 s) on top of its column. Under a per-command time
 limit, run the columns in two commands (``--columns ...``, each measuring the rates in its first child) and
 combine them into one table and verdicts without running anything::
@@ -319,6 +324,9 @@ def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, f
     global_numel = sum(p.numel() * (ep if "experts" in n else 1) for n, p in module.named_parameters())
     counts = {"num_params": global_numel,
               "root_params": sum(p.numel() for p in module.parameters() if id(p) not in in_units),
+              # the layers' matmul weights: what an FP8 recipe runs in FP8 (the LM head and attention stay bf16)
+              "unit_matmul_params": sum(p.numel() for m in module.modules() if isinstance(m, unit_class)
+                                        for p in m.parameters() if p.dim() >= 2),
               "layer_params": sum(p.numel() for p in layer.parameters()),
               "matmul_params": _flops.active_matmul_params(module, top_k=top_k, num_experts=num_experts),
               "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "seq_len": cfg.seq_len,
@@ -639,6 +647,8 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
         "losses": [float(v) for v in torch.stack(losses).cpu()], "tokens_per_gpu_per_step": tokens,
         "build_s": build_s, "precision": sharded.precision + (f"; FP8 {fp8!r}" if fp8 is not None else ""),
         "counts": counts, "micro_batches": n_micro,
+        # which GEMMs run in FP8: TE's recipe, or torchao's float8 (the FP8 floor of _engines_report.assemble)
+        "fp8": fp8.name if fp8 is not None else ("torchao-float8" if column == "fsdp2_float8_eager" else None),
     }
     row["comm_bytes"] = reduce_max(comm_bytes, device)  # [Note: counting a step's bytes]; the largest rank's
     if capture_s is not None:
@@ -669,6 +679,8 @@ def measure_rates(args: argparse.Namespace, device: torch.device) -> Dict[str, A
     if device.type == "cuda":
         out["matmul_tflops"] = _flops.matmul_peak_tflops(device)
         out["copy_gbps"] = _flops.copy_bandwidth_gbps(device)
+        if args.config == "llama8b_fp8" and torch.cuda.get_device_capability(device) >= (8, 9):
+            out["fp8_matmul_tflops"] = _flops.fp8_matmul_peak_tflops(device)  # the FP8 columns' floor
     out.update(_flops.collective_rates_gbps(device, layer_numel(args), all_to_all_numel=all_to_all_numel(args)))
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -862,6 +874,10 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "process (default under torchrun)")
     p.add_argument("--column-timeout", type=int, default=300, help="seconds per child column")
     p.add_argument("--cpu-smoke", action="store_true", help="Gloo, tiny shapes, torch layers, protocol backend")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels in every column (apps.train.use_deterministic_kernels: SDPA's math "
+                        "kernel, torch's deterministic algorithms, CUBLAS_WORKSPACE_CONFIG); each graphed column must "
+                        "then train bit for bit like its eager column, or the run fails (slower: not the speed record)")
     p.add_argument("--out", default=None, help="JSON record")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -897,6 +913,11 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
+    if args.deterministic:  # before CUDA starts, in this process and in every column's child (same argv)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        from fsdp_cudagraph.apps.train import use_deterministic_kernels
+
+        use_deterministic_kernels()
     if args.merge:
         margs, world, rates, rows, skipped = merge(args.merge)
         result = assemble(margs, world, rates, rows, skipped)

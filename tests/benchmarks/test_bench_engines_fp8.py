@@ -105,3 +105,50 @@ def test_fp8_arguments_refused_with_the_rule():
     assert _engines_fp8.recipe_of("ours_fp8_block_eager", args) == "block"
     assert _engines_fp8.recipe_of("nvidia_fp8_eager", args) == "delayed"
     assert _engines_fp8.recipe_of("ours_eager", args) is None and _engines_fp8.recipe_of("fsdp2_float8_eager", args) is None
+
+
+def test_fp8_columns_are_measured_against_their_own_floor():
+    """[Note: the FP8 floor]: with the FP8 matmul rate measured, the FP8 columns' multiple is against a floor whose
+    layer GEMMs run at that rate (attention and the LM head at the bf16 rate); bf16 columns keep the bf16 floor."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from _engines_report import assemble
+
+    losses = [11.0, 10.9, 10.8]
+    cols = _rows(ours_eager=(1000.0, 80.0, 8e9, losses), ours_fp8_current_eager=(700.0, 78.0, 8e9, losses))
+    for c in cols.values():
+        c["counts"]["unit_matmul_params"] = 32 * 218_103_808
+    cols["ours_fp8_current_eager"]["fp8"] = "current"
+    args = argparse.Namespace(config="llama8b_fp8", micro_batch=1, micro_batches=1, warmup=3, fp8_recipe="current")
+    rates = {"matmul_tflops": 800.0, "copy_gbps": 4000.0, "all_gather_gbps": 300.0, "reduce_scatter_gbps": 300.0}
+    plain = assemble(args, 4, dict(rates), {c: dict(r) for c, r in cols.items()}, {})
+    assert "fp8" not in plain["floor"]  # no FP8 rate measured: one floor for all
+    res = assemble(args, 4, {**rates, "fp8_matmul_tflops": 1600.0}, cols, {})
+    floor, f8 = res["floor"], res["floor"]["fp8"]
+    counts = cols["ours_eager"]["counts"]
+    fp8_flops = 6 * 8192 * counts["unit_matmul_params"]
+    total = floor["model_flops_per_rank"]
+    assert f8["fp8_flops_share"] == pytest.approx(fp8_flops / total)
+    assert f8["matmul_ms"] == pytest.approx((fp8_flops / 1600e12 + (total - fp8_flops) / 800e12) * 1e3)
+    assert f8["matmul_ms"] < floor["matmul_ms"] and f8["optimizer_ms"] == floor["optimizer_ms"]
+    assert cols["ours_fp8_current_eager"]["x_floor"] == pytest.approx(700.0 / f8["floor_ms"])
+    assert cols["ours_eager"]["x_floor"] == pytest.approx(1000.0 / floor["floor_ms"])
+    assert "FP8 floor" in res["table"]
+
+
+def test_deterministic_run_fails_when_a_graphed_column_is_not_bit_exact():
+    """``--deterministic``: a graphed column whose losses differ from its eager column's fails the run, named in the
+    table; without the flag the difference is recorded only (the speed record's kernels are not deterministic)."""
+    losses = [11.0, 10.9, 10.8]
+    for det in (False, True):
+        cols = _rows(ours_fp8_current_eager=(700.0, 78.0, 8e9, losses),
+                     ours_fp8_partial=(690.0, 79.0, 8e9, [11.0, 10.9, 10.8 + 1e-6]))
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        from _engines_report import assemble
+
+        args = argparse.Namespace(config="llama8b_fp8", micro_batch=1, micro_batches=1, warmup=3,
+                                  fp8_recipe="current", deterministic=det)
+        res = assemble(args, 4, {}, cols, {})
+        assert cols["ours_fp8_partial"]["losses_equal_to_ours_fp8_current_eager"] is False
+        assert res["evaluation"]["graphed_not_equal_to_eager"] == (["ours_fp8_partial"] if det else [])
+        assert ("NOT EQUAL" in res["table"]) is det
+    assert _bench().parse(["--config", "llama8b", "--deterministic", "--cpu-smoke"]).deterministic is True
