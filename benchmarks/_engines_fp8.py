@@ -32,13 +32,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["FP8_COLUMNS", "COLUMN_RECIPE", "recipe_of", "autocast", "not_applicable", "float8_fsdp2",
-           "after_optimizer_step"]
+__all__ = ["FP8_COLUMNS", "COLUMN_RECIPE", "recipe_of", "make_recipe", "autocast", "not_applicable", "layers_impl",
+           "float8_fsdp2", "after_optimizer_step", "add_arguments", "check_arguments"]
 
 #: The columns of ``--config llama8b_fp8``, in the table's order (their specs are in bench_engines.COLUMN_SPECS).
 FP8_COLUMNS = ["ours_eager", "ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager",
@@ -174,7 +174,3 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error("--fp8-recipe delayed with the ours_fp8_full column: delayed scaling is refused in a whole-step graph "
                 "(TE skips its backward amax update during a capture; docs/fp8.md); pick current or block, or leave "
                 "ours_fp8_full out with --columns")
-
-
-def record_counts(args: argparse.Namespace) -> Dict[str, Any]:
-    return {"micro_batches": args.micro_batches}
