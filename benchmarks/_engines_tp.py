@@ -9,7 +9,8 @@ data-parallel ranks; the TP ranks of one data-parallel rank take the same micro-
   ``megatron_fsdp.tensor_parallel_groups(TP)`` and sharded with ``fully_shard(process_group=dp,
   tensor_parallel_group=tp)`` (docs/tensor-parallel.md); the embeddings and the LM head are replicated over TP,
   or with ``--vocab-parallel`` the token embedding and the LM head split over the vocabulary
-  (``GPTConfig(vocab_parallel=True)``).
+  (``GPTConfig(vocab_parallel=True)``), the loss then taken from the vocabulary slices (``model(x, y)``: the
+  logits are never gathered).
 - FSDP2 (``fsdp2_tp_*``): the same model at TP=1 with the same seed, its fused ``[q | k | v]`` projection split
   into ``q``, ``k`` and ``v`` linears (:class:`SplitQKVAttention`: ``ColwiseParallel`` must give each rank whole
   heads), then torchtitan's composition as ``tests/adapters/test_fsdp2_tp.py`` builds it: ``parallelize_module``

@@ -224,6 +224,8 @@ class Model:
     expert_groups: Optional[Tuple[Any, Any]] = None
     #: what each micro-batch's forward and backward run inside (FSDP2's vocabulary-split loss: ``loss_parallel``)
     loss_context: Callable[[], Any] = contextlib.nullcontext
+    #: the model computes its own loss, ``module(x, y)`` (ours with the vocabulary split: from the slices)
+    fused_loss: bool = False
 
 
 def _llama_config(args: argparse.Namespace, *, fuse_wgrad: bool, layers_impl: Optional[str] = None) -> Any:
@@ -349,7 +351,8 @@ def _tensor_parallel_model(args: argparse.Namespace, device: torch.device, *, ou
     tp = counts["tensor_parallel_size"]
     return Model(module, module.unit_class, list(_engines_tp.SCOPES), cfg.seq_len, cfg.vocab_size, gpt.loss_fn,
                  lambda step, n, dev: gpt.synthetic_batch(step, n, cfg, dev), counts,
-                 _engines_tp.data_parallel_rank(tp), loss_context=_engines_tp.loss_context(args, not ours, tp))
+                 _engines_tp.data_parallel_rank(tp), loss_context=_engines_tp.loss_context(args, not ours, tp),
+                 fused_loss=ours and cfg.vocab_parallel)
 
 
 # ---------------------------------------------------------------------------------------------- the engines
@@ -565,11 +568,13 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
             micro.append((x[dp_rank * mbs:(dp_rank + 1) * mbs].contiguous(),
                           y[dp_rank * mbs:(dp_rank + 1) * mbs].contiguous()))
         batches.append(micro)
-    loss_of, loss_context = model.loss, model.loss_context
+    loss_of, loss_context, fused_loss = model.loss, model.loss_context, model.fused_loss
 
     def forward_loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor, first: bool = True) -> torch.Tensor:
         # FP8: one autocast region around each micro-batch's forward, eager, replayed and captured alike
         with _engines_fp8.autocast(fp8, first):
+            if fused_loss:
+                return m(x, y) / n_micro
             out = m(x)
         return loss_of(out, y) / n_micro
 

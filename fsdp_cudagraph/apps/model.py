@@ -473,7 +473,10 @@ class GPT(nn.Module):
         _tp.mark_tensor_parallel(local.weight, 0)
         return local
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The logits ``[batch, seq, vocab]``; with ``targets`` (next-token ids ``[batch, seq]``) the mean loss
+        instead, :func:`loss_fn` of the logits; with ``vocab_parallel`` that loss is computed on each TP rank's
+        vocabulary slice without gathering the logits (``apps/tp.py`` ``vocab_parallel_cross_entropy``)."""
         s = tokens.shape[1]
         group = self.tensor_parallel_group
         if group is not None:  # [Note: tensor parallelism of the reference GPT] in apps/tp.py
@@ -490,9 +493,13 @@ class GPT(nn.Module):
                 x = _tp.scatter_sequence(x.transpose(0, 1), group)  # [s/TP, b, h]: this rank's positions
             for layer in self.layers:
                 x = layer(x)
-            if self.vocab_parallel:  # this rank's V/TP logits of every position, gathered along the vocabulary
-                return _tp.gather_vocab(self.head(_tp.gather_sequence(self.ln_f(x), group).transpose(0, 1)), group)
-            return self.head(_tp.gather_sequence_replicated(self.ln_f(x), group).transpose(0, 1))
+            if self.vocab_parallel:  # this rank's V/TP logits of every position
+                local = self.head(_tp.gather_sequence(self.ln_f(x), group).transpose(0, 1))
+                if targets is not None:  # the loss from the slices, the logits never gathered
+                    return _tp.vocab_parallel_cross_entropy(local, targets, group)
+                return _tp.gather_vocab(local, group)  # gathered along the vocabulary
+            return self._loss_or_logits(self.head(_tp.gather_sequence_replicated(self.ln_f(x), group).transpose(0, 1)),
+                                        targets)
         x = self.tok(tokens) + self.pos(torch.arange(s, device=tokens.device))[None]
         seq_first = self.cfg.unit == "te_layer"
         if seq_first:
@@ -501,7 +508,11 @@ class GPT(nn.Module):
             x = layer(x)
         if seq_first:
             x = x.transpose(0, 1)
-        return self.head(self.ln_f(x))
+        return self._loss_or_logits(self.head(self.ln_f(x)), targets)
+
+    @staticmethod
+    def _loss_or_logits(logits: torch.Tensor, targets: Optional[torch.Tensor]) -> torch.Tensor:
+        return logits if targets is None else loss_fn(logits, targets)
 
     @property
     def max_positions(self) -> int:

@@ -202,6 +202,47 @@ class _GatherVocab(torch.autograd.Function):
         return grad[..., rank * per:(rank + 1) * per].contiguous(), None
 
 
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """The mean cross-entropy of logits split over the vocabulary across the TP group, without gathering them.
+
+    Each TP rank holds the logits of every position for its ``V/TP`` vocabulary ids. The row maximum (all-reduce
+    MAX), then the sum of exponentials and the target's shifted logit (one all-reduce SUM of both; the target lies in
+    exactly one rank's ids, the others add 0) give every rank the same per-position ``log(sum exp) - target``, and
+    the same mean: the value of ``F.cross_entropy`` over the whole logits, up to the order of the sums. Backward
+    needs no communication: this rank's slice of ``softmax - onehot(target)``, scaled by the mean, is exactly the
+    slice of the whole gradient that ``gather_vocab``'s backward would hand it."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
+                group: dist.ProcessGroup) -> torch.Tensor:
+        per = logits.shape[-1]
+        local = targets - dist.get_rank(group) * per
+        inside = (local >= 0) & (local < per)
+        index = local.clamp(0, per - 1).unsqueeze(-1)
+        top = logits.max(dim=-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - top.unsqueeze(-1)
+        exp = shifted.exp()
+        sums = torch.stack([exp.sum(dim=-1), shifted.gather(-1, index).squeeze(-1) * inside])
+        dist.all_reduce(sums, group=group)
+        softmax = exp.div_(sums[0].unsqueeze(-1))
+        ctx.save_for_backward(softmax, index, inside)
+        return (sums[0].log() - sums[1]).mean()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        softmax, index, inside = ctx.saved_tensors
+        out = softmax.scatter(-1, index, softmax.gather(-1, index) - inside.unsqueeze(-1).to(softmax.dtype))
+        return out * (grad / softmax[..., 0].numel()), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Mean cross-entropy of ``logits`` ``[..., V/TP]`` (this TP rank's vocabulary columns, rank order) against the
+    global ids ``targets`` ``[...]``, computed in fp32 as ``apps.model.loss_fn`` is, without gathering the logits
+    (:class:`_VocabParallelCrossEntropy`); every TP rank returns the same loss."""
+    return _VocabParallelCrossEntropy.apply(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), group)
+
+
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``[s/TP, ...] -> [s, ...]`` before a column-parallel GEMM (backward: reduce-scatter)."""
     return _GatherSequence.apply(x, group)

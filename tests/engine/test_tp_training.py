@@ -105,14 +105,15 @@ def rows(step: int, rank: int, world: int, tp: int) -> Any:
     return x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
 
 
-def train(model: Any, opt: Any, steps: range, rank: int, world: int, tp: int, clip: Optional[float] = None
-          ) -> Dict[str, Any]:
+def train(model: Any, opt: Any, steps: range, rank: int, world: int, tp: int, clip: Optional[float] = None,
+          *, fused_loss: bool = False) -> Dict[str, Any]:
+    """``fused_loss``: the model computes its loss (``model(x, y)``) instead of ``loss_fn(model(x), y)``."""
     import torch.distributed as dist
 
     losses, norms, addresses = [], [], []
     for step in steps:
         x, y = rows(step, rank, world, tp)
-        loss = loss_fn(model(x), y)
+        loss = model(x, y) if fused_loss else loss_fn(model(x), y)
         loss.backward()
         if clip is not None:
             norms.append(float(model.clip_grad_norm_(clip)))

@@ -76,7 +76,8 @@ def _shard(vocab_parallel: bool) -> Any:
                                      tensor_parallel_size=TP)
 
 
-def _run(rank: int, world: int, *, vocab_parallel: bool = True, patch: Optional[str] = None) -> Dict[str, Any]:
+def _run(rank: int, world: int, *, vocab_parallel: bool = True, patch: Optional[str] = None,
+         fused_loss: bool = False) -> Dict[str, Any]:
     from fsdp_cudagraph.apps import tp as tp_mod
 
     saved = (tp_mod._GatherVocab.backward, tp_mod.vocab_parallel_embedding)
@@ -87,7 +88,7 @@ def _run(rank: int, world: int, *, vocab_parallel: bool = True, patch: Optional[
     try:
         model = _shard(vocab_parallel)
         opt = adam(model.optimizer_parameters())
-        out = train(model, opt, range(STEPS), rank, world, TP, CLIP)
+        out = train(model, opt, range(STEPS), rank, world, TP, CLIP, fused_loss=fused_loss)
     finally:
         tp_mod._GatherVocab.backward, tp_mod.vocab_parallel_embedding = saved
     out["params"] = model.state_dict()
@@ -139,7 +140,8 @@ def _job(rank: int, world: int) -> Dict[str, Any]:
     res["tp_rank"] = dist.get_rank(gpt.tensor_parallel_group)
     res["keys"] = sorted(_shard(True).sharded_state_dict())
     for name, kw in (("vp", {}), ("plain", dict(vocab_parallel=False)), ("sum_backward", dict(patch="sum_backward")),
-                     ("mask_off_by_one", dict(patch="mask_off_by_one"))):
+                     ("mask_off_by_one", dict(patch="mask_off_by_one")), ("fused", dict(fused_loss=True)),
+                     ("fused_mask_off_by_one", dict(fused_loss=True, patch="mask_off_by_one"))):
         res[name] = _run(rank, world, **kw)
     res["eager"] = _graphed(rank, world, None)
     res["attn+mlp"] = _graphed(rank, world, ["attn", "mlp"])
@@ -198,6 +200,17 @@ def test_initial_slices_and_tags(two):
 
 def test_trains_like_the_reference(two, reference):
     _within(distance(two, "vp", reference))
+
+
+def test_loss_from_the_vocabulary_slices_trains_like_the_reference(two, reference):
+    """``model(x, y)`` with the split: the loss from each rank's vocabulary slice, the logits never gathered
+    (``vocab_parallel_cross_entropy``), through the engine's wrapper; the same training as the gathered logits'
+    within the tolerance, and a wrong embedding still caught through it."""
+    _within(distance(two, "fused", reference))
+    d = distance(two, "fused", {"params": merged(two, "vp"), "losses": two[0]["vp"]["losses"],
+                                "norms": two[0]["vp"]["norms"]})
+    _within(d)
+    assert distance(two, "fused_mask_off_by_one", reference)["param"] > 100 * RTOL
 
 
 def test_same_as_replicated_vocabulary(two, reference):
