@@ -20,6 +20,14 @@ from typing import Any, Dict, List
 plt: Any = None  # matplotlib.pyplot, imported by main() after the arguments parse (--help needs no matplotlib)
 
 
+def _save(fig: Any, path: str) -> str:
+    """Lay out, write and close ``fig``; its path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_alignment(d: Dict[str, Any], name: str, outdir: str) -> str:
     rows = d["rows"][:6]
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), sharex=True)
@@ -35,11 +43,7 @@ def plot_alignment(d: Dict[str, Any], name: str, outdir: str) -> str:
     axes.flat[0].legend()
     fig.suptitle(f"Eager vs partial graphs, {d['world_size']} GPU(s), {d['versions']['device']} "
                  f"(capture before step {d['capture_step']}, dotted)")
-    fig.tight_layout()
-    path = os.path.join(outdir, f"{name}.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, os.path.join(outdir, f"{name}.png"))
 
 
 def plot_suites(d: Dict[str, Any], name: str, outdir: str) -> List[str]:
@@ -55,10 +59,7 @@ def plot_suites(d: Dict[str, Any], name: str, outdir: str) -> List[str]:
         ax.set_xlabel("median step time (ms), lower is better")
         ax.set_title(f"8 TE layers, h1024 s512 mbs2, megatron_fsdp ZeRO-3, {d['world_size']} x {d['versions']['device']}")
         ax.invert_yaxis()
-        fig.tight_layout()
-        paths.append(os.path.join(outdir, f"{name}-launch.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(_save(fig, os.path.join(outdir, f"{name}-launch.png")))
     if "scaling" in suites:
         rows = suites["scaling"]
         fig, axes = plt.subplots(1, 3, figsize=(14, 4))
@@ -79,10 +80,7 @@ def plot_suites(d: Dict[str, Any], name: str, outdir: str) -> List[str]:
         axes[2].set_ylabel("capture time (s)")
         axes[2].set_xscale("log", base=2)
         fig.suptitle(f"How cost grows (h1024, mbs2; {d['world_size']} x {d['versions']['device']})")
-        fig.tight_layout()
-        paths.append(os.path.join(outdir, f"{name}-scaling.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(_save(fig, os.path.join(outdir, f"{name}-scaling.png")))
     return paths
 
 
@@ -107,11 +105,7 @@ def plot_vs_peers(peers: Dict[str, Any], partial: Dict[str, Any], outdir: str) -
     ax.set_xlabel("median step time (ms), lower is better")
     ax.set_title(f"8 TE layers h1024 s512 mbs2 vocab {peers['config']['vocab']}, 2 x {peers['device_name']}\n"
                  "peers and our eager: bench_peers run; graphed: bench_partial_graphs run (same lease)", fontsize=9)
-    fig.tight_layout()
-    path = os.path.join(outdir, "peers-vs-graphed-2gpu.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, os.path.join(outdir, "peers-vs-graphed-2gpu.png"))
 
 
 def plot_step_budget(d: Dict[str, Any], name: str, outdir: str) -> str:
@@ -142,11 +136,7 @@ def plot_step_budget(d: Dict[str, Any], name: str, outdir: str) -> str:
                  f"{f['floor_ms']:.2f} ms (matmul {f['matmul_ms']:.2f} + optimizer/cast {f['optimizer_ms']:.2f}), "
                  f"commit {d['versions'].get('commit', '?')}", fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    path = os.path.join(outdir, f"{name}.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, os.path.join(outdir, f"{name}.png"))
 
 
 def plot_engines(d: Dict[str, Any], name: str, outdir: str) -> str:
@@ -166,11 +156,7 @@ def plot_engines(d: Dict[str, Any], name: str, outdir: str) -> str:
     ax.set_xlim(0, max(tokens) * 1.45)
     ax.set_title(f"{cfg.get('config', '')}: {cfg.get('layers')} layers, {d.get('world_size')} x "
                  f"{d.get('versions', {}).get('device', 'GPU')}", fontsize=10)
-    fig.tight_layout()
-    path = os.path.join(outdir, f"{name}.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, os.path.join(outdir, f"{name}.png"))
 
 
 def plot_fp8_numerics(d: Dict[str, Any], name: str, outdir: str) -> str:
@@ -193,11 +179,7 @@ def plot_fp8_numerics(d: Dict[str, Any], name: str, outdir: str) -> str:
     gaps = ", ".join(f"{r} {100 * g:.2f}%" for r, g in d["gaps"].items())
     gx.set_title(f"gap over the last {d['config']['tail']} steps: {gaps}", fontsize=9)
     gx.legend(fontsize=8)
-    fig.tight_layout()
-    path = os.path.join(outdir, f"{name}.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, os.path.join(outdir, f"{name}.png"))
 
 
 def main() -> None:
