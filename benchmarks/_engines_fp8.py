@@ -58,14 +58,15 @@ def recipe_of(column: str, args: argparse.Namespace) -> Optional[str]:
     return COLUMN_RECIPE.get(column, args.fp8_recipe)
 
 
-def make_recipe(column: str, args: argparse.Namespace, group: Any = None) -> Any:
-    """``column``'s ``FP8Recipe`` (None for the bf16 and torchao columns); ``group``: the amax reduction group."""
+def make_recipe(column: str, args: argparse.Namespace) -> Any:
+    """``column``'s ``FP8Recipe`` (None for the bf16 and torchao columns), its amaxes reduced over the default group:
+    the data-parallel group of these data-parallel-only columns."""
     name = recipe_of(column, args)
     if name is None:
         return None
     from fsdp_cudagraph.capture.fp8 import FP8Recipe
 
-    return FP8Recipe(name, amax_reduction_group=group)
+    return FP8Recipe(name)
 
 
 @contextlib.contextmanager

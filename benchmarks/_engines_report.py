@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -76,20 +77,17 @@ def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], column
             params, dp = counts.get("rank_params", counts["num_params"]), world // tp
             base = goals.floor_ms(flops=flops, bytes_moved=goals.optimizer_bytes(params, dp),
                                   matmul_tflops=rates["matmul_tflops"], copy_gbps=rates["copy_gbps"])
-            floor = goals.floor_with_comm_ms(
-                matmul_ms=base["matmul_ms"], optimizer_ms=base["optimizer_ms"], num_params=params,
+            with_comm = functools.partial(
+                goals.floor_with_comm_ms, optimizer_ms=base["optimizer_ms"], num_params=params,
                 first_unit_params=counts["root_params"], last_unit_params=counts["root_params"], world_size=dp,
                 all_gather_gbps=rates.get("all_gather_gbps"), reduce_scatter_gbps=rates.get("reduce_scatter_gbps"))
+            floor = with_comm(matmul_ms=base["matmul_ms"])
             floor["model_flops_per_rank"] = flops
             if "fp8_matmul_tflops" in rates and "unit_matmul_params" in counts:
                 # [Note: the FP8 floor]
                 fp8_flops = 6 * tokens * counts["unit_matmul_params"] / tp
-                fp8_matmul_ms = (fp8_flops / rates["fp8_matmul_tflops"]
-                                 + (flops - fp8_flops) / rates["matmul_tflops"]) / 1e12 * 1e3
-                floor["fp8"] = goals.floor_with_comm_ms(
-                    matmul_ms=fp8_matmul_ms, optimizer_ms=base["optimizer_ms"], num_params=params,
-                    first_unit_params=counts["root_params"], last_unit_params=counts["root_params"], world_size=dp,
-                    all_gather_gbps=rates.get("all_gather_gbps"), reduce_scatter_gbps=rates.get("reduce_scatter_gbps"))
+                floor["fp8"] = with_comm(matmul_ms=(fp8_flops / rates["fp8_matmul_tflops"]
+                                                    + (flops - fp8_flops) / rates["matmul_tflops"]) / 1e12 * 1e3)
                 floor["fp8"]["fp8_flops_share"] = fp8_flops / flops
             if tp > 1:
                 floor["tensor_parallel"] = (f"TP {tp} x DP {dp}: FSDP's collectives over the {dp} data-parallel "
