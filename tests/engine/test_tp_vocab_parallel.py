@@ -28,10 +28,10 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from fsdp_cudagraph.apps.model import GPT, GPTConfig, loss_fn
+from fsdp_cudagraph.apps.model import GPT, GPTConfig
 from fsdp_cudagraph.apps.tp import merge_tp_state_dicts, slice_tp_state_dict, tp_kind
 from tests.dist_utils import run_gloo
-from tests.engine.test_tp_training import (CLIP, MODEL, RTOL, STEPS, TP, adam, reference_run, rows, train)
+from tests.engine.test_tp_training import CLIP, MODEL, RTOL, STEPS, TP, adam, reference_run, train
 
 pytestmark = pytest.mark.gloo
 
@@ -97,8 +97,6 @@ def _run(rank: int, world: int, *, vocab_parallel: bool = True, patch: Optional[
 
 def _graphed(rank: int, world: int, scopes: Optional[List[str]]) -> Dict[str, Any]:
     """Eager (``scopes=None``) or per-layer graphs of ``scopes`` (protocol backend) captured at CAPTURE_AT."""
-    import torch.distributed as dist
-
     from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
 
     model = _shard(True)
@@ -107,18 +105,10 @@ def _graphed(rank: int, world: int, scopes: Optional[List[str]]) -> Dict[str, An
     if scopes is not None:
         graphs = PartialCudaGraphs(model, CudaGraphConfig(cuda_graph_impl="local", cuda_graph_modules=scopes,
                                                           cuda_graph_num_warmup_iters=2), backend="protocol")
-    out: Dict[str, Any] = {"losses": []}
-    for step in range(STEPS):
-        if graphs is not None and step == CAPTURE_AT:
-            out["callables"] = sorted(graphs.capture().callables)
-        x, y = rows(step, rank, world, TP)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        out["losses"].append(float(total) / world)
+    out: Dict[str, Any] = {"losses": train(model, opt, range(CAPTURE_AT), rank, world, TP)["losses"]}
+    if graphs is not None:
+        out["callables"] = sorted(graphs.capture().callables)
+    out["losses"] += train(model, opt, range(CAPTURE_AT, STEPS), rank, world, TP)["losses"]
     out["params"] = model.state_dict()
     if graphs is not None:
         out["replays"] = {c.name: c.module.__dict__["forward"].replays for c in graphs.callables}
