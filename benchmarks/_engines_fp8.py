@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 from torch import nn
@@ -69,14 +69,10 @@ def make_recipe(column: str, args: argparse.Namespace) -> Any:
     return FP8Recipe(name)
 
 
-@contextlib.contextmanager
-def autocast(fp8: Any, first_microbatch: bool) -> Iterator[None]:
-    """One micro-batch's forward region: TE's autocast with the recipe, or nothing without one."""
-    if fp8 is None:
-        yield
-        return
-    with fp8.autocast(first_microbatch=first_microbatch if fp8.cache_quantized_params else None):
-        yield
+def autocast(fp8: Any) -> Any:
+    """One micro-batch's forward region: TE's autocast with the recipe (quantized weights not cached: no
+    first-micro-batch flag), or nothing without one."""
+    return contextlib.nullcontext() if fp8 is None else fp8.autocast()
 
 
 def not_applicable(column: str, device: torch.device, args: argparse.Namespace) -> Optional[str]:

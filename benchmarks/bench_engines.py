@@ -570,9 +570,9 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
         batches.append(micro)
     loss_of, loss_context, fused_loss = model.loss, model.loss_context, model.fused_loss
 
-    def forward_loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor, first: bool = True) -> torch.Tensor:
+    def forward_loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # FP8: one autocast region around each micro-batch's forward, eager, replayed and captured alike
-        with _engines_fp8.autocast(fp8, first):
+        with _engines_fp8.autocast(fp8):
             if fused_loss:
                 return m(x, y) / n_micro
             out = m(x)
@@ -617,9 +617,9 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
                     full.optimizer_step(opt)
                 else:
                     loss = torch.zeros((), device=device)
-                    for i, (x, y) in enumerate(micro):
+                    for x, y in micro:
                         with loss_context():
-                            mb_loss = forward_loss(net, x, y, i == 0)
+                            mb_loss = forward_loss(net, x, y)
                             mb_loss.backward()
                         loss = loss + (mb_loss.full_tensor() if hasattr(mb_loss, "full_tensor") else mb_loss).detach()
                     opt.step()
