@@ -509,10 +509,10 @@ def _graph_config(args: argparse.Namespace, scopes: List[str], use_megatron_fsdp
                            fsdp_db_use_persist_buf_on_alloc_fail=use_megatron_fsdp)
 
 
-def _host_profiler() -> Any:
+def _host_profiler(cuda: bool) -> Any:
     from torch.profiler import ProfilerActivity, profile
 
-    return profile(activities=[ProfilerActivity.CPU])
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
 
 
 def _host_profile_summary(prof: Any, top: int = 12) -> Dict[str, Any]:
@@ -522,11 +522,21 @@ def _host_profile_summary(prof: Any, top: int = 12) -> Dict[str, Any]:
     events = prof.key_averages()
     cuda_calls = sorted((e for e in events if e.key.startswith("cu")), key=lambda e: -e.self_cpu_time_total)
     ops = sorted(events, key=lambda e: -e.self_cpu_time_total)
-    return {
+    out: Dict[str, Any] = {
         "cuda_api": [(e.key, e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in cuda_calls[:top]],
         "ops": [(e.key, e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in ops[:top]],
         "total_self_ms": round(sum(e.self_cpu_time_total for e in events) / 1e3, 3),
     }
+    # On a GPU, the step's kernels too: milliseconds by category, busy and idle (diagnose/profile_step.py)
+    cpu_names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU}
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in cpu_names
+               and not getattr(e, "is_user_annotation", False)]
+    if kernels:
+        from diagnose.profile_step import summarize_kernels
+
+        out["gpu"] = summarize_kernels(kernels, 1)
+    return out
 
 
 def run_column(column: str, args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
@@ -605,7 +615,7 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
             profiling = step == args.profile_step
-            prof = _host_profiler() if profiling else contextlib.nullcontext()
+            prof = _host_profiler(cuda) if profiling else contextlib.nullcontext()
             # the last untimed step, graphs captured: its bytes by kind; with TP the first (eager in every column),
             # since the TP collectives inside the graphs are not seen ([Note: counting a step's bytes])
             counting = step == (0 if tp > 1 else args.warmup - 1)
@@ -795,6 +805,13 @@ def run_child(args: argparse.Namespace, device: torch.device) -> int:
             if isinstance(rows, list):
                 print(f"  host profile, {kind} (name, calls, self ms): "
                       + "; ".join(f"{n} {c} {ms}" for n, c, ms in rows), flush=True)
+        gpu = row.get("host_profile", {}).get("gpu")
+        if gpu:
+            print(f"  gpu profile: span {gpu['span_ms']:.1f} ms, busy {gpu['busy_ms']:.1f}, idle {gpu['idle_ms']:.1f}, "
+                  f"exposed collectives {gpu['exposed_collective_ms']:.1f}; by category (ms): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in gpu["category_ms"].items()), flush=True)
+            print("  gpu profile, top kernels (ms): " + "; ".join(f"{k[:70]} {v:.2f}" for k, v in gpu["top_kernels_ms"]),
+                  flush=True)
     return 0
 
 
