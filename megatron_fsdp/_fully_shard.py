@@ -25,7 +25,7 @@ from torch.autograd import Variable
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _clip, _dcp, _expert, _guards, _hsdp, _state_dict, _tensor
+from . import _clip, _dcp, _expert, _fp8, _guards, _hsdp, _state_dict, _tensor
 from . import _collectives as C
 from ._collectives import backend_for
 from ._common import COMPUTING, ShardingStrategy, TrainingState, _cast_floating, is_capturing, log_rank0, phase
@@ -334,6 +334,7 @@ class MegatronFSDP(nn.Module):
         #: When a list, every unit phase appends (phase, unit name, capturing?) to it: a test and debug aid.
         self.trace: Optional[List[Tuple[str, str, bool]]] = None
         self._plan_units(fsdp_unit_modules)
+        self._check_fp8()
         self._build_storage(fsdp_double_buffer_numel)
         self._register_hooks()
         _guards.mark_compute_params(self)
@@ -579,19 +580,41 @@ class MegatronFSDP(nn.Module):
                     "parameters cast to one compute dtype; register it as a buffer instead"
                 )
 
+    def _check_fp8(self) -> None:
+        """Refuse FP8 weights where the FP8 all-gather does not run ([Note: FP8 parameter all-gather] in _fp8.py),
+        naming each parameter and the fix; a parameter of a kind the plan did not take is refused too."""
+        found: List[str] = []
+        for u in self.all_units():
+            quantized = [(n, p) for n, p in zip(u.names, u.all_params) if _fp8.is_quantized(p)]
+            if not quantized:
+                continue
+            found += _fp8.problems(
+                unit=u.name, names=u.layout.names, params=u.params,
+                frozen=list(zip(u.frozen_layout.names, u.frozen_params)), expert=u.is_expert,
+                tensor_parallel=self.tp_topology is not None, shards_params=self.strategy.shards_params,
+                double_buffer=self.fsdp_double_buffer, hybrid=self.hsdp.hybrid)
+            if u.frozen_params:
+                found.append(f"unit {u.name} has FP8 weights and frozen parameters {u.frozen_layout.names[:3]}, which the "
+                             "FP8 all-gather does not carve yet; freeze them in another unit, or train them")
+            kinds = {type(_fp8.ops_for(p)).__name__ for _, p in quantized}
+            if len(kinds) > 1:
+                found.append(f"unit {u.name} mixes quantized parameters of kinds {sorted(kinds)}; one kind a unit")
+        if found:
+            raise ValueError(f"megatron_fsdp: FP8 weights it cannot gather as FP8: {'; '.join(dict.fromkeys(found))}")
+
     def _build_storage(self, slot_numel: Optional[int]) -> None:
         dev, cdt, gdt = self.device, self.compute_dtype, self.reduce_dtype
         all_units = self.units + ([self.root_unit] if self.root_unit is not None else [])
         db_units: List[FSDPUnit] = []
         if self.fsdp_double_buffer:
             if slot_numel is None:
-                slot_numel = max(u.numel for u in self.units) if self.units else 0
+                slot_numel = max(u.param_numel for u in self.units) if self.units else 0
             for u in self.units:
-                if u.numel <= slot_numel:
+                if u.param_numel <= slot_numel:
                     db_units.append(u)
                 elif not self.fsdp_db_use_persist_buf_on_alloc_fail:
                     raise ValueError(
-                        f"unit {u.name} needs {u.numel} elements but fsdp_double_buffer_numel={slot_numel}; raise "
+                        f"unit {u.name} needs {u.param_numel} elements but fsdp_double_buffer_numel={slot_numel}; raise "
                         "fsdp_double_buffer_numel, or set fsdp_db_use_persist_buf_on_alloc_fail=True to give such "
                         "units a persistent buffer of their own"
                     )
@@ -610,7 +633,9 @@ class MegatronFSDP(nn.Module):
         # several ranks a second slot lets the previous unit's reduce-scatter overlap this unit's backward.
         fused = any(u.fused is not None and u.fused.any_fused() for u in db_units)
         n_gslots = 2 if fused and self.world_size > 1 else 1
-        slots_g = [torch.zeros(self.slot_numel, dtype=gdt, device=dev) for _ in range(n_gslots)] if db_units else []
+        # An FP8 unit's unshard buffer holds bytes, so its gradients may need more elements than its parameters
+        self.grad_slot_numel = max([self.slot_numel] + [u.grad_numel for u in db_units])
+        slots_g = [torch.zeros(self.grad_slot_numel, dtype=gdt, device=dev) for _ in range(n_gslots)] if db_units else []
         # [Note: fixed slots] A double-buffered unit's slot is fixed here, once: the parity of its index among
         # the double-buffered units in plan order (module order, which is forward order for a model that calls
         # its layers in the order it registers them). Fixed, because a CUDA graph replays the addresses it
@@ -627,7 +652,7 @@ class MegatronFSDP(nn.Module):
             for u in all_units:
                 flat = torch.zeros(u.numel, dtype=torch.float32, device=dev)
                 for p, v in zip(u.all_params, u.views(flat)):
-                    v.copy_(p.detach())
+                    v.copy_(_fp8.initial_values(p))
                 # [Note: hybrid sharding]: from mesh (0, 0); an expert bucket from its EDP group's first rank
                 order = [("expert-data-parallel", u.group)] if u.is_expert else broadcast_order(self.hsdp)
                 for dim, group in order:
@@ -643,7 +668,7 @@ class MegatronFSDP(nn.Module):
                     pbuf = _Buffer("slot", slots_p[s], s)
                 else:
                     resident = self.fsdp_double_buffer or not self.strategy.shards_params
-                    pbuf = _Buffer("persistent" if resident else "dynamic", torch.zeros(u.numel, dtype=cdt, device=dev))
+                    pbuf = _Buffer("persistent" if resident else "dynamic", torch.zeros(u.param_numel, dtype=cdt, device=dev))
                 if s is not None and self.strategy is not ShardingStrategy.OPTIM:
                     gbuf = _Buffer("slot", slots_g[s % n_gslots], s % n_gslots)
                 elif u is self.root_unit and root_gslot is not None:
@@ -670,7 +695,7 @@ class MegatronFSDP(nn.Module):
         root = self.root_unit
         if root is None or not db_units or self.strategy is ShardingStrategy.OPTIM or not root.grad_numel:
             return None
-        if root.grad_numel > self.slot_numel or (root.fused is not None and root.fused.any_fused()):
+        if root.grad_numel > self.grad_slot_numel or (root.fused is not None and root.fused.any_fused()):
             return None
         return 1 % n_gslots
 

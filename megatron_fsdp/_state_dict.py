@@ -274,6 +274,12 @@ def summon_full_params(engine: Engine, *, writeback: bool = False) -> Iterator[N
     rank writes its own slice, so make the same change on every rank). On exit the parameters point at
     their compute views again (the same addresses as before: captured graphs stay valid).
     """
+    fp8 = [u.name for u in engine.all_units() if u.fp8 is not None]
+    if fp8:
+        raise RuntimeError(
+            f"[rank {engine.rank}] megatron_fsdp: summon_full_params() with FP8 weights (units {fp8[:3]}): an FP8 "
+            "weight's values are bytes with a scale, not a tensor a full fp32 copy can stand in for; read values "
+            "with model.state_dict() (the fp32 main shards, gathered) or the sharded state dict")
     busy = [u.name for u in engine.all_units() if u.state in COMPUTING]
     if busy or engine._summoned:
         raise RuntimeError(

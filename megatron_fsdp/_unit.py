@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _collectives as C
+from . import _fp8
 from ._common import COMPUTING, Engine, ShardingStrategy, TrainingState, phase
 from ._flat import FlatLayout, _Buffer, _Works
 from ._fused_wgrad import FusedWeightGrads, fusable_weights
@@ -132,6 +133,14 @@ class FSDPUnit:
         #: None when the unit has no module that follows TE's protocol.
         owners = fusable_weights(module, self.params)
         self.fused: Optional[FusedWeightGrads] = FusedWeightGrads(self, owners) if owners else None
+        #: TE FP8 weights among the trainable parameters ([Note: FP8 parameter all-gather] in _fp8.py): how the
+        #: unshard buffer is carved and gathered; None for a unit without them.
+        ops = next((o for o in map(_fp8.ops_for, self.params) if o is not None), None)
+        self.fp8: Optional[_fp8.Fp8Plan] = None
+        if ops is not None:
+            itemsize = torch.empty((), dtype=engine.compute_dtype).element_size()
+            self.fp8 = _fp8.Fp8Plan.build(ops, self.layout, self.params, world=self.shard_size, rank=self.shard_rank,
+                                          itemsize=itemsize)
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -155,6 +164,12 @@ class FSDPUnit:
     def numel(self) -> int:
         """Elements of the unshard buffer: the trainable region, then the frozen region."""
         return self.layout.total_numel + self.frozen_layout.total_numel
+
+    @property
+    def param_numel(self) -> int:
+        """Compute-dtype elements of the unshard buffer: ``numel``, or the FP8 carving's ([Note: FP8 parameter
+        all-gather] in _fp8.py: two byte planes, the other parameters' views and their staging area)."""
+        return self.fp8.buffer_numel if self.fp8 is not None else self.numel
 
     @property
     def grad_numel(self) -> int:
@@ -195,16 +210,18 @@ class FSDPUnit:
             self.data_valid = True
             self.installed_version = self.main_shard._version
             self.installed_frozen_version = self.frozen_shard._version
-        self.param_views = self.views(pb)
+        # FP8 weights are bound to their bytes in the buffer; the views of the others are placed by the plan
+        self.param_views = self.fp8.bind(param_buffer.tensor, self.params) if self.fp8 is not None else self.views(pb)
         self.grad_views = self.layout.views(grad_buffer.tensor[: self.grad_numel])
         with torch.no_grad():
-            for p, v in zip(self.all_params, self.param_views):
+            for p, v in self._viewed():
                 # [Note: parameter views] Each module parameter becomes a fixed view into the unit's
                 # unshard buffer, so replacing the buffer's bytes (all-gather) is all an unshard does, and
                 # the parameter keeps the same address as long as the buffer does. `.data` assignment
                 # keeps the parameter's own version counter, so in-place all-gathers into the buffer do
                 # not invalidate tensors that autograd saved in forward.
                 p.data = v
+            for p in self.all_params:
                 p.grad = None
         #: what ``.grad`` of ``params`` holds after backward ([Note: compute parameters hold no gradient], _clip.py)
         self.no_gradients: List[torch.Tensor] = make_no_gradients(self)
@@ -289,9 +306,13 @@ class FSDPUnit:
 
     def _install_views(self) -> None:
         if not self._views_installed:
-            for p, v in zip(self.all_params, self.param_views):
+            for p, v in self._viewed():
                 p.data = v
             self._views_installed = True
+
+    def _viewed(self) -> List[Tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, its view of the unshard buffer) for every parameter that is one (not the FP8 weights)."""
+        return [(p, v) for p, v in zip(self.all_params, self.param_views) if v is not None]
 
     def buffer_addresses(self) -> Dict[str, Optional[int]]:
         """Data pointers of the unshard and unsharded-gradient buffers (None while not allocated)."""
@@ -303,7 +324,11 @@ class FSDPUnit:
         }
 
     def param_addresses(self) -> Tuple[int, ...]:
-        return tuple(p.data_ptr() for p in self.all_params)
+        """Where each parameter's values sit (an FP8 weight's: its bytes) and, for FP8 weights, their transposes."""
+        if self.fp8 is None:
+            return tuple(p.data_ptr() for p in self.all_params)
+        ops = self.fp8.ops
+        return tuple(p.data_ptr() if v is not None else ops.data_ptr(p) for p, v in zip(self.all_params, self.param_views))
 
     # ------------------------------------------------------------------ unshard / reshard
     def _install_if_stale(self) -> None:
@@ -361,12 +386,16 @@ class FSDPUnit:
         self._install_views()
         t = self.grad_numel
         works: List[Optional[dist.Work]] = []
-        if t:
+        if self.fp8 is not None:  # [Note: FP8 parameter all-gather] in _fp8.py; finished in wait_unshard
+            works += self.fp8.gather(buf.tensor, self.main_shard.detach(), self.params, self.group,
+                                     lambda out, shard, what: C.all_gather(out, shard, self.group, what), f"unit {self.name}")
+        elif t:
             works.append(self._gather(buf.tensor[:t], self.main_shard.detach(), f"unit {self.name}"))
         if self.numel > t:
             works.append(self._gather(buf.tensor[t : self.numel], self.frozen_shard,
                                       f"frozen parameters of unit {self.name}"))
-        self.pending_ag = works[0] if len(works) == 1 else _Works(works)
+        # an FP8 unit always leaves a pending gather: its unpacking runs in wait_unshard, also at one rank
+        self.pending_ag = works[0] if len(works) == 1 and self.fp8 is None else _Works(works)
         self.data_valid = True
 
     def _gather(self, out: torch.Tensor, shard: torch.Tensor, what: str) -> Optional[dist.Work]:
@@ -392,6 +421,8 @@ class FSDPUnit:
         if self.pending_ag is not None:
             self.pending_ag.wait()
             self.pending_ag = None
+            if self.fp8 is not None:
+                self.fp8.finish(self.param_buffer.tensor, self.params)
 
     def reshard(self) -> None:
         if not self.engine.strategy.shards_params or self.is_root and self.state is not TrainingState.IDLE:

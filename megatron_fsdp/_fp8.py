@@ -1,0 +1,380 @@
+"""FP8 parameters: a unit whose weights are TransformerEngine FP8 tensors gathers them as FP8 bytes.
+
+[Note: FP8 parameter all-gather]
+A model built under TE's ``quantized_model_init`` (primary FP8 weights: each ``Linear`` weight is a
+``Float8Tensor`` whose bytes the GEMMs read directly) needs no bf16 copy of those weights at all. The engine
+keeps the fp32 main shards as always (the optimizer's, the checkpoints'), and each unshard
+
+1. quantizes this rank's piece of every FP8 weight from its fp32 main shard, with the scale of the *whole*
+   weight: the amax of each piece, one ``MAX`` all-reduce of all the unit's amaxes over the sharding group,
+   the scale from it (TE's ``quantize_master_weights``, as Megatron's distributed optimizer calls it), written
+   straight into this rank's part of the unit's gather buffer;
+2. all-gathers those bytes in place: 1 byte a weight element instead of 2;
+3. gathers the unit's other parameters (norm weights, biases: a few thousand elements a layer) in the compute
+   dtype through a small staging area, and copies them into their views;
+4. on Hopper, writes each weight's transpose (the column-wise copy TE's dgrad GEMM reads) into a second byte
+   plane of the same buffer.
+
+So the bytes on the wire halve, and the values are those TE's own forward would compute from the bf16 weight
+(current scaling takes the amax of the bf16-rounded weight; ``quantize_master_weights`` rounds the fp32 main to
+bf16 first for that reason). The unit's flat layout, main shard, gradient buffer and reduce-scatter are the
+same as without FP8: only the unshard buffer is carved differently (:class:`Fp8Plan`).
+
+Fixed addresses: a weight's ``_data`` and ``_transpose`` are views of the unit's unshard buffer, a double-buffer
+slot, bound once; its ``_scale_inv`` is a tensor TE updates in place. A graph captured over the unit reads the
+same bytes every replay, as it reads the bf16 parameter views of other units.
+
+What is refused, each with the fix (:func:`problems`): a recipe other than current scaling (delayed scaling's
+weight scales live in the autocast's state, block scaling's in per-block tables, neither checked here yet),
+FP8 weights that are frozen, expert (EP) or tensor-parallel units with FP8 weights, and strategies other than
+``optim_grads_params`` with double buffering (the path gathers into fixed slots).
+
+The TE calls sit behind :class:`QuantizedOps`, one object per kind of quantized parameter, found by
+:func:`ops_for`. TE's is registered on first use; tests register a stand-in built on torch's float8 dtypes
+(TE's kernels need CUDA), which follows the same contract.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._flat import ALIGN_NUMEL, FlatLayout, _round_up
+
+__all__ = ["QuantizedOps", "register_ops", "ops_for", "is_quantized", "initial_values", "Fp8Plan", "problems"]
+
+
+class QuantizedOps:
+    """What the engine needs of one kind of quantized parameter (TE's ``Float8Tensor``, or a test's stand-in)."""
+
+    name = "quantized"
+
+    def matches(self, p: torch.Tensor) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def problem(self, p: torch.Tensor) -> Optional[str]:
+        """Why the engine cannot gather this parameter as FP8 bytes (None if it can)."""
+        return None
+
+    def initial_values(self, p: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+        """The parameter's high-precision values, to start the fp32 main shard from."""
+        raise NotImplementedError
+
+    def needs_transpose(self, p: torch.Tensor) -> bool:
+        """Whether the GEMMs read a column-wise (transposed) copy that the unshard must write."""
+        return False
+
+    def bind(self, p: torch.Tensor, data: torch.Tensor, transpose: Optional[torch.Tensor]) -> None:  # pragma: no cover
+        """Make ``data`` (uint8, the parameter's shape) its FP8 bytes and ``transpose`` (or None) its column-wise copy."""
+        raise NotImplementedError
+
+    def quantize(self, params: Sequence[torch.Tensor], pieces: Sequence[Optional[torch.Tensor]],
+                 offsets: Sequence[Optional[int]], outs: Sequence[Optional[torch.Tensor]],
+                 group: dist.ProcessGroup) -> None:  # pragma: no cover - interface
+        """Every rank, every parameter in the same order: ``pieces[i]`` (fp32, flat) is this rank's piece of
+        ``params[i]`` starting at element ``offsets[i]`` (None: no piece here). Reduce the amaxes over ``group``,
+        set each parameter's scale, and write each piece's FP8 bytes into ``outs[i]`` (uint8, the piece's size)."""
+        raise NotImplementedError
+
+    def after_gather(self, params: Sequence[torch.Tensor]) -> None:
+        """The bytes of every parameter are in place: write what else the GEMMs read (transposes)."""
+
+    def data_ptr(self, p: torch.Tensor) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+_registered: List[QuantizedOps] = []
+
+
+def register_ops(ops: QuantizedOps) -> Callable[[], None]:
+    """Add a kind of quantized parameter; returns a function that removes it again."""
+    _registered.append(ops)
+    return lambda: _registered.remove(ops) if ops in _registered else None
+
+
+def _te_ops() -> Optional[QuantizedOps]:
+    # TE registers only if the program already imported it: a model with TE FP8 weights did.
+    if "transformer_engine.pytorch" not in sys.modules:
+        return None
+    for ops in _registered:
+        if isinstance(ops, _TEOps):
+            return ops
+    ops = _TEOps()
+    _registered.append(ops)
+    return ops
+
+
+def ops_for(p: torch.Tensor) -> Optional[QuantizedOps]:
+    """The ops of ``p``'s kind of quantized parameter, or None for a plain tensor."""
+    if type(p) in (torch.Tensor, nn.Parameter):
+        return None
+    te = _te_ops()
+    for ops in ([te] if te is not None else []) + [o for o in _registered if o is not te]:
+        if ops.matches(p):
+            return ops
+    return None
+
+
+def is_quantized(p: torch.Tensor) -> bool:
+    return ops_for(p) is not None
+
+
+def initial_values(p: torch.Tensor) -> torch.Tensor:
+    """What the fp32 main shard starts from: a plain parameter's values, a quantized one's high-precision values."""
+    ops = ops_for(p)
+    return p.detach() if ops is None else ops.initial_values(p)
+
+
+class _TEOps(QuantizedOps):
+    """TransformerEngine's ``Float8Tensor`` with current scaling (``Float8CurrentScalingQuantizer``)."""
+
+    name = "TransformerEngine Float8Tensor"
+
+    def __init__(self) -> None:
+        from transformer_engine.pytorch.tensor import QuantizedTensor
+        from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Tensor
+
+        self._quantized, self._float8, self._current = QuantizedTensor, Float8Tensor, Float8CurrentScalingQuantizer
+
+    def matches(self, p: torch.Tensor) -> bool:
+        return isinstance(p, self._quantized)
+
+    def problem(self, p: torch.Tensor) -> Optional[str]:
+        q = getattr(p, "_quantizer", None)
+        if isinstance(p, self._float8) and isinstance(q, self._current):
+            return None
+        return (f"a {type(p).__name__} with {type(q).__name__}: the FP8 parameter all-gather supports TE's current "
+                "scaling (Float8CurrentScaling) weights only; build the model under te.quantized_model_init(recipe="
+                "Float8CurrentScaling()), or without quantized_model_init (bf16 weights, which TE quantizes in "
+                "forward under any recipe)")
+
+    def initial_values(self, p: torch.Tensor) -> torch.Tensor:
+        hp = getattr(p, "_high_precision_init_val", None)
+        return hp if hp is not None else p.dequantize(dtype=torch.float32)
+
+    def needs_transpose(self, p: torch.Tensor) -> bool:
+        from transformer_engine.pytorch.utils import is_non_tn_fp8_gemm_supported
+
+        return not is_non_tn_fp8_gemm_supported()
+
+    def bind(self, p: torch.Tensor, data: torch.Tensor, transpose: Optional[torch.Tensor]) -> None:
+        p._data = data  # its own bytes are dropped: the main shard holds the values, the first unshard writes these
+        p._transpose = transpose
+        p._transpose_invalid = True
+
+    def quantize(self, params: Sequence[torch.Tensor], pieces: Sequence[Optional[torch.Tensor]],
+                 offsets: Sequence[Optional[int]], outs: Sequence[Optional[torch.Tensor]],
+                 group: dist.ProcessGroup) -> None:
+        from transformer_engine.pytorch.tensor.utils import quantize_master_weights
+
+        # manual_post_all_gather_processing: the transposes are written by after_gather, into the buffer
+        quantize_master_weights(list(params), list(pieces), list(offsets), group,
+                                fsdp_shard_model_weights=list(outs), manual_post_all_gather_processing=True)
+
+    def after_gather(self, params: Sequence[torch.Tensor]) -> None:
+        for p in params:
+            p._transpose_invalid = True
+            if p._transpose is not None:
+                p._create_transpose()  # into the bound view: TE's fp8_transpose(out=...)
+
+    def data_ptr(self, p: torch.Tensor) -> int:
+        return p._data.data_ptr()
+
+
+# ---------------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class _Piece:
+    """Elements ``[lo, hi)`` of parameter ``index`` (of the unit's trainable parameters) on one rank."""
+
+    index: int
+    lo: int
+    hi: int
+
+
+@dataclass
+class Fp8Plan:
+    """How one unit's unshard buffer is carved when some of its trainable parameters are FP8 weights.
+
+    Buffer, in bytes from its start: the FP8 plane (one byte per element of the unit's flat layout, so each
+    weight's bytes sit at its layout offset and the in-place all-gather of the plane is the layout's), the
+    transpose plane (the same size; only when the GEMMs need transposes), then in compute-dtype elements the
+    other parameters' views (``tail``, each at an aligned offset) and the staging area of their all-gather
+    (``world`` chunks of ``stage_numel``: rank ``r``'s chunk holds its pieces of them, in layout order).
+    """
+
+    ops: QuantizedOps
+    layout: FlatLayout
+    world: int
+    rank: int
+    itemsize: int
+    fp8: List[int]  # indices (in the unit's trainable parameters) of the FP8 weights
+    other: List[int]  # indices of the rest
+    transpose: bool
+    #: per rank, its pieces of the FP8 weights and of the other parameters (layout order)
+    fp8_pieces: List[List[_Piece]] = field(default_factory=list)
+    other_pieces: List[List[_Piece]] = field(default_factory=list)
+    tail_offsets: List[int] = field(default_factory=list)
+    tail_numel: int = 0
+    stage_numel: int = 0
+
+    @staticmethod
+    def build(ops: QuantizedOps, layout: FlatLayout, params: Sequence[torch.Tensor], *, world: int, rank: int,
+              itemsize: int) -> "Fp8Plan":
+        fp8 = [i for i, p in enumerate(params) if ops_for(p) is ops]
+        other = [i for i in range(len(params)) if i not in set(fp8)]
+        plan = Fp8Plan(ops, layout, world, rank, itemsize, fp8, other,
+                       transpose=any(ops.needs_transpose(params[i]) for i in fp8))
+        s = layout.shard_numel
+        for r in range(world):
+            lo_r, hi_r = r * s, (r + 1) * s
+            pieces: Tuple[List[_Piece], List[_Piece]] = ([], [])
+            for i, (off, n) in enumerate(zip(layout.offsets, layout.numels)):
+                lo, hi = max(off, lo_r), min(off + n, hi_r)
+                if lo < hi:
+                    pieces[0 if i in set(fp8) else 1].append(_Piece(i, lo - off, hi - off))
+            plan.fp8_pieces.append(pieces[0])
+            plan.other_pieces.append(pieces[1])
+        cursor = 0
+        for i in other:
+            plan.tail_offsets.append(cursor)
+            cursor = _round_up(cursor + layout.numels[i], ALIGN_NUMEL)
+        plan.tail_numel = cursor
+        plan.stage_numel = _round_up(max((sum(p.hi - p.lo for p in ps) for ps in plan.other_pieces), default=0), 8)
+        return plan
+
+    @property
+    def plane_bytes(self) -> int:
+        return self.layout.total_numel
+
+    @property
+    def planes_numel(self) -> int:
+        """Compute-dtype elements the byte planes take (aligned)."""
+        nbytes = self.plane_bytes * (2 if self.transpose else 1)
+        return _round_up(-(-nbytes // self.itemsize), ALIGN_NUMEL)
+
+    @property
+    def buffer_numel(self) -> int:
+        """Compute-dtype elements of the unit's unshard buffer."""
+        return self.planes_numel + self.tail_numel + self.world * self.stage_numel
+
+    # ------------------------------------------------------------------ views of a buffer
+    def planes(self, buf: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        raw = buf[: self.planes_numel].view(torch.uint8)
+        n = self.plane_bytes
+        return raw[:n], (raw[n : 2 * n] if self.transpose else None)
+
+    def tail(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[self.planes_numel : self.planes_numel + self.tail_numel]
+
+    def stage(self, buf: torch.Tensor) -> torch.Tensor:
+        start = self.planes_numel + self.tail_numel
+        return buf[start : start + self.world * self.stage_numel]
+
+    def bind(self, buf: torch.Tensor, params: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+        """Bind every FP8 weight to its bytes in ``buf``; return the views the other parameters take (None for
+        an FP8 weight), in parameter order."""
+        plane, tplane = self.planes(buf)
+        lay = self.layout
+        with torch.no_grad():
+            for i in self.fp8:
+                off, n, shape = lay.offsets[i], lay.numels[i], lay.shapes[i]
+                data = plane[off : off + n].view(shape)
+                t = None
+                if tplane is not None and self.ops.needs_transpose(params[i]):
+                    tshape = (shape[-1],) + tuple(shape[:-1]) if len(shape) else shape
+                    t = tplane[off : off + n].view(tshape)
+                self.ops.bind(params[i], data, t)
+        views: List[Optional[torch.Tensor]] = [None] * len(params)
+        tail = self.tail(buf)
+        for i, o in zip(self.other, self.tail_offsets):
+            views[i] = tail[o : o + lay.numels[i]].view(lay.shapes[i])
+        return views
+
+    # ------------------------------------------------------------------ the gather
+    def gather(self, buf: torch.Tensor, main: torch.Tensor, params: Sequence[torch.Tensor], group: dist.ProcessGroup,
+               all_gather: Callable[[torch.Tensor, torch.Tensor, str], Any], what: str) -> List[Any]:
+        """Steps 1-3 of [Note: FP8 parameter all-gather]: quantize this rank's pieces, start the two all-gathers
+        (returns their works); :meth:`finish` unpacks once they are waited on."""
+        plane, _ = self.planes(buf)
+        s, r = self.layout.shard_numel, self.rank
+        start = r * s
+        mine = {p.index: p for p in self.fp8_pieces[r]}
+        fp8_params, pieces, offsets, outs = [], [], [], []
+        for i in self.fp8:
+            fp8_params.append(params[i])
+            p = mine.get(i)
+            if p is None:
+                pieces.append(None), offsets.append(None), outs.append(None)
+                continue
+            g = self.layout.offsets[i] + p.lo  # the piece's place in the flat layout
+            pieces.append(main[g - start : g - start + (p.hi - p.lo)])
+            offsets.append(p.lo)
+            outs.append(plane[g : g + (p.hi - p.lo)])
+        with torch.no_grad():
+            self.ops.quantize(fp8_params, pieces, offsets, outs, group)
+        works = [all_gather(plane, plane[start : start + s], f"FP8 weights of {what}")]
+        if self.stage_numel:
+            stage = self.stage(buf)
+            local = stage[r * self.stage_numel : (r + 1) * self.stage_numel]
+            pos = 0
+            with torch.no_grad():
+                for p in self.other_pieces[r]:
+                    g = self.layout.offsets[p.index] + p.lo
+                    n = p.hi - p.lo
+                    local[pos : pos + n].copy_(main[g - start : g - start + n])
+                    pos += n
+            works.append(all_gather(stage, local, f"non-FP8 parameters of {what}"))
+        return works
+
+    def finish(self, buf: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+        """Step 3's unpacking and step 4, once the gathers landed (on the stream that waited for them)."""
+        with torch.no_grad():
+            if self.stage_numel:
+                stage, tail = self.stage(buf), self.tail(buf)
+                where = dict(zip(self.other, self.tail_offsets))
+                for r, ps in enumerate(self.other_pieces):
+                    pos = r * self.stage_numel
+                    for p in ps:
+                        n = p.hi - p.lo
+                        o = where[p.index] + p.lo
+                        tail[o : o + n].copy_(stage[pos : pos + n])
+                        pos += n
+            self.ops.after_gather([params[i] for i in self.fp8])
+
+    def wire_bytes(self) -> int:
+        """Bytes one unshard all-gathers: the FP8 plane and the staging area."""
+        return self.plane_bytes + self.world * self.stage_numel * self.itemsize
+
+
+def problems(*, unit: str, names: Sequence[str], params: Sequence[torch.Tensor], frozen: Sequence[Tuple[str, torch.Tensor]],
+             expert: bool, tensor_parallel: bool, shards_params: bool, double_buffer: bool,
+             hybrid: bool) -> List[str]:
+    """Why this unit's FP8 weights cannot be gathered as FP8 bytes, each with the fix (empty: they can)."""
+    out: List[str] = []
+    for n, p in zip(names, params):
+        ops = ops_for(p)
+        why = ops.problem(p) if ops is not None else None
+        if why:
+            out.append(f"parameter {n} of unit {unit} is {why}")
+    late = [n for n, p in frozen if is_quantized(p)]
+    if late:
+        out.append(f"parameters {late[:3]} of unit {unit} are frozen FP8 weights; the FP8 all-gather covers trainable "
+                   "weights only: build frozen layers without quantized_model_init, or train them")
+    where = "an expert (EP) unit" if expert else "a tensor-parallel unit" if tensor_parallel else None
+    if where:
+        out.append(f"unit {unit} is {where} with FP8 weights, which the FP8 all-gather does not support yet; build "
+                   "those layers without quantized_model_init (TE then quantizes their bf16 weights in forward)")
+    if hybrid:
+        out.append("FP8 weights with hybrid sharding (HSDP) are not supported yet; shard over one group, or build the "
+                   "model without quantized_model_init")
+    if not (shards_params and double_buffer):
+        out.append("FP8 weights are gathered into fixed double-buffer slots: use sharding_strategy="
+                   "'optim_grads_params' with fsdp_double_buffer=True, or build the model without quantized_model_init")
+    return out

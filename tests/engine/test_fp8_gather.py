@@ -1,0 +1,175 @@
+"""FP8 weights gathered as FP8 bytes ([Note: FP8 parameter all-gather], ``megatron_fsdp/_fp8.py``), on Gloo.
+
+TE's FP8 tensors need CUDA, so these run the engine's path with the CPU stand-in of ``tests/engine/_fp8_net.py``
+(torch's float8_e4m3fn, TE's current-scaling rule); the GPU suite runs it with TE (``tests/gpu/scripts/fp8_gather.py``).
+
+- Training with FP8 weights gathered as bytes is ``torch.equal`` (every loss, every main parameter, Adam) to the
+  same engine training plain weights that each layer quantizes in forward, on 1, 2 and 4 ranks: the scale of a
+  weight sharded over ranks is that of the whole weight.
+- After an unshard every weight's bytes are the quantization of its whole bf16-rounded main value, its transpose
+  is written, and its bytes and transpose sit in the unit's double-buffer slot.
+- The unit's all-gathers move one byte per weight element (plus a staging area for the other parameters): at a
+  Llama-3-8B layer on 4 ranks, at most 0.55x the bf16 bytes of the same unit.
+- Controls: each rank scaling by the amax of its own piece (no all-reduce) is caught by the first comparison.
+- Refused, naming the fix: ZeRO-1/2, no double buffer, frozen FP8 weights, summon_full_params.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from torch import nn
+
+from megatron_fsdp import _collectives, _fp8, fully_shard
+from tests.dist_utils import run_gloo
+from tests.engine import _fp8_net
+from tests.engine._fp8_net import Block, Net, StandInOps
+
+pytestmark = pytest.mark.gloo
+
+DB = dict(fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True)
+
+
+def _train(rank: int, world: int, quantized: bool, ops: StandInOps) -> Dict[str, Any]:
+    torch.manual_seed(0)
+    net = Net(quantized)
+    model = fully_shard(net, fsdp_unit_modules=[Block], sharding_strategy="optim_grads_params", **DB)
+    opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-2)
+    losses: List[torch.Tensor] = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4 * world, 5, 6, generator=g), torch.randn(4 * world, 5, 3, generator=g)
+        loss = nn.functional.mse_loss(model(x[4 * rank:4 * rank + 4]), y[4 * rank:4 * rank + 4])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {"losses": losses, "state": model.full_state_dict(), "quantize_calls": ops.quantize_calls}
+
+
+def _job(rank: int, world: int) -> Dict[str, Any]:
+    ops = StandInOps()
+    remove = _fp8.register_ops(ops)
+    try:
+        out = {"gathered": _train(rank, world, True, ops), "reference": _train(rank, world, False, ops)}
+        control = StandInOps(reduce_amax=False)
+        remove()
+        remove = _fp8.register_ops(control)
+        out["control"] = _train(rank, world, True, control)
+        return out
+    finally:
+        remove()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fp8_gathered_weights_train_like_weights_quantized_in_forward(world):
+    for rank, res in enumerate(run_gloo(_job, world)):
+        got, ref = res["gathered"], res["reference"]
+        assert got["quantize_calls"] > 0
+        assert all(torch.equal(a, b) for a, b in zip(got["losses"], ref["losses"])), (rank, got["losses"], ref["losses"])
+        for k, v in ref["state"].items():
+            assert torch.equal(v, got["state"][k]), f"rank {rank}: {k} differs"
+        if world > 1:  # one rank's piece is the whole weight: the control is the same there
+            ctl = res["control"]["state"]
+            assert any(not torch.equal(v, ctl[k]) for k, v in ref["state"].items()), "the no-all-reduce control passed"
+
+
+def _bytes_job(rank: int, world: int) -> Dict[str, Any]:
+    remove = _fp8.register_ops(StandInOps())
+    gathered: List[Any] = []
+    original = _collectives.all_gather
+
+    def counting(out, shard, group, what):
+        gathered.append((out.dtype, out.numel() * out.element_size(), what))
+        return original(out, shard, group, what)
+
+    try:
+        torch.manual_seed(0)
+        net = Net(True)
+        model = fully_shard(net, fsdp_unit_modules=[Block], sharding_strategy="optim_grads_params", **DB)
+        _collectives.all_gather = counting
+        model(torch.randn(4, 5, 6)).sum().backward()
+        _collectives.all_gather = original
+        unit = model.units[0]
+        state = model.full_state_dict()
+        checks = []
+        for name in ("fc1", "fc2"):
+            w = getattr(net.blocks[0], name).weight
+            want, want_inv = _fp8_net.quantize(state[f"blocks.0.{name}.weight"])
+            slot = unit.param_buffer.tensor.untyped_storage()
+            inside = [slot.data_ptr() <= t.data_ptr() < slot.data_ptr() + slot.nbytes() for t in (w._data, w._transpose)]
+            checks.append((torch.equal(w._data, want), torch.equal(w._scale_inv, want_inv.reshape(1)),
+                           torch.equal(w._transpose, w._data.t()), all(inside)))
+        return {"gathered": gathered, "checks": checks, "plane_bytes": unit.layout.total_numel,
+                "wire": unit.fp8.wire_bytes(), "unit": unit.name}
+    finally:
+        _collectives.all_gather = original
+        remove()
+
+
+def test_an_fp8_unit_gathers_bytes_scaled_for_the_whole_weight():
+    for res in run_gloo(_bytes_job, 2):
+        assert all(all(c) for c in res["checks"]), res["checks"]
+        mine = [(dt, n) for dt, n, what in res["gathered"] if res["unit"] in what]
+        # one unshard (the slot still holds the unit at its backward): the FP8 plane, one byte a layout element,
+        # and the staging area of the norms and biases in the compute dtype (fp32 here)
+        assert mine == [(torch.uint8, res["plane_bytes"]), (torch.float32, res["wire"] - res["plane_bytes"])], mine
+
+
+def test_at_a_llama_8b_layer_the_fp8_gather_moves_half_the_bf16_bytes():
+    """The plan's bytes at the shapes of one Llama-3-8B layer (TE's TransformerLayer: fused QKV, gate+up, norms),
+    4 ranks, bf16 compute: the staging area of the norms is noise beside the FP8 plane."""
+    from megatron_fsdp._flat import FlatLayout
+
+    h, f, kv = 4096, 14336, 1024
+    shapes = {"ln1": (h,), "qkv": (h + 2 * kv, h), "proj": (h, h), "ln2": (h,), "fc1": (2 * f, h), "fc2": (h, f)}
+    params = [torch.empty(s, device="meta") for s in shapes.values()]
+    ops = StandInOps()
+    remove = _fp8.register_ops(ops)
+    try:
+        quantized = [p if p.dim() == 1 else _fp8_net.Fp8Param.__new__(_fp8_net.Fp8Param, torch.zeros(1)) for p in params]
+        # the plan reads only which parameters are FP8; give the FP8 ones the stand-in type
+        layout = FlatLayout(list(shapes), params, 4)
+        plan = _fp8.Fp8Plan.build(ops, layout, quantized, world=4, rank=0, itemsize=2)
+    finally:
+        remove()
+    assert plan.fp8 == [1, 2, 4, 5] and plan.other == [0, 3]
+    bf16 = layout.total_numel * 2
+    assert plan.wire_bytes() <= 0.55 * bf16, (plan.wire_bytes(), bf16)
+    assert plan.wire_bytes() - layout.total_numel == 4 * plan.stage_numel * 2
+
+
+def _refusal_job(rank: int, world: int, case: str) -> str:
+    remove = _fp8.register_ops(StandInOps())
+    try:
+        torch.manual_seed(0)
+        net = Net(True, frozen_fp8=case == "frozen")
+        kw = dict(DB)
+        strategy = "optim_grads_params"
+        if case == "zero2":
+            strategy = "optim_grads"
+        if case == "no_double_buffer":
+            kw = {}
+        try:
+            model = fully_shard(net, fsdp_unit_modules=[Block], sharding_strategy=strategy, **kw)
+            if case == "summon":
+                with model.summon_full_params():
+                    pass
+        except (ValueError, RuntimeError) as exc:
+            return str(exc)
+        return "no error"
+    finally:
+        remove()
+
+
+@pytest.mark.parametrize("case,words", [
+    ("zero2", ["optim_grads_params", "fsdp_double_buffer=True"]),
+    ("no_double_buffer", ["fsdp_double_buffer=True"]),
+    ("frozen", ["frozen FP8 weights", "blocks.0.fc1.weight"]),
+    ("summon", ["summon_full_params", "state_dict"]),
+])
+def test_fp8_weights_where_the_gather_does_not_run_are_refused(case, words):
+    msg = run_gloo(_refusal_job, 1, case)[0]
+    assert all(w in msg for w in words), msg
