@@ -10,9 +10,14 @@ They run the entry points a user runs and check their verdicts (docs/fp8.md):
   capture is caught before the replay.
 - ``python -m fsdp_cudagraph.apps.full_iteration_align --fp8-only --models te``: whole-step graphs with
   current and block scaling; delayed scaling refused with its reason.
+- ``tests/gpu/scripts/fp8_gather.py``: TE's primary FP8 weights gathered as FP8 bytes by the engine, every loss and
+  main parameter ``torch.equal`` to the same layers with bf16 weights that TE quantizes in forward, and graphed
+  (per-layer and whole-step) equal to eager; fused and unfused weight gradients.
 
 Skipped without CUDA or without TE, with the reason.
 """
+
+import os
 
 import pytest
 import torch
@@ -88,3 +93,28 @@ def test_fp8_per_layer_graphs_bit_exact_2gpu(tmp_path):
 @TWO_GPUS
 def test_fp8_whole_step_graphs_bit_exact_2gpu(tmp_path):
     _check_whole_step(_whole_step(tmp_path, 2), 2)
+
+
+def _fp8_gather(tmp_path, nproc: int) -> dict:
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "fp8_gather.py")
+    return run_json(launcher(nproc, [script]), tmp_path / f"fp8-gather-{nproc}.json", name=f"fp8-gather-{nproc}gpu.json",
+                    tail=6000)
+
+
+def _check_gather(res: dict, world: int) -> None:
+    assert res["world_size"] == world and res["ok"], res
+    # one byte a weight element (and a small staging area): at most 0.55x the bf16 gather's bytes
+    assert res["gather_bytes_ratio"] <= 0.55, res["gather_bytes_ratio"]
+
+
+@pytest.mark.gpu
+def test_fp8_gathered_weights_bit_exact_1gpu(tmp_path):
+    _check_gather(_fp8_gather(tmp_path, 1), 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@TWO_GPUS
+def test_fp8_gathered_weights_bit_exact_2gpu(tmp_path):
+    """The weights' scales come from the amax all-reduced over both ranks' shards."""
+    _check_gather(_fp8_gather(tmp_path, 2), 2)

@@ -1,0 +1,207 @@
+"""FP8 weights gathered as FP8 bytes under megatron_fsdp, with TransformerEngine, on 1 or more GPUs.
+
+    torchrun --nproc-per-node 2 tests/gpu/scripts/fp8_gather.py --out fp8-gather-2gpu.json
+
+Three TE ``TransformerLayer`` units (RMSNorm, SwiGLU, grouped-query attention, no bias, as the Llama benchmark's)
+and a plain head, bf16 weights, ZeRO-3 with double buffering (three units, two slots: the first unit is gathered
+again in backward), Adam, current scaling with one ``FP8Recipe.autocast()`` around each forward. Rows:
+
+- ``reference``: the layers built with bf16 weights; TE quantizes them in every forward.
+- ``gather``: the same layers built under ``te.quantized_model_init`` (primary FP8 weights, the bf16 values kept
+  as the initial values): the engine gathers them as FP8 bytes ([Note: FP8 parameter all-gather] in
+  megatron_fsdp/_fp8.py). Every loss and every main parameter against ``reference``: the weight's scale is
+  that of the whole bf16 weight in both, so the bytes are the same; ``equal`` is ``torch.equal``, ``max_rel`` the
+  largest difference if not.
+- ``gather + per-layer graphs`` (TE's graph maker, whole layers, captured at step ``CAPTURE_AT``) and ``gather +
+  whole-step graph`` against ``gather``: ``torch.equal``.
+- Each row without fused weight-gradient accumulation too (``..., unfused``).
+- Bytes all-gathered in step 1 by dtype, and the peak memory, of each row.
+
+Rank 0 writes the JSON (``ok``: every row ran and every comparison is equal); exit status 1 if not.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import traceback
+from typing import Any, Dict, List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+import megatron_fsdp  # noqa: E402
+from megatron_fsdp import _collectives  # noqa: E402
+from tests.gpu_utils import init_script_ranks  # noqa: E402
+
+H, FFN, HEADS, KV, SEQ, BATCH, LAYERS = 256, 512, 4, 2, 128, 2, 3
+STEPS, CAPTURE_AT = 5, 2
+
+
+class Net(nn.Module):
+    def __init__(self, quantized: bool, fuse: bool) -> None:
+        super().__init__()
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import Float8CurrentScaling
+
+        init = (te.quantized_model_init(enabled=True, recipe=Float8CurrentScaling(), preserve_high_precision_init_val=True)
+                if quantized else contextlib.nullcontext())
+        with init:
+            self.layers = nn.ModuleList(
+                te.TransformerLayer(H, FFN, HEADS, num_gqa_groups=KV, hidden_dropout=0.0, attention_dropout=0.0,
+                                    layer_number=i + 1, self_attn_mask_type="causal", normalization="RMSNorm",
+                                    activation="swiglu", bias=False, params_dtype=torch.bfloat16, seq_length=SEQ,
+                                    fuse_wgrad_accumulation=fuse, fuse_qkv_params=fuse)
+                for i in range(LAYERS))
+        self.head = nn.Linear(H, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def batch(step: int, dev: torch.device):
+    g = torch.Generator(device="cpu").manual_seed(100 + step)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.randn(SEQ, BATCH * world, H, generator=g)[:, rank * BATCH:(rank + 1) * BATCH]
+    y = torch.randn(SEQ, BATCH * world, H, generator=g)[:, rank * BATCH:(rank + 1) * BATCH]
+    return x.to(dev, torch.bfloat16).contiguous(), y.to(dev, torch.bfloat16).contiguous()
+
+
+def train(dev: torch.device, *, quantized: bool, fuse: bool, graphs: Optional[str]) -> Dict[str, Any]:
+    import transformer_engine.pytorch as te
+
+    from fsdp_cudagraph import CudaGraphConfig, FullIterationCudaGraph, PartialCudaGraphs
+    from fsdp_cudagraph.capture.fp8 import FP8Recipe
+
+    torch.manual_seed(7)
+    torch.cuda.manual_seed_all(7)
+    with dev:
+        net = Net(quantized, fuse)
+    model = megatron_fsdp.fully_shard(net, fsdp_unit_modules=[te.TransformerLayer], sharding_strategy="optim_grads_params",
+                                      compute_dtype=torch.bfloat16, fsdp_double_buffer=True,
+                                      fsdp_db_use_persist_buf_on_alloc_fail=True)
+    opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-3)
+    fp8 = FP8Recipe("current")
+    fp8_units = [u.name for u in model.units if u.fp8 is not None]
+
+    def forward_loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with fp8.autocast():
+            out = m(x)
+        return nn.functional.mse_loss(out.float(), y.float())
+
+    partial = full = None
+    if graphs == "partial":
+        partial = PartialCudaGraphs(model, CudaGraphConfig(cuda_graph_impl="transformer_engine", cuda_graph_modules=[],
+                                                           cuda_graph_warmup_steps=CAPTURE_AT, use_megatron_fsdp=True,
+                                                           fsdp_double_buffer=True,
+                                                           fsdp_db_use_persist_buf_on_alloc_fail=True),
+                                    backend="te", fp8=fp8)
+    elif graphs == "full":
+        full = FullIterationCudaGraph(model, forward_loss, CudaGraphConfig(cuda_graph_impl="full_iteration",
+                                                                            cuda_graph_warmup_steps=CAPTURE_AT),
+                                      backend="torch")
+    torch.cuda.reset_peak_memory_stats(dev)
+    losses: List[torch.Tensor] = []
+    gathered: Dict[str, int] = {}
+    original = _collectives.all_gather
+    try:
+        for step in range(STEPS):
+            if partial is not None and step == CAPTURE_AT:
+                partial.capture()
+            x, y = batch(step, dev)
+            if step == 1:
+                def counting(out, shard, group, what):
+                    key = str(out.dtype)
+                    gathered[key] = gathered.get(key, 0) + out.numel() * out.element_size()
+                    return original(out, shard, group, what)
+
+                _collectives.all_gather = counting
+            if full is not None:
+                loss = full.step([(x, y)]).sum()
+                full.optimizer_step(opt)
+            else:
+                loss = forward_loss(model, x, y)
+                loss.backward()
+                opt.step()
+            _collectives.all_gather = original
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach().float().clone())
+        torch.cuda.synchronize(dev)
+        state = {k: v.detach().float().cpu() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    finally:
+        _collectives.all_gather = original
+        if partial is not None:
+            partial.delete()
+        if full is not None:
+            full.delete()
+    return {"losses": [float(v) for v in torch.stack(losses).cpu()], "state": state, "fp8_units": fp8_units,
+            "gathered_bytes_step1": gathered, "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30}
+
+
+def compare(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
+    keys = [k for k in b["state"] if not k.endswith("_extra_state")]
+    equal = a["losses"] == b["losses"] and all(torch.equal(a["state"][k], b["state"][k]) for k in keys)
+    rel = max((float((a["state"][k] - b["state"][k]).abs().max() / b["state"][k].abs().max().clamp_min(1e-30))
+               for k in keys), default=0.0)
+    loss_rel = max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a["losses"], b["losses"]))
+    return {"equal": equal, "max_rel_param": rel, "max_rel_loss": loss_rel}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dev = init_script_ranks("cuda", 29533)
+    rows: List[Dict[str, Any]] = []
+    runs: Dict[str, Any] = {}
+    plan = [("reference", False, None), ("gather", True, None), ("gather + per-layer graphs", True, "partial"),
+            ("gather + whole-step graph", True, "full")]
+    for fuse in (True, False):
+        suffix = "" if fuse else ", unfused"
+        for name, quantized, graphs in plan:
+            key = name + suffix
+            try:
+                runs[key] = train(dev, quantized=quantized, fuse=fuse, graphs=graphs)
+            except Exception as exc:  # noqa: BLE001 - recorded in the row, the run goes on
+                rows.append({"row": key, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                             "traceback": traceback.format_exc()[-3000:]})
+                continue
+            r = runs[key]
+            row = {"row": key, "losses": r["losses"], "fp8_units": r["fp8_units"],
+                   "gathered_bytes_step1": r["gathered_bytes_step1"], "peak_gib": r["peak_gib"], "ok": True}
+            against = None if name == "reference" else ("reference" if name == "gather" else "gather") + suffix
+            if against is not None:
+                if against not in runs:
+                    row.update(ok=False, error=f"no {against} run to compare with")
+                else:
+                    row.update(against=against, **compare(r, runs[against]))
+                    row["ok"] = row["equal"] and (quantized == bool(r["fp8_units"]))
+            rows.append(row)
+    everything: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, rows)
+    ok = all(r["ok"] for rs in everything for r in rs) and len(rows) == 2 * len(plan)
+    if dist.get_rank() == 0:
+        ref, got = runs.get("reference", {}), runs.get("gather", {})
+        ratio = None
+        if ref and got:
+            ratio = sum(got["gathered_bytes_step1"].values()) / max(sum(ref["gathered_bytes_step1"].values()), 1)
+        with open(args.out, "w") as f:
+            json.dump({"ok": ok, "world_size": dist.get_world_size(), "gather_bytes_ratio": ratio, "rows": everything,
+                       "versions": {"torch": torch.__version__, "te": __import__("transformer_engine").__version__,
+                                    "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                                    "device": torch.cuda.get_device_name(dev)}}, f, indent=1)
+        for r in rows:
+            print({k: v for k, v in r.items() if k not in ("losses", "traceback")}, flush=True)
+        print("gather bytes / reference bytes (step 1):", ratio, "ok:", ok, flush=True)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
