@@ -225,14 +225,18 @@ class Experts(nn.Module):
         send_splits = [sum(row) for row in send]
         recv_splits = [sum(row) for row in recv]
         arrived = moe_ep.AllToAll.apply(x, recv_splits, send_splits, group)  # (source, local expert)
-        by_expert = moe_ep.regroup(arrived, recv)  # (local expert, source)
+        table = received.view(self.ep_size, self.num_local)  # recv on the device: the index needs no host list
+        total = sum(recv_splits)
+        to_expert = moe_ep.regroup_index(table, total)
+        to_source = moe_ep.regroup_index(table.t(), total)  # the inverse
+        by_expert = moe_ep.Permute.apply(arrived, to_expert, to_source)  # (local expert, source)
         sizes = [sum(recv[s][l] for s in range(self.ep_size)) for l in range(self.num_local)]
         # A rank that receives no rows runs the loop: grouped_mm's CPU backward refuses an empty gradient.
         if self.mode == "grouped_mm" and sum(sizes) > 0:
             out = self._grouped_mm(by_expert, moe_ep.local_expert_counts(received, self.ep_size))
         else:
             out = self._on_host_sizes(by_expert, sizes)
-        back = moe_ep.regroup(out, [list(col) for col in zip(*recv)])  # (source, local expert)
+        back = moe_ep.Permute.apply(out, to_source, to_expert)  # (source, local expert)
         return moe_ep.AllToAll.apply(back, send_splits, recv_splits, group)
 
     def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -17,13 +17,19 @@ them. :class:`~fsdp_cudagraph.apps.moe.Experts` runs, eagerly, after the ``moe_p
 6. the outputs go back to (source rank, local expert) order and through the reverse all-to-all (combine);
    each rank then holds its own rows in the preprocess's order, and the block unpermutes as at ``EP = 1``.
 
-[Note: deterministic expert parallelism] Every reorder is ``split`` then ``cat`` of whole chunks: a
-permutation, whose backward writes every gradient row once. The all-to-all's backward is the reverse
-all-to-all with the splits swapped. No index is computed on the device and nothing accumulates atomically, so
-a run is bit-for-bit repeatable. Against ``EP = 1`` the rows each expert sees are the same rows (when each
-rank's batch is a contiguous slice of the global batch, even in the same order); only the grouping of the
-expert weights' gradient sums differs (one matmul over all sources at the owner instead of per-rank sums
-reduced by the engine), a few ulp (``tests/graphs/test_moe_ep.py``, [Note: EP tolerance of the GPT]).
+[Note: deterministic expert parallelism] Both regroups are gathers by a permutation computed on the device
+(:func:`regroup_index`, from step 2's table and the row count the host already has from step 3): the dispatch
+side by the permutation, the combine side by its inverse (the regroup of the transposed table), and each one's
+backward (:class:`Permute`) gathers by the other. A gather copies every row once and adds nothing: no scatter,
+no atomics, the same bits as moving whole chunks. The index costs a fixed handful of device ops and no host
+read, whatever ``EP * E/EP`` is; a ``split``/``cat`` of the ``EP * E/EP`` chunks (:func:`regroup`, the
+definition the index is tested against) costs host work per chunk in forward and backward, right after the
+layer's host sync, while the device waits for launches. The all-to-all's backward is the reverse all-to-all
+with the splits swapped. So a run is bit-for-bit repeatable. Against ``EP = 1`` the rows each expert sees are
+the same rows (when each rank's batch is a contiguous slice of the global batch, even in the same order); only
+the grouping of the expert weights' gradient sums differs (one matmul over all sources at the owner instead of
+per-rank sums reduced by the engine), a few ulp (``tests/graphs/test_moe_ep.py``, [Note: EP tolerance of the
+GPT]).
 
 Capture: the all-to-alls are collectives on the EP group and their sizes come from the host, so an EP
 ``Experts`` module is never inside a graph (its ``cuda_graph_unsafe`` says why): scope ``moe`` and whole
@@ -47,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["AllToAll", "exchange_counts", "receive_counts", "host_tables", "local_expert_counts", "regroup",
-           "slice_expert_state_dict", "merge_expert_state_dicts", "EXPERT_KEY"]
+           "regroup_index", "Permute", "slice_expert_state_dict", "merge_expert_state_dicts", "EXPERT_KEY"]
 
 #: State-dict keys of the stacked expert weights (``w1``/``w2``: dim 0 is the expert) and of TE's per-expert
 #: ``GroupedLinear`` weights (``fc1.weight{i}``: the index is the expert).
@@ -104,11 +110,46 @@ def local_expert_counts(received: torch.Tensor, ep_size: int) -> torch.Tensor:
 
 
 def regroup(x: torch.Tensor, sizes: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Chunks laid out ``[a][b]`` (sizes ``sizes[a][b]``, ``a`` major) -> laid out ``[b][a]``. A permutation of
-    whole chunks by ``split`` and ``cat`` ([Note: deterministic expert parallelism])."""
+    """Chunks laid out ``[a][b]`` (sizes ``sizes[a][b]``, ``a`` major) -> laid out ``[b][a]``, by ``split`` and
+    ``cat`` of whole chunks on host sizes. The definition :func:`regroup_index` is held to; ``A*B`` chunks cost
+    host work in proportion, which is why the experts use :func:`regroup_index` and :class:`Permute` instead."""
     rows_a, rows_b = len(sizes), len(sizes[0])
     chunks = x.split([c for row in sizes for c in row])
     return torch.cat([chunks[a * rows_b + b] for b in range(rows_b) for a in range(rows_a)])
+
+
+def regroup_index(sizes: torch.Tensor, total: int) -> torch.Tensor:
+    """``idx [total]`` with ``x.index_select(0, idx)`` equal to ``regroup(x, sizes.tolist())``: chunk sizes
+    ``sizes [A, B]`` laid out ``[a][b]``, on the device; ``total`` their sum, a host integer the caller already
+    has. The inverse permutation is ``regroup_index(sizes.t(), total)``.
+
+    Output row ``r`` of chunk ``(b, a)`` reads input row ``r + in_start[a][b] - out_start[b][a]``: one offset per
+    chunk, repeated over the chunk's rows. A fixed handful of device ops whatever ``A*B`` is, and no host read:
+    ``repeat_interleave`` is told its output size (without it, it reads the sum on the host, a sync)."""
+    sizes = sizes.to(torch.long)
+    in_start = sizes.flatten().cumsum(0).view_as(sizes) - sizes  # [a][b], a major: where the chunk is now
+    sizes_t = sizes.t().flatten()  # [b][a]: the order the chunks go to
+    out_start = sizes_t.cumsum(0) - sizes_t
+    shift = in_start.t().flatten() - out_start
+    return torch.arange(total, device=sizes.device) + shift.repeat_interleave(sizes_t, output_size=total)
+
+
+class Permute(torch.autograd.Function):
+    """``x.index_select(0, idx)`` whose backward is ``grad.index_select(0, inv_idx)``, ``inv_idx`` the inverse
+    permutation. ``index_select``'s own backward is ``index_add_``, a scatter that accumulates (atomic adds on a
+    GPU; under ``use_deterministic_algorithms`` a sorting ``index_put_`` instead); a permutation's gradient is a
+    gather by its inverse: every row copied once, nothing added ([Note: deterministic expert parallelism])."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, idx: torch.Tensor, inv_idx: torch.Tensor  # type: ignore[override]
+                ) -> torch.Tensor:
+        ctx.save_for_backward(inv_idx)
+        return x.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        (inv_idx,) = ctx.saved_tensors
+        return grad.index_select(0, inv_idx), None, None
 
 
 def _expert_count(state_dict: Mapping[str, torch.Tensor], prefix: str, stacked: bool, name: str) -> int:
