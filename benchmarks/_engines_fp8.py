@@ -8,11 +8,15 @@ a step (gradient accumulation, as Megatron reaches its global batch; default 1).
 - ``ours_fp8_<recipe>_eager``: the same under TE's FP8 autocast with the recipe ``delayed``, ``current`` or ``block``
   (``fsdp_cudagraph.FP8Recipe``): one autocast region around each micro-batch's forward, the amaxes of delayed
   scaling reduced over the data-parallel group (the world); weights gathered in bf16 and quantized by TE in each
-  layer (no FP8 parameter all-gather in our engine yet).
+  layer.
 - ``ours_fp8_partial``: + ``PartialCudaGraphs`` (TE's graph maker with the recipe; whole layers graphed), recipe
   ``--fp8-recipe`` (default ``current``, the record's).
 - ``ours_fp8_full``: + ``FullIterationCudaGraph`` (the autocast inside the captured step), recipe ``--fp8-recipe``;
   ``delayed`` is refused there by the library (TE skips its backward amax update during a capture).
+- ``ours_fp8_gather_eager``: the layers built under TE's ``quantized_model_init`` with current scaling (each TE
+  ``Linear`` weight a ``Float8Tensor``): our engine gathers those weights as FP8 bytes, one byte an element, quantized
+  from the fp32 main shards with the scale of the whole weight ([Note: FP8 parameter all-gather] in
+  megatron_fsdp/_fp8.py); ``ours_fp8_gather_partial``: + ``PartialCudaGraphs`` (whole layers).
 - ``nvidia_fp8_eager``: NVIDIA Megatron-FSDP (the checker's ``nvidia`` builder) on the same TE layers under the same
   autocast; its parameters are gathered in bf16 (``fp8_param_gather`` stays refused by our adapter).
 - ``fsdp2_torch_eager``: FSDP2 with ``MixedPrecisionPolicy(bf16, fp32)`` on the model's torch layers (nn.Linear:
@@ -37,18 +41,22 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import nn
 
-__all__ = ["FP8_COLUMNS", "COLUMN_RECIPE", "recipe_of", "make_recipe", "autocast", "not_applicable", "layers_impl",
+__all__ = ["FP8_COLUMNS", "FP8_WEIGHTS", "COLUMN_RECIPE", "recipe_of", "make_recipe", "weights_init", "autocast", "not_applicable", "layers_impl",
            "float8_fsdp2", "after_optimizer_step", "add_arguments", "check_arguments"]
 
 #: The columns of ``--config llama8b_fp8``, in the table's order (their specs are in bench_engines.COLUMN_SPECS).
 FP8_COLUMNS = ["ours_eager", "ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager",
-               "ours_fp8_partial", "ours_fp8_full", "nvidia_fp8_eager", "fsdp2_torch_eager", "fsdp2_float8_eager"]
+               "ours_fp8_partial", "ours_fp8_full", "ours_fp8_gather_eager", "ours_fp8_gather_partial",
+               "nvidia_fp8_eager", "fsdp2_torch_eager", "fsdp2_float8_eager"]
+#: Columns whose layers are built under TE's quantized_model_init (primary FP8 weights), so that our engine gathers
+#: them as FP8 bytes ([Note: FP8 parameter all-gather] in megatron_fsdp/_fp8.py); current scaling.
+FP8_WEIGHTS = ["ours_fp8_gather_eager", "ours_fp8_gather_partial"]
 #: Columns whose recipe is fixed by their name; the others with ``fp8`` in their spec take ``--fp8-recipe``.
 COLUMN_RECIPE = {"ours_fp8_delayed_eager": "delayed", "ours_fp8_current_eager": "current",
-                 "ours_fp8_block_eager": "block"}
+                 "ours_fp8_block_eager": "block", "ours_fp8_gather_eager": "current", "ours_fp8_gather_partial": "current"}
 #: The columns that run TE's FP8 (the torchao column's float8 is torchao's own, not TE's)
 TE_FP8 = ["ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager", "ours_fp8_partial",
-          "ours_fp8_full", "nvidia_fp8_eager"]
+          "ours_fp8_full", "nvidia_fp8_eager"] + FP8_WEIGHTS
 
 
 def recipe_of(column: str, args: argparse.Namespace) -> Optional[str]:
@@ -67,6 +75,17 @@ def make_recipe(column: str, args: argparse.Namespace) -> Any:
     from fsdp_cudagraph.capture.fp8 import FP8Recipe
 
     return FP8Recipe(name)
+
+
+def weights_init(column: str) -> Any:
+    """Where ``column``'s layers are built: under TE's ``quantized_model_init`` with current scaling for the
+    FP8-weight columns (every TE ``Linear`` weight a ``Float8Tensor``), plainly for the others."""
+    if column not in FP8_WEIGHTS:
+        return contextlib.nullcontext()
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
+    return te.quantized_model_init(enabled=True, recipe=Float8CurrentScaling())
 
 
 def autocast(fp8: Any) -> Any:

@@ -65,6 +65,9 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
   ours_fp8_<r>_eager   (llama8b_fp8) ours_eager under TE's FP8 autocast with recipe r (delayed, current, block)
   ours_fp8_partial     + PartialCudaGraphs with the recipe (``--fp8-recipe``, default current)
   ours_fp8_full        + FullIterationCudaGraph, the autocast inside the captured step (``--fp8-recipe``)
+  ours_fp8_gather_eager  the layers built under TE's quantized_model_init (primary FP8 weights), current scaling: our
+                       engine gathers the weights as FP8 bytes ([Note: FP8 parameter all-gather])
+  ours_fp8_gather_partial  + PartialCudaGraphs (whole layers)
   nvidia_fp8_eager     NVIDIA Megatron-FSDP under the same autocast (``--fp8-recipe``; bf16 parameter all-gather)
   fsdp2_torch_eager    FSDP2 bf16 on the torch layers, each layer compiled (``--fsdp2-compile``)
   fsdp2_float8_eager   the same + torchao float8 (tensorwise, float8 all-gather; torchtitan's composition)
@@ -175,6 +178,8 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
     "ours_fp8_block_eager": ("megatron_fsdp", {"fp8": True}, "eager"),
     "ours_fp8_partial": ("megatron_fsdp", {"fp8": True}, "partial"),
     "ours_fp8_full": ("megatron_fsdp", {"fp8": True}, "full"),
+    "ours_fp8_gather_eager": ("megatron_fsdp", {"fp8": True}, "eager"),
+    "ours_fp8_gather_partial": ("megatron_fsdp", {"fp8": True}, "partial"),
     "nvidia_fp8_eager": ("nvidia", {"fp8": True}, "eager"),
     "fsdp2_torch_eager": ("fsdp2_torchtitan", None, "eager"),
     "fsdp2_float8_eager": ("fsdp2_torchtitan", {"float8": True}, "eager"),
@@ -276,7 +281,7 @@ def expert_parallel_size(column: str) -> int:
 
 
 def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, full: bool, ep: int = 1,
-                layers_impl: Optional[str] = None) -> Model:
+                layers_impl: Optional[str] = None, column: str = "") -> Model:
     """The column's model, seeded alike on every rank and in every column (``ours``: TE layers fuse weight
     gradients into our engine's main gradients when ``--fuse-wgrad on``; ``full``: the full-iteration column,
     whose MoE experts must be ``grouped_mm``; ``ep``: expert parallelism, the model built with this rank's
@@ -293,7 +298,8 @@ def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, f
         from fsdp_cudagraph.apps import llama
 
         cfg = _llama_config(args, fuse_wgrad=fuse, layers_impl=layers_impl)
-        with device:  # parameters made where they train: an 8B-shaped model initialised on the host takes minutes
+        # parameters made where they train: an 8B-shaped model initialised on the host takes minutes
+        with device, _engines_fp8.weights_init(column):
             module = llama.Llama(cfg)
         top_k = num_experts = 1
         scopes: List[str] = []
@@ -556,7 +562,8 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
     mode = COLUMN_SPECS[column][2]
     t_build = time.perf_counter()
     model = build_model(args, device, ours=column.startswith("ours"), full=mode == "full",
-                        ep=expert_parallel_size(column), layers_impl=_engines_fp8.layers_impl(column, args))
+                        ep=expert_parallel_size(column), layers_impl=_engines_fp8.layers_impl(column, args),
+                        column=column)
     fp8 = _engines_fp8.make_recipe(column, args)  # the column's FP8Recipe, or None (bf16, torchao's float8)
     counts = model.counts
     sharded = shard(column, model, device, args)
