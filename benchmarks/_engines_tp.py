@@ -36,12 +36,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TP_COLUMNS", "NVIDIA_TP_REASON", "SCOPES", "tensor_parallel_size", "config", "layer_numel",
+__all__ = ["TP_COLUMNS", "GATHERED_LOGITS", "NVIDIA_TP_REASON", "SCOPES", "tensor_parallel_size", "config", "layer_numel",
            "build", "shard", "not_applicable", "SplitQKVAttention"]
 
 #: The columns of ``--config llama70b`` (their specs are in bench_engines.COLUMN_SPECS).
-TP_COLUMNS = ["ours_tp_eager", "ours_tp_partial", "ours_tp_full", "fsdp2_tp_eager", "fsdp2_tp_partial",
-              "nvidia_tp_eager"]
+TP_COLUMNS = ["ours_tp_eager", "ours_tp_partial", "ours_tp_full", "fsdp2_tp_eager", "fsdp2_tp_gathered_eager",
+              "fsdp2_tp_partial", "nvidia_tp_eager"]
+#: FSDP2 columns whose vocabulary-split head gathers the logits (``Replicate`` output, the plain loss) instead of
+#: taking the loss under ``loss_parallel()``: the other way torchtitan's plan can run, measured beside it.
+GATHERED_LOGITS = ["fsdp2_tp_gathered_eager"]
 SCOPES = ["attn", "mlp"]
 NVIDIA_TP_REASON = (
     "NVIDIA Megatron-FSDP takes tensor parallelism from megatron-core's parallel state, for megatron-core models "
@@ -138,16 +141,18 @@ def _tp_plan() -> Dict[str, Any]:
             "attn.proj": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
 
 
-def _root_tp_plan() -> Dict[str, Any]:
+def _root_tp_plan(gathered: bool = False) -> Dict[str, Any]:
     """``--vocab-parallel``: the root's token embedding (rows by vocabulary; replicated ids in, the summed lookup
     out) and LM head (rows by vocabulary; the logits stay split over the vocabulary, a DTensor, and the loss is
     taken by ``loss_parallel``: torchtitan's default, which never gathers the ``[tokens, vocabulary]`` logits), the
-    split ours makes with ``vocab_parallel``."""
+    split ours makes with ``vocab_parallel``. ``gathered``: the head's logits gathered whole on every TP rank
+    (``Replicate``) and the plain loss, the ``fsdp2_tp_gathered_eager`` column."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    head = (ColwiseParallel(output_layouts=Replicate()) if gathered
+            else ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+    return {"tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()), "head": head}
 
 
 def loss_context(args: argparse.Namespace, dtensor: bool, tp: int) -> Any:
@@ -162,7 +167,8 @@ def loss_context(args: argparse.Namespace, dtensor: bool, tp: int) -> Any:
     return contextlib.nullcontext
 
 
-def build(args: argparse.Namespace, device: torch.device, *, dtensor: bool) -> Tuple[nn.Module, Any, Dict[str, Any]]:
+def build(args: argparse.Namespace, device: torch.device, *, dtensor: bool,
+          gathered: bool = False) -> Tuple[nn.Module, Any, Dict[str, Any]]:
     """This rank's model for a TP column (seeded by the caller): ours (``dtensor=False``: the reference GPT's own TP
     slice) or FSDP2's (the TP=1 model, q/k/v split, ``parallelize_module`` over ``mesh['tp']``); its config and
     the counts the report needs (whole-model parameters, this TP rank's, the TP size)."""
@@ -188,7 +194,7 @@ def build(args: argparse.Namespace, device: torch.device, *, dtensor: bool) -> T
             for layer in module.layers:
                 parallelize_module(layer, mesh["tp"], _tp_plan())
             if getattr(args, "vocab_parallel", False):
-                parallelize_module(module, mesh["tp"], _root_tp_plan())
+                parallelize_module(module, mesh["tp"], _root_tp_plan(gathered))
         factor = {}  # a DTensor's numel is the global one
     in_units = {id(p) for layer in module.layers for p in layer.parameters()}
 
@@ -249,6 +255,7 @@ def shard(column: str, module: nn.Module, unit_class: type, device: torch.device
             f"fp32 sharded parameters, MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32), ZeRO-3 over "
             f"mesh['dp']; DTensor TP {tp} over mesh['tp'] (no sequence parallelism)"
             + ("; embedding and LM head split over the vocabulary" if isinstance(module.head.weight, DTensor) else "")
+            + ("; logits gathered whole for the loss" if column in GATHERED_LOGITS else "")
             + ("; keep_unsharded_storage" if keep else ""), None)
 
 

@@ -59,6 +59,7 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
   ours_tp_full         + FullIterationCudaGraph (the TP collectives and FSDP's in one graph)
   fsdp2_tp_eager       (llama70b) FSDP2 + DTensor TP as torchtitan composes it: ``parallelize_module`` per layer over
                        ``mesh['tp']`` (q, k, v split; no sequence parallelism), ``fully_shard`` over ``mesh['dp']``
+  fsdp2_tp_gathered_eager  with --vocab-parallel: the same, its head's logits gathered whole for the plain loss
   fsdp2_tp_partial     the same + keep_unsharded_storage + PartialCudaGraphs over ``attn mlp``
   nvidia_tp_eager      (llama70b) NVIDIA Megatron-FSDP with TP: not applicable to this model (it takes TP from
                        megatron-core's parallel state; the project refuses nvidia with TP in ``apps/mcore_gpt.py``)
@@ -171,6 +172,7 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
     "ours_tp_partial": ("megatron_fsdp", {"tensor_parallel": True}, "partial"),
     "ours_tp_full": ("megatron_fsdp", {"tensor_parallel": True}, "full"),
     "fsdp2_tp_eager": ("fsdp2", {"tensor_parallel": True}, "eager"),
+    "fsdp2_tp_gathered_eager": ("fsdp2", {"tensor_parallel": True}, "eager"),
     "fsdp2_tp_partial": ("fsdp2", {"tensor_parallel": True, "storage": "keep"}, "partial"),
     "nvidia_tp_eager": ("nvidia", {"tensor_parallel": True}, "eager"),
     "ours_fp8_delayed_eager": ("megatron_fsdp", {"fp8": True}, "eager"),
@@ -293,7 +295,7 @@ def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, f
     fuse = ours and args.fuse_wgrad == "on"
     expert_groups = None
     if args.config == "llama70b":
-        return _tensor_parallel_model(args, device, ours=ours)
+        return _tensor_parallel_model(args, device, ours=ours, gathered=column in _engines_tp.GATHERED_LOGITS)
     if args.config in ("llama8b", "llama8b_fp8"):
         from fsdp_cudagraph.apps import llama
 
@@ -347,17 +349,19 @@ def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, f
                  expert_groups=expert_groups)
 
 
-def _tensor_parallel_model(args: argparse.Namespace, device: torch.device, *, ours: bool) -> Model:
-    """``--config llama70b``: ours' TP slice of the reference GPT, or FSDP2's DTensor model (``_engines_tp.py``)."""
+def _tensor_parallel_model(args: argparse.Namespace, device: torch.device, *, ours: bool, gathered: bool) -> Model:
+    """``--config llama70b``: ours' TP slice of the reference GPT, or FSDP2's DTensor model (``_engines_tp.py``;
+    ``gathered``: its vocabulary-split head gathers the logits)."""
     from fsdp_cudagraph.apps import model as gpt
 
-    module, cfg, counts = _engines_tp.build(args, device, dtensor=not ours)
+    module, cfg, counts = _engines_tp.build(args, device, dtensor=not ours, gathered=gathered)
     counts["model_config"] = {k: v for k, v in dataclasses.asdict(cfg).items()
                               if isinstance(v, (int, float, str, bool, type(None)))}
     tp = counts["tensor_parallel_size"]
     return Model(module, module.unit_class, list(_engines_tp.SCOPES), cfg.seq_len, cfg.vocab_size, gpt.loss_fn,
                  lambda step, n, dev: gpt.synthetic_batch(step, n, cfg, dev), counts,
-                 _engines_tp.data_parallel_rank(tp), loss_context=_engines_tp.loss_context(args, not ours, tp),
+                 _engines_tp.data_parallel_rank(tp),
+                 loss_context=_engines_tp.loss_context(args, not ours and not gathered, tp),
                  fused_loss=ours and cfg.vocab_parallel)
 
 

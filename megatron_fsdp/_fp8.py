@@ -223,6 +223,8 @@ class Fp8Plan:
     tail_offsets: List[int] = field(default_factory=list)
     tail_numel: int = 0
     stage_numel: int = 0
+    #: index -> (bytes, transpose) views of the buffer each FP8 weight is bound to (set by :meth:`bind`)
+    bound: dict = field(default_factory=dict)
 
     @staticmethod
     def build(ops: QuantizedOps, layout: FlatLayout, params: Sequence[torch.Tensor], *, world: int, rank: int,
@@ -290,6 +292,7 @@ class Fp8Plan:
                 if tplane is not None and self.ops.needs_transpose(params[i]):
                     tshape = (shape[-1],) + tuple(shape[:-1]) if len(shape) else shape
                     t = tplane[off : off + n].view(tshape)
+                self.bound[i] = (data, t)
                 self.ops.bind(params[i], data, t)
         views: List[Optional[torch.Tensor]] = [None] * len(params)
         tail = self.tail(buf)
@@ -346,6 +349,10 @@ class Fp8Plan:
                         o = where[p.index] + p.lo
                         tail[o : o + n].copy_(stage[pos : pos + n])
                         pos += n
+            for i, (data, t) in self.bound.items():
+                # bound again each time: a weight whose bytes something replaced (TE drops row-wise data it thinks
+                # unused) reads the buffer again, never stale bytes of its own
+                self.ops.bind(params[i], data, t)
             self.ops.after_gather([params[i] for i in self.fp8])
 
     def wire_bytes(self) -> int:
