@@ -313,8 +313,10 @@ class Fp8Plan:
         for i in self.fp8:
             fp8_params.append(params[i])
             p = mine.get(i)
-            if p is None:
-                pieces.append(None), offsets.append(None), outs.append(None)
+            if p is None:  # no piece of this weight here: it still takes part in the amax reduction
+                pieces.append(None)
+                offsets.append(None)
+                outs.append(None)
                 continue
             g = self.layout.offsets[i] + p.lo  # the piece's place in the flat layout
             pieces.append(main[g - start : g - start + (p.hi - p.lo)])
