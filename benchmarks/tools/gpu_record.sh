@@ -38,7 +38,8 @@
 #                   (tests/gpu/scripts/ep_align.py), FSDP2 in torchtitan's layout (fsdp2_ep.py), megatron-core's
 #                   GPTModel under ours and NVIDIA's (mcore_gpt.py --only-ep; needs PYTHONPATH=/tmp/site), and the
 #                   Qwen3-30B-A3B-shaped benchmark (bench_engines.py --config qwen3moe) at sequence 1024 and
-#                   4096 (EP_SEQS, EP_PARTS: "align fsdp2 mcore bench")       -> ep-*.json, bench-qwen3moe-*.json
+#                   4096 (EP_SEQS, EP_PARTS: "align fsdp2 mcore bench"; MCORE_EP_DEBUG=1: the megatron-core part under
+#                   TORCH_DISTRIBUTED_DEBUG=DETAIL)                           -> ep-*.json, bench-qwen3moe-*.json
 #   tp              tensor parallelism on 2 and NPROC GPUs: the reference GPT on the (dp, tp) grid
 #                   (tests/gpu/scripts/tp_graphs.py), FSDP2 with DTensor TP (fsdp2_tp_graphs.py), megatron-core's
 #                   GPTModel with TP under ours (mcore_gpt.py --only-tp; PYTHONPATH=/tmp/site)  -> tp-*.json
@@ -277,7 +278,10 @@ stage_ep() {
       tail -6 "$OUT/ep-fsdp2-${n}gpu.log"
     fi
     if [[ " $parts " == *" mcore "* ]]; then
-      step ep-mcore-${n}gpu.log $LIMIT 240 $run tests/gpu/scripts/mcore_gpt.py --only-ep --out "$OUT/ep-mcore-${n}gpu.json"
+      # MCORE_EP_DEBUG=1: torch checks that the ranks call the same collectives in the same order and raises naming
+      # the first pair that differ (TORCH_DISTRIBUTED_DEBUG=DETAIL) instead of hanging
+      step ep-mcore-${n}gpu.log env ${MCORE_EP_DEBUG:+TORCH_DISTRIBUTED_DEBUG=DETAIL} $LIMIT 240 $run \
+        tests/gpu/scripts/mcore_gpt.py --only-ep --out "$OUT/ep-mcore-${n}gpu.json"
       grep -E "ok=|\"ok\"" "$OUT/ep-mcore-${n}gpu.log" | tail -24
     fi
   done
