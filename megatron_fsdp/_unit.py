@@ -324,7 +324,8 @@ class FSDPUnit:
         }
 
     def param_addresses(self) -> Tuple[int, ...]:
-        """Where each parameter's values sit (an FP8 weight's: its bytes) and, for FP8 weights, their transposes."""
+        """Where each parameter's values sit (an FP8 weight's: its bytes; its transpose sits in the same slot, whose
+        address ``buffer_addresses`` gives)."""
         if self.fp8 is None:
             return tuple(p.data_ptr() for p in self.all_params)
         ops = self.fp8.ops
