@@ -8,8 +8,9 @@ import os
 import shutil
 import subprocess
 import sys
+import traceback
 import warnings
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_GPU = "needs a CUDA GPU: CUDA graphs and NCCL only exist there (this machine has torch.cuda.is_available() == False)"
@@ -146,4 +147,58 @@ def process_state(pid: int) -> Optional[str]:
             return f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return None
+
+
+class RowGuard:
+    """The end of every row of a script that runs rows on several ranks ([Note: a row that raises on one rank]).
+
+    [Note: a row that raises on one rank]
+    A script records a row that raises and goes on to the next, so that one failing row does not hide the others.
+    When the row raised on one rank only, the other ranks may still be inside it, blocked in a collective the
+    failing rank will never issue; the failing rank then meets them in the next row's first collective, and the
+    run hangs until a time limit stops it, the error unprinted (megatron-core's EP rows with TE's layers did this
+    three times). So the failing rank prints its traceback at once, tagged with its rank (:meth:`failed`), and
+    every rank meets the others after each row at a monitored barrier of a Gloo group of its own
+    (:meth:`end_of_row`): a rank that does not arrive within ``timeout_s`` is named, and the process leaves with
+    status 3, which makes ``torchrun`` stop the blocked ranks. One rank: nothing to meet.
+    """
+
+    def __init__(self, timeout_s: float = 180.0) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        self.timeout_s = timeout_s
+        self.multi = dist.is_initialized() and dist.get_world_size() > 1
+        # A collective of every rank, so made here, at start-up, where every rank passes. The group's own timeout
+        # bounds the wait of ranks other than 0 (the barrier's bounds rank 0's): each names a rank that never came.
+        self.group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+                      if self.multi else None)
+
+    @staticmethod
+    def failed(what: str, exc: BaseException) -> Dict[str, Any]:
+        """The record of a row that raised on this rank, its traceback printed now (stderr, the rank named)."""
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        tb = traceback.format_exc()
+        print(f"[rank {rank}] row {what} raised {type(exc).__name__}: {exc}\n{tb}", file=sys.stderr, flush=True)
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": tb[-3000:]}
+
+    def end_of_row(self, what: str) -> None:
+        """Wait for every rank to finish row ``what``; name the ones that do not and leave (status 3)."""
+        if not self.multi:
+            return
+        import datetime
+
+        import torch.distributed as dist
+
+        try:
+            dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=self.timeout_s),
+                                   wait_all_ranks=True)
+        except RuntimeError as exc:
+            print(f"[rank {dist.get_rank()}] after row {what}: not every rank finished it within {self.timeout_s:.0f} s "
+                  f"(a rank still blocked in it, in a collective a rank that raised never issued): {exc}",
+                  file=sys.stderr, flush=True)
+            os._exit(3)
 

@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import sys
-import traceback
 from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
@@ -38,7 +37,7 @@ from torch import nn  # noqa: E402
 
 import megatron_fsdp  # noqa: E402
 from megatron_fsdp import _collectives  # noqa: E402
-from tests.gpu_utils import init_script_ranks  # noqa: E402
+from tests.gpu_utils import RowGuard, init_script_ranks  # noqa: E402
 
 H, FFN, HEADS, KV, SEQ, BATCH, LAYERS = 256, 512, 4, 2, 128, 2, 3
 STEPS, CAPTURE_AT = 5, 2
@@ -162,6 +161,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev = init_script_ranks("cuda", 29533)
+    guard = RowGuard()  # [Note: a row that raises on one rank] in tests/gpu_utils.py
     rows: List[Dict[str, Any]] = []
     runs: Dict[str, Any] = {}
     plan = [("reference", False, None), ("gather", True, None), ("gather + per-layer graphs", True, "partial"),
@@ -173,9 +173,10 @@ def main() -> None:
             try:
                 runs[key] = train(dev, quantized=quantized, fuse=fuse, graphs=graphs)
             except Exception as exc:  # noqa: BLE001 - recorded in the row, the run goes on
-                rows.append({"row": key, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
-                             "traceback": traceback.format_exc()[-3000:]})
+                rows.append({"row": key, **RowGuard.failed(key, exc)})
+                guard.end_of_row(key)
                 continue
+            guard.end_of_row(key)
             r = runs[key]
             row = {"row": key, "losses": r["losses"], "fp8_units": r["fp8_units"],
                    "gathered_bytes_step1": r["gathered_bytes_step1"], "peak_gib": r["peak_gib"], "ok": True}

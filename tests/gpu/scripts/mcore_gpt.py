@@ -46,7 +46,6 @@ import contextlib
 import json
 import os
 import sys
-import traceback
 from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
@@ -54,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirna
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.gpu_utils import init_script_ranks  # noqa: E402
+from tests.gpu_utils import RowGuard, init_script_ranks  # noqa: E402
 
 #: engine row name -> (checker engine, nvidia wrapper)
 ENGINES = {"megatron_fsdp": ("megatron_fsdp", None), "nvidia": ("nvidia", "fully_shard"),
@@ -83,7 +82,7 @@ def row(engine: str, model: str, scope: str, device: torch.device, backend: Opti
         report = mcore_gpt.run(model=model, engine=name, scope=scope, device=device, backend=backend,
                                perturb=perturb, nvidia_wrapper=wrapper, shape=shape)
     except Exception as exc:  # recorded: one failing row must not hide the others
-        out.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
+        out.update(RowGuard.failed(f"{engine}/{model}/{scope} ep={expert_parallel} tp={tensor_parallel}", exc))
         return out
     ok = report.culprit == perturb and not report.equal if perturb else report.equal
     out.update(ok=ok, equal=report.equal, params_equal=report.params_equal, culprit=report.culprit,
@@ -112,7 +111,7 @@ def refused_row(engine: str, device: torch.device, expert_parallel: int = 1, ten
     except NotImplementedError as exc:
         out.update(ok=True, refused=str(exc))
     except Exception as exc:  # noqa: BLE001 - recorded
-        out.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
+        out.update(RowGuard.failed(f"{engine} refusal ep={expert_parallel} tp={tensor_parallel}", exc))
     return out
 
 
@@ -155,6 +154,7 @@ def main() -> int:
     args = p.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     device = init_script_ranks(args.device, args.port)
+    guard = RowGuard()  # [Note: a row that raises on one rank] in tests/gpu_utils.py
     from fsdp_cudagraph.apps import mcore_gpt
 
     engines = args.engines or (sorted(ENGINES) if device.type == "cuda" else ["fsdp2", "megatron_fsdp"])
@@ -173,6 +173,11 @@ def main() -> int:
     only = args.only_ep or args.only_tp
     control = f"decoder.layers.{base.num_layers - 1}.mlp.router"
     rows: List[Dict[str, Any]] = []
+
+    def add(r: Dict[str, Any]) -> None:
+        rows.append(r)
+        guard.end_of_row(f"{r['engine']}/{r['model']}/{r['scope']} ep={r['expert_parallel']} "
+                         f"tp={r.get('tensor_parallel', 1)}{' perturbed' if r['perturb'] else ''}")
     with (mcore_gpt.cpu_shims() if device.type == "cpu" else contextlib.nullcontext()):
         for engine in engines:
             if device.type == "cpu" and engine.startswith("nvidia"):
@@ -188,34 +193,34 @@ def main() -> int:
             layouts[f"dense/tp{tp}"] = mcore_gpt.layout(mcore_gpt.spec("dense", device, shape).model)
         for engine in [] if only else engines:
             for model, scope in CASES:
-                rows.append(row(engine, model, scope, device, args.backend, None))
+                add(row(engine, model, scope, device, args.backend, None))
                 rows[-1]["layout"] = layouts[model]
-            rows.append(row(engine, "moe_alltoall", "attn_router", device, args.backend, control))
+            add(row(engine, "moe_alltoall", "attn_router", device, args.backend, control))
             rows[-1]["layout"] = layouts["moe_alltoall"]
             _print(rows[-len(CASES) - 1:])
         for ep in eps:
             for engine in engines:
                 if engine not in EP_ENGINES:
-                    rows.append(refused_row(engine, device, ep))
+                    add(refused_row(engine, device, ep))
                     _print(rows[-1:])
                     continue
                 for model in EP_MODELS:
-                    rows.append(row(engine, model, "attn_router", device, args.backend, None, ep))
+                    add(row(engine, model, "attn_router", device, args.backend, None, ep))
                     rows[-1]["layout"] = layouts[f"{model}/ep{ep}"]
-                rows.append(row(engine, "moe_alltoall", "attn_router", device, args.backend, control, ep))
+                add(row(engine, "moe_alltoall", "attn_router", device, args.backend, control, ep))
                 rows[-1]["layout"] = layouts[f"moe_alltoall/ep{ep}"]
                 _print(rows[-len(EP_MODELS) - 1:])
         tp_control = f"decoder.layers.{base.num_layers - 1}.mlp"
         for tp in tps:
             for engine in engines:
                 if engine not in TP_ENGINES:
-                    rows.append(refused_row(engine, device, tensor_parallel=tp))
+                    add(refused_row(engine, device, tensor_parallel=tp))
                     _print(rows[-1:])
                     continue
                 for scope in TP_SCOPES:
-                    rows.append(row(engine, "dense", scope, device, args.backend, None, tensor_parallel=tp))
+                    add(row(engine, "dense", scope, device, args.backend, None, tensor_parallel=tp))
                     rows[-1]["layout"] = layouts[f"dense/tp{tp}"]
-                rows.append(row(engine, "dense", "attn_mlp", device, args.backend, tp_control, tensor_parallel=tp))
+                add(row(engine, "dense", "attn_mlp", device, args.backend, tp_control, tensor_parallel=tp))
                 rows[-1]["layout"] = layouts[f"dense/tp{tp}"]
                 _print(rows[-len(TP_SCOPES) - 1:])
     ok = bool(rows) and all(r["ok"] for r in rows)
