@@ -365,7 +365,7 @@ class Fp8Plan:
 
 
 def problems(*, unit: str, names: Sequence[str], params: Sequence[torch.Tensor], frozen: Sequence[Tuple[str, torch.Tensor]],
-             expert: bool, tensor_parallel: bool, shards_params: bool, double_buffer: bool,
+             expert: bool, tensor_parallel: bool, strategy: str, shards_params: bool, double_buffer: bool,
              hybrid: bool) -> List[str]:
     """Why this unit's FP8 weights cannot be gathered as FP8 bytes, each with the fix (empty: they can)."""
     out: List[str] = []
@@ -386,6 +386,7 @@ def problems(*, unit: str, names: Sequence[str], params: Sequence[torch.Tensor],
         out.append("FP8 weights with hybrid sharding (HSDP) are not supported yet; shard over one group, or build the "
                    "model without quantized_model_init")
     if not (shards_params and double_buffer):
-        out.append("FP8 weights are gathered into fixed double-buffer slots: use sharding_strategy="
-                   "'optim_grads_params' with fsdp_double_buffer=True, or build the model without quantized_model_init")
+        out.append(f"sharding_strategy={strategy!r} with fsdp_double_buffer={double_buffer}: FP8 weights are gathered "
+                   "into fixed double-buffer slots; use sharding_strategy='optim_grads_params' with "
+                   "fsdp_double_buffer=True, or build the model without quantized_model_init")
     return out

@@ -591,7 +591,8 @@ class MegatronFSDP(nn.Module):
             found += _fp8.problems(
                 unit=u.name, names=u.layout.names, params=u.params,
                 frozen=list(zip(u.frozen_layout.names, u.frozen_params)), expert=u.is_expert,
-                tensor_parallel=self.tp_topology is not None, shards_params=self.strategy.shards_params,
+                tensor_parallel=self.tp_topology is not None, strategy=self.strategy.value,
+                shards_params=self.strategy.shards_params,
                 double_buffer=self.fsdp_double_buffer, hybrid=self.hsdp.hybrid)
             frozen = [n for n, p in zip(u.frozen_layout.names, u.frozen_params) if not _fp8.is_quantized(p)]
             if frozen:  # (frozen FP8 weights are named by problems())

@@ -44,8 +44,9 @@
 #                   (tests/gpu/scripts/tp_graphs.py), FSDP2 with DTensor TP (fsdp2_tp_graphs.py), megatron-core's
 #                   GPTModel with TP under ours (mcore_gpt.py --only-tp; PYTHONPATH=/tmp/site)  -> tp-*.json
 #   fp8             FP8 with TE (needs TE): apps.align --rows FP8 and full_iteration_align --fp8-only on 1 GPU and
-#                   NPROC, and benchmarks/fp8_numerics.py (every recipe beside bf16, FP8_STEPS=300) on 1 GPU
-#                                                                      -> fp8-align-*.json, fp8-fi-*.json, fp8-numerics-1gpu.json
+#                   NPROC, the FP8 all-gather rows (tests/gpu/scripts/fp8_gather.py) on 1 and NPROC, and
+#                   benchmarks/fp8_numerics.py (every recipe beside bf16, FP8_STEPS=300) on 1 GPU
+#                                                     -> fp8-align-*.json, fp8-fi-*.json, fp8-gather-*.json, fp8-numerics-1gpu.json
 #   hsdp            hybrid sharding on NPROC as (NPROC/2) x 2 or 2 x 1: bench_hsdp.py --align (flat vs HSDP, both
 #                   engines, eager vs partial graphs bit for bit, bytes across the slow dimension) and the
 #                   demo with --hsdp                                                 -> hsdp-*.json
@@ -326,6 +327,13 @@ stage_fp8() {
     step fp8-fi-${N}gpu.log $LIMIT 200 $RUN_N -m fsdp_cudagraph.apps.full_iteration_align --fp8-only --models te \
       --out "$OUT/fp8-fi-${N}gpu.json"
     tail -3 "$OUT/fp8-align-${N}gpu.log" "$OUT/fp8-fi-${N}gpu.log"
+  fi
+  # TE's FP8 weights gathered as FP8 bytes against TE quantizing bf16 weights, eager and graphed (tests/gpu/scripts)
+  step fp8-gather-1gpu.log $ONE $LIMIT 150 python3 tests/gpu/scripts/fp8_gather.py --out "$OUT/fp8-gather-1gpu.json"
+  tail -3 "$OUT/fp8-gather-1gpu.log"
+  if multi; then
+    step fp8-gather-${N}gpu.log $LIMIT 150 $RUN_N tests/gpu/scripts/fp8_gather.py --out "$OUT/fp8-gather-${N}gpu.json"
+    tail -3 "$OUT/fp8-gather-${N}gpu.log"
   fi
   step fp8-numerics-1gpu.log $ONE $LIMIT ${FP8_NUMERICS_S:-400} python3 benchmarks/fp8_numerics.py \
     --steps ${FP8_STEPS:-300} --out "$OUT/fp8-numerics-1gpu.json"

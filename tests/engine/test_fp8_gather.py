@@ -165,8 +165,8 @@ def _refusal_job(rank: int, world: int, case: str) -> str:
 
 
 @pytest.mark.parametrize("case,words", [
-    ("zero2", ["optim_grads_params", "fsdp_double_buffer=True"]),
-    ("no_double_buffer", ["fsdp_double_buffer=True"]),
+    ("zero2", ["sharding_strategy='optim_grads' with", "use sharding_strategy='optim_grads_params'"]),
+    ("no_double_buffer", ["fsdp_double_buffer=False", "fsdp_double_buffer=True"]),
     ("frozen", ["frozen FP8 weights", "blocks.0.fc1.weight"]),
     ("summon", ["summon_full_params", "state_dict"]),
 ])
