@@ -98,6 +98,10 @@ def not_applicable(column: str, device: torch.device, args: argparse.Namespace) 
     """Why ``column`` of ``--config llama8b_fp8`` cannot run here by design (None: it can)."""
     from fsdp_cudagraph.capture import te as _te
 
+    if column in FP8_WEIGHTS and args.fuse_wgrad == "off":
+        return ("--fuse-wgrad off builds the Llama TE layer with q, k and v as separate parameters, and TE refuses FP8 "
+                "weights split that way (\"Splitting QuantizedTensor into multiple params is not supported\"); run "
+                "the FP8-weight columns with --fuse-wgrad on")
     name = recipe_of(column, args)
     if name is not None:
         if device.type != "cuda":

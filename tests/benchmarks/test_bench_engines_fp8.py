@@ -159,3 +159,17 @@ def test_deterministic_run_fails_when_a_graphed_column_is_not_bit_exact():
         assert res["evaluation"]["graphed_not_equal_to_eager"] == (["ours_fp8_partial"] if det else [])
         assert ("NOT EQUAL" in res["table"]) is det
     assert _bench().parse(["--config", "llama8b", "--deterministic", "--cpu-smoke"]).deterministic is True
+
+
+def test_fp8_weight_columns_need_fused_qkv():
+    """TE refuses FP8 weights split into q, k and v parameters, which --fuse-wgrad off builds: said, not crashed."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import _engines_fp8
+
+    args = argparse.Namespace(fuse_wgrad="off", fp8_recipe="current", layers_impl="te")
+    why = _engines_fp8.not_applicable("ours_fp8_gather_eager", None, args)
+    assert "--fuse-wgrad on" in why and "Splitting QuantizedTensor" in why, why
+    assert "--fuse-wgrad" not in (_engines_fp8.not_applicable("ours_fp8_current_eager", torch.device("cpu"), args) or "")
+
