@@ -47,7 +47,8 @@ from torch import nn
 
 from ._flat import ALIGN_NUMEL, FlatLayout, _round_up
 
-__all__ = ["QuantizedOps", "register_ops", "ops_for", "is_quantized", "initial_values", "Fp8Plan", "problems"]
+__all__ = ["QuantizedOps", "register_ops", "ops_for", "is_quantized", "replay_tensors", "initial_values", "Fp8Plan",
+           "problems"]
 
 
 class QuantizedOps:
@@ -88,6 +89,12 @@ class QuantizedOps:
     def data_ptr(self, p: torch.Tensor) -> int:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def tensors(self, p: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
+        """(what, tensor) of every tensor a GEMM reads from ``p`` by address: a graph's replay check compares them."""
+        return [(what, t) for what, t in (("FP8 bytes", getattr(p, "_data", None)),
+                                          ("transpose", getattr(p, "_transpose", None)),
+                                          ("scale_inv", getattr(p, "_scale_inv", None))) if t is not None]
+
 
 _registered: List[QuantizedOps] = []
 
@@ -123,6 +130,13 @@ def ops_for(p: torch.Tensor) -> Optional[QuantizedOps]:
 
 def is_quantized(p: torch.Tensor) -> bool:
     return ops_for(p) is not None
+
+
+def replay_tensors(name: str, p: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs a graph reads of parameter ``name``: itself, or a quantized weight's bytes, transpose and
+    scale (:meth:`QuantizedOps.tensors`), each of which must stay where it was at capture."""
+    ops = ops_for(p)
+    return [(name, p)] if ops is None else [(f"{name} ({what})", t) for what, t in ops.tensors(p)]
 
 
 def initial_values(p: torch.Tensor) -> torch.Tensor:

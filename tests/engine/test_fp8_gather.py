@@ -12,6 +12,8 @@ TE's FP8 tensors need CUDA, so these run the engine's path with the CPU stand-in
   Llama-3-8B layer on 4 ranks, at most 0.55x the bf16 bytes of the same unit.
 - Controls: each rank scaling by the amax of its own piece (no all-reduce) is caught by the first comparison.
 - Refused, naming the fix: ZeRO-1/2, no double buffer, frozen FP8 weights, summon_full_params.
+- Per-layer graphs over FP8 units train like eager, and the replay check covers each FP8 weight's bytes, transpose
+  and scale: a scale tensor replaced after capture is named before the replay.
 """
 
 from __future__ import annotations
@@ -173,3 +175,56 @@ def _refusal_job(rank: int, world: int, case: str) -> str:
 def test_fp8_weights_where_the_gather_does_not_run_are_refused(case, words):
     msg = run_gloo(_refusal_job, 1, case)[0]
     assert all(w in msg for w in words), msg
+
+
+def _graphs_job(rank: int, world: int) -> Dict[str, Any]:
+    """Per-layer graphs (protocol backend) over FP8 units: the replay check names an FP8 weight whose scale tensor
+    was replaced after capture, and graphed training equals eager until then."""
+    from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
+
+    remove = _fp8.register_ops(StandInOps())
+    out: Dict[str, Any] = {}
+    try:
+        for graphed in (False, True):
+            torch.manual_seed(0)
+            net = Net(True)
+            model = fully_shard(net, fsdp_unit_modules=[Block], sharding_strategy="optim_grads_params", **DB)
+            opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-2)
+            graphs = None
+            if graphed:
+                graphs = PartialCudaGraphs(model, CudaGraphConfig(cuda_graph_impl="local", cuda_graph_modules=[],
+                                                                  cuda_graph_warmup_steps=1), backend="protocol")
+            losses = []
+            for step in range(3):
+                if graphs is not None and step == 1:
+                    graphs.capture()
+                g = torch.Generator().manual_seed(step)
+                x = torch.randn(4 * world, 5, 6, generator=g)[4 * rank:4 * rank + 4]
+                loss = model(x).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            out["graphed" if graphed else "eager"] = losses
+            if graphs is not None:
+                names = [n for c in graphs.callables for n, _ in graphs.engine.replay_tensors(c.module)]
+                out["replay_names"] = names
+                w = net.blocks[1].fc1.weight
+                w._scale_inv = w._scale_inv.clone()  # a new tensor where the graph read the old one
+                try:
+                    model(torch.randn(4, 5, 6))
+                    out["moved"] = "no error"
+                except RuntimeError as exc:
+                    out["moved"] = str(exc)
+                graphs.delete()
+        return out
+    finally:
+        remove()
+
+
+def test_the_replay_check_covers_an_fp8_weights_bytes_transpose_and_scale():
+    for res in run_gloo(_graphs_job, 2):
+        assert all(torch.equal(a, b) for a, b in zip(res["graphed"], res["eager"])), (res["graphed"], res["eager"])
+        assert {"fc1.weight (FP8 bytes)", "fc1.weight (transpose)", "fc1.weight (scale_inv)"} <= set(res["replay_names"])
+        assert "would replay with parameter fc1.weight (scale_inv)" in res["moved"], res["moved"]
+

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import megatron_fsdp
-from megatron_fsdp import graph_contract
+from megatron_fsdp import _fp8, graph_contract
 
 from fsdp_cudagraph.engines.contract import (HOOK_DICTS, PER_LAYER_BUFFERS, EngineAdapter, HookPlan, PerLayerEngine,
                                              ReplayProbe, StaticStepEngine, parameter_slots)
@@ -142,7 +142,9 @@ class MegatronFSDPEngine(EngineAdapter, PerLayerEngine):
     def replay_tensors(self, module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
         # Parameters by their name in ``module``; then the owning unit's gradient buffer, read live (the engine
         # may rebind ``grad_buffer.tensor``), unless it is allocated on demand (then nothing can be pinned).
-        out: List[Tuple[str, torch.Tensor]] = list(module.named_parameters())
+        # an FP8 weight as the tensors its GEMMs read: bytes, transpose, scale ([Note: FP8 parameter all-gather])
+        out: List[Tuple[str, torch.Tensor]] = [pair for n, p in module.named_parameters()
+                                               for pair in _fp8.replay_tensors(n, p)]
         unit = self._unit(module)
         gb = unit.grad_buffer if unit is not None else None
         if gb is not None and gb.kind != "dynamic":
@@ -154,9 +156,16 @@ class MegatronFSDPEngine(EngineAdapter, PerLayerEngine):
         # seen) and the owning unit; each call reads data pointers only, as replay_tensors orders them.
         slots = parameter_slots(module)
         unit = self._unit(module)
+        kinds = [_fp8.ops_for(d[n]) for d, n in slots]  # the quantized weights' ops, None for plain parameters
 
         def probe() -> Tuple[int, ...]:
-            out = [d[n].data_ptr() for d, n in slots]
+            if not any(kinds):
+                out = [d[n].data_ptr() for d, n in slots]
+            else:
+                out = []
+                for (d, n), ops in zip(slots, kinds):
+                    p = d[n]
+                    out.extend([p.data_ptr()] if ops is None else [t.data_ptr() for _, t in ops.tensors(p)])
             gb = unit.grad_buffer if unit is not None else None
             if gb is not None and gb.kind != "dynamic":
                 out.append(gb.tensor.data_ptr())
