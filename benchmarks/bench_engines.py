@@ -538,13 +538,10 @@ def _host_profile_summary(prof: Any, top: int = 12) -> Dict[str, Any]:
         "total_self_ms": round(sum(e.self_cpu_time_total for e in events) / 1e3, 3),
     }
     # On a GPU, the step's kernels too: milliseconds by category, busy and idle (diagnose/profile_step.py)
-    cpu_names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU}
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in cpu_names
-               and not getattr(e, "is_user_annotation", False)]
-    if kernels:
-        from diagnose.profile_step import summarize_kernels
+    from diagnose.profile_step import cuda_kernels, summarize_kernels
 
+    kernels = cuda_kernels(prof)
+    if kernels:
         out["gpu"] = summarize_kernels(kernels, 1)
     return out
 

@@ -73,6 +73,16 @@ def busy_us(intervals: Sequence[Tuple[float, float]]) -> float:
     return sum(end - start for start, end in _merged(intervals))
 
 
+def cuda_kernels(prof: Any) -> List[Tuple[str, float, float]]:
+    """(name, start us, end us) of a ``torch.profiler`` run's CUDA kernels, memcpys and memsets. CUDA-side events
+    also hold the GPU shadows of record_function ranges (``Optimizer.step#Adam.step``, ``nccl:...``): those span
+    kernels already counted, so they are left out."""
+    cpu_names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU}
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in cpu_names
+            and not getattr(e, "is_user_annotation", False)]
+
+
 def summarize_kernels(kernels: Sequence[Tuple[str, float, float]], steps: int) -> Dict[str, Any]:
     """Per step: kernel milliseconds per category, busy ms (union), the span from first start to last end, idle
     (span - busy), collective time when no other kernel ran (``exposed_collective_ms``: on 2+ GPUs, the
@@ -245,13 +255,7 @@ def _run(column: str, cfg: Any, args: argparse.Namespace, device: torch.device) 
         for i in range(args.steps, args.steps + args.profile_steps):
             step(i)
         torch.cuda.synchronize(device)
-    # CUDA-side events are kernels, memcpys and memsets, plus the GPU shadows of record_function ranges
-    # (``Optimizer.step#Adam.step``, ``nccl:...``): those span kernels already counted, so they are left out.
-    cpu_names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU}
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in cpu_names
-               and not getattr(e, "is_user_annotation", False)]
-    out["profile"] = summarize_kernels(kernels, args.profile_steps)
+    out["profile"] = summarize_kernels(cuda_kernels(prof), args.profile_steps)
     if graphs is not None:
         graphs.delete()
     del model, opt, gpt, graphs
