@@ -41,8 +41,8 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import nn
 
-__all__ = ["FP8_COLUMNS", "FP8_WEIGHTS", "COLUMN_RECIPE", "recipe_of", "make_recipe", "weights_init", "autocast", "not_applicable", "layers_impl",
-           "float8_fsdp2", "after_optimizer_step", "add_arguments", "check_arguments"]
+__all__ = ["FP8_COLUMNS", "FP8_WEIGHTS", "COLUMN_RECIPE", "recipe_of", "make_recipe", "weights_init", "autocast",
+           "not_applicable", "layers_impl", "float8_fsdp2", "after_optimizer_step", "add_arguments", "check_arguments"]
 
 #: The columns of ``--config llama8b_fp8``, in the table's order (their specs are in bench_engines.COLUMN_SPECS).
 FP8_COLUMNS = ["ours_eager", "ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager",
@@ -53,7 +53,7 @@ FP8_COLUMNS = ["ours_eager", "ours_fp8_delayed_eager", "ours_fp8_current_eager",
 FP8_WEIGHTS = ["ours_fp8_gather_eager", "ours_fp8_gather_partial"]
 #: Columns whose recipe is fixed by their name; the others with ``fp8`` in their spec take ``--fp8-recipe``.
 COLUMN_RECIPE = {"ours_fp8_delayed_eager": "delayed", "ours_fp8_current_eager": "current",
-                 "ours_fp8_block_eager": "block", "ours_fp8_gather_eager": "current", "ours_fp8_gather_partial": "current"}
+                 "ours_fp8_block_eager": "block", **{c: "current" for c in FP8_WEIGHTS}}
 #: The columns that run TE's FP8 (the torchao column's float8 is torchao's own, not TE's)
 TE_FP8 = ["ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager", "ours_fp8_partial",
           "ours_fp8_full", "nvidia_fp8_eager"] + FP8_WEIGHTS

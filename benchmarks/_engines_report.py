@@ -20,7 +20,8 @@ An FP8 column runs the layers' GEMMs in FP8 and the rest in bf16: TE's recipes a
 attention (QK^T, AV) and the LM head in bf16. Its floor is the bf16 floor with the matmul part recomputed:
 ``6 x tokens x unit_matmul_params`` (the layers' matmul weights) at the FP8 rate measured in the same run
 (``torch._scaled_mm`` of E4M3 operands, ``_flops.fp8_matmul_peak_tflops``), the other model FLOPs at the bf16 rate;
-optimizer and collectives as in bf16 (the parameters are gathered in bf16: no FP8 all-gather counted). The FP8
+optimizer and collectives as in bf16 (the parameters' all-gather counted at 2 bytes an element; the FP8-weight
+columns gather 1, so for them the collective part is an upper bound). The FP8
 columns' ``x_floor`` is against it (``floor["fp8"]``); MFU stays against the bf16 rate, as Megatron reports it.
 """
 
@@ -201,9 +202,10 @@ def table(args: argparse.Namespace, columns: Dict[str, Dict[str, Any]], skipped:
 
 
 def merge(paths: List[str]) -> Tuple[argparse.Namespace, int, Dict[str, Any], Dict[str, Dict[str, Any]],
-                                        Dict[str, str]]:
+                                        Dict[str, str], List[Dict[str, Any]]]:
     """Columns of several records of the same config, depth and world size (e.g. two halves of the columns run
-    as two commands under a per-command time limit), with the first record's rates."""
+    as two commands under a per-command time limit), with the first record's rates; and each record's path,
+    command and versions (the measurements' machines, not the merging one's)."""
     records = []
     for path in paths:
         with open(path) as fh:
@@ -230,4 +232,6 @@ def merge(paths: List[str]) -> Tuple[argparse.Namespace, int, Dict[str, Any], Di
                 columns[c] = row
     rates = next((r["rates"] for r in records if r.get("rates")), {})
     skipped = {c: row["skipped"] for c, row in columns.items() if "skipped" in row}
-    return argparse.Namespace(**first["config"]), first["world_size"], rates, columns, skipped
+    parts = [{"path": path, "command": r.get("command"), "versions": r.get("versions")}
+             for path, r in zip(paths, records)]
+    return argparse.Namespace(**first["config"]), first["world_size"], rates, columns, skipped, parts

@@ -36,8 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TP_COLUMNS", "GATHERED_LOGITS", "NVIDIA_TP_REASON", "SCOPES", "tensor_parallel_size", "config", "layer_numel",
-           "build", "shard", "not_applicable", "SplitQKVAttention"]
+__all__ = ["TP_COLUMNS", "GATHERED_LOGITS", "NVIDIA_TP_REASON", "SCOPES", "tensor_parallel_size", "config",
+           "layer_numel", "build", "shard", "not_applicable", "SplitQKVAttention"]
 
 #: The columns of ``--config llama70b`` (their specs are in bench_engines.COLUMN_SPECS).
 TP_COLUMNS = ["ours_tp_eager", "ours_tp_partial", "ours_tp_full", "fsdp2_tp_eager", "fsdp2_tp_gathered_eager",

@@ -14,8 +14,8 @@ import torch
 from _common import cuda_time_ms
 from fsdp_cudagraph.apps.model import GPTConfig
 
-__all__ = ["matmul_peak_tflops", "fp8_matmul_peak_tflops", "copy_bandwidth_gbps", "adam_step_ms", "model_flops_per_step",
-           "active_matmul_params", "transformer_flops_per_step", "collective_rates_gbps"]
+__all__ = ["matmul_peak_tflops", "fp8_matmul_peak_tflops", "copy_bandwidth_gbps", "adam_step_ms",
+           "model_flops_per_step", "active_matmul_params", "transformer_flops_per_step", "collective_rates_gbps"]
 
 
 def matmul_peak_tflops(device: torch.device) -> float:

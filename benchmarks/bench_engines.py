@@ -949,16 +949,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         use_deterministic_kernels()
     if args.merge:
-        margs, world, rates, rows, skipped = merge(args.merge)
+        margs, world, rates, rows, skipped, parts = merge(args.merge)
         result = assemble(margs, world, rates, rows, skipped)
         print(result["table"], flush=True)
         if args.out:
             # the measurements' machines and commands, not this (merging) one's
-            parts = []
-            for path in args.merge:
-                with open(path) as fh:
-                    part = json.load(fh)
-                parts.append({"path": path, "command": part.get("command"), "versions": part.get("versions")})
             write_record(args.out, {**record_fields(), "world_size": world, "versions": parts[0]["versions"],
                                     "merged_from": parts, "config": vars(margs), "columns": rows, **result})
         ran = all("step_ms" in r for c, r in rows.items() if c not in skipped)

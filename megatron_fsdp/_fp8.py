@@ -72,7 +72,8 @@ class QuantizedOps:
         return False
 
     def bind(self, p: torch.Tensor, data: torch.Tensor, transpose: Optional[torch.Tensor]) -> None:  # pragma: no cover
-        """Make ``data`` (uint8, the parameter's shape) its FP8 bytes and ``transpose`` (or None) its column-wise copy."""
+        """Make ``data`` (uint8, the parameter's shape) its FP8 bytes and ``transpose`` (or None) its column-wise
+        copy."""
         raise NotImplementedError
 
     def quantize(self, params: Sequence[torch.Tensor], pieces: Sequence[Optional[torch.Tensor]],
@@ -85,9 +86,6 @@ class QuantizedOps:
 
     def after_gather(self, params: Sequence[torch.Tensor]) -> None:
         """The bytes of every parameter are in place: write what else the GEMMs read (transposes)."""
-
-    def data_ptr(self, p: torch.Tensor) -> int:  # pragma: no cover - interface
-        raise NotImplementedError
 
     def tensors(self, p: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
         """(what, tensor) of every tensor a GEMM reads from ``p`` by address: a graph's replay check compares them."""
@@ -121,11 +119,8 @@ def ops_for(p: torch.Tensor) -> Optional[QuantizedOps]:
     """The ops of ``p``'s kind of quantized parameter, or None for a plain tensor."""
     if type(p) in (torch.Tensor, nn.Parameter):
         return None
-    te = _te_ops()
-    for ops in ([te] if te is not None else []) + [o for o in _registered if o is not te]:
-        if ops.matches(p):
-            return ops
-    return None
+    _te_ops()  # registers TE's ops once the program has imported TE
+    return next((ops for ops in _registered if ops.matches(p)), None)
 
 
 def is_quantized(p: torch.Tensor) -> bool:
@@ -196,9 +191,6 @@ class _TEOps(QuantizedOps):
             p._transpose_invalid = True
             if p._transpose is not None:
                 p._create_transpose()  # into the bound view: TE's fp8_transpose(out=...)
-
-    def data_ptr(self, p: torch.Tensor) -> int:
-        return p._data.data_ptr()
 
 
 # ---------------------------------------------------------------------------------------------------- the plan
@@ -378,9 +370,9 @@ class Fp8Plan:
         return self.plane_bytes + self.world * self.stage_numel * self.itemsize
 
 
-def problems(*, unit: str, names: Sequence[str], params: Sequence[torch.Tensor], frozen: Sequence[Tuple[str, torch.Tensor]],
-             expert: bool, tensor_parallel: bool, strategy: str, shards_params: bool, double_buffer: bool,
-             hybrid: bool) -> List[str]:
+def problems(*, unit: str, names: Sequence[str], params: Sequence[torch.Tensor],
+             frozen: Sequence[Tuple[str, torch.Tensor]], expert: bool, tensor_parallel: bool, strategy: str,
+             shards_params: bool, double_buffer: bool, hybrid: bool) -> List[str]:
     """Why this unit's FP8 weights cannot be gathered as FP8 bytes, each with the fix (empty: they can)."""
     out: List[str] = []
     for n, p in zip(names, params):

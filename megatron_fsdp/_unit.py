@@ -324,12 +324,11 @@ class FSDPUnit:
         }
 
     def param_addresses(self) -> Tuple[int, ...]:
-        """Where each parameter's values sit (an FP8 weight's: its bytes; its transpose sits in the same slot, whose
-        address ``buffer_addresses`` gives)."""
+        """Where each parameter's values sit: a plain parameter's data, an FP8 weight's bytes, transpose and scale (the
+        tensors a graph's replay check compares, ``_fp8.replay_tensors``)."""
         if self.fp8 is None:
             return tuple(p.data_ptr() for p in self.all_params)
-        ops = self.fp8.ops
-        return tuple(p.data_ptr() if v is not None else ops.data_ptr(p) for p, v in zip(self.all_params, self.param_views))
+        return tuple(t.data_ptr() for n, p in zip(self.names, self.all_params) for _, t in _fp8.replay_tensors(n, p))
 
     # ------------------------------------------------------------------ unshard / reshard
     def _install_if_stale(self) -> None:
@@ -389,7 +388,8 @@ class FSDPUnit:
         works: List[Optional[dist.Work]] = []
         if self.fp8 is not None:  # [Note: FP8 parameter all-gather] in _fp8.py; finished in wait_unshard
             works += self.fp8.gather(buf.tensor, self.main_shard.detach(), self.params, self.group,
-                                     lambda out, shard, what: C.all_gather(out, shard, self.group, what), f"unit {self.name}")
+                                     lambda out, shard, what: C.all_gather(out, shard, self.group, what),
+                                     f"unit {self.name}")
         elif t:
             works.append(self._gather(buf.tensor[:t], self.main_shard.detach(), f"unit {self.name}"))
         if self.numel > t:

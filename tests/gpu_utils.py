@@ -156,8 +156,8 @@ class RowGuard:
     A script records a row that raises and goes on to the next, so that one failing row does not hide the others.
     When the row raised on one rank only, the other ranks may still be inside it, blocked in a collective the
     failing rank will never issue; the failing rank then meets them in the next row's first collective, and the
-    run hangs until a time limit stops it, the error unprinted (megatron-core's EP rows with TE's layers did this
-    three times). So the failing rank prints its traceback at once, tagged with its rank (:meth:`failed`), and
+    run hangs until a time limit stops it, the error unprinted (megatron-core's EP rows with TE's layers stalled in
+    that shape three times, the cause not yet named). So the failing rank prints its traceback at once, tagged with its rank (:meth:`failed`), and
     every rank meets the others after each row at a monitored barrier of a Gloo group of its own
     (:meth:`end_of_row`): a rank that does not arrive within ``timeout_s`` is named, and the process leaves with
     status 3, which makes ``torchrun`` stop the blocked ranks. One rank: nothing to meet.
@@ -169,11 +169,11 @@ class RowGuard:
         import torch.distributed as dist
 
         self.timeout_s = timeout_s
+        self.timeout = datetime.timedelta(seconds=timeout_s)
         self.multi = dist.is_initialized() and dist.get_world_size() > 1
         # A collective of every rank, so made here, at start-up, where every rank passes. The group's own timeout
         # bounds the wait of ranks other than 0 (the barrier's bounds rank 0's): each names a rank that never came.
-        self.group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-                      if self.multi else None)
+        self.group = dist.new_group(backend="gloo", timeout=self.timeout) if self.multi else None
 
     @staticmethod
     def failed(what: str, exc: BaseException) -> Dict[str, Any]:
@@ -189,16 +189,13 @@ class RowGuard:
         """Wait for every rank to finish row ``what``; name the ones that do not and leave (status 3)."""
         if not self.multi:
             return
-        import datetime
-
         import torch.distributed as dist
 
         try:
-            dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=self.timeout_s),
-                                   wait_all_ranks=True)
+            dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
         except RuntimeError as exc:
-            print(f"[rank {dist.get_rank()}] after row {what}: not every rank finished it within {self.timeout_s:.0f} s "
-                  f"(a rank still blocked in it, in a collective a rank that raised never issued): {exc}",
-                  file=sys.stderr, flush=True)
+            print(f"[rank {dist.get_rank()}] after row {what}: not every rank finished it within "
+                  f"{self.timeout_s:.0f} s (a rank still blocked in it, in a collective a rank that raised never "
+                  f"issued): {exc}", file=sys.stderr, flush=True)
             os._exit(3)
 

@@ -100,9 +100,6 @@ class StandInOps(QuantizedOps):
         for p in params:
             p._transpose.copy_(p._data.t())
 
-    def data_ptr(self, p: torch.Tensor) -> int:
-        return p._data.data_ptr()
-
 
 class _Fp8Matmul(torch.autograd.Function):
     """``x @ W^T`` with ``W`` the dequantized FP8 weight; the weight's gradient goes to ``weight``."""
