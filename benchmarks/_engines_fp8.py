@@ -41,8 +41,8 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import nn
 
-__all__ = ["FP8_COLUMNS", "FP8_WEIGHTS", "COLUMN_RECIPE", "recipe_of", "make_recipe", "weights_init", "autocast",
-           "not_applicable", "layers_impl", "float8_fsdp2", "after_optimizer_step", "add_arguments", "check_arguments"]
+__all__ = ["FP8_COLUMNS", "FP8_WEIGHTS", "COLUMN_RECIPE", "recipe_of", "make_recipe", "weights_init", "params_dtype",
+           "autocast", "not_applicable", "layers_impl", "float8_fsdp2", "after_optimizer_step", "add_arguments", "check_arguments"]
 
 #: The columns of ``--config llama8b_fp8``, in the table's order (their specs are in bench_engines.COLUMN_SPECS).
 FP8_COLUMNS = ["ours_eager", "ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager",
@@ -86,6 +86,14 @@ def weights_init(column: str) -> Any:
     from transformer_engine.common.recipe import Float8CurrentScaling
 
     return te.quantized_model_init(enabled=True, recipe=Float8CurrentScaling())
+
+
+def params_dtype(column: str) -> Optional[torch.dtype]:
+    """The dtype TE builds ``column``'s layers in (None: the model's default, fp32): the FP8-weight columns build in
+    the engine's compute dtype, bf16, since an FP8 weight keeps the dtype it was built with and TE checks it against
+    the input's ([Note: FP8 parameter all-gather] in megatron_fsdp/_fp8.py); the fp32 main shards start from the
+    bf16 values, as NVIDIA's do."""
+    return torch.bfloat16 if column in FP8_WEIGHTS else None
 
 
 def autocast(fp8: Any) -> Any:

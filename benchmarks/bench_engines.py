@@ -235,7 +235,8 @@ class Model:
     fused_loss: bool = False
 
 
-def _llama_config(args: argparse.Namespace, *, fuse_wgrad: bool, layers_impl: Optional[str] = None) -> Any:
+def _llama_config(args: argparse.Namespace, *, fuse_wgrad: bool, layers_impl: Optional[str] = None,
+                  te_params_dtype: Optional[torch.dtype] = None) -> Any:
     from fsdp_cudagraph.apps.llama import LlamaConfig, llama3_8b_config
 
     if args.cpu_smoke:
@@ -244,7 +245,8 @@ def _llama_config(args: argparse.Namespace, *, fuse_wgrad: bool, layers_impl: Op
     impl = layers_impl or args.layers_impl
     seq = args.seq or (8192 if args.config == "llama8b_fp8" else None)
     return llama3_8b_config(num_layers=args.layers, layers_impl=impl, fuse_wgrad=fuse_wgrad and impl == "te",
-                            **({"seq_len": seq} if seq else {}))
+                            **({"seq_len": seq} if seq else {}),
+                            **({"te_params_dtype": te_params_dtype} if te_params_dtype else {}))
 
 
 def _olmoe_config(args: argparse.Namespace, *, fuse_wgrad: bool, experts: str) -> Any:
@@ -299,7 +301,8 @@ def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, f
     if args.config in ("llama8b", "llama8b_fp8"):
         from fsdp_cudagraph.apps import llama
 
-        cfg = _llama_config(args, fuse_wgrad=fuse, layers_impl=layers_impl)
+        cfg = _llama_config(args, fuse_wgrad=fuse, layers_impl=layers_impl,
+                            te_params_dtype=_engines_fp8.params_dtype(column))
         # parameters made where they train: an 8B-shaped model initialised on the host takes minutes
         with device, _engines_fp8.weights_init(column):
             module = llama.Llama(cfg)

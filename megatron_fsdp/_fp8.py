@@ -372,7 +372,7 @@ class Fp8Plan:
 
 def problems(*, unit: str, names: Sequence[str], params: Sequence[torch.Tensor],
              frozen: Sequence[Tuple[str, torch.Tensor]], expert: bool, tensor_parallel: bool, strategy: str,
-             shards_params: bool, double_buffer: bool, hybrid: bool) -> List[str]:
+             shards_params: bool, double_buffer: bool, hybrid: bool, compute_dtype: torch.dtype) -> List[str]:
     """Why this unit's FP8 weights cannot be gathered as FP8 bytes, each with the fix (empty: they can)."""
     out: List[str] = []
     for n, p in zip(names, params):
@@ -380,6 +380,12 @@ def problems(*, unit: str, names: Sequence[str], params: Sequence[torch.Tensor],
         why = ops.problem(p) if ops is not None else None
         if why:
             out.append(f"parameter {n} of unit {unit} is {why}")
+        elif ops is not None and p.dtype != compute_dtype:
+            # the engine presents every parameter in the compute dtype; an FP8 weight keeps the dtype it was built
+            # with (TE refuses a forward whose input dtype differs: "Data types for parameters must match")
+            out.append(f"FP8 weight {n} of unit {unit} was built in {p.dtype} and the engine computes in "
+                       f"{compute_dtype}; build the FP8 layers in the compute dtype (TE: params_dtype={compute_dtype} "
+                       "under quantized_model_init), or pass compute_dtype to match")
     late = [n for n, p in frozen if is_quantized(p)]
     if late:
         out.append(f"parameters {late[:3]} of unit {unit} are frozen FP8 weights; the FP8 all-gather covers trainable "

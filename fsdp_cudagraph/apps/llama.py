@@ -62,6 +62,10 @@ class LlamaConfig:
     #: TE only: weight gradients accumulate straight into the engine's fp32 ``main_grad``
     #: (``fuse_wgrad_accumulation=True`` with ``fuse_qkv_params=True``, TE's rule); our engine only.
     fuse_wgrad: bool = False
+    #: TE only: the dtype TE builds its parameters in. Primary FP8 weights (built under TE's
+    #: ``quantized_model_init``) take the engine's compute dtype (``torch.bfloat16``): TE checks that every
+    #: parameter's dtype is the input's, and an FP8 weight keeps the dtype it was built with.
+    te_params_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         if self.layers_impl not in LAYERS_IMPLS:
@@ -158,7 +162,7 @@ def _te_layer(cfg: LlamaConfig, layer_number: int) -> nn.Module:
         cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_heads, num_gqa_groups=cfg.num_kv_heads,
         layernorm_epsilon=cfg.norm_eps, hidden_dropout=0.0, attention_dropout=0.0, layer_number=layer_number,
         self_attn_mask_type="causal", normalization="RMSNorm", activation="swiglu", bias=False,
-        params_dtype=torch.float32, seq_length=cfg.seq_len,
+        params_dtype=cfg.te_params_dtype, seq_length=cfg.seq_len,
         fuse_wgrad_accumulation=cfg.fuse_wgrad, fuse_qkv_params=cfg.fuse_wgrad,  # TE requires both together
     )
 
