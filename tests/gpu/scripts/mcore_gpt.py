@@ -136,6 +136,35 @@ def _print(rows: List[Dict[str, Any]]) -> None:
                   f"perturb={bool(r['perturb'])!s:5s} ok={r['ok']} {r.get('error', '')}", flush=True)
 
 
+def watch_nonfinite() -> None:
+    """``MCORE_NONFINITE=1``: print, once per module type and rank, the first module whose forward output holds a
+    non-finite value, and each router call that sends no token to some expert (what TE's fused permute refuses with
+    "num_out_tokens > 0"). Eager forwards only (a check under capture would synchronize)."""
+    seen: set = set()
+    calls = {"n": 0}
+
+    def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+        calls["n"] += 1
+        outs = output if isinstance(output, (tuple, list)) else (output,)
+        name = type(module).__name__
+        for i, t in enumerate(outs):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.is_floating_point() and name not in seen and not bool(torch.isfinite(t).all()):
+                seen.add(name)
+                print(f"[rank {dist.get_rank()}] call {calls['n']}: {name} output {i} {tuple(t.shape)} is non-finite",
+                      flush=True)
+            if name == "TopKRouter" and t.dtype == torch.bool and t.dim() == 2:
+                per_expert = t.sum(0).tolist()
+                if min(per_expert) == 0:
+                    print(f"[rank {dist.get_rank()}] call {calls['n']}: TopKRouter tokens per expert {per_expert}",
+                          flush=True)
+
+    torch.nn.modules.module.register_module_forward_hook(hook)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -154,6 +183,8 @@ def main() -> int:
     args = p.parse_args()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     device = init_script_ranks(args.device, args.port)
+    if os.environ.get("MCORE_NONFINITE") == "1":
+        watch_nonfinite()
     guard = RowGuard()  # [Note: a row that raises on one rank] in tests/gpu_utils.py
     from fsdp_cudagraph.apps import mcore_gpt
 
