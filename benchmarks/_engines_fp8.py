@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 __all__ = ["FP8_COLUMNS", "FP8_WEIGHTS", "COLUMN_RECIPE", "recipe_of", "make_recipe", "weights_init", "params_dtype",
-           "autocast", "not_applicable", "layers_impl", "float8_fsdp2", "after_optimizer_step", "add_arguments", "check_arguments"]
+           "autocast", "not_applicable", "layers_impl", "float8_fsdp2", "after_optimizer_step", "add_arguments",
+           "check_arguments"]
 
 #: The columns of ``--config llama8b_fp8``, in the table's order (their specs are in bench_engines.COLUMN_SPECS).
 FP8_COLUMNS = ["ours_eager", "ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager",

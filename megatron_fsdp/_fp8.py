@@ -7,8 +7,9 @@ keeps the fp32 main shards as always (the optimizer's, the checkpoints'), and ea
 
 1. quantizes this rank's piece of every FP8 weight from its fp32 main shard, with the scale of the *whole*
    weight: the amax of each piece, one ``MAX`` all-reduce of all the unit's amaxes over the sharding group,
-   the scale from it (TE's ``quantize_master_weights``, as Megatron's distributed optimizer calls it), written
-   straight into this rank's part of the unit's gather buffer;
+   the scale from it (the steps of TE's ``quantize_master_weights``, which Megatron's distributed optimizer calls,
+   with a row-wise cast: [Note: a row-wise cast of the shard pieces]), written straight into this rank's part of
+   the unit's gather buffer;
 2. all-gathers those bytes in place: 1 byte a weight element instead of 2;
 3. gathers the unit's other parameters (norm weights, biases: a few thousand elements a layer) in the compute
    dtype through a small staging area, and copies them into their views;
@@ -16,10 +17,12 @@ keeps the fp32 main shards as always (the optimizer's, the checkpoints'), and ea
    plane of the same buffer.
 
 So the bytes on the wire halve, and for bf16 weights (``params_dtype=torch.bfloat16``) the values are those TE's
-own forward computes from the bf16 weight: ``quantize_master_weights`` rounds the fp32 main to the weight's dtype
-before taking the amax, as current scaling of the bf16 weight does (``torch.equal``, every loss and main parameter,
-on 1 and 2 H200s: tests/gpu/scripts/fp8_gather.py). The unit's flat layout, main shard, gradient buffer and
-reduce-scatter are the same as without FP8: only the unshard buffer is carved differently (:class:`Fp8Plan`).
+own forward computes from the bf16 weight: the fp32 main is rounded to the weight's dtype before the amax is
+taken, as current scaling of the bf16 weight does (``torch.equal``, every loss and main parameter, on 1 and 2 H200s
+with TE's helper doing the cast, at 90e3a98 and a91a27a: tests/gpu/scripts/fp8_gather.py; the row-wise cast that
+replaced it is the same elementwise cast and had not yet run on a GPU when it landed). The unit's flat layout,
+main shard, gradient buffer and reduce-scatter are the same as without FP8: only the unshard buffer is carved
+differently (:class:`Fp8Plan`).
 
 Fixed addresses: a weight's ``_data`` and ``_transpose`` are views of the unit's unshard buffer, a double-buffer
 slot, bound at set-up and again after every gather; its ``_scale_inv`` is a tensor TE updates in place. A graph
@@ -180,11 +183,51 @@ class _TEOps(QuantizedOps):
     def quantize(self, params: Sequence[torch.Tensor], pieces: Sequence[Optional[torch.Tensor]],
                  offsets: Sequence[Optional[int]], outs: Sequence[Optional[torch.Tensor]],
                  group: dist.ProcessGroup) -> None:
-        from transformer_engine.pytorch.tensor.utils import quantize_master_weights
+        """TE's ``quantize_master_weights`` for current scaling, step for step, except the cast: row-wise only.
 
-        # manual_post_all_gather_processing: the transposes are written by after_gather, into the buffer
-        quantize_master_weights(list(params), list(pieces), list(offsets), group,
-                                fsdp_shard_model_weights=list(outs), manual_post_all_gather_processing=True)
+        [Note: a row-wise cast of the shard pieces] TE's helper casts each piece with a ``Float8Quantizer`` that
+        also wants the column-wise (transposed) copy. A piece is a flat run of elements, so the cast-transpose kernel
+        sees a [1, N] matrix: its general kernel, about 70 times slower than a plain cast (250 ms of a 864 ms step at
+        the Llama-3-8B shape on 4 x H200, more than the FP8 GEMMs saved), for a transpose that is dropped (the
+        transposes are made whole after the gather, :meth:`after_gather`). The bytes are the same: a cast is
+        elementwise, ``fp8(x * scale)``, whichever kernel runs it.
+        """
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.optimizers.multi_tensor_apply import multi_tensor_applier
+        from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+        first = params[0]._get_quantizer()
+        for p in params:
+            q = p._get_quantizer()
+            if (q.dtype, q.force_pow_2_scales, q.amax_epsilon) != (first.dtype, first.force_pow_2_scales,
+                                                                    first.amax_epsilon):
+                raise ValueError("the FP8 weights of one unit must share their FP8 dtype, force_pow_2_scales and "
+                                 "amax_epsilon (TE's quantize_master_weights rule); build them under one recipe")
+        device = params[0].device
+        amaxes = torch.zeros(len(params), dtype=torch.float32, device=device)
+        high: List[Optional[torch.Tensor]] = []
+        for i, (p, piece) in enumerate(zip(params, pieces)):
+            if hasattr(p, "clear_high_precision_init_val"):
+                p.clear_high_precision_init_val()  # the main shards hold the values now
+            # rounded to the weight's dtype first, as TE rounds a bf16 weight's fp32 main before quantizing it
+            hp = None if piece is None or not piece.numel() else piece.to(p.dtype)
+            high.append(hp)
+            if hp is not None:
+                tex.compute_amax(hp, amaxes[i : i + 1])
+        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)  # the whole weight's amax
+        scales = [torch.empty(1, dtype=torch.float32, device=device) for _ in params]
+        max_fp8 = 448.0 if first.dtype == tex.DType.kFloat8E4M3 else 57344.0
+        multi_tensor_applier(tex.multi_tensor_compute_scale_and_scale_inv,
+                             torch.zeros(1, dtype=torch.int, device=device),
+                             [[amaxes[i : i + 1] for i in range(len(params))], scales,
+                              [p._scale_inv.view(1) for p in params]],
+                             max_fp8, first.force_pow_2_scales, first.amax_epsilon)
+        for p, hp, out, scale in zip(params, high, outs, scales):
+            if hp is None or out is None:
+                continue
+            cast = Float8Quantizer(scale=scale, amax=torch.Tensor(), fp8_dtype=p._fp8_dtype, rowwise=True,
+                                   columnwise=False)
+            cast.update_quantized(hp, cast.create_tensor_from_data(out.view(-1), p.dtype))
 
     def after_gather(self, params: Sequence[torch.Tensor]) -> None:
         for p in params:
