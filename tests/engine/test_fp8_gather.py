@@ -177,7 +177,8 @@ def _refusal_job(rank: int, world: int, case: str) -> str:
     ("no_double_buffer", ["fsdp_double_buffer=False", "fsdp_double_buffer=True"]),
     ("frozen", ["frozen FP8 weights", "blocks.0.fc1.weight"]),
     ("summon", ["summon_full_params", "state_dict"]),
-    ("dtype", ["blocks.0.fc1.weight", "built in torch.float32", "computes in torch.bfloat16", "params_dtype=torch.bfloat16"]),
+    ("dtype", ["blocks.0.fc1.weight", "built in torch.float32", "computes in torch.bfloat16",
+               "params_dtype=torch.bfloat16"]),
 ])
 def test_fp8_weights_where_the_gather_does_not_run_are_refused(case, words):
     msg = run_gloo(_refusal_job, 1, case)[0]

@@ -66,6 +66,10 @@ CASES = [("dense", "layer"), ("dense", "attn_mlp"), ("moe_alltoall", "attn_route
 EP_MODELS = ["moe_alltoall", "moe_allgather"]
 EP_ENGINES = ["megatron_fsdp", "nvidia", "nvidia_mcore"]
 
+#: the dense scopes of the tensor-parallel rows, and the engines that take megatron-core's TP groups
+TP_SCOPES = ["layer", "attn_mlp"]
+TP_ENGINES = ["megatron_fsdp"]
+
 
 def ep_overrides(model: str, expert_parallel: int) -> Dict[str, Any]:
     """Shape overrides of an EP row. The allgather dispatcher at EP > 1 runs megatron-core's unfused permute: TE's
@@ -73,9 +77,6 @@ def ep_overrides(model: str, expert_parallel: int) -> Dict[str, Any]:
     routes nearly every token to two of its four experts (seen on 2 x H200 with TE 2.20.2 and megatron-core 0.19.2:
     counts per expert [512, 512, 0, 0]), so the rank that owns the other two has none; the alltoall rows keep it."""
     return {"moe_permute_fusion": False} if model == "moe_allgather" and expert_parallel > 1 else {}
-#: the dense scopes of the tensor-parallel rows, and the engines that take megatron-core's TP groups
-TP_SCOPES = ["layer", "attn_mlp"]
-TP_ENGINES = ["megatron_fsdp"]
 
 
 def row(engine: str, model: str, scope: str, device: torch.device, backend: Optional[str],
