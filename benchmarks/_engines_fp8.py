@@ -18,7 +18,10 @@ a step (gradient accumulation, as Megatron reaches its global batch; default 1).
   from the fp32 main shards with the scale of the whole weight ([Note: FP8 parameter all-gather] in
   megatron_fsdp/_fp8.py); ``ours_fp8_gather_partial``: + ``PartialCudaGraphs`` (whole layers).
 - ``nvidia_fp8_eager``: NVIDIA Megatron-FSDP (the checker's ``nvidia`` builder) on the same TE layers under the same
-  autocast; its parameters are gathered in bf16 (``fp8_param_gather`` stays refused by our adapter).
+  autocast; its parameters are gathered in bf16. ``nvidia_fp8_gather_eager``: its layers built as
+  ``ours_fp8_gather_eager``'s, so that NVIDIA's engine gathers the FP8 weights as bytes (its parameter groups of
+  dtype "float8", what Megatron-Bridge's ``--fp8-param-gather`` runs; eager only: our adapter refuses graphs over
+  them, since backward reads a transpose buffer the replay check does not see).
 - ``fsdp2_torch_eager``: FSDP2 with ``MixedPrecisionPolicy(bf16, fp32)`` on the model's torch layers (nn.Linear:
   what torchao converts), each layer compiled (``torch.compile`` per block, as torchtitan compiles; ``--fsdp2-compile
   off``: not compiled).
@@ -36,22 +39,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["FP8_COLUMNS", "FP8_WEIGHTS", "COLUMN_RECIPE", "recipe_of", "make_recipe", "weights_init", "params_dtype",
+__all__ = ["FP8_COLUMNS", "FP8_WEIGHTS", "COLUMN_RECIPE", "recipe_of", "make_recipe", "weights_init", "layer_overrides",
            "autocast", "not_applicable", "layers_impl", "float8_fsdp2", "after_optimizer_step", "add_arguments",
            "check_arguments"]
 
 #: The columns of ``--config llama8b_fp8``, in the table's order (their specs are in bench_engines.COLUMN_SPECS).
 FP8_COLUMNS = ["ours_eager", "ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager",
                "ours_fp8_partial", "ours_fp8_full", "ours_fp8_gather_eager", "ours_fp8_gather_partial",
-               "nvidia_fp8_eager", "fsdp2_torch_eager", "fsdp2_float8_eager"]
-#: Columns whose layers are built under TE's quantized_model_init (primary FP8 weights), so that our engine gathers
-#: them as FP8 bytes ([Note: FP8 parameter all-gather] in megatron_fsdp/_fp8.py); current scaling.
-FP8_WEIGHTS = ["ours_fp8_gather_eager", "ours_fp8_gather_partial"]
+               "nvidia_fp8_eager", "nvidia_fp8_gather_eager", "fsdp2_torch_eager", "fsdp2_float8_eager"]
+#: Columns whose layers are built under TE's quantized_model_init (primary FP8 weights), so that the engine gathers
+#: them as FP8 bytes (ours: [Note: FP8 parameter all-gather] in megatron_fsdp/_fp8.py; NVIDIA's: its "float8"
+#: parameter groups, what Megatron's fp8_param_gather builds); current scaling.
+FP8_WEIGHTS = ["ours_fp8_gather_eager", "ours_fp8_gather_partial", "nvidia_fp8_gather_eager"]
 #: Columns whose recipe is fixed by their name; the others with ``fp8`` in their spec take ``--fp8-recipe``.
 COLUMN_RECIPE = {"ours_fp8_delayed_eager": "delayed", "ours_fp8_current_eager": "current",
                  "ours_fp8_block_eager": "block", **{c: "current" for c in FP8_WEIGHTS}}
@@ -89,12 +93,12 @@ def weights_init(column: str) -> Any:
     return te.quantized_model_init(enabled=True, recipe=Float8CurrentScaling())
 
 
-def params_dtype(column: str) -> Optional[torch.dtype]:
-    """The dtype TE builds ``column``'s layers in (None: the model's default, fp32): the FP8-weight columns build in
-    the engine's compute dtype, bf16, since an FP8 weight keeps the dtype it was built with and TE checks it against
-    the input's ([Note: FP8 parameter all-gather] in megatron_fsdp/_fp8.py); the fp32 main shards start from the
-    bf16 values, as NVIDIA's do."""
-    return torch.bfloat16 if column in FP8_WEIGHTS else None
+def layer_overrides(column: str) -> Dict[str, Any]:
+    """``LlamaConfig`` fields ``column``'s TE layers need beyond the config's: the FP8-weight columns build them in the
+    engines' compute dtype, bf16 (an FP8 weight keeps the dtype it was built with and TE checks it against the
+    input's; the fp32 main weights then start from the bf16 values, as NVIDIA's always do), with one fused QKV
+    weight (TE refuses to split a quantized weight into q, k and v), whatever ``--fuse-wgrad`` says."""
+    return {"te_params_dtype": torch.bfloat16, "fuse_qkv": True} if column in FP8_WEIGHTS else {}
 
 
 def autocast(fp8: Any) -> Any:
@@ -107,10 +111,6 @@ def not_applicable(column: str, device: torch.device, args: argparse.Namespace) 
     """Why ``column`` of ``--config llama8b_fp8`` cannot run here by design (None: it can)."""
     from fsdp_cudagraph.capture import te as _te
 
-    if column in FP8_WEIGHTS and args.fuse_wgrad == "off":
-        return ("--fuse-wgrad off builds the Llama TE layer with q, k and v as separate parameters, and TE refuses FP8 "
-                "weights split that way (\"Splitting QuantizedTensor into multiple params is not supported\"); run "
-                "the FP8-weight columns with --fuse-wgrad on")
     name = recipe_of(column, args)
     if name is not None:
         if device.type != "cuda":

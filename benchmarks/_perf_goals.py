@@ -271,6 +271,8 @@ ENGINE_GOALS: List[Goal] = [
          "ours_fp8_gather_eager", "ours_eager", 1 / 1.35),
     Goal("ours FP8 weights gathered as FP8: eager step / NVIDIA FP8 eager (tokens/s >= 1.1x)", "llama8b_fp8", "ms",
          "ours_fp8_gather_eager", "nvidia_fp8_eager", 1 / 1.1),
+    Goal("ours FP8 weights gathered as FP8: eager step / NVIDIA's, FP8 weights gathered as FP8 (tokens/s >= 1.1x)",
+         "llama8b_fp8", "ms", "ours_fp8_gather_eager", "nvidia_fp8_gather_eager", 1 / 1.1),
     Goal("ours FP8 weights gathered as FP8: eager step / FSDP2 + torchao float8 (tokens/s >= 1.3x)", "llama8b_fp8",
          "ms", "ours_fp8_gather_eager", "fsdp2_float8_eager", 1 / 1.3),
     Goal("ours FP8 weights gathered as FP8 + partial step / eager (never slower)", "llama8b_fp8", "ms",

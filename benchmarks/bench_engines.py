@@ -70,6 +70,7 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
                        engine gathers the weights as FP8 bytes ([Note: FP8 parameter all-gather])
   ours_fp8_gather_partial  + PartialCudaGraphs (whole layers)
   nvidia_fp8_eager     NVIDIA Megatron-FSDP under the same autocast (``--fp8-recipe``; bf16 parameter all-gather)
+  nvidia_fp8_gather_eager  NVIDIA Megatron-FSDP on ours_fp8_gather_eager's layers: it gathers the FP8 weights as bytes
   fsdp2_torch_eager    FSDP2 bf16 on the torch layers, each layer compiled (``--fsdp2-compile``)
   fsdp2_float8_eager   the same + torchao float8 (tensorwise, float8 all-gather; torchtitan's composition)
 
@@ -183,6 +184,7 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
     "ours_fp8_gather_eager": ("megatron_fsdp", {"fp8": True}, "eager"),
     "ours_fp8_gather_partial": ("megatron_fsdp", {"fp8": True}, "partial"),
     "nvidia_fp8_eager": ("nvidia", {"fp8": True}, "eager"),
+    "nvidia_fp8_gather_eager": ("nvidia", {"fp8": True}, "eager"),
     "fsdp2_torch_eager": ("fsdp2_torchtitan", None, "eager"),
     "fsdp2_float8_eager": ("fsdp2_torchtitan", {"float8": True}, "eager"),
 }
@@ -236,7 +238,7 @@ class Model:
 
 
 def _llama_config(args: argparse.Namespace, *, fuse_wgrad: bool, layers_impl: Optional[str] = None,
-                  te_params_dtype: Optional[torch.dtype] = None) -> Any:
+                  overrides: Optional[Dict[str, Any]] = None) -> Any:
     from fsdp_cudagraph.apps.llama import LlamaConfig, llama3_8b_config
 
     if args.cpu_smoke:
@@ -245,8 +247,7 @@ def _llama_config(args: argparse.Namespace, *, fuse_wgrad: bool, layers_impl: Op
     impl = layers_impl or args.layers_impl
     seq = args.seq or (8192 if args.config == "llama8b_fp8" else None)
     return llama3_8b_config(num_layers=args.layers, layers_impl=impl, fuse_wgrad=fuse_wgrad and impl == "te",
-                            **({"seq_len": seq} if seq else {}),
-                            **({"te_params_dtype": te_params_dtype} if te_params_dtype else {}))
+                            **({"seq_len": seq} if seq else {}), **(overrides or {}))
 
 
 def _olmoe_config(args: argparse.Namespace, *, fuse_wgrad: bool, experts: str) -> Any:
@@ -302,7 +303,7 @@ def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, f
         from fsdp_cudagraph.apps import llama
 
         cfg = _llama_config(args, fuse_wgrad=fuse, layers_impl=layers_impl,
-                            te_params_dtype=_engines_fp8.params_dtype(column))
+                            overrides=_engines_fp8.layer_overrides(column))
         # parameters made where they train: an 8B-shaped model initialised on the host takes minutes
         with device, _engines_fp8.weights_init(column):
             module = llama.Llama(cfg)

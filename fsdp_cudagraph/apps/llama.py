@@ -62,6 +62,9 @@ class LlamaConfig:
     #: TE only: weight gradients accumulate straight into the engine's fp32 ``main_grad``
     #: (``fuse_wgrad_accumulation=True`` with ``fuse_qkv_params=True``, TE's rule); our engine only.
     fuse_wgrad: bool = False
+    #: TE only: one fused QKV weight (``fuse_qkv_params``); None: as ``fuse_wgrad`` (TE needs it fused there). FP8
+    #: primary weights need it fused too (TE refuses to split a quantized weight into q, k and v).
+    fuse_qkv: Optional[bool] = None
     #: TE only: the dtype TE builds its parameters in. Primary FP8 weights (built under TE's
     #: ``quantized_model_init``) take the engine's compute dtype (``torch.bfloat16``): TE checks that every
     #: parameter's dtype is the input's, and an FP8 weight keeps the dtype it was built with.
@@ -77,6 +80,9 @@ class LlamaConfig:
                              "grouped-query attention shares each key/value head among num_heads/num_kv_heads heads")
         if (self.hidden_size // self.num_heads) % 2:
             raise ValueError(f"head_dim={self.hidden_size // self.num_heads} is odd; rotary embeddings rotate pairs")
+        if self.fuse_wgrad and self.fuse_qkv is False:
+            raise ValueError("fuse_wgrad=True with fuse_qkv=False: TE's fuse_wgrad_accumulation needs fuse_qkv_params; "
+                             "leave fuse_qkv unset (None) or True")
         if self.fuse_wgrad and self.layers_impl != "te":
             raise ValueError("fuse_wgrad=True is TE's fuse_wgrad_accumulation and needs layers_impl='te'")
 
@@ -163,7 +169,8 @@ def _te_layer(cfg: LlamaConfig, layer_number: int) -> nn.Module:
         layernorm_epsilon=cfg.norm_eps, hidden_dropout=0.0, attention_dropout=0.0, layer_number=layer_number,
         self_attn_mask_type="causal", normalization="RMSNorm", activation="swiglu", bias=False,
         params_dtype=cfg.te_params_dtype, seq_length=cfg.seq_len,
-        fuse_wgrad_accumulation=cfg.fuse_wgrad, fuse_qkv_params=cfg.fuse_wgrad,  # TE requires both together
+        fuse_wgrad_accumulation=cfg.fuse_wgrad,
+        fuse_qkv_params=cfg.fuse_wgrad if cfg.fuse_qkv is None else cfg.fuse_qkv,
     )
 
 
