@@ -39,7 +39,8 @@ import _perf_goals as goals
 __all__ = ["assemble", "table", "merge", "LOSS_PAIRS", "FIRST_LOSS_RTOL", "LOSS_RTOL", "loss_agreement"]
 
 #: (column, reference column) trained by different engines on the same model: see [Note: losses across engines]
-LOSS_PAIRS = [("nvidia_ep_eager", "ours_ep_eager"), ("fsdp2_ep_eager", "ours_ep_eager")]
+LOSS_PAIRS = [("nvidia_ep_eager", "ours_ep_eager"), ("fsdp2_ep_eager", "ours_ep_eager"),
+              ("ours_ep_groups_eager", "ours_ep_eager")]
 FIRST_LOSS_RTOL = 1e-5
 LOSS_RTOL = 2e-3
 
@@ -211,9 +212,9 @@ def merge(paths: List[str]) -> Tuple[argparse.Namespace, int, Dict[str, Any], Di
         with open(path) as fh:
             records.append(json.load(fh))
     key = ("config", "layers", "seq", "micro_batch", "layers_impl", "backend", "fuse_wgrad", "moe_experts", "cpu_smoke",
-           "tensor_parallel", "vocab_parallel", "micro_batches", "fp8_recipe")
+           "tensor_parallel", "vocab_parallel", "micro_batches", "fp8_recipe", "ep_chunks")
     # records made before a flag existed ran without it
-    absent = {"vocab_parallel": False, "micro_batches": 1, "fp8_recipe": "current"}
+    absent = {"vocab_parallel": False, "micro_batches": 1, "fp8_recipe": "current", "ep_chunks": 2}
     first = records[0]
     for path, r in zip(paths[1:], records[1:]):
         diff = {k: (first["config"].get(k, absent.get(k)), r["config"].get(k, absent.get(k))) for k in key

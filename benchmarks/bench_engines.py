@@ -42,6 +42,8 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
   nvidia_partial       + PartialCudaGraphs
   ours_ep_eager        (qwen3moe) megatron_fsdp with ``expert_parallel_size`` = world size, the model built with
                        the matching expert-parallel group
+  ours_ep_groups_eager  the same with each rank's local experts in ``--ep-chunks`` groups (default 2) whose
+                       all-to-alls overlap the other groups' experts (GPTConfig.moe_ep_chunks)
   ours_ep_partial      + PartialCudaGraphs (the count exchange, host sync, all-to-alls and experts eager between
                        the graphs)
   fsdp2_ep_eager       (qwen3moe) FSDP2 as fsdp2_eager, with torchtitan's expert layout: each experts module
@@ -164,6 +166,7 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
     "nvidia_eager": ("nvidia", None, "eager"),
     "nvidia_partial": ("nvidia", None, "partial"),
     "ours_ep_eager": ("megatron_fsdp", {"expert_parallel": True}, "eager"),
+    "ours_ep_groups_eager": ("megatron_fsdp", {"expert_parallel": True, "ep_groups": True}, "eager"),
     "ours_ep_partial": ("megatron_fsdp", {"expert_parallel": True}, "partial"),
     "fsdp2_ep_eager": ("fsdp2_default", {"expert_parallel": True}, "eager"),
     "fsdp2_ep_partial": ("fsdp2", {"storage": "keep", "mixed_precision": "bf16", "expert_parallel": True}, "partial"),
@@ -193,7 +196,7 @@ COLUMNS = {
                 and (c == "ours_eager" or c not in _engines_fp8.FP8_COLUMNS)],
     "olmoe": ["ours_eager", "ours_partial", "ours_full", "fsdp2_eager", "fsdp2_keep_partial", "nvidia_eager",
               "nvidia_partial"],
-    "qwen3moe": ["ours_eager", "ours_partial", "ours_ep_eager", "ours_ep_partial", "fsdp2_ep_eager", "fsdp2_ep_partial",
+    "qwen3moe": ["ours_eager", "ours_partial", "ours_ep_eager", "ours_ep_groups_eager", "ours_ep_partial", "fsdp2_ep_eager", "fsdp2_ep_partial",
                  "nvidia_ep_eager", "nvidia_ep_partial"],
     "llama70b": list(_engines_tp.TP_COLUMNS),
     "llama8b_fp8": list(_engines_fp8.FP8_COLUMNS),
@@ -265,18 +268,18 @@ def _olmoe_config(args: argparse.Namespace, *, fuse_wgrad: bool, experts: str) -
                             fuse_wgrad=fuse_wgrad and use_te, **({"seq_len": args.seq} if args.seq else {}))
 
 
-def _qwen3_moe_config(args: argparse.Namespace, *, fuse_wgrad: bool, ep: int) -> Any:
+def _qwen3_moe_config(args: argparse.Namespace, *, fuse_wgrad: bool, ep: int, groups: int = 1) -> Any:
     from fsdp_cudagraph.apps import model as gpt
 
     if args.cpu_smoke:
         return gpt.qwen3_moe_config(vocab_size=128, hidden_size=32, num_layers=args.layers, num_heads=4,
                                     num_kv_heads=2, head_dim=16, seq_len=16, num_experts=4, moe_top_k=2,
                                     moe_ffn_hidden_size=32, moe_experts=args.moe_experts,
-                                    moe_grouped_mm_dtype="input", expert_parallel_size=ep)
+                                    moe_grouped_mm_dtype="input", expert_parallel_size=ep, moe_ep_chunks=groups)
     use_te = args.layers_impl == "te"
     return gpt.qwen3_moe_config(num_layers=args.layers, use_te=use_te, moe_experts=args.moe_experts,
                                 fuse_wgrad=fuse_wgrad and use_te, expert_parallel_size=ep,
-                                **({"seq_len": args.seq} if args.seq else {}))
+                                moe_ep_chunks=groups, **({"seq_len": args.seq} if args.seq else {}))
 
 
 def expert_parallel_size(column: str) -> int:
@@ -315,7 +318,8 @@ def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, f
 
         from fsdp_cudagraph.apps import model as gpt
 
-        cfg = _qwen3_moe_config(args, fuse_wgrad=fuse, ep=ep)
+        groups = args.ep_chunks if (COLUMN_SPECS.get(column, (None, None))[1] or {}).get("ep_groups") else 1
+        cfg = _qwen3_moe_config(args, fuse_wgrad=fuse, ep=ep, groups=groups)
         expert_groups = megatron_fsdp.expert_parallel_groups(ep) if ep > 1 else None
         with device:
             module = gpt.GPT(cfg, expert_parallel_group=expert_groups[0] if expert_groups else None)
@@ -886,6 +890,9 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--vocab-parallel", action="store_true",
                    help="llama70b: split the token embedding and the LM head over the vocabulary across the TP group "
                         "(ours: GPTConfig(vocab_parallel=True); FSDP2: RowwiseParallel/ColwiseParallel on tok/head)")
+    p.add_argument("--ep-chunks", type=int, default=2,
+                   help="qwen3moe, column ours_ep_groups_eager: GPTConfig(moe_ep_chunks=N), each rank's local experts in "
+                        "N groups whose all-to-alls overlap the other groups' experts")
     p.add_argument("--columns", nargs="+", default=None, choices=list(COLUMN_SPECS),
                    help="default: every column of the config")
     _engines_fp8.add_arguments(p)

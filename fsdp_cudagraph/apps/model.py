@@ -83,6 +83,10 @@ class GPTConfig:
     #: model with ``GPT(cfg, expert_parallel_group=...)`` (e.g. ``megatron_fsdp.expert_parallel_groups(ep)[0]``)
     #: and shard it with ``fully_shard(..., expert_parallel_size=ep)``. 1: today's model, unchanged.
     expert_parallel_size: int = 1
+    #: Expert parallelism only: the local experts in this many groups, each group's tokens dispatched, computed and
+    #: combined by its own all-to-alls, so that one group's transfer runs beside another's experts
+    #: ([Note: overlapped expert groups] in ``apps/moe_ep.py``). 1: one dispatch and one combine per layer.
+    moe_ep_chunks: int = 1
     #: Tensor parallelism (``apps/tp.py``, [Note: tensor parallelism of the reference GPT]): each rank of a
     #: tensor-parallel group of this size holds ``1/TP`` of every layer (attention heads, MLP columns) and the
     #: activations between layers are split along the sequence. Build the model with ``GPT(cfg,
@@ -180,6 +184,16 @@ class GPTConfig:
     def _check_expert_parallel(self) -> None:
         ep = self.expert_parallel_size
         check_parallel_size("expert_parallel_size", ep, "expert parallelism")
+        chunks = self.moe_ep_chunks
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"moe_ep_chunks={chunks!r}: pass a positive integer (1: one dispatch per MoE layer)")
+        if chunks > 1 and (ep == 1 or self.num_experts % ep or (self.num_experts // ep) % chunks
+                           or self.moe_experts == "te_grouped"):
+            raise ValueError(f"moe_ep_chunks={chunks} with expert_parallel_size={ep}, num_experts={self.num_experts}, "
+                             f"moe_experts={self.moe_experts!r}: the groups split each rank's local experts, so they "
+                             "need expert_parallel_size > 1, a chunk count dividing num_experts / "
+                             "expert_parallel_size, and moe_experts 'split' or 'grouped_mm' (TE's GroupedLinear holds "
+                             "all local experts in one module); set moe_ep_chunks=1 otherwise")
         if ep == 1:
             return
         if self.num_experts % ep:

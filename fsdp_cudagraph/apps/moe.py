@@ -159,6 +159,8 @@ class Experts(nn.Module):
         self.ep_group = ep_group
         self.ep_size = getattr(cfg, "expert_parallel_size", 1)
         self.num_local = e // self.ep_size
+        #: the local experts in this many groups, each with its own transfers ([Note: overlapped expert groups])
+        self.ep_chunks = getattr(cfg, "moe_ep_chunks", 1)
         ep_rank = _ep_rank(ep_group, self.ep_size)
         self.first = ep_rank * self.num_local
         if self.mode == "te_grouped":
@@ -210,11 +212,12 @@ class Experts(nn.Module):
             return self._capacity(x, counts)
         return self._on_host_sizes(x, counts.tolist())  # the host sync that keeps these paths out of graphs
 
-    def _on_host_sizes(self, x: torch.Tensor, sizes: List[int]) -> torch.Tensor:
-        """``split``/``te_grouped`` given the rows per (local) expert as host integers."""
+    def _on_host_sizes(self, x: torch.Tensor, sizes: List[int], first: int = 0) -> torch.Tensor:
+        """``split``/``te_grouped`` given the rows per (local) expert as host integers; ``first``: the local expert of
+        ``sizes[0]`` (a group of [Note: overlapped expert groups])."""
         if self.mode == "te_grouped":
             return self.fc2(F.gelu(self.fc1(x, sizes)), sizes)
-        outs = [F.gelu(rows @ self.w1[e]) @ self.w2[e] for e, rows in enumerate(x.split(sizes))]
+        outs = [F.gelu(rows @ self.w1[first + e]) @ self.w2[first + e] for e, rows in enumerate(x.split(sizes))]
         return torch.cat(outs)
 
     def _expert_parallel(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -222,29 +225,67 @@ class Experts(nn.Module):
         group = self.ep_group
         received = moe_ep.receive_counts(counts, group)
         send, recv = moe_ep.host_tables(counts, received, self.ep_size)  # the layer's one host sync
+        if self.ep_chunks > 1:
+            return self._expert_groups(x, counts, received, send, recv)
         send_splits = [sum(row) for row in send]
         recv_splits = [sum(row) for row in recv]
         arrived = moe_ep.AllToAll.apply(x, recv_splits, send_splits, group)  # (source, local expert)
-        table = received.view(self.ep_size, self.num_local)  # recv on the device: the index needs no host list
-        total = sum(recv_splits)
-        to_expert = moe_ep.regroup_index(table, total)
-        to_source = moe_ep.regroup_index(table.t(), total)  # the inverse
-        by_expert = moe_ep.Permute.apply(arrived, to_expert, to_source)  # (local expert, source)
-        sizes = [sum(recv[s][l] for s in range(self.ep_size)) for l in range(self.num_local)]
-        # A rank that receives no rows runs the loop: grouped_mm's CPU backward refuses an empty gradient.
-        if self.mode == "grouped_mm" and sum(sizes) > 0:
-            out = self._grouped_mm(by_expert, moe_ep.local_expert_counts(received, self.ep_size))
-        else:
-            out = self._on_host_sizes(by_expert, sizes)
-        back = moe_ep.Permute.apply(out, to_source, to_expert)  # (source, local expert)
+        back = self._local(arrived, received.view(self.ep_size, self.num_local), recv, 0)
         return moe_ep.AllToAll.apply(back, send_splits, recv_splits, group)
 
-    def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _local(self, arrived: torch.Tensor, table: torch.Tensor, recv: List[List[int]], first: int) -> torch.Tensor:
+        """Rows laid out (source, local expert) -> this rank's experts ``first ..`` -> the outputs in the same layout.
+        ``table``: the rows per (source, expert) on the device, ``recv`` the same on the host."""
+        total = sum(sum(row) for row in recv)
+        to_expert = moe_ep.regroup_index(table, total)  # on the device: the index needs no host list
+        to_source = moe_ep.regroup_index(table.t(), total)  # the inverse
+        by_expert = moe_ep.Permute.apply(arrived, to_expert, to_source)  # (local expert, source)
+        sizes = [sum(row[l] for row in recv) for l in range(len(recv[0]))]
+        # A rank that receives no rows runs the loop: grouped_mm's CPU backward refuses an empty gradient.
+        if self.mode == "grouped_mm" and total > 0:
+            n = len(sizes)
+            whole = n == self.num_local  # one group: the parameters themselves, as without groups
+            out = self._grouped_mm(by_expert, moe_ep.local_expert_counts(table, len(recv)),
+                                   None if whole else self.w1[first:first + n], None if whole else self.w2[first:first + n])
+        else:
+            out = self._on_host_sizes(by_expert, sizes, first)
+        return moe_ep.Permute.apply(out, to_source, to_expert)  # (source, local expert)
+
+    def _expert_groups(self, x: torch.Tensor, counts: torch.Tensor, received: torch.Tensor,
+                       send: List[List[int]], recv: List[List[int]]) -> torch.Tensor:
+        """[Note: overlapped expert groups]: the rows in groups of local experts, every group's dispatch started first,
+        each group's combine started once its experts ran."""
+        group, ep, c = self.ep_group, self.ep_size, self.ep_chunks
+        per = self.num_local // c
+        # this rank's rows, (destination, local expert) -> (group, destination, expert of the group)
+        by_group = counts.view(ep, c, per).sum(-1)
+        total = sum(sum(row) for row in send)
+        to_groups = moe_ep.regroup_index(by_group, total)
+        from_groups = moe_ep.regroup_index(by_group.t(), total)
+        grouped = moe_ep.Permute.apply(x, to_groups, from_groups)
+        sends = [[sum(row[g * per:(g + 1) * per]) for row in send] for g in range(c)]
+        recvs = [[row[g * per:(g + 1) * per] for row in recv] for g in range(c)]
+        splits = [[sum(r) for r in recvs[g]] for g in range(c)]
+        dispatched = [moe_ep.start_all_to_all(rows, splits[g], sends[g], group)
+                      for g, rows in enumerate(grouped.split([sum(s) for s in sends]))]
+        combined = []
+        for g, (buf, transfer) in enumerate(dispatched):
+            arrived = moe_ep.finish_all_to_all(buf, splits[g], sends[g], group, transfer)
+            table = received.view(ep, c, per)[:, g]
+            back = self._local(arrived, table, recvs[g], g * per)
+            combined.append((moe_ep.start_all_to_all(back, sends[g], splits[g], group), g))
+        outs = [moe_ep.finish_all_to_all(buf, sends[g], splits[g], group, transfer)
+                for (buf, transfer), g in combined]
+        return moe_ep.Permute.apply(torch.cat(outs), from_groups, to_groups)  # (destination, local expert) again
+
+    def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor, w1: Optional[torch.Tensor] = None,
+                    w2: Optional[torch.Tensor] = None) -> torch.Tensor:
         dtype = self._gmm_dtype(x.dtype)
         if x.is_cuda and dtype != torch.bfloat16:
             raise NotImplementedError(_fp32_gmm_reason(dtype))
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        w1, w2 = self.w1.to(dtype), self.w2.to(dtype)
+        w1 = (self.w1 if w1 is None else w1).to(dtype)
+        w2 = (self.w2 if w2 is None else w2).to(dtype)
         hid = F.gelu(_DenseGrad.apply(F.grouped_mm(x.to(dtype), w1, offs=offs)))
         return _DenseGrad.apply(F.grouped_mm(hid, w2, offs=offs)).to(x.dtype)
 

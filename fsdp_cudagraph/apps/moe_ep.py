@@ -47,12 +47,13 @@ there.
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["AllToAll", "exchange_counts", "receive_counts", "host_tables", "local_expert_counts", "regroup",
+__all__ = ["AllToAll", "Transfer", "start_all_to_all", "finish_all_to_all", "exchange_counts", "receive_counts",
+           "host_tables", "local_expert_counts", "regroup",
            "regroup_index", "Permute", "slice_expert_state_dict", "merge_expert_state_dicts", "EXPERT_KEY"]
 
 #: State-dict keys of the stacked expert weights (``w1``/``w2``: dim 0 is the expert) and of TE's per-expert
@@ -76,6 +77,81 @@ class AllToAll(torch.autograd.Function):
         back = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
         dist.all_to_all_single(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
         return back, None, None, None
+
+
+# [Note: overlapped expert groups]
+# With ``GPTConfig(moe_ep_chunks=C)`` each rank's ``E/EP`` local experts form ``C`` groups of consecutive experts,
+# and each group's rows travel by their own all-to-alls: all ``C`` dispatches are started before the first group's
+# experts run, and each group's combine is started as soon as its experts are done. The collectives queue on the
+# communicator's stream in that order, so group ``c + 1``'s dispatch (and group ``c - 1``'s combine) move while
+# group ``c``'s experts compute on the compute stream. Backward mirrors it: the two autograd functions below pass the
+# gradient's transfer from one to the other, started in :class:`_FinishAllToAll`'s backward and waited for in
+# :class:`_StartAllToAll`'s, and autograd runs the other group's nodes in between (later-created nodes first).
+# The host sync is unchanged (one per layer, before the first dispatch). Each expert still sees the same rows in the
+# same order (its group's rows are regrouped by source rank exactly as without groups), so its outputs and weight
+# gradients are the same as with one group; the groups only change which rows share a transfer and a grouped GEMM
+# launch (tests/graphs/test_moe_ep.py compares them bit for bit on Gloo).
+
+
+class Transfer:
+    """One all-to-all in flight: its work handle, and in backward the handle and buffer of the gradient's."""
+
+    def __init__(self) -> None:
+        self.work: Any = None
+        self.grad_work: Any = None
+        self.grad: Optional[torch.Tensor] = None
+
+
+class _StartAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits: List[int], in_splits: List[int],  # type: ignore[override]
+                group: dist.ProcessGroup, transfer: Transfer) -> torch.Tensor:
+        ctx.transfer = transfer
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        transfer.work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        # ``grad`` only orders this after _FinishAllToAll.backward, whose transfer fills ``transfer.grad``
+        t = ctx.transfer
+        t.grad_work.wait()
+        back, t.grad_work, t.grad = t.grad, None, None
+        return back, None, None, None, None
+
+
+class _FinishAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, out_splits: List[int], in_splits: List[int],  # type: ignore[override]
+                group: dist.ProcessGroup, transfer: Transfer) -> torch.Tensor:
+        transfer.work.wait()
+        transfer.work = None
+        ctx.splits, ctx.group, ctx.transfer = (out_splits, in_splits), group, transfer
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        t = ctx.transfer
+        t.grad = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        t.grad_work = dist.all_to_all_single(t.grad, grad.contiguous(), in_splits, out_splits, group=ctx.group,
+                                             async_op=True)
+        return grad, None, None, None, None
+
+
+def start_all_to_all(x: torch.Tensor, out_splits: List[int], in_splits: List[int], group: dist.ProcessGroup
+                     ) -> Tuple[torch.Tensor, Transfer]:
+    """Start ``all_to_all_single`` of ``x``'s rows; the returned buffer may be read only after
+    :func:`finish_all_to_all` ([Note: overlapped expert groups])."""
+    transfer = Transfer()
+    return _StartAllToAll.apply(x, out_splits, in_splits, group, transfer), transfer
+
+
+def finish_all_to_all(out: torch.Tensor, out_splits: List[int], in_splits: List[int], group: dist.ProcessGroup,
+                      transfer: Transfer) -> torch.Tensor:
+    """Wait for :func:`start_all_to_all`'s transfer; returns its rows. In backward the two swap roles: this one starts
+    the gradient's transfer back, the start waits for it."""
+    return _FinishAllToAll.apply(out, out_splits, in_splits, group, transfer)
 
 
 def receive_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -106,7 +182,7 @@ def local_expert_counts(received: torch.Tensor, ep_size: int) -> torch.Tensor:
     """Rows each local expert gets from all sources, ``[E/EP]`` on the device (the sum over source ranks of
     :func:`receive_counts`' table): the grouped GEMM's sizes without a second host-to-device copy, which would
     synchronize the stream again (a ``torch.tensor(list, device=...)`` copy waits for the stream)."""
-    return received.view(ep_size, -1).sum(0)
+    return received.reshape(ep_size, -1).sum(0)
 
 
 def regroup(x: torch.Tensor, sizes: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -158,8 +158,8 @@ def test_bench_engines_cpu_smoke_qwen3moe_expert_parallel(tmp_path):
     out = tmp_path / "qwen3moe.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "benchmarks", "bench_engines.py"), *SMOKE, "--config", "qwen3moe", "--moe-experts",
-           "split", "--columns", "ours_eager", "ours_ep_eager", "ours_ep_partial", "fsdp2_ep_eager", "fsdp2_ep_partial",
-           *NVIDIA_EP, "--out", str(out)]
+           "split", "--columns", "ours_eager", "ours_ep_eager", "ours_ep_groups_eager", "ours_ep_partial",
+           "fsdp2_ep_eager", "fsdp2_ep_partial", *NVIDIA_EP, "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -174,7 +174,13 @@ def test_bench_engines_cpu_smoke_qwen3moe_expert_parallel(tmp_path):
     assert "all_to_all_gbps" in r["rates"]
     assert all("GPU only" in cols[c]["skipped"] for c in NVIDIA_EP)
     # FSDP2 EP trains the model ours EP trains: its losses checked against ours ([Note: losses across engines])
-    assert [(x["column"], x["verdict"]) for x in r["evaluation"]["loss_checks"]] == [("fsdp2_ep_eager", "AGREE")]
+    assert [(x["column"], x["verdict"]) for x in r["evaluation"]["loss_checks"]] == [("fsdp2_ep_eager", "AGREE"),
+                                                                                  ("ours_ep_groups_eager", "AGREE")]
+    # the overlapped expert groups ([Note: overlapped expert groups]) train as one group, bit for bit on Gloo, and move
+    # the same rows: the same bytes, in two transfers each way instead of one
+    groups = cols["ours_ep_groups_eager"]
+    assert groups["losses"] == cols["ours_ep_eager"]["losses"]
+    assert groups["comm_bytes"]["all_to_all"] == ep["all_to_all"]
     by = {g["name"]: g for g in r["evaluation"]["goals"]}
     moved = by["ours EP bytes moved per step / today's layout (ours eager)"]["ratio"]
     assert moved == pytest.approx(sum(ep.values()) / sum(today.values()))

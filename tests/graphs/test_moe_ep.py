@@ -213,8 +213,13 @@ def _four(rank: int, world: int) -> Dict[str, Any]:
 
 
 def _two(rank: int, world: int) -> Dict[str, Any]:
+    groups = {"moe_ep_chunks": 2}  # [Note: overlapped expert groups]: the 2 local experts in 2 groups
     return {"ref": _train(rank, world, 1), "ep2": _train(rank, world, 2),
             "ep2/graphed": _train(rank, world, 2, graphed=True),
+            "ep2/groups": _train(rank, world, 2, model_kw=groups),
+            "ep2/groups/graphed": _train(rank, world, 2, graphed=True, model_kw=groups),
+            "ep2/grouped_mm": _train(rank, world, 2, "grouped_mm"),
+            "ep2/grouped_mm/groups": _train(rank, world, 2, "grouped_mm", model_kw=groups),
             "ep2/wrong_rank": _train(rank, world, 2, wrong_rank=True), "exchange": _exchange(rank, world),
             "host_reads": _host_reads(rank, world)}
 
@@ -253,6 +258,8 @@ def _host_reads(rank: int, world: int) -> Dict[str, int]:
     per mode."""
     import unittest.mock
 
+    import torch.distributed as dist
+
     import megatron_fsdp
 
     from fsdp_cudagraph.apps.model import loss_fn, synthetic_batch
@@ -261,9 +268,10 @@ def _host_reads(rank: int, world: int) -> Dict[str, int]:
     x, y = synthetic_batch(0, ROWS * world, _cfg(1), torch.device("cpu"))
     sl = slice(rank * ROWS, (rank + 1) * ROWS)
     out: Dict[str, int] = {}
-    for mode in ("split", "grouped_mm"):
+    for mode in ("split", "grouped_mm", "split/groups"):
         torch.manual_seed(0)
-        model = GPT(_cfg(world, mode), expert_parallel_group=group)
+        kw = {"moe_ep_chunks": 2} if mode.endswith("/groups") else {}
+        model = GPT(_cfg(world, mode.split("/")[0], **kw), expert_parallel_group=group)
         calls = []
         real = {name: getattr(torch.Tensor, name) for name in ("tolist", "item")}
         real_tensor = torch.tensor
@@ -279,9 +287,16 @@ def _host_reads(rank: int, world: int) -> Dict[str, int]:
                 calls.append("tensor")
             return real_tensor(data, *a, **k)
 
+        real_a2a = dist.all_to_all_single
+
+        def all_to_all(*a: Any, **k: Any) -> Any:
+            calls.append("all_to_all")
+            return real_a2a(*a, **k)
+
         with unittest.mock.patch.object(torch.Tensor, "tolist", counted("tolist")), \
                 unittest.mock.patch.object(torch.Tensor, "item", counted("item")), \
-                unittest.mock.patch.object(torch, "tensor", tensor):
+                unittest.mock.patch.object(torch, "tensor", tensor), \
+                unittest.mock.patch.object(dist, "all_to_all_single", all_to_all):
             loss_fn(model(x[sl]), y[sl]).backward()
         out[mode] = {name: calls.count(name) for name in sorted(set(calls))}
     return out
@@ -417,7 +432,21 @@ def test_one_host_read_per_moe_layer(two):
     MoE layer (the backward's all-to-alls reuse the forward's splits); ``grouped_mm`` takes its sizes from the
     device, not from a host list copied back (which waits for the stream on a GPU)."""
     for r in two:
-        assert r["host_reads"] == {"split": {"tolist": 2}, "grouped_mm": {"tolist": 2}}, r["host_reads"]
+        reads = {mode: {k: v for k, v in calls.items() if k != "all_to_all"} for mode, calls in r["host_reads"].items()}
+        assert reads == {"split": {"tolist": 2}, "grouped_mm": {"tolist": 2}, "split/groups": {"tolist": 2}}, reads
+    # per MoE layer: the counts, then one dispatch and one combine per expert group, forward and backward
+    for r in two:
+        assert {m: c["all_to_all"] for m, c in r["host_reads"].items()} == {"split": 10, "grouped_mm": 10,
+                                                                           "split/groups": 18}, r["host_reads"]
+
+
+@pytest.mark.parametrize("run,ref", [("ep2/groups", "ep2"), ("ep2/grouped_mm/groups", "ep2/grouped_mm"),
+                                     ("ep2/groups/graphed", "ep2/groups")])
+def test_expert_groups_train_bit_for_bit_as_one_group(two, run, ref):
+    """[Note: overlapped expert groups]: each expert sees the same rows in the same order whether its group's rows
+    travel alone or with every other expert's (every loss and parameter ``torch.equal``), and graphs over the
+    Megatron scopes around the grouped transfers equal eager."""
+    assert _equal(two, run, ref)
 
 
 # ------------------------------------------------------------------ no process group
@@ -429,6 +458,9 @@ def test_one_host_read_per_moe_layer(two):
     (dict(expert_parallel_size=2, moe_experts="capacity"), ["moe_experts='capacity'", "'grouped_mm'"]),
     (dict(expert_parallel_size=2, moe_every=0), ["moe_every=0", "no MoE layer"]),
     (dict(expert_parallel_size=0), ["expert_parallel_size=0", "positive integer"]),
+    (dict(expert_parallel_size=2, moe_ep_chunks=4), ["moe_ep_chunks=4", "dividing num_experts / expert_parallel_size"]),
+    (dict(moe_ep_chunks=2), ["moe_ep_chunks=2", "expert_parallel_size > 1"]),
+    (dict(expert_parallel_size=2, moe_ep_chunks=0), ["moe_ep_chunks=0", "positive integer"]),
 ])
 def test_config_misuse_refused(kw, words):
     base = {**MODEL, "moe_experts": "split", **kw}
@@ -519,7 +551,7 @@ def _ep_layer_aten_ops(monkeypatch: Any, ep: int, num_local: int) -> int:
     monkeypatch.setattr(moe, "_ep_rank", lambda group, ep_size: 0)
     monkeypatch.setattr(moe_ep, "receive_counts", lambda counts, group: counts.clone())
     monkeypatch.setattr(moe_ep, "AllToAll", _Loopback)
-    monkeypatch.setattr(moe.Experts, "_on_host_sizes", lambda self, x, sizes: x * 2)
+    monkeypatch.setattr(moe.Experts, "_on_host_sizes", lambda self, x, sizes, first=0: x * 2)
     cfg = GPTConfig(**{**MODEL, "num_experts": ep * num_local, "moe_experts": "split", "expert_parallel_size": ep})
     experts = moe.Experts(cfg, ep_group=object())
     g = torch.Generator().manual_seed(ep * num_local)
