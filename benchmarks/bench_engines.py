@@ -196,8 +196,8 @@ COLUMNS = {
                 and (c == "ours_eager" or c not in _engines_fp8.FP8_COLUMNS)],
     "olmoe": ["ours_eager", "ours_partial", "ours_full", "fsdp2_eager", "fsdp2_keep_partial", "nvidia_eager",
               "nvidia_partial"],
-    "qwen3moe": ["ours_eager", "ours_partial", "ours_ep_eager", "ours_ep_groups_eager", "ours_ep_partial", "fsdp2_ep_eager", "fsdp2_ep_partial",
-                 "nvidia_ep_eager", "nvidia_ep_partial"],
+    "qwen3moe": ["ours_eager", "ours_partial", "ours_ep_eager", "ours_ep_groups_eager", "ours_ep_partial",
+                 "fsdp2_ep_eager", "fsdp2_ep_partial", "nvidia_ep_eager", "nvidia_ep_partial"],
     "llama70b": list(_engines_tp.TP_COLUMNS),
     "llama8b_fp8": list(_engines_fp8.FP8_COLUMNS),
 }
@@ -891,8 +891,8 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="llama70b: split the token embedding and the LM head over the vocabulary across the TP group "
                         "(ours: GPTConfig(vocab_parallel=True); FSDP2: RowwiseParallel/ColwiseParallel on tok/head)")
     p.add_argument("--ep-chunks", type=int, default=2,
-                   help="qwen3moe, column ours_ep_groups_eager: GPTConfig(moe_ep_chunks=N), each rank's local experts in "
-                        "N groups whose all-to-alls overlap the other groups' experts")
+                   help="qwen3moe, column ours_ep_groups_eager: GPTConfig(moe_ep_chunks=N), each rank's local "
+                        "experts in N groups whose all-to-alls overlap the other groups' experts")
     p.add_argument("--columns", nargs="+", default=None, choices=list(COLUMN_SPECS),
                    help="default: every column of the config")
     _engines_fp8.add_arguments(p)

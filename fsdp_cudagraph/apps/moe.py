@@ -244,9 +244,9 @@ class Experts(nn.Module):
         # A rank that receives no rows runs the loop: grouped_mm's CPU backward refuses an empty gradient.
         if self.mode == "grouped_mm" and total > 0:
             n = len(sizes)
-            whole = n == self.num_local  # one group: the parameters themselves, as without groups
-            out = self._grouped_mm(by_expert, moe_ep.local_expert_counts(table, len(recv)),
-                                   None if whole else self.w1[first:first + n], None if whole else self.w2[first:first + n])
+            # one group: the parameters themselves, as without groups; else this group's slices
+            w1, w2 = (None, None) if n == self.num_local else (self.w1[first:first + n], self.w2[first:first + n])
+            out = self._grouped_mm(by_expert, moe_ep.local_expert_counts(table, len(recv)), w1, w2)
         else:
             out = self._on_host_sizes(by_expert, sizes, first)
         return moe_ep.Permute.apply(out, to_source, to_expert)  # (source, local expert)
