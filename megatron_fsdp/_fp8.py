@@ -216,7 +216,11 @@ class _TEOps(QuantizedOps):
                 tex.compute_amax(hp, amaxes[i : i + 1])
         dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)  # the whole weight's amax
         scales = [torch.empty(1, dtype=torch.float32, device=device) for _ in params]
-        max_fp8 = 448.0 if first.dtype == tex.DType.kFloat8E4M3 else 57344.0
+        # compared as integers: the quantizer's dtype may be TE's Python enum or the extension's, which are not equal
+        # to each other as objects
+        max_fp8 = {int(tex.DType.kFloat8E4M3): 448.0, int(tex.DType.kFloat8E5M2): 57344.0}.get(int(first.dtype))
+        if max_fp8 is None:
+            raise ValueError(f"FP8 weights of dtype {first.dtype}: the FP8 all-gather casts to E4M3 or E5M2 only")
         multi_tensor_applier(tex.multi_tensor_compute_scale_and_scale_inv,
                              torch.zeros(1, dtype=torch.int, device=device),
                              [[amaxes[i : i + 1] for i in range(len(params))], scales,
