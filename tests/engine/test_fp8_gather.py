@@ -17,10 +17,13 @@ TE's FP8 tensors need CUDA, so these run the engine's path with the CPU stand-in
 - A DCP checkpoint of FP8 units (the fp32 main shards and Adam's state) saved on 2 ranks resumes on 2 ranks with
   every later loss ``torch.equal`` to the uninterrupted run's (the next unshard quantizes the loaded values), and on
   1 rank within the engine's summation-order tolerance.
+- TE's own path (``_TEOps.quantize``) against a stand-in of the TE calls it makes: the whole weight's scale on every
+  rank, each piece cast row-wise only into its output, E4M3's range found across TE's two dtype enums.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Dict, List
 
 import pytest
@@ -302,3 +305,112 @@ def test_a_dcp_checkpoint_of_fp8_units_resumes_bit_for_bit_at_any_world_size(tmp
         assert torch.equal(res["after"][0], uninterrupted[0])
         assert torch.allclose(torch.stack(res["after"]), torch.stack(uninterrupted), rtol=RTOL, atol=0), res["after"]
 
+
+
+# ------------------------------------------------------------------ TE's path, against a stand-in of TE's API
+
+
+def _fake_te(casts: List[Dict[str, Any]]) -> None:
+    """A stand-in of the few TE calls ``_TEOps.quantize`` makes (TE needs CUDA), installed in ``sys.modules``: its
+    amax, scale and cast do what TE's current scaling does on the CPU, and each quantizer records its usages. Its
+    two DType enums are distinct classes with equal integers, as TE's Python enum and its extension's are."""
+    import sys
+    import types
+
+    class ExtDType:  # the extension's enum: equal to nothing but itself, converts to int
+        def __init__(self, v: int) -> None:
+            self.v = v
+
+        def __int__(self) -> int:
+            return self.v
+
+    tex = types.ModuleType("transformer_engine_torch")
+    tex.DType = types.SimpleNamespace(kFloat8E4M3=ExtDType(7), kFloat8E5M2=ExtDType(8))
+    tex.compute_amax = lambda x, amax: amax.copy_(x.float().abs().max().reshape(1))
+
+    def scale_and_inv(noop: torch.Tensor, lists: List[List[torch.Tensor]], max_fp8: float, pow2: bool,
+                      eps: float) -> None:
+        for amax, scale, inv in zip(*lists):
+            scale.copy_(max_fp8 / torch.clamp(amax, min=1e-12))
+            inv.copy_(1.0 / scale)
+
+    tex.multi_tensor_compute_scale_and_scale_inv = scale_and_inv
+    applier = types.ModuleType("transformer_engine.pytorch.optimizers.multi_tensor_apply")
+    applier.multi_tensor_applier = lambda op, noop, lists, *args: op(noop, lists, *args)
+
+    class Float8Quantizer:
+        def __init__(self, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: Any, *, rowwise: bool = True,
+                     columnwise: bool = True) -> None:
+            self.scale = scale
+            casts.append({"rowwise": rowwise, "columnwise": columnwise})
+
+        def create_tensor_from_data(self, data: torch.Tensor, fake_dtype: Any = torch.float32) -> Any:
+            return types.SimpleNamespace(data=data, dtype=fake_dtype)
+
+        def update_quantized(self, src: torch.Tensor, dst: Any) -> Any:
+            dst.data.copy_((src.float() * self.scale).to(torch.float8_e4m3fn).view(torch.uint8))
+            return dst
+
+    f8 = types.ModuleType("transformer_engine.pytorch.tensor.float8_tensor")
+    f8.Float8Quantizer = Float8Quantizer
+    sys.modules.update({"transformer_engine_torch": tex, applier.__name__: applier, f8.__name__: f8})
+
+
+class _PyDType(enum.IntEnum):  # TE's Python enum: the quantizer's ``dtype``
+    kFloat8E4M3 = 7
+
+
+class _Weight:
+    """What ``_TEOps.quantize`` reads of a TE FP8 weight: its quantizer's settings, dtype, device and scale_inv."""
+
+    def __init__(self) -> None:
+        self.dtype, self.device = torch.bfloat16, torch.device("cpu")
+        self._fp8_dtype = _PyDType.kFloat8E4M3
+        self._scale_inv = torch.full((1,), -1.0)
+        self.cleared = 0
+
+    def _get_quantizer(self) -> Any:
+        import types
+
+        return types.SimpleNamespace(dtype=_PyDType.kFloat8E4M3, force_pow_2_scales=False, amax_epsilon=0.0)
+
+    def clear_high_precision_init_val(self) -> None:
+        self.cleared += 1
+
+
+def _te_quantize_job(rank: int, world: int) -> Dict[str, Any]:
+    import torch.distributed as dist
+
+    casts: List[Dict[str, Any]] = []
+    _fake_te(casts)
+    g = torch.Generator().manual_seed(3)
+    whole = [torch.randn(40, generator=g) * (i + 1) for i in range(3)]  # three weights, each split over 2 ranks
+    weights = [_Weight() for _ in whole]
+    # weight 0 halved, weight 1 all on rank 0 (no piece on rank 1), weight 2 halved
+    pieces = [whole[0][rank * 20:(rank + 1) * 20], whole[1] if rank == 0 else None, whole[2][rank * 20:(rank + 1) * 20]]
+    outs = [None if p is None else torch.zeros(p.numel(), dtype=torch.uint8) for p in pieces]
+    offsets = [rank * 20, 0 if rank == 0 else None, rank * 20]
+    ops = object.__new__(_fp8._TEOps)  # its __init__ imports TE's tensor classes; quantize needs only the calls above
+    ops.quantize(weights, pieces, offsets, outs, dist.group.WORLD)
+    return {"scale_inv": [w._scale_inv.clone() for w in weights], "outs": outs, "pieces": pieces, "casts": casts,
+            "cleared": [w.cleared for w in weights], "whole": whole}
+
+
+def test_te_quantize_casts_row_wise_with_the_whole_weights_scale():
+    """``_TEOps.quantize`` against a stand-in of TE's calls ([Note: a row-wise cast of the shard pieces]): every rank
+    sets each weight's scale from the amax of the whole bf16-rounded weight (a weight with no piece on a rank
+    included), writes each piece's bytes cast with that scale into its output, with row-wise-only quantizers, and
+    picks E4M3's range from a quantizer dtype of another enum class than the extension's."""
+    per_rank = run_gloo(_te_quantize_job, 2)
+    whole = per_rank[0]["whole"]
+    for r in per_rank:
+        assert r["casts"] and all(c == {"rowwise": True, "columnwise": False} for c in r["casts"]), r["casts"]
+        assert len(r["casts"]) == sum(p is not None for p in r["pieces"])
+        assert r["cleared"] == [1, 1, 1]
+        for w, inv in zip(whole, r["scale_inv"]):
+            amax = w.to(torch.bfloat16).float().abs().max()
+            assert torch.equal(inv, (1.0 / (448.0 / amax)).reshape(1)), (inv, amax)
+        for piece, out, inv in zip(r["pieces"], r["outs"], r["scale_inv"]):
+            if piece is not None:
+                want = (piece.to(torch.bfloat16).float() * (1.0 / inv)).to(torch.float8_e4m3fn).view(torch.uint8)
+                assert torch.equal(out, want)
