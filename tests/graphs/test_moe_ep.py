@@ -202,6 +202,7 @@ def _four(rank: int, world: int) -> Dict[str, Any]:
     for ep in (2, 4):
         res[f"ep{ep}"] = _train(rank, world, ep)
         res[f"ep{ep}/graphed"] = _train(rank, world, ep, graphed=True)
+    res["ep2/groups"] = _train(rank, world, 2, model_kw={"moe_ep_chunks": 2})  # EP 2 x EDP 2, experts in 2 groups
     res["ep2/grouped_mm"] = _train(rank, world, 2, "grouped_mm")
     res["ep2/grouped_mm/graphed"] = _train(rank, world, 2, "grouped_mm", graphed=True)
     res["ep2/nudged_router"] = _train(rank, world, 2, nudge_router=True)
@@ -442,11 +443,13 @@ def test_one_host_read_per_moe_layer(two):
 
 @pytest.mark.parametrize("run,ref", [("ep2/groups", "ep2"), ("ep2/grouped_mm/groups", "ep2/grouped_mm"),
                                      ("ep2/groups/graphed", "ep2/groups")])
-def test_expert_groups_train_bit_for_bit_as_one_group(two, run, ref):
+def test_expert_groups_train_bit_for_bit_as_one_group(two, four, run, ref):
     """[Note: overlapped expert groups]: each expert sees the same rows in the same order whether its group's rows
     travel alone or with every other expert's (every loss and parameter ``torch.equal``), and graphs over the
-    Megatron scopes around the grouped transfers equal eager."""
+    Megatron scopes around the grouped transfers equal eager; on 4 ranks too, where each expert is sharded over an
+    expert-data-parallel group of 2."""
     assert _equal(two, run, ref)
+    assert _equal(four, "ep2/groups", "ep2")
 
 
 # ------------------------------------------------------------------ no process group
