@@ -30,8 +30,10 @@ captured over the unit reads the same bytes every replay, as it reads the bf16 p
 
 What is refused, each with the fix (:func:`problems`): a recipe other than current scaling (delayed scaling's
 weight scales live in the autocast's state, block scaling's in per-block tables, neither checked here yet),
-FP8 weights that are frozen, expert (EP) or tensor-parallel units with FP8 weights, and strategies other than
-``optim_grads_params`` with double buffering (the path gathers into fixed slots).
+FP8 weights that are frozen (or frozen parameters beside them), FP8 weights built in another dtype than the compute
+dtype or, in one unit, with different scale rules (:meth:`QuantizedOps.unit_problem`), expert (EP) or
+tensor-parallel units with FP8 weights, and strategies other than ``optim_grads_params`` with double buffering (the
+path gathers into fixed slots).
 
 The TE calls sit behind :class:`QuantizedOps`, one object per kind of quantized parameter, found by
 :func:`ops_for`. TE's is registered on first use; tests register a stand-in built on torch's float8 dtypes
@@ -64,6 +66,10 @@ class QuantizedOps:
 
     def problem(self, p: torch.Tensor) -> Optional[str]:
         """Why the engine cannot gather this parameter as FP8 bytes (None if it can)."""
+        return None
+
+    def unit_problem(self, params: Sequence[torch.Tensor]) -> Optional[str]:
+        """Why these weights (one unit's, every one of this kind) cannot be quantized together (None if they can)."""
         return None
 
     def initial_values(self, p: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
@@ -166,6 +172,13 @@ class _TEOps(QuantizedOps):
                 "Float8CurrentScaling()), or without quantized_model_init (bf16 weights, which TE quantizes in "
                 "forward under any recipe)")
 
+    def unit_problem(self, params: Sequence[torch.Tensor]) -> Optional[str]:
+        settings = {(int(q.dtype), q.force_pow_2_scales, q.amax_epsilon) for q in (p._get_quantizer() for p in params)}
+        if len(settings) > 1:
+            return ("FP8 weights whose quantizers differ in FP8 dtype, force_pow_2_scales or amax_epsilon (one scale "
+                    "rule a unit, TE's quantize_master_weights rule); build them under one recipe")
+        return None
+
     def initial_values(self, p: torch.Tensor) -> torch.Tensor:
         hp = getattr(p, "_high_precision_init_val", None)
         return hp if hp is not None else p.dequantize(dtype=torch.float32)
@@ -196,13 +209,7 @@ class _TEOps(QuantizedOps):
         from transformer_engine.pytorch.optimizers.multi_tensor_apply import multi_tensor_applier
         from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
 
-        first = params[0]._get_quantizer()
-        for p in params:
-            q = p._get_quantizer()
-            if (q.dtype, q.force_pow_2_scales, q.amax_epsilon) != (first.dtype, first.force_pow_2_scales,
-                                                                    first.amax_epsilon):
-                raise ValueError("the FP8 weights of one unit must share their FP8 dtype, force_pow_2_scales and "
-                                 "amax_epsilon (TE's quantize_master_weights rule); build them under one recipe")
+        first = params[0]._get_quantizer()  # one for all: unit_problem checked they agree
         device = params[0].device
         amaxes = torch.zeros(len(params), dtype=torch.float32, device=device)
         high: List[Optional[torch.Tensor]] = []
@@ -422,21 +429,33 @@ def problems(*, unit: str, names: Sequence[str], params: Sequence[torch.Tensor],
              shards_params: bool, double_buffer: bool, hybrid: bool, compute_dtype: torch.dtype) -> List[str]:
     """Why this unit's FP8 weights cannot be gathered as FP8 bytes, each with the fix (empty: they can)."""
     out: List[str] = []
+    fit: Dict[int, Tuple[QuantizedOps, List[torch.Tensor]]] = {}  # by kind, the weights each kind can gather
     for n, p in zip(names, params):
         ops = ops_for(p)
         why = ops.problem(p) if ops is not None else None
         if why:
             out.append(f"parameter {n} of unit {unit} is {why}")
-        elif ops is not None and p.dtype != compute_dtype:
+            continue
+        if ops is not None:
+            fit.setdefault(id(ops), (ops, []))[1].append(p)
+        if ops is not None and p.dtype != compute_dtype:
             # the engine presents every parameter in the compute dtype; an FP8 weight keeps the dtype it was built
             # with (TE refuses a forward whose input dtype differs: "Data types for parameters must match")
             out.append(f"FP8 weight {n} of unit {unit} was built in {p.dtype} and the engine computes in "
                        f"{compute_dtype}; build the FP8 layers in the compute dtype (TE: params_dtype={compute_dtype} "
                        "under quantized_model_init), or pass compute_dtype to match")
+    for ops, weights in fit.values():
+        why = ops.unit_problem(weights)
+        if why:
+            out.append(f"unit {unit} has {why}")
     late = [n for n, p in frozen if is_quantized(p)]
     if late:
         out.append(f"parameters {late[:3]} of unit {unit} are frozen FP8 weights; the FP8 all-gather covers trainable "
                    "weights only: build frozen layers without quantized_model_init, or train them")
+    plain = [n for n, p in frozen if not is_quantized(p)]
+    if plain:
+        out.append(f"unit {unit} has FP8 weights and frozen parameters {plain[:3]}, which the FP8 all-gather does not "
+                   "carve yet; freeze them in another unit, or train them")
     where = "an expert (EP) unit" if expert else "a tensor-parallel unit" if tensor_parallel else None
     if where:
         out.append(f"unit {unit} is {where} with FP8 weights, which the FP8 all-gather does not support yet; build "

@@ -594,10 +594,6 @@ class MegatronFSDP(nn.Module):
                 tensor_parallel=self.tp_topology is not None, strategy=self.strategy.value,
                 shards_params=self.strategy.shards_params,
                 double_buffer=self.fsdp_double_buffer, hybrid=self.hsdp.hybrid, compute_dtype=self.compute_dtype)
-            frozen = [n for n, p in zip(u.frozen_layout.names, u.frozen_params) if not _fp8.is_quantized(p)]
-            if frozen:  # (frozen FP8 weights are named by problems())
-                found.append(f"unit {u.name} has FP8 weights and frozen parameters {frozen[:3]}, which the FP8 all-gather "
-                             "does not carve yet; freeze them in another unit, or train them")
             kinds = {type(_fp8.ops_for(p)).__name__ for _, p in quantized}
             if len(kinds) > 1:
                 found.append(f"unit {u.name} mixes quantized parameters of kinds {sorted(kinds)}; one kind a unit")

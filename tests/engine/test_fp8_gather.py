@@ -155,6 +155,8 @@ def _refusal_job(rank: int, world: int, case: str) -> str:
     try:
         torch.manual_seed(0)
         net = Net(True, frozen_fp8=case == "frozen")
+        if case == "frozen_plain":  # a frozen bias in a unit with FP8 weights
+            net.blocks[0].fc1.bias.requires_grad_(False)
         kw = dict(DB)
         strategy = "optim_grads_params"
         if case == "zero2":
@@ -179,6 +181,7 @@ def _refusal_job(rank: int, world: int, case: str) -> str:
     ("zero2", ["sharding_strategy='optim_grads' with", "use sharding_strategy='optim_grads_params'"]),
     ("no_double_buffer", ["fsdp_double_buffer=False", "fsdp_double_buffer=True"]),
     ("frozen", ["frozen FP8 weights", "blocks.0.fc1.weight"]),
+    ("frozen_plain", ["FP8 weights and frozen parameters", "fc1.bias", "freeze them in another unit"]),
     ("summon", ["summon_full_params", "state_dict"]),
     ("dtype", ["blocks.0.fc1.weight", "built in torch.float32", "computes in torch.bfloat16",
                "params_dtype=torch.bfloat16"]),
@@ -369,10 +372,13 @@ class _Weight:
         self._scale_inv = torch.full((1,), -1.0)
         self.cleared = 0
 
+    amax_epsilon = 0.0
+
     def _get_quantizer(self) -> Any:
         import types
 
-        return types.SimpleNamespace(dtype=_PyDType.kFloat8E4M3, force_pow_2_scales=False, amax_epsilon=0.0)
+        return types.SimpleNamespace(dtype=_PyDType.kFloat8E4M3, force_pow_2_scales=False,
+                                     amax_epsilon=self.amax_epsilon)
 
     def clear_high_precision_init_val(self) -> None:
         self.cleared += 1
@@ -414,3 +420,14 @@ def test_te_quantize_casts_row_wise_with_the_whole_weights_scale():
             if piece is not None:
                 want = (piece.to(torch.bfloat16).float() * (1.0 / inv)).to(torch.float8_e4m3fn).view(torch.uint8)
                 assert torch.equal(out, want)
+
+
+def test_te_weights_with_different_scale_rules_in_one_unit_are_refused():
+    """One all-reduce of amaxes and one scale rule a unit: TE weights whose quantizers differ are named at set-up
+    (``fully_shard`` collects ``unit_problem``), not at the first unshard."""
+    ops = object.__new__(_fp8._TEOps)
+    same, other = _Weight(), _Weight()
+    assert ops.unit_problem([same, other]) is None
+    other.amax_epsilon = 1e-6
+    assert "amax_epsilon" in ops.unit_problem([same, other])
+
