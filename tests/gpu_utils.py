@@ -157,7 +157,8 @@ class RowGuard:
     When the row raised on one rank only, the other ranks may still be inside it, blocked in a collective the
     failing rank will never issue; the failing rank then meets them in the next row's first collective, and the
     run hangs until a time limit stops it, the error unprinted (megatron-core's EP rows with TE's layers stalled in
-    that shape three times, the cause not yet named). So the failing rank prints its traceback at once, tagged with its rank (:meth:`failed`), and
+    that shape three times; once this guard printed it, the error was TE's fused permute refusing an EP rank that
+    received no tokens). So the failing rank prints its traceback at once, tagged with its rank (:meth:`failed`), and
     every rank meets the others after each row at a monitored barrier of a Gloo group of its own
     (:meth:`end_of_row`): a rank that does not arrive within ``timeout_s`` is named, and the process leaves with
     status 3, which makes ``torchrun`` stop the blocked ranks. One rank: nothing to meet.
