@@ -42,11 +42,13 @@ def test_fsdp2_storage_script_on_gloo(tmp_path):
 
 @pytest.mark.gloo
 def test_ep_align_script_on_gloo(tmp_path):
-    # tests/gpu/scripts/ep_align.py on 2 Gloo ranks (protocol backend, split experts): its rows and controls
+    # tests/gpu/scripts/ep_align.py on 2 Gloo ranks (protocol backend, split experts, one group and two): its rows
+    # and controls
     cmd = launcher(2, [os.path.join(ROOT, "tests", "gpu", "scripts", "ep_align.py")]) + ["--device", "cpu"]
     result = run_json(cmd, tmp_path / "ep.json")
     assert result["ok"] and result["world_size"] == 2 and not result["errors"], result
-    assert [r["row"] for r in result["rows"]] == ["ep2/graphed == ep2", "ep2 ~ ref"], result["rows"]
+    assert [r["row"] for r in result["rows"]] == ["ep2/graphed == ep2", "ep2/groups/graphed == ep2/groups",
+                                                  "ep2/groups == ep2", "ep2 ~ ref"], result["rows"]
     assert len(result["controls"]) == 3 and all(c["caught"] for c in result["controls"]), result["controls"]
 
 

@@ -12,7 +12,9 @@ eager between them. Rows, at EP=2 and at EP=world (world 4):
 - graph backend ``torch`` (PyTorch's graphs): experts ``split`` (fp32) and ``grouped_mm`` (bf16 operands);
 - graph backend ``te`` (TE's graph maker with ``capture_time_hooks``; TE importable): experts ``split`` and
   ``te_grouped`` (TE ``GroupedLinear``);
-- on the CPU: backend ``protocol``, experts ``split``.
+- on the CPU: backend ``protocol``, experts ``split``;
+- overlapped expert groups (``moe_ep_chunks=2`` at EP 2), eager and graphed, backend ``torch`` (``protocol`` on the
+  CPU), experts ``split``: ``torch.equal`` to one group as well as graphed to eager.
 
 What must hold: every graphed run ``torch.equal`` to its eager run (every loss, every final parameter, on every
 rank), every callable replayed at every step after capture; each EP run's losses and parameters against the EP=1
@@ -78,6 +80,9 @@ def _runs(world: int, device: torch.device, has_te: bool) -> Dict[str, Callable[
     for ep in eps:
         add(f"ep{ep}", ep, backend=torch_backend)
         add(f"ep{ep}/graphed", ep, backend=torch_backend, graphed=True)
+    groups = {"moe_ep_chunks": 2}  # [Note: overlapped expert groups]: EP 2 leaves 2 local experts, one a group
+    add("ep2/groups", 2, backend=torch_backend, model_kw=groups)
+    add("ep2/groups/graphed", 2, backend=torch_backend, graphed=True, model_kw=groups)
     add("ep2/graphed/perturbed", 2, backend=torch_backend, graphed=True, perturb_replay=True)
     add("ep2/nudged_router", 2, backend=torch_backend, nudge_router=True)
     add(f"ep{world}/wrong_rank", world, backend=torch_backend, wrong_rank=True)
@@ -108,6 +113,9 @@ def _verdicts(per_rank: List[Dict[str, Any]], world: int) -> Dict[str, Any]:
         equal = _equal(per_rank, name, eager)
         rows.append({"row": f"{name} == {eager}", "equal": equal, "replays_ok": ok_replays, "ok": equal and ok_replays,
                      "replays": replays[0]})
+    if "ep2/groups" in results:  # the groups change when tokens travel, not what any expert computes
+        equal = _equal(per_rank, "ep2/groups", "ep2")
+        rows.append({"row": "ep2/groups == ep2", "equal": equal, "ok": equal})
     for name in results:
         m = re.fullmatch(r"ep(\d+)(/grouped_mm)?", name)  # the eager EP runs that have an EP=1 run to match
         if m is None:
