@@ -911,6 +911,8 @@ class MegatronFSDP(nn.Module):
             if u.fused is not None:
                 u.fused.end_backward()
             u.wait_unshard()
+            if u.fp8 is not None:
+                u.fp8.fresh = False
             for p in u.all_params:
                 p.grad = None
             u.state = TrainingState.IDLE

@@ -143,12 +143,13 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """Root: an input projection and a head (plain); two blocks, each an FSDP unit with two FP8 weights."""
+    """Root: an input projection and a head (plain); ``blocks`` blocks (two by default), each an FSDP unit with two
+    FP8 weights."""
 
-    def __init__(self, quantized: bool, h: int = 16, frozen_fp8: bool = False) -> None:
+    def __init__(self, quantized: bool, h: int = 16, frozen_fp8: bool = False, blocks: int = 2) -> None:
         super().__init__()
         self.inp = nn.Linear(6, h)
-        self.blocks = nn.ModuleList(Block(h, quantized) for _ in range(2))
+        self.blocks = nn.ModuleList(Block(h, quantized) for _ in range(blocks))
         self.head = nn.Linear(h, 3)
         if frozen_fp8:
             self.blocks[0].fc1.weight.requires_grad_(False)

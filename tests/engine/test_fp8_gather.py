@@ -10,6 +10,7 @@ TE's FP8 tensors need CUDA, so these run the engine's path with the CPU stand-in
   is written, and its bytes and transpose sit in the unit's double-buffer slot.
 - The unit's all-gathers move one byte per weight element (plus a staging area for the other parameters): at a
   Llama-3-8B layer on 4 ranks, at most 0.55x the bf16 bytes of the same unit.
+- A backward's gathers send the bytes the forward quantized (no cast, no amax all-reduce) and train the same.
 - Controls: each rank scaling by the amax of its own piece (no all-reduce) is caught by the first comparison.
 - Refused, naming the fix: ZeRO-1/2, no double buffer, frozen FP8 weights, summon_full_params.
 - Per-layer graphs over FP8 units train like eager, and the replay check covers each FP8 weight's bytes, transpose
@@ -41,9 +42,9 @@ pytestmark = pytest.mark.gloo
 DB = dict(fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True)
 
 
-def _train(rank: int, world: int, quantized: bool, ops: StandInOps) -> Dict[str, Any]:
+def _train(rank: int, world: int, quantized: bool, ops: StandInOps, blocks: int = 2) -> Dict[str, Any]:
     torch.manual_seed(0)
-    net = Net(quantized)
+    net = Net(quantized, blocks=blocks)
     model = fully_shard(net, fsdp_unit_modules=[Block], sharding_strategy="optim_grads_params", **DB)
     opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-2)
     losses: List[torch.Tensor] = []
@@ -83,6 +84,62 @@ def test_fp8_gathered_weights_train_like_weights_quantized_in_forward(world):
         if world > 1:  # one rank's piece is the whole weight: the control is the same there
             ctl = res["control"]["state"]
             assert any(not torch.equal(v, ctl[k]) for k, v in ref["state"].items()), "the no-all-reduce control passed"
+
+
+def _backward_job(rank: int, world: int) -> Dict[str, Any]:
+    """Four FP8 units in two double-buffer slots, so the backward gathers again: each gather's kind (forward or
+    backward) and whether it quantized, with the kept bytes used as they are and, as the control, marked stale
+    before every backward gather."""
+    out: Dict[str, Any] = {}
+    real_gather, real_quantize = _fp8.Fp8Plan.gather, _fp8.Fp8Plan._quantize
+    for mode in ("kept", "stale"):
+        events: List[str] = []
+
+        def gather(plan, *a, backward=False, **k):
+            if backward and mode == "stale":
+                plan.fresh = False
+            events.append("backward" if backward else "forward")
+            return real_gather(plan, *a, backward=backward, **k)
+
+        def quantize(plan, *a, **k):
+            events.append("quantize")
+            return real_quantize(plan, *a, **k)
+
+        ops = StandInOps()
+        remove = _fp8.register_ops(ops)
+        _fp8.Fp8Plan.gather, _fp8.Fp8Plan._quantize = gather, quantize
+        try:
+            out[mode] = _train(rank, world, True, ops, blocks=4)
+        finally:
+            _fp8.Fp8Plan.gather, _fp8.Fp8Plan._quantize = real_gather, real_quantize
+            remove()
+        out[mode]["events"] = events
+    reference_ops = StandInOps()
+    remove = _fp8.register_ops(reference_ops)
+    try:
+        out["reference"] = _train(rank, world, False, reference_ops, blocks=4)
+    finally:
+        remove()
+    return out
+
+
+def test_a_backward_gather_sends_the_bytes_its_forward_quantized():
+    """[Note: one quantization a forward]: the backward's gathers quantize nothing and train ``torch.equal`` to
+    weights quantized in every forward; the control (bytes marked stale) quantizes at every gather and trains the
+    same."""
+    for rank, res in enumerate(run_gloo(_backward_job, 2)):
+        ev = res["kept"]["events"]
+        gathers = [e for e in ev if e != "quantize"]
+        assert gathers.count("backward") >= 4, ev  # 4 steps, at least one unit gathered again in each backward
+        quantized_at = [ev[i - 1] for i, e in enumerate(ev) if e == "quantize"]  # the gather each quantize is in
+        assert quantized_at == ["forward"] * gathers.count("forward"), ev
+        stale = res["stale"]["events"]
+        assert stale.count("quantize") == len([e for e in stale if e != "quantize"]), stale
+        ref = res["reference"]
+        for mode in ("kept", "stale"):
+            got = res[mode]
+            assert all(torch.equal(a, b) for a, b in zip(got["losses"], ref["losses"])), (rank, mode)
+            assert all(torch.equal(v, got["state"][k]) for k, v in ref["state"].items()), (rank, mode)
 
 
 def _bytes_job(rank: int, world: int) -> Dict[str, Any]:
