@@ -84,13 +84,16 @@ def make_recipe(column: str, args: argparse.Namespace) -> Any:
 
 def weights_init(column: str) -> Any:
     """Where ``column``'s layers are built: under TE's ``quantized_model_init`` with current scaling for the
-    FP8-weight columns (every TE ``Linear`` weight a ``Float8Tensor``), plainly for the others."""
+    FP8-weight columns (every TE ``Linear`` weight a ``Float8Tensor``), plainly for the others. The weights keep
+    their bf16 values beside the FP8 bytes (``preserve_high_precision_init_val``): NVIDIA's engine starts its fp32
+    mains from them and refuses FP8 weights without them, and ours starts from them too (and drops them at the
+    first quantization), so both engines' mains start from the same values."""
     if column not in FP8_WEIGHTS:
         return contextlib.nullcontext()
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import Float8CurrentScaling
 
-    return te.quantized_model_init(enabled=True, recipe=Float8CurrentScaling())
+    return te.quantized_model_init(enabled=True, recipe=Float8CurrentScaling(), preserve_high_precision_init_val=True)
 
 
 def layer_overrides(column: str) -> Dict[str, Any]:
