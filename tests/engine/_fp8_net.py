@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 from megatron_fsdp._fp8 import QuantizedOps
@@ -144,10 +145,12 @@ class Block(nn.Module):
 
 class Net(nn.Module):
     """Root: an input projection and a head (plain); ``blocks`` blocks (two by default), each an FSDP unit with two
-    FP8 weights."""
+    FP8 weights; ``recompute``: each block under non-reentrant activation checkpointing."""
 
-    def __init__(self, quantized: bool, h: int = 16, frozen_fp8: bool = False, blocks: int = 2) -> None:
+    def __init__(self, quantized: bool, h: int = 16, frozen_fp8: bool = False, blocks: int = 2,
+                 recompute: bool = False) -> None:
         super().__init__()
+        self.recompute = recompute
         self.inp = nn.Linear(6, h)
         self.blocks = nn.ModuleList(Block(h, quantized) for _ in range(blocks))
         self.head = nn.Linear(h, 3)
@@ -157,5 +160,5 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
         for b in self.blocks:
-            x = b(x)
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if self.recompute else b(x)
         return self.head(x)

@@ -10,7 +10,8 @@ TE's FP8 tensors need CUDA, so these run the engine's path with the CPU stand-in
   is written, and its bytes and transpose sit in the unit's double-buffer slot.
 - The unit's all-gathers move one byte per weight element (plus a staging area for the other parameters): at a
   Llama-3-8B layer on 4 ranks, at most 0.55x the bf16 bytes of the same unit.
-- A backward's gathers send the bytes the forward quantized (no cast, no amax all-reduce) and train the same.
+- A backward's gathers (a recomputed forward's too) send the bytes the forward quantized (no cast, no amax
+  all-reduce) and train the same.
 - Controls: each rank scaling by the amax of its own piece (no all-reduce) is caught by the first comparison.
 - Refused, naming the fix: ZeRO-1/2, no double buffer, frozen FP8 weights, summon_full_params.
 - Per-layer graphs over FP8 units train like eager, and the replay check covers each FP8 weight's bytes, transpose
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from megatron_fsdp import _collectives, _fp8, fully_shard
+from megatron_fsdp._unit import FSDPUnit
 from tests.dist_utils import run_gloo
 from tests.engine._common import RTOL
 from tests.engine import _fp8_net
@@ -42,9 +44,10 @@ pytestmark = pytest.mark.gloo
 DB = dict(fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True)
 
 
-def _train(rank: int, world: int, quantized: bool, ops: StandInOps, blocks: int = 2) -> Dict[str, Any]:
+def _train(rank: int, world: int, quantized: bool, ops: StandInOps, blocks: int = 2,
+           recompute: bool = False) -> Dict[str, Any]:
     torch.manual_seed(0)
-    net = Net(quantized, blocks=blocks)
+    net = Net(quantized, blocks=blocks, recompute=recompute)
     model = fully_shard(net, fsdp_unit_modules=[Block], sharding_strategy="optim_grads_params", **DB)
     opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-2)
     losses: List[torch.Tensor] = []
@@ -88,11 +91,11 @@ def test_fp8_gathered_weights_train_like_weights_quantized_in_forward(world):
 
 def _backward_job(rank: int, world: int) -> Dict[str, Any]:
     """Four FP8 units in two double-buffer slots, so the backward gathers again: each gather's kind (forward or
-    backward) and whether it quantized, with the kept bytes used as they are and, as the control, marked stale
-    before every backward gather."""
+    backward) and whether it quantized, with the kept bytes used as they are, under activation checkpointing (the
+    recomputed forward gathers in backward) and, as the control, marked stale before every backward gather."""
     out: Dict[str, Any] = {}
-    real_gather, real_quantize = _fp8.Fp8Plan.gather, _fp8.Fp8Plan._quantize
-    for mode in ("kept", "stale"):
+    real_gather, real_quantize, real_recompute = _fp8.Fp8Plan.gather, _fp8.Fp8Plan._quantize, FSDPUnit._pre_recompute
+    for mode in ("kept", "stale", "recompute"):
         events: List[str] = []
 
         def gather(plan, *a, backward=False, **k):
@@ -105,13 +108,18 @@ def _backward_job(rank: int, world: int) -> Dict[str, Any]:
             events.append("quantize")
             return real_quantize(plan, *a, **k)
 
+        def recompute(unit, *a, **k):
+            events.append("recompute")
+            return real_recompute(unit, *a, **k)
+
         ops = StandInOps()
         remove = _fp8.register_ops(ops)
-        _fp8.Fp8Plan.gather, _fp8.Fp8Plan._quantize = gather, quantize
+        _fp8.Fp8Plan.gather, _fp8.Fp8Plan._quantize, FSDPUnit._pre_recompute = gather, quantize, recompute
         try:
-            out[mode] = _train(rank, world, True, ops, blocks=4)
+            out[mode] = _train(rank, world, True, ops, blocks=4, recompute=mode == "recompute")
         finally:
-            _fp8.Fp8Plan.gather, _fp8.Fp8Plan._quantize = real_gather, real_quantize
+            _fp8.Fp8Plan.gather, _fp8.Fp8Plan._quantize, FSDPUnit._pre_recompute = (real_gather, real_quantize,
+                                                                                  real_recompute)
             remove()
         out[mode]["events"] = events
     reference_ops = StandInOps()
@@ -124,19 +132,22 @@ def _backward_job(rank: int, world: int) -> Dict[str, Any]:
 
 
 def test_a_backward_gather_sends_the_bytes_its_forward_quantized():
-    """[Note: one quantization a forward]: the backward's gathers quantize nothing and train ``torch.equal`` to
-    weights quantized in every forward; the control (bytes marked stale) quantizes at every gather and trains the
-    same."""
+    """[Note: one quantization a forward]: the backward's gathers (recomputations' included) quantize nothing and
+    train ``torch.equal`` to weights quantized in every forward; the control (bytes marked stale) quantizes at every
+    gather and trains the same."""
     for rank, res in enumerate(run_gloo(_backward_job, 2)):
         ev = res["kept"]["events"]
-        gathers = [e for e in ev if e != "quantize"]
+        gathers = [e for e in ev if e in ("forward", "backward")]
         assert gathers.count("backward") >= 4, ev  # 4 steps, at least one unit gathered again in each backward
         quantized_at = [ev[i - 1] for i, e in enumerate(ev) if e == "quantize"]  # the gather each quantize is in
         assert quantized_at == ["forward"] * gathers.count("forward"), ev
         stale = res["stale"]["events"]
-        assert stale.count("quantize") == len([e for e in stale if e != "quantize"]), stale
+        assert stale.count("quantize") == stale.count("forward") + stale.count("backward"), stale
+        rec = res["recompute"]["events"]
+        assert [rec[i - 1] for i, e in enumerate(rec) if e == "quantize"] == ["forward"] * rec.count("forward"), rec
+        assert rec.count("recompute") >= 4 * 4 and rec.count("backward") >= 4, rec  # every block recomputed
         ref = res["reference"]
-        for mode in ("kept", "stale"):
+        for mode in ("kept", "stale", "recompute"):
             got = res[mode]
             assert all(torch.equal(a, b) for a, b in zip(got["losses"], ref["losses"])), (rank, mode)
             assert all(torch.equal(v, got["state"][k]) for k, v in ref["state"].items()), (rank, mode)
