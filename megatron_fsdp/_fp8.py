@@ -18,9 +18,9 @@ keeps the fp32 main shards as always (the optimizer's, the checkpoints'), and ea
 
 So the bytes on the wire halve, and for bf16 weights (``params_dtype=torch.bfloat16``) the values are those TE's
 own forward computes from the bf16 weight: the fp32 main is rounded to the weight's dtype before the amax is
-taken, as current scaling of the bf16 weight does (``torch.equal``, every loss and main parameter, on 1 and 2 H200s
-with TE's helper doing the cast, at 90e3a98 and a91a27a: tests/gpu/scripts/fp8_gather.py; the row-wise cast that
-replaced it is the same elementwise cast and had not yet run on a GPU when it landed). The unit's flat layout,
+taken, as current scaling of the bf16 weight does (``torch.equal``, every loss and main parameter, on 1 and 2 H200s:
+tests/gpu/scripts/fp8_gather.py, with TE's helper doing the cast at 90e3a98 and a91a27a, and with the row-wise cast
+that replaced it at 392c87b). The unit's flat layout,
 main shard, gradient buffer and reduce-scatter are the same as without FP8: only the unshard buffer is carved
 differently (:class:`Fp8Plan`).
 
@@ -459,13 +459,14 @@ def problems(*, unit: str, names: Sequence[str], params: Sequence[torch.Tensor],
     fit: Dict[int, Tuple[QuantizedOps, List[torch.Tensor]]] = {}  # by kind, the weights each kind can gather
     for n, p in zip(names, params):
         ops = ops_for(p)
-        why = ops.problem(p) if ops is not None else None
+        if ops is None:
+            continue
+        why = ops.problem(p)
         if why:
             out.append(f"parameter {n} of unit {unit} is {why}")
             continue
-        if ops is not None:
-            fit.setdefault(id(ops), (ops, []))[1].append(p)
-        if ops is not None and p.dtype != compute_dtype:
+        fit.setdefault(id(ops), (ops, []))[1].append(p)
+        if p.dtype != compute_dtype:
             # the engine presents every parameter in the compute dtype; an FP8 weight keeps the dtype it was built
             # with (TE refuses a forward whose input dtype differs: "Data types for parameters must match")
             out.append(f"FP8 weight {n} of unit {unit} was built in {p.dtype} and the engine computes in "
