@@ -79,7 +79,15 @@ def make_recipe(column: str, args: argparse.Namespace) -> Any:
         return None
     from fsdp_cudagraph.capture.fp8 import FP8Recipe
 
-    return FP8Recipe(name)
+    return FP8Recipe(name, cache_quantized_params=caches_weights(column, args))
+
+
+def caches_weights(column: str, args: argparse.Namespace) -> bool:
+    """Whether ``column`` quantizes its bf16 weights once a step (``--fp8-cache-quantized-params``: TE's weight cache,
+    what Megatron's ``is_first_microbatch`` does), the eager columns whose TE layers hold bf16 weights. The FP8-weight
+    columns have nothing for TE to cache (their engine quantizes the main shards once a step)."""
+    return (args.fp8_cache_quantized_params and column in TE_FP8 and column not in FP8_WEIGHTS
+            and column.endswith("_eager"))
 
 
 def weights_init(column: str) -> Any:
@@ -104,10 +112,12 @@ def layer_overrides(column: str) -> Dict[str, Any]:
     return {"te_params_dtype": torch.bfloat16, "fuse_qkv": True} if column in FP8_WEIGHTS else {}
 
 
-def autocast(fp8: Any) -> Any:
-    """One micro-batch's forward region: TE's autocast with the recipe (quantized weights not cached: no
-    first-micro-batch flag), or nothing without one."""
-    return contextlib.nullcontext() if fp8 is None else fp8.autocast()
+def autocast(fp8: Any, first: bool) -> Any:
+    """One micro-batch's forward region: TE's autocast with the recipe, saying whether this is the step's first
+    micro-batch when the recipe caches quantized weights; nothing without a recipe."""
+    if fp8 is None:
+        return contextlib.nullcontext()
+    return fp8.autocast(first_microbatch=first) if fp8.cache_quantized_params else fp8.autocast()
 
 
 def not_applicable(column: str, device: torch.device, args: argparse.Namespace) -> Optional[str]:
@@ -197,11 +207,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="llama8b_fp8: torch.compile each layer of the FSDP2 columns, as torchtitan does")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="micro-batches per step (gradient accumulation; tokens per step scale with it)")
+    p.add_argument("--fp8-cache-quantized-params", action="store_true",
+                   help="llama8b_fp8: the eager FP8 columns with bf16 weights quantize them on a step's first "
+                        "micro-batch only (TE's weight cache, Megatron's is_first_microbatch)")
 
 
 def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.micro_batches < 1:
         p.error(f"--micro-batches {args.micro_batches}: need at least one micro-batch a step")
+    graphed = [c for c in (args.columns or []) if c in ("ours_fp8_partial", "ours_fp8_full")]
+    if args.fp8_cache_quantized_params and graphed:
+        p.error(f"--fp8-cache-quantized-params with {graphed}: the cache is wired for the eager columns only (the "
+                "graphed columns' layers would take is_first_microbatch at capture); leave them out with --columns")
     if args.config == "llama8b_fp8" and args.fp8_recipe == "delayed" and "ours_fp8_full" in (args.columns or FP8_COLUMNS):
         p.error("--fp8-recipe delayed with the ours_fp8_full column: delayed scaling is refused in a whole-step graph "
                 "(TE skips its backward amax update during a capture; docs/fp8.md); pick current or block, or leave "

@@ -212,9 +212,10 @@ def merge(paths: List[str]) -> Tuple[argparse.Namespace, int, Dict[str, Any], Di
         with open(path) as fh:
             records.append(json.load(fh))
     key = ("config", "layers", "seq", "micro_batch", "layers_impl", "backend", "fuse_wgrad", "moe_experts", "cpu_smoke",
-           "tensor_parallel", "vocab_parallel", "micro_batches", "fp8_recipe", "ep_chunks")
+           "tensor_parallel", "vocab_parallel", "micro_batches", "fp8_recipe", "ep_chunks", "fp8_cache_quantized_params")
     # records made before a flag existed ran without it
-    absent = {"vocab_parallel": False, "micro_batches": 1, "fp8_recipe": "current", "ep_chunks": 2}
+    absent = {"vocab_parallel": False, "micro_batches": 1, "fp8_recipe": "current", "ep_chunks": 2,
+              "fp8_cache_quantized_params": False}
     first = records[0]
     for path, r in zip(paths[1:], records[1:]):
         diff = {k: (first["config"].get(k, absent.get(k)), r["config"].get(k, absent.get(k))) for k in key

@@ -26,7 +26,8 @@ Configs (``--config``):
   llama8b_fp8 the Llama-3-8B shape of llama8b at sequence 8192 (the published FP8 records' setting), bf16 beside TE's
            FP8 recipes (delayed, current, block), FP8 with partial and whole-step graphs, NVIDIA Megatron-FSDP in FP8,
            FSDP2 bf16 and FSDP2 + torchao float8 (torch layers, each compiled); ``--micro-batches N`` for gradient
-           accumulation. Depth as llama8b. See ``_engines_fp8.py``.
+           accumulation (``--fp8-cache-quantized-params``: the eager bf16-weight FP8 columns quantize their weights on
+           a step's first micro-batch only, as Megatron does). Depth as llama8b. See ``_engines_fp8.py``.
 
 Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; same seed and batches):
   ours_eager           megatron_fsdp (double buffer, persistent buffers); TE layers fuse weight gradients into
@@ -596,9 +597,9 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
         batches.append(micro)
     loss_of, loss_context, fused_loss = model.loss, model.loss_context, model.fused_loss
 
-    def forward_loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward_loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor, first: bool = True) -> torch.Tensor:
         # FP8: one autocast region around each micro-batch's forward, eager, replayed and captured alike
-        with _engines_fp8.autocast(fp8):
+        with _engines_fp8.autocast(fp8, first):
             if fused_loss:
                 return m(x, y) / n_micro
             out = m(x)
@@ -643,9 +644,9 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
                     full.optimizer_step(opt)
                 else:
                     loss = torch.zeros((), device=device)
-                    for x, y in micro:
+                    for i, (x, y) in enumerate(micro):
                         with loss_context():
-                            mb_loss = forward_loss(net, x, y)
+                            mb_loss = forward_loss(net, x, y, first=i == 0)
                             mb_loss.backward()
                         loss = loss + (mb_loss.full_tensor() if hasattr(mb_loss, "full_tensor") else mb_loss).detach()
                     opt.step()

@@ -28,16 +28,24 @@ Fixed addresses: a weight's ``_data`` and ``_transpose`` are views of the unit's
 slot, bound at set-up and again after every gather; its ``_scale_inv`` is a tensor TE updates in place. A graph
 captured over the unit reads the same bytes every replay, as it reads the bf16 parameter views of other units.
 
-[Note: one quantization a forward]
-The gather of a unit's backward (ZeRO-3 gathers the weights again) sends the bytes its forward's gather quantized,
-kept in the unit's FP8 shard, instead of quantizing them again. The main shards cannot change between a unit's forward
-and its backward, so the bytes and scales are the same ones; the backward is spared the cast and, above all, the
-amax ``MAX`` all-reduce: a blocking collective on the communicator the reduce-scatters use, which made the compute
-stream wait behind the previous unit's reduce-scatter at every backward prefetch (on 2 x H200 at the Llama-3-8B
-shape: 29 ms of reduce-scatter exposed a step against 9 without FP8 weights, and 36 ms of the GPU idle). Every
-forward gather quantizes, so a step of the optimizer (or a checkpoint loaded) between two forwards is always seen;
-the kept bytes are marked stale when the unit's backward ends and when a step is reset, and a backward gather that
-finds them stale quantizes as a forward does. Cost: one byte a parameter shard element, kept for the run.
+[Note: one quantization a step]
+A unit's gathers send the bytes its last quantization made, kept in the unit's FP8 shard, for as long as the main
+shard is unchanged: the backward's gathers (ZeRO-3 gathers the weights again) and, with gradient accumulation, the
+forwards and backwards of every later micro-batch of the step. Only the first forward after the main shard changed
+quantizes. The signal is the one that refreshes ZeRO-1/2 compute parameters (``_unit._install_if_stale``, run before
+every unshard): the main shard's version counter, and the optimizer step post-hook that marks the units an
+optimizer holds stale after every ``step()``, whatever its kernel (fused Adam moves no version counter). A
+checkpoint loaded into the main shards moves their counters, and a reset step state marks the bytes stale too.
+Values cannot differ from quantizing at every gather: between two changes of the main shard every quantization
+would read the same fp32 values and reduce the same amaxes. What is spared is the cast and, above all, the amax
+``MAX`` all-reduce: a blocking collective on the communicator the reduce-scatters use, which made the compute stream
+wait behind the previous unit's reduce-scatter at every backward prefetch (on 2 x H200 at the Llama-3-8B shape: 29
+ms of reduce-scatter exposed a step against 9 without FP8 weights, and 36 ms of the GPU idle), and once a
+micro-batch in forward. Hazard, the one ZeRO-1/2 already has: main shards written behind the engine's back (through
+``.data`` outside ``optimizer.step()``, or by an optimizer step replayed from a CUDA graph of its own) are not seen;
+mark them with ``model.reset_step_state()``. Whole-step graphs capture the decision of their capture step
+(the first micro-batch quantizes, the others do not), which is the decision of every replayed step. Cost: one byte a
+parameter shard element, kept for the run.
 
 What is refused, each with the fix (:func:`problems`): a recipe other than current scaling (delayed scaling's
 weight scales live in the autocast's state, block scaling's in per-block tables, neither checked here yet),
@@ -297,9 +305,9 @@ class Fp8Plan:
     stage_numel: int = 0
     #: index -> (bytes, transpose) views of the buffer each FP8 weight is bound to (set by :meth:`bind`)
     bound: Dict[int, Tuple[torch.Tensor, Optional[torch.Tensor]]] = field(default_factory=dict)
-    #: this rank's FP8 bytes (one a shard element), kept between gathers: [Note: one quantization a forward]
+    #: this rank's FP8 bytes (one a shard element), kept between gathers: [Note: one quantization a step]
     shard: Optional[torch.Tensor] = None
-    #: ``shard`` holds the quantization made by this forward's gather (cleared when the unit's backward ends)
+    #: ``shard`` holds the quantization of the main shard as it is now (cleared when the main shard changes)
     fresh: bool = False
 
     @staticmethod
@@ -379,17 +387,16 @@ class Fp8Plan:
 
     # ------------------------------------------------------------------ the gather
     def gather(self, buf: torch.Tensor, main: torch.Tensor, params: Sequence[torch.Tensor], group: dist.ProcessGroup,
-               all_gather: Callable[[torch.Tensor, torch.Tensor, str], Any], what: str, *,
-               backward: bool = False) -> List[Any]:
-        """Steps 1-3 of [Note: FP8 parameter all-gather]: quantize this rank's pieces (unless ``backward`` finds
-        this forward's bytes still kept: [Note: one quantization a forward]), start the two all-gathers (returns
-        their works); :meth:`finish` unpacks once they are waited on."""
+               all_gather: Callable[[torch.Tensor, torch.Tensor, str], Any], what: str) -> List[Any]:
+        """Steps 1-3 of [Note: FP8 parameter all-gather]: quantize this rank's pieces (unless the kept bytes are
+        those of the main shard as it is: [Note: one quantization a step]), start the two all-gathers (returns their
+        works); :meth:`finish` unpacks once they are waited on."""
         plane, _ = self.planes(buf)
         s, r = self.layout.shard_numel, self.rank
         start = r * s
         if self.shard is None:
             self.shard = torch.zeros(s, dtype=plane.dtype, device=plane.device)
-        if not (backward and self.fresh):
+        if not self.fresh:
             self._quantize(main, params, group)
         works = [all_gather(plane, self.shard, f"FP8 weights of {what}")]
         if self.stage_numel:

@@ -337,6 +337,8 @@ class FSDPUnit:
         frozen_new = self.frozen_shard._version != self.installed_frozen_version
         if not (main_new or frozen_new):
             return
+        if main_new and self.fp8 is not None:
+            self.fp8.fresh = False  # the kept FP8 bytes are of older values: [Note: one quantization a step]
         eng = self.engine
         t, pb = self.grad_numel, self.param_buffer.tensor
         works: List[Optional[dist.Work]] = []
@@ -389,7 +391,7 @@ class FSDPUnit:
         if self.fp8 is not None:  # [Note: FP8 parameter all-gather] in _fp8.py; finished in wait_unshard
             works += self.fp8.gather(buf.tensor, self.main_shard.detach(), self.params, self.group,
                                      lambda out, shard, what: C.all_gather(out, shard, self.group, what),
-                                     f"unit {self.name}", backward=self.engine.in_backward)
+                                     f"unit {self.name}")
         elif t:
             works.append(self._gather(buf.tensor[:t], self.main_shard.detach(), f"unit {self.name}"))
         if self.numel > t:
@@ -537,8 +539,6 @@ class FSDPUnit:
             if self.fused is not None:
                 self.fused.end_backward()
                 release_grad_slot(self)
-            if self.fp8 is not None:
-                self.fp8.fresh = False  # the next gather quantizes again: the optimizer may step now
             self.state = TrainingState.IDLE
             self.reshard()
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_cudagraph.capture import fp8 as _fp8
 from fsdp_cudagraph.capture.te import HAS_TE, require_te
 
 __all__ = ["LlamaConfig", "llama3_8b_config", "Llama", "LlamaLayer", "LlamaTorchLayer", "rope_table", "loss_fn",
@@ -200,11 +201,14 @@ class LlamaLayer(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, layer_number: int, rope: _RopeTable) -> None:
         super().__init__()
-        self.block = _te_layer(cfg, layer_number) if cfg.layers_impl == "te" else LlamaTorchLayer(cfg)
+        self.te = cfg.layers_impl == "te"
+        self.block = _te_layer(cfg, layer_number) if self.te else LlamaTorchLayer(cfg)
         self._rope = rope  # a plain object: not a parameter, buffer or submodule (see _RopeTable)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(x, rotary_pos_emb=self._rope.get(x.device))
+        # TE's block takes is_first_microbatch when the FP8 region caches quantized weights
+        extra = _fp8.te_call_kwargs() if self.te else {}
+        return self.block(x, rotary_pos_emb=self._rope.get(x.device), **extra)
 
 
 class Llama(nn.Module):

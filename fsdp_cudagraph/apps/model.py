@@ -258,13 +258,6 @@ class GPTConfig:
 EP_EXPERTS = ("split", "grouped_mm", "te_grouped")
 
 
-def _te_step_kwargs() -> Dict[str, Any]:
-    """``is_first_microbatch`` for a TE module's call: the flag of the open FP8 region (set only when its recipe
-    caches quantized weights, [Note: quantized weights across micro-batches]), else nothing (TE's default)."""
-    first = _fp8.is_first_microbatch()
-    return {} if first is None else {"is_first_microbatch": first}
-
-
 class SelfAttention(nn.Module):
     """Pre-norm causal self-attention with its residual: ``x + proj(attn(ln(x)))``; x is [batch, seq, hidden]."""
 
@@ -347,13 +340,13 @@ class SelfAttention(nn.Module):
         b, s, _ = x.shape
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.use_te:
-            q, k, v = self.ln_qkv(x, **_te_step_kwargs()).view(b, s, nq + 2 * nkv, d).split([nq, nkv, nkv], dim=2)
+            q, k, v = self.ln_qkv(x, **_fp8.te_call_kwargs()).view(b, s, nq + 2 * nkv, d).split([nq, nkv, nkv], dim=2)
             y = self.core(q, k, v)
         else:
             q, k, v = self.qkv(self.ln(x)).view(b, s, nq + 2 * nkv, d).transpose(1, 2).split([nq, nkv, nkv], dim=1)
             gqa = {} if nkv == nq else {"enable_gqa": True}
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa).transpose(1, 2).reshape(b, s, nq * d)
-        out = x + (self.proj(y, **_te_step_kwargs()) if self.use_te else self.proj(y))
+        out = x + (self.proj(y, **_fp8.te_call_kwargs()) if self.use_te else self.proj(y))
         return (out, y) if self.rich_calls else out
 
 
@@ -405,7 +398,7 @@ class MLP(nn.Module):
             full = _tp.gather_sequence(self.ln(x), self.tp_group)
             partial = F.linear(F.gelu(self.fc1(full)), self.fc2.weight)
             return x + (_tp.reduce_scatter_sequence(partial, self.tp_group) + self.fc2.bias)
-        out = x + self.ln_mlp(x, **_te_step_kwargs()) if self.use_te else x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+        out = x + self.ln_mlp(x, **_fp8.te_call_kwargs()) if self.use_te else x + self.fc2(F.gelu(self.fc1(self.ln(x))))
         return out if skip is None else out + 0.5 * skip.to(out.dtype)
 
 

@@ -60,8 +60,8 @@ from torch import nn
 from fsdp_cudagraph.capture import te as _te
 
 __all__ = ["FP8_RECIPES", "FP8Recipe", "parse_fp8_recipe", "config_problems", "check_fp8_device", "fp8_shape_problem",
-           "is_first_microbatch", "te_autocast_active", "delayed_scaling_modules", "quantized_weight_probe",
-           "reset_scaling_state"]
+           "is_first_microbatch", "te_call_kwargs", "te_autocast_active", "delayed_scaling_modules",
+           "quantized_weight_probe", "reset_scaling_state"]
 
 #: Recipe names, in the vocabulary of ``GPTConfig(fp8=...)`` and ``CudaGraphConfig(fp8_recipe=...)``.
 FP8_RECIPES = ("delayed", "current", "block")
@@ -192,6 +192,13 @@ def is_first_microbatch() -> Optional[bool]:
     """The ``first_microbatch`` flag of the innermost :meth:`FP8Recipe.autocast` region (None outside one, or
     when it was entered without the flag): what a TE module's ``is_first_microbatch`` argument should be."""
     return _REGIONS[-1][1] if _REGIONS else None
+
+
+def te_call_kwargs() -> Dict[str, Any]:
+    """What a TE module's call takes from the open FP8 region: ``is_first_microbatch`` when the region's recipe
+    caches quantized weights ([Note: quantized weights across micro-batches]), else nothing (TE's default)."""
+    first = is_first_microbatch()
+    return {} if first is None else {"is_first_microbatch": first}
 
 
 def te_autocast_active() -> bool:

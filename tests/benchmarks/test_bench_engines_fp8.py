@@ -9,6 +9,8 @@ synthetic rows; the argument refusals name the rule.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import sys
 
@@ -115,6 +117,33 @@ def test_fp8_arguments_refused_with_the_rule():
     assert _engines_fp8.recipe_of("ours_fp8_block_eager", args) == "block"
     assert _engines_fp8.recipe_of("nvidia_fp8_eager", args) == "delayed"
     assert _engines_fp8.recipe_of("ours_eager", args) is None and _engines_fp8.recipe_of("fsdp2_float8_eager", args) is None
+
+
+def test_the_weight_cache_is_for_the_eager_columns_with_bf16_weights(tmp_path):
+    """``--fp8-cache-quantized-params``: TE's weight cache in the eager FP8 columns whose layers hold bf16 weights
+    (ours and NVIDIA's), not the FP8-weight columns (their engine quantizes once a step) nor the bf16 and torchao
+    ones; with a graphed FP8 column it is refused, naming the columns; records of both settings do not merge."""
+    b = _bench()
+    import _engines_fp8
+
+    args = b.parse(["--config", "llama8b_fp8", "--fp8-cache-quantized-params", "--micro-batches", "4",
+                    "--columns", "ours_eager", "ours_fp8_current_eager", "nvidia_fp8_eager", "ours_fp8_gather_eager"])
+    cached = {c for c in _engines_fp8.FP8_COLUMNS if _engines_fp8.caches_weights(c, args)}
+    assert cached == {"ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager", "nvidia_fp8_eager"}
+    assert not any(_engines_fp8.caches_weights(c, b.parse(["--config", "llama8b_fp8", "--columns", c]))
+                   for c in cached)
+    with pytest.raises(SystemExit):
+        b.parse(["--config", "llama8b_fp8", "--fp8-cache-quantized-params", "--columns", "ours_fp8_partial"])
+    assert isinstance(_engines_fp8.autocast(None, False), contextlib.nullcontext)
+    from _engines_report import merge
+
+    paths = []
+    for cache in (False, True):
+        paths.append(tmp_path / f"{cache}.json")
+        paths[-1].write_text(json.dumps({"world_size": 4, "columns": {}, "config": {
+            "config": "llama8b_fp8", "layers": 32, "micro_batches": 32, "fp8_cache_quantized_params": cache}}))
+    with pytest.raises(ValueError, match="fp8_cache_quantized_params"):
+        merge([str(p) for p in paths])
 
 
 def test_fp8_columns_are_measured_against_their_own_floor():

@@ -10,8 +10,10 @@ TE's FP8 tensors need CUDA, so these run the engine's path with the CPU stand-in
   is written, and its bytes and transpose sit in the unit's double-buffer slot.
 - The unit's all-gathers move one byte per weight element (plus a staging area for the other parameters): at a
   Llama-3-8B layer on 4 ranks, at most 0.55x the bf16 bytes of the same unit.
-- A backward's gathers (a recomputed forward's too) send the bytes the forward quantized (no cast, no amax
-  all-reduce) and train the same.
+- A unit's gathers send the bytes of its last quantization while the main shard is unchanged: the backward's (a
+  recomputed forward's too) and every later micro-batch's; the first forward after an optimizer step (fused Adam's,
+  which moves no version counter, included) quantizes again; training is the same. Controls: bytes marked stale at
+  every backward gather train the same; bytes never marked stale are caught.
 - Controls: each rank scaling by the amax of its own piece (no all-reduce) is caught by the first comparison.
 - Refused, naming the fix: ZeRO-1/2, no double buffer, frozen FP8 weights, summon_full_params.
 - Per-layer graphs over FP8 units train like eager, and the replay check covers each FP8 weight's bytes, transpose
@@ -45,20 +47,21 @@ DB = dict(fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True)
 
 
 def _train(rank: int, world: int, quantized: bool, ops: StandInOps, blocks: int = 2,
-           recompute: bool = False) -> Dict[str, Any]:
+           recompute: bool = False, micro: int = 1, fused: bool = False) -> Dict[str, Any]:
     torch.manual_seed(0)
     net = Net(quantized, blocks=blocks, recompute=recompute)
     model = fully_shard(net, fsdp_unit_modules=[Block], sharding_strategy="optim_grads_params", **DB)
-    opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-2, fused=fused)
     losses: List[torch.Tensor] = []
     for step in range(4):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(4 * world, 5, 6, generator=g), torch.randn(4 * world, 5, 3, generator=g)
-        loss = nn.functional.mse_loss(model(x[4 * rank:4 * rank + 4]), y[4 * rank:4 * rank + 4])
-        loss.backward()
+        for i in range(micro):  # gradient accumulation: the optimizer steps after the last micro-batch
+            g = torch.Generator().manual_seed(step * micro + i)
+            x, y = torch.randn(4 * world, 5, 6, generator=g), torch.randn(4 * world, 5, 3, generator=g)
+            loss = nn.functional.mse_loss(model(x[4 * rank:4 * rank + 4]), y[4 * rank:4 * rank + 4]) / micro
+            loss.backward()
+            losses.append(loss.detach())
         opt.step()
         opt.zero_grad()
-        losses.append(loss.detach())
     return {"losses": losses, "state": model.full_state_dict(), "quantize_calls": ops.quantize_calls}
 
 
@@ -89,20 +92,39 @@ def test_fp8_gathered_weights_train_like_weights_quantized_in_forward(world):
             assert any(not torch.equal(v, ctl[k]) for k, v in ref["state"].items()), "the no-all-reduce control passed"
 
 
-def _backward_job(rank: int, world: int) -> Dict[str, Any]:
-    """Four FP8 units in two double-buffer slots, so the backward gathers again: each gather's kind (forward or
-    backward) and whether it quantized, with the kept bytes used as they are, under activation checkpointing (the
-    recomputed forward gathers in backward) and, as the control, marked stale before every backward gather."""
-    out: Dict[str, Any] = {}
-    real_gather, real_quantize, real_recompute = _fp8.Fp8Plan.gather, _fp8.Fp8Plan._quantize, FSDPUnit._pre_recompute
-    for mode in ("kept", "stale", "recompute"):
-        events: List[str] = []
+#: mode -> (micro-batches a step, fused Adam), the runs of :func:`_kept_bytes_job`
+KEPT_MODES = {"kept": (1, False), "stale": (1, False), "recompute": (1, False), "accumulate": (3, False),
+              "fused": (3, True), "never stale": (3, True)}
 
-        def gather(plan, *a, backward=False, **k):
-            if backward and mode == "stale":
+
+def _kept_bytes_job(rank: int, world: int) -> Dict[str, Any]:
+    """Four FP8 units in two double-buffer slots, so the backward gathers again: each gather's kind (forward or
+    backward, from the engine's state at the unshard) and whether it quantized, with the kept bytes used as they
+    are, under activation checkpointing (the recomputed forward gathers in backward), with 3 micro-batches a step
+    (Adam, and fused Adam, which moves no version counter) and, as controls, the bytes marked stale before every
+    backward gather, and never marked stale after their first quantization (the engine's signal ignored)."""
+    out: Dict[str, Any] = {}
+    real_unshard, real_install = FSDPUnit.unshard, FSDPUnit._install_if_stale
+    real_gather, real_quantize, real_recompute = _fp8.Fp8Plan.gather, _fp8.Fp8Plan._quantize, FSDPUnit._pre_recompute
+    for mode, (micro, fused) in KEPT_MODES.items():
+        events: List[str] = []
+        kind = ["forward"]
+
+        def unshard(unit, *a, **k):
+            kind[0] = "backward" if unit.engine.in_backward else "forward"
+            return real_unshard(unit, *a, **k)
+
+        def install(unit, *a, **k):
+            kept = unit.fp8 is not None and unit.fp8.fresh
+            real_install(unit, *a, **k)
+            if mode == "never stale" and kept:
+                unit.fp8.fresh = True
+
+        def gather(plan, *a, **k):
+            if kind[0] == "backward" and mode == "stale":
                 plan.fresh = False
-            events.append("backward" if backward else "forward")
-            return real_gather(plan, *a, backward=backward, **k)
+            events.append(kind[0])
+            return real_gather(plan, *a, **k)
 
         def quantize(plan, *a, **k):
             events.append("quantize")
@@ -114,43 +136,62 @@ def _backward_job(rank: int, world: int) -> Dict[str, Any]:
 
         ops = StandInOps()
         remove = _fp8.register_ops(ops)
+        FSDPUnit.unshard, FSDPUnit._install_if_stale = unshard, install
         _fp8.Fp8Plan.gather, _fp8.Fp8Plan._quantize, FSDPUnit._pre_recompute = gather, quantize, recompute
         try:
-            out[mode] = _train(rank, world, True, ops, blocks=4, recompute=mode == "recompute")
+            out[mode] = _train(rank, world, True, ops, blocks=4, recompute=mode == "recompute", micro=micro,
+                               fused=fused)
         finally:
+            FSDPUnit.unshard, FSDPUnit._install_if_stale = real_unshard, real_install
             _fp8.Fp8Plan.gather, _fp8.Fp8Plan._quantize, FSDPUnit._pre_recompute = (real_gather, real_quantize,
                                                                                   real_recompute)
             remove()
         out[mode]["events"] = events
-    reference_ops = StandInOps()
-    remove = _fp8.register_ops(reference_ops)
-    try:
-        out["reference"] = _train(rank, world, False, reference_ops, blocks=4)
-    finally:
-        remove()
+    for micro, fused in sorted(set(KEPT_MODES.values())):
+        remove = _fp8.register_ops(StandInOps())
+        try:
+            out[f"reference {micro} {fused}"] = _train(rank, world, False, StandInOps(), blocks=4, micro=micro,
+                                                       fused=fused)
+        finally:
+            remove()
     return out
 
 
-def test_a_backward_gather_sends_the_bytes_its_forward_quantized():
-    """[Note: one quantization a forward]: the backward's gathers (recomputations' included) quantize nothing and
-    train ``torch.equal`` to weights quantized in every forward; the control (bytes marked stale) quantizes at every
-    gather and trains the same."""
-    for rank, res in enumerate(run_gloo(_backward_job, 2)):
+def _quantized_in(events: List[str]) -> List[str]:
+    """The kind of gather (forward or backward) each quantization happened in."""
+    return [events[i - 1] for i, e in enumerate(events) if e == "quantize"]
+
+
+def test_the_gathers_send_the_bytes_quantized_once_a_step():
+    """[Note: one quantization a step]: the backward's gathers (recomputations' included) and every later
+    micro-batch's quantize nothing, the first forward after each optimizer step does (fused Adam's included), and
+    training is ``torch.equal`` to weights quantized in every forward; the control that marks the bytes stale at
+    every backward gather quantizes there and trains the same, the control that never marks them stale trains on
+    the first step's weights and is caught."""
+    units, steps = 4, 4
+    for rank, res in enumerate(run_gloo(_kept_bytes_job, 2)):
         ev = res["kept"]["events"]
-        gathers = [e for e in ev if e in ("forward", "backward")]
-        assert gathers.count("backward") >= 4, ev  # 4 steps, at least one unit gathered again in each backward
-        quantized_at = [ev[i - 1] for i, e in enumerate(ev) if e == "quantize"]  # the gather each quantize is in
-        assert quantized_at == ["forward"] * gathers.count("forward"), ev
+        assert ev.count("backward") >= steps, ev  # at least one unit gathered again in each backward
+        assert _quantized_in(ev) == ["forward"] * ev.count("forward") == ["forward"] * units * steps, ev
         stale = res["stale"]["events"]
         assert stale.count("quantize") == stale.count("forward") + stale.count("backward"), stale
         rec = res["recompute"]["events"]
-        assert [rec[i - 1] for i, e in enumerate(rec) if e == "quantize"] == ["forward"] * rec.count("forward"), rec
-        assert rec.count("recompute") >= 4 * 4 and rec.count("backward") >= 4, rec  # every block recomputed
-        ref = res["reference"]
-        for mode in ("kept", "stale", "recompute"):
-            got = res[mode]
-            assert all(torch.equal(a, b) for a, b in zip(got["losses"], ref["losses"])), (rank, mode)
-            assert all(torch.equal(v, got["state"][k]) for k, v in ref["state"].items()), (rank, mode)
+        assert _quantized_in(rec) == ["forward"] * rec.count("forward"), rec
+        assert rec.count("recompute") >= units * steps and rec.count("backward") >= steps, rec  # every block
+        for mode in ("accumulate", "fused"):
+            acc = res[mode]["events"]
+            # later micro-batches gather again (the units whose slots the backward reused)
+            assert acc.count("forward") > units * steps, (mode, acc)
+            assert _quantized_in(acc) == ["forward"] * units * steps, (mode, acc)  # once a unit a step
+            step = acc[:len(acc) // steps]
+            first_backward = step.index("backward")
+            assert "quantize" not in step[first_backward:], (mode, step)  # only the first forward quantizes
+        assert res["never stale"]["events"].count("quantize") == units, res["never stale"]["events"]
+        for mode, (micro, fused) in KEPT_MODES.items():
+            got, ref = res[mode], res[f"reference {micro} {fused}"]
+            same = (all(torch.equal(a, b) for a, b in zip(got["losses"], ref["losses"]))
+                    and all(torch.equal(v, got["state"][k]) for k, v in ref["state"].items()))
+            assert same == (mode != "never stale"), (rank, mode, got["losses"], ref["losses"])
 
 
 def _bytes_job(rank: int, world: int) -> Dict[str, Any]:

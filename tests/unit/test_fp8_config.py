@@ -219,6 +219,36 @@ def test_weight_caching_needs_the_micro_batch_flag(stub_te):
         fp8.replay_kwargs()
 
 
+def test_the_llama_units_hand_the_micro_batch_flag_to_te_blocks_only(stub_te):
+    """``LlamaLayer`` passes ``is_first_microbatch`` to a TE block inside a caching region (TE quantizes the weights
+    on the step's first micro-batch), nothing outside one or without caching, and never to the torch block."""
+    from fsdp_cudagraph.apps.llama import LlamaConfig, LlamaLayer, _RopeTable
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, ffn_hidden_size=32,
+                      seq_len=4, layers_impl="torch")
+    torch_layer, te_layer = LlamaLayer(cfg, 1, _RopeTable(cfg)), LlamaLayer(cfg, 1, _RopeTable(cfg))
+    calls: List[Dict[str, Any]] = []
+
+    class Block(nn.Module):  # records what a TE TransformerLayer would be called with
+        def forward(self, x, rotary_pos_emb, **kwargs):
+            calls.append(kwargs)
+            return x
+
+    te_layer.te, te_layer.block = True, Block()
+    x = torch.randn(4, 1, 16)
+    cached, plain = FP8Recipe("current", cache_quantized_params=True), FP8Recipe("current")
+    te_layer(x)
+    with plain.autocast():
+        te_layer(x)
+    for first in (True, False):
+        with cached.autocast(first_microbatch=first):
+            assert fp8_mod.te_call_kwargs() == {"is_first_microbatch": first}
+            te_layer(x)
+            torch_layer(x)  # LlamaTorchLayer takes no such argument: it is not given one
+    assert calls == [{}, {}, {"is_first_microbatch": True}, {"is_first_microbatch": False}]
+    assert fp8_mod.te_call_kwargs() == {}
+
+
 # ---------------------------------------------------------------------------------------------- through PartialCudaGraphs
 class FakeWorkspace:
     """A TE quantized-weight workspace (``get_data_tensors()``: rowwise and columnwise data)."""
