@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ._common import Engine, Unit
 from ._expert import refuse_colliding_names
 from ._tensor import dcp_key, foreign_tp_keys
-from ._state_dict import clean_fqn, extra_state_modules, gather_region, mark_stale, persistent_buffers, regions, shard_start
+from ._state_dict import clean_fqn, extra_state_modules, gather_region, persistent_buffers, regions, shard_start
 
 if TYPE_CHECKING:
     from ._flat import FlatLayout
@@ -276,7 +276,7 @@ def load_sharded_state_dict(engine: Engine, state_dict: Dict[str, Any]) -> None:
             for i, n in enumerate(layout.names):
                 k = key[dcp_key(topo, clean_fqn(n))]
                 _copy_in(engine, layout, local, i, state_dict[k], k, u)
-        mark_stale(u)
+        u.mark_stale()
     with torch.no_grad():
         for n, b in persistent_buffers(engine.module):
             if state_dict[n].data_ptr() != b.data_ptr():

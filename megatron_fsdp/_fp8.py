@@ -35,15 +35,16 @@ forwards and backwards of every later micro-batch of the step. Only the first fo
 quantizes. The signal is the one that refreshes ZeRO-1/2 compute parameters (``_unit._install_if_stale``, run before
 every unshard): the main shard's version counter, and the optimizer step post-hook that marks the units an
 optimizer holds stale after every ``step()``, whatever its kernel (fused Adam moves no version counter). A
-checkpoint loaded into the main shards moves their counters, and a reset step state marks the bytes stale too.
+checkpoint loaded into the main shards marks them stale too, as does ``reset_step_state``.
 Values cannot differ from quantizing at every gather: between two changes of the main shard every quantization
 would read the same fp32 values and reduce the same amaxes. What is spared is the cast and, above all, the amax
 ``MAX`` all-reduce: a blocking collective on the communicator the reduce-scatters use, which made the compute stream
 wait behind the previous unit's reduce-scatter at every backward prefetch (on 2 x H200 at the Llama-3-8B shape: 29
 ms of reduce-scatter exposed a step against 9 without FP8 weights, and 36 ms of the GPU idle), and once a
-micro-batch in forward. Hazard, the one ZeRO-1/2 already has: main shards written behind the engine's back (through
-``.data`` outside ``optimizer.step()``, or by an optimizer step replayed from a CUDA graph of its own) are not seen;
-mark them with ``model.reset_step_state()``. Whole-step graphs capture the decision of their capture step
+micro-batch in forward. The project's graphed optimizer step marks the units stale after every replay
+(``mark_params_stale``). Hazard, the one ZeRO-1/2 already has: main shards written behind the engine's back (through
+``.data`` outside ``optimizer.step()``, or by an optimizer graph of the user's own) are not seen, unless
+``model.reset_step_state()`` is called after the write. Whole-step graphs capture the decision of their capture step
 (the first micro-batch quantizes, the others do not), which is the decision of every replayed step. Cost: one byte a
 parameter shard element, kept for the run.
 

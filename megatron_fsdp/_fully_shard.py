@@ -898,7 +898,9 @@ class MegatronFSDP(nn.Module):
 
         Waits for collectives in flight and drops their results, clears compute-parameter gradients and
         releases on-demand buffers. Reductions that had already finished stay in the main gradients: call
-        ``optimizer.zero_grad()`` before the next step.
+        ``optimizer.zero_grad()`` before the next step. Every unit re-installs its parameters from the shards at
+        its next use (FP8 weights are quantized again), so a write to the main shards the engine could not see (an
+        optimizer step that raised part-way, a write through ``.data``, an optimizer graph of your own) is taken.
         """
         for p in self._pending:
             if p.work is not None:
@@ -911,8 +913,7 @@ class MegatronFSDP(nn.Module):
             if u.fused is not None:
                 u.fused.end_backward()
             u.wait_unshard()
-            if u.fp8 is not None:
-                u.fp8.fresh = False
+            u.mark_stale()
             for p in u.all_params:
                 p.grad = None
             u.state = TrainingState.IDLE

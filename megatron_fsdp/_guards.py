@@ -113,7 +113,7 @@ def _mark_stepped_units_stale(optimizer: torch.optim.Optimizer, args: Any, kwarg
     for ref in cached[2]:
         unit = ref()
         if unit is not None:
-            unit.installed_version = -1  # _install_if_stale compares it with the main shard's version
+            unit.mark_stale()
 
 
 def _check_loaded_state(optimizer: torch.optim.Optimizer, state_dict: Dict[str, Any]) -> None:

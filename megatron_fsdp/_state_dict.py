@@ -174,7 +174,7 @@ def load_full_state_dict(engine: Engine, state_dict: Mapping[str, Any], *,
             if lo < hi:
                 src = values[name].detach().reshape(-1)[lo - o : hi - o]
                 local[lo - start : hi - start].copy_(src)
-            mark_stale(u)
+            u.mark_stale()
         for name, b in buffers.items():
             if name in state_dict:
                 b.copy_(state_dict[name])
@@ -207,12 +207,6 @@ def _tied_values(state_dict: Mapping[str, Any], targets: Mapping[str, Any],
                 "strict=False"
             )
     return values
-
-
-def mark_stale(u: Unit) -> None:
-    """Make the unit re-install its compute parameters from the shards before its next use."""
-    u.installed_version = -1
-    u.installed_frozen_version = -1
 
 
 # ---------------------------------------------------------------------------------------------- module guard
@@ -312,4 +306,4 @@ def summon_full_params(engine: Engine, *, writeback: bool = False) -> Iterator[N
                     for (layout, local), flat in zip(regions(u), flats):
                         start = shard_start(engine, layout, u)
                         local.copy_(flat[start : start + local.numel()])
-                    mark_stale(u)
+                    u.mark_stale()

@@ -331,6 +331,12 @@ class FSDPUnit:
         return tuple(t.data_ptr() for n, p in zip(self.names, self.all_params) for _, t in _fp8.replay_tensors(n, p))
 
     # ------------------------------------------------------------------ unshard / reshard
+    def mark_stale(self) -> None:
+        """The next unshard re-installs every region from the shards (and quantizes FP8 weights again): after the
+        shards changed where no version counter shows it (an optimizer step, fused or graphed; a load)."""
+        self.installed_version = -1
+        self.installed_frozen_version = -1
+
     def _install_if_stale(self) -> None:
         """Bring compute parameters up to date with the fp32 main (and frozen) shards after a step or load."""
         main_new = self.main_shard._version != self.installed_version

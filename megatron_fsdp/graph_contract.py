@@ -177,7 +177,7 @@ class StaticStep:
         engine.reset_step_state()
         shards_params = engine.strategy.shards_params
         for u in engine.all_units():
-            _mark_stale(u)
+            u.mark_stale()
             if shards_params:
                 u.data_valid = False
             if replace_grads:
@@ -229,7 +229,7 @@ class StaticStep:
         for u in engine.all_units():
             u.state = TrainingState.IDLE
             u.pending_ag = None
-            _mark_stale(u)
+            u.mark_stale()
             if shards_params:
                 u.data_valid = False
             for p in u.params:
@@ -263,11 +263,4 @@ class StaticStep:
         counters, so the eager version check would not see the update.
         """
         for u in self.engine.all_units():
-            _mark_stale(u)
-
-
-def _mark_stale(unit: Any) -> None:
-    """The next unshard re-installs every region of the unit from its fp32 store."""
-    unit.installed_version = -1
-    if hasattr(unit, "installed_frozen_version"):  # units with frozen parameters keep a second region
-        unit.installed_frozen_version = -1
+            u.mark_stale()
