@@ -81,11 +81,13 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
     return _reduce_scatter_single(output, full, op=op, group=group, async_op=True)
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, what: str, *, average: bool = False) -> Optional[dist.Work]:
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, what: str, *, average: bool = False,
+               maximum: bool = False) -> Optional[dist.Work]:
+    """SUM, or the backend's AVG (``average``) or MAX (``maximum``); nothing at one rank."""
     check_not_capturing(f"all-reduce of {what}", collective=True)
     if _one_rank(group):
         return None
-    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
     return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
 

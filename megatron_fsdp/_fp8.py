@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _collectives as C
 from ._flat import ALIGN_NUMEL, FlatLayout, _round_up
 
 __all__ = ["QuantizedOps", "register_ops", "ops_for", "is_quantized", "replay_tensors", "initial_values", "Fp8Plan",
@@ -241,7 +242,9 @@ class _TEOps(QuantizedOps):
             high.append(hp)
             if hp is not None:
                 tex.compute_amax(hp, amaxes[i : i + 1])
-        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)  # the whole weight's amax
+        work = C.all_reduce(amaxes, group, "the amaxes of FP8 weights", maximum=True)  # the whole weight's amax
+        if work is not None:
+            work.wait()
         scales = [torch.empty(1, dtype=torch.float32, device=device) for _ in params]
         # compared as integers: the quantizer's dtype may be TE's Python enum or the extension's, which are not equal
         # to each other as objects
