@@ -132,8 +132,10 @@ def test_the_weight_cache_is_for_the_eager_columns_with_bf16_weights(tmp_path):
     assert cached == {"ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager", "nvidia_fp8_eager"}
     assert not any(_engines_fp8.caches_weights(c, b.parse(["--config", "llama8b_fp8", "--columns", c]))
                    for c in cached)
-    with pytest.raises(SystemExit):
-        b.parse(["--config", "llama8b_fp8", "--fp8-cache-quantized-params", "--columns", "ours_fp8_partial"])
+    for refused in (["--config", "llama8b_fp8", "--columns", "ours_fp8_partial"], ["--config", "llama8b_fp8"],
+                    ["--config", "llama8b"]):  # a graphed column, named or among the defaults; another config
+        with pytest.raises(SystemExit):
+            b.parse([*refused, "--fp8-cache-quantized-params"])
     assert isinstance(_engines_fp8.autocast(None, False), contextlib.nullcontext)
     from _engines_report import merge
 
