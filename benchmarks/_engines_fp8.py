@@ -220,8 +220,9 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             p.error(f"--fp8-cache-quantized-params with --config {args.config}: the flag is for --config llama8b_fp8")
         graphed = [c for c in (args.columns or FP8_COLUMNS) if c in ("ours_fp8_partial", "ours_fp8_full")]
         if graphed:
-            p.error(f"--fp8-cache-quantized-params with {graphed}: the cache is wired for the eager columns only (the "
-                    "graphed columns' layers would take is_first_microbatch at capture); leave them out with --columns")
+            p.error(f"--fp8-cache-quantized-params with {graphed}: the bench wires TE's weight cache into the eager "
+                    "columns only (the graphed columns would run without it under a record that says it is on); "
+                    "leave them out with --columns")
     if args.config == "llama8b_fp8" and args.fp8_recipe == "delayed" and "ours_fp8_full" in (args.columns or FP8_COLUMNS):
         p.error("--fp8-recipe delayed with the ours_fp8_full column: delayed scaling is refused in a whole-step graph "
                 "(TE skips its backward amax update during a capture; docs/fp8.md); pick current or block, or leave "
