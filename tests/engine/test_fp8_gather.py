@@ -13,7 +13,9 @@ TE's FP8 tensors need CUDA, so these run the engine's path with the CPU stand-in
 - A unit's gathers send the bytes of its last quantization while the main shard is unchanged: the backward's (a
   recomputed forward's too) and every later micro-batch's; the first forward after an optimizer step (fused Adam's,
   which moves no version counter, included) quantizes again; training is the same. Controls: bytes marked stale at
-  every backward gather train the same; bytes never marked stale are caught.
+  every backward gather train the same; bytes never marked stale are caught. Under a whole-step graph with a graphed
+  optimizer and two micro-batches (protocol backend) the units are quantized in every step's first micro-batch only,
+  and training is ``torch.equal`` to eager.
 - Controls: each rank scaling by the amax of its own piece (no all-reduce) is caught by the first comparison.
 - Refused, naming the fix: ZeRO-1/2, no double buffer, frozen FP8 weights, summon_full_params.
 - Per-layer graphs over FP8 units train like eager, and the replay check covers each FP8 weight's bytes, transpose
@@ -349,6 +351,76 @@ def test_the_replay_check_covers_an_fp8_weights_bytes_transpose_and_scale():
         assert all(torch.equal(a, b) for a, b in zip(res["graphed"], res["eager"])), (res["graphed"], res["eager"])
         assert {"fc1.weight (FP8 bytes)", "fc1.weight (transpose)", "fc1.weight (scale_inv)"} <= set(res["replay_names"])
         assert "would replay with parameter fc1.weight (scale_inv)" in res["moved"], res["moved"]
+
+
+def _whole_step_job(rank: int, world: int) -> Dict[str, Any]:
+    """Two micro-batches a step over FP8 units, eagerly and under a whole-step graph with a graphed optimizer
+    (protocol backend: every replay runs the captured schedule eagerly, after the same checks): the losses, the
+    final state, the quantizations of each step and the micro-batch (0 or 1) each one happened in."""
+    from fsdp_cudagraph import CudaGraphConfig, FullIterationCudaGraph
+
+    out: Dict[str, Any] = {}
+    real_quantize = _fp8.Fp8Plan._quantize
+    for graphed in (False, True):
+        counts: List[int] = []
+        in_micro: List[int] = []
+        calls = [0]
+
+        def quantize(plan, *a, **k):
+            counts[-1] += 1
+            in_micro.append((calls[0] - 1) % 2)
+            return real_quantize(plan, *a, **k)
+
+        def forward_step(m, x, y):
+            calls[0] += 1  # every run of a step's body calls it once a micro-batch, in order
+            return nn.functional.mse_loss(m(x), y) / 2
+
+        remove = _fp8.register_ops(StandInOps())
+        _fp8.Fp8Plan._quantize = quantize
+        try:
+            model, opt = _fp8_model(0)
+            g = (FullIterationCudaGraph(model, forward_step, CudaGraphConfig(cuda_graph_impl="full_iteration",
+                                                                              cuda_graph_warmup_steps=2),
+                                        graph_optimizer=True, backend="protocol") if graphed else None)
+            losses = []
+            for step in range(5):
+                counts.append(0)
+                micro = [_batch(2 * step + i, rank, world, 4 // world) for i in range(2)]
+                if g is not None:
+                    losses.append(g.step(micro))
+                    g.optimizer_step(opt)
+                else:
+                    per = []
+                    for x, y in micro:
+                        loss = forward_step(model, x, y)
+                        loss.backward()
+                        per.append(loss.detach())
+                    losses.append(torch.stack(per))
+                    opt.step()
+                opt.zero_grad()
+            out["graphed" if graphed else "eager"] = {"losses": losses, "state": model.full_state_dict(),
+                                                       "quantized": counts, "in_micro": in_micro}
+        finally:
+            _fp8.Fp8Plan._quantize = real_quantize
+            remove()
+    return out
+
+
+def test_a_whole_step_graph_over_fp8_units_quantizes_on_the_first_micro_batch():
+    """[Note: one quantization a step] under a whole-step graph with a graphed optimizer and two micro-batches: the
+    FP8 units are quantized in the first micro-batch of every run of a step (the static step starts with every unit
+    stale; the graphed optimizer marks them stale after each replay), never in the second, once a unit a replayed
+    step, and training is ``torch.equal`` to eager. (The warm-up step that checks for host syncs, and the capture
+    step, run the step's body twice: each run quantizes.)"""
+    fp8_units = 2  # the Net's two blocks (its root holds plain parameters)
+    for res in run_gloo(_whole_step_job, 2):
+        eager, graphed = res["eager"], res["graphed"]
+        assert all(torch.equal(a, b) for a, b in zip(eager["losses"], graphed["losses"])), (eager, graphed)
+        assert all(torch.equal(v, graphed["state"][k]) for k, v in eager["state"].items())
+        assert eager["quantized"] == [fp8_units] * 5, eager["quantized"]
+        assert graphed["quantized"][3:] == [fp8_units] * 2, graphed["quantized"]  # the replays
+        assert all(c % fp8_units == 0 for c in graphed["quantized"]), graphed["quantized"]
+        assert set(eager["in_micro"]) == set(graphed["in_micro"]) == {0}, (eager["in_micro"], graphed["in_micro"])
 
 
 def _batch(step: int, rank: int, world: int, per: int):
