@@ -114,10 +114,8 @@ def layer_overrides(column: str) -> Dict[str, Any]:
 
 def autocast(fp8: Any, first: bool) -> Any:
     """One micro-batch's forward region: TE's autocast with the recipe, saying whether this is the step's first
-    micro-batch when the recipe caches quantized weights; nothing without a recipe."""
-    if fp8 is None:
-        return contextlib.nullcontext()
-    return fp8.autocast(first_microbatch=first) if fp8.cache_quantized_params else fp8.autocast()
+    micro-batch (which only a recipe that caches quantized weights reads); nothing without a recipe."""
+    return contextlib.nullcontext() if fp8 is None else fp8.autocast(first_microbatch=first)
 
 
 def not_applicable(column: str, device: torch.device, args: argparse.Namespace) -> Optional[str]:

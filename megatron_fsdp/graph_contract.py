@@ -174,10 +174,9 @@ class StaticStep:
         ``replace_grads=False`` for a forward-only (evaluation) step: gradient bindings stay as they are.
         """
         engine = self.engine
-        engine.reset_step_state()
+        engine.reset_step_state()  # every unit marked stale: its next unshard re-installs from the shards
         shards_params = engine.strategy.shards_params
         for u in engine.all_units():
-            u.mark_stale()
             if shards_params:
                 u.data_valid = False
             if replace_grads:
