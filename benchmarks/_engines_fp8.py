@@ -17,6 +17,9 @@ a step (gradient accumulation, as Megatron reaches its global batch; default 1).
   ``Linear`` weight a ``Float8Tensor``): our engine gathers those weights as FP8 bytes, one byte an element, quantized
   from the fp32 main shards with the scale of the whole weight ([Note: FP8 parameter all-gather] in
   megatron_fsdp/_fp8.py); ``ours_fp8_gather_partial``: + ``PartialCudaGraphs`` (whole layers).
+- ``ours_fp8_attention_eager``: delayed scaling with attention in FP8 too (``FP8Recipe(..., dot_product_attention=True)``,
+  TE's ``fp8_dpa``: cuDNN's FP8 fused attention); ``ours_fp8_attention_partial``: + ``PartialCudaGraphs`` (whole
+  layers); ``nvidia_fp8_attention_eager``: NVIDIA's engine under the same recipe.
 - ``nvidia_fp8_eager``: NVIDIA Megatron-FSDP (the checker's ``nvidia`` builder) on the same TE layers under the same
   autocast; its parameters are gathered in bf16. ``nvidia_fp8_gather_eager``: its layers built as
   ``ours_fp8_gather_eager``'s, so that NVIDIA's engine gathers the FP8 weights as bytes (its parameter groups of
@@ -51,17 +54,22 @@ __all__ = ["FP8_COLUMNS", "FP8_WEIGHTS", "COLUMN_RECIPE", "recipe_of", "make_rec
 #: The columns of ``--config llama8b_fp8``, in the table's order (their specs are in bench_engines.COLUMN_SPECS).
 FP8_COLUMNS = ["ours_eager", "ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager",
                "ours_fp8_partial", "ours_fp8_full", "ours_fp8_gather_eager", "ours_fp8_gather_partial",
-               "nvidia_fp8_eager", "nvidia_fp8_gather_eager", "fsdp2_torch_eager", "fsdp2_float8_eager"]
+               "nvidia_fp8_eager", "nvidia_fp8_gather_eager", "ours_fp8_attention_eager", "ours_fp8_attention_partial",
+               "nvidia_fp8_attention_eager", "fsdp2_torch_eager", "fsdp2_float8_eager"]
 #: Columns whose layers are built under TE's quantized_model_init (primary FP8 weights), so that the engine gathers
 #: them as FP8 bytes (ours: [Note: FP8 parameter all-gather] in megatron_fsdp/_fp8.py; NVIDIA's: its "float8"
 #: parameter groups, what Megatron's fp8_param_gather builds); current scaling.
 FP8_WEIGHTS = ["ours_fp8_gather_eager", "ours_fp8_gather_partial", "nvidia_fp8_gather_eager"]
+#: Columns that run attention in FP8 too (TE's ``fp8_dpa``; [Note: FP8 attention] in capture/fp8.py), with delayed
+#: scaling: the recipe TE runs it with on Hopper.
+FP8_ATTENTION = ["ours_fp8_attention_eager", "ours_fp8_attention_partial", "nvidia_fp8_attention_eager"]
 #: Columns whose recipe is fixed by their name; the others with ``fp8`` in their spec take ``--fp8-recipe``.
 COLUMN_RECIPE = {"ours_fp8_delayed_eager": "delayed", "ours_fp8_current_eager": "current",
-                 "ours_fp8_block_eager": "block", **{c: "current" for c in FP8_WEIGHTS}}
+                 "ours_fp8_block_eager": "block", **{c: "current" for c in FP8_WEIGHTS},
+                 **{c: "delayed" for c in FP8_ATTENTION}}
 #: The columns that run TE's FP8 (the torchao column's float8 is torchao's own, not TE's)
 TE_FP8 = ["ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager", "ours_fp8_partial",
-          "ours_fp8_full", "nvidia_fp8_eager"] + FP8_WEIGHTS
+          "ours_fp8_full", "nvidia_fp8_eager"] + FP8_WEIGHTS + FP8_ATTENTION
 
 
 def recipe_of(column: str, args: argparse.Namespace) -> Optional[str]:
@@ -79,7 +87,8 @@ def make_recipe(column: str, args: argparse.Namespace) -> Any:
         return None
     from fsdp_cudagraph.capture.fp8 import FP8Recipe
 
-    return FP8Recipe(name, cache_quantized_params=caches_weights(column, args))
+    return FP8Recipe(name, cache_quantized_params=caches_weights(column, args),
+                     dot_product_attention=column in FP8_ATTENTION)
 
 
 def caches_weights(column: str, args: argparse.Namespace) -> bool:
@@ -130,10 +139,12 @@ def not_applicable(column: str, device: torch.device, args: argparse.Namespace) 
             return "FP8 runs in TransformerEngine's layers and TransformerEngine is not importable here"
         if args.layers_impl != "te":
             return f"FP8 runs in TE's layers; this run has --layers-impl {args.layers_impl}"
-        from fsdp_cudagraph.capture.fp8 import check_fp8_device
+        from fsdp_cudagraph.capture.fp8 import check_fp8_attention_runtime, check_fp8_device
 
         try:
             check_fp8_device(name, torch.cuda.get_device_capability(device), torch.version.cuda)
+            if column in FP8_ATTENTION:  # the GPU and the cuDNN TE loaded ([Note: FP8 attention])
+                check_fp8_attention_runtime(name)
         except Exception as exc:  # noqa: BLE001 - the library's refusal names the device and the rule
             return str(exc)
     if column == "fsdp2_float8_eager":
@@ -216,7 +227,8 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.fp8_cache_quantized_params:
         if args.config != "llama8b_fp8":
             p.error(f"--fp8-cache-quantized-params with --config {args.config}: the flag is for --config llama8b_fp8")
-        graphed = [c for c in (args.columns or FP8_COLUMNS) if c in ("ours_fp8_partial", "ours_fp8_full")]
+        graphed = [c for c in (args.columns or FP8_COLUMNS) if c in ("ours_fp8_partial", "ours_fp8_full",
+                                                                           "ours_fp8_attention_partial")]
         if graphed:
             p.error(f"--fp8-cache-quantized-params with {graphed}: the bench wires TE's weight cache into the eager "
                     "columns only (the graphed columns would run without it under a record that says it is on); "

@@ -74,6 +74,9 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
   ours_fp8_gather_partial  + PartialCudaGraphs (whole layers)
   nvidia_fp8_eager     NVIDIA Megatron-FSDP under the same autocast (``--fp8-recipe``; bf16 parameter all-gather)
   nvidia_fp8_gather_eager  NVIDIA Megatron-FSDP on ours_fp8_gather_eager's layers: it gathers the FP8 weights as bytes
+  ours_fp8_attention_eager  delayed scaling with attention in FP8 too (TE's fp8_dpa: cuDNN's FP8 fused attention;
+                       [Note: FP8 attention]); ours_fp8_attention_partial: + PartialCudaGraphs (whole layers);
+                       nvidia_fp8_attention_eager: NVIDIA Megatron-FSDP under the same recipe
   fsdp2_torch_eager    FSDP2 bf16 on the torch layers, each layer compiled (``--fsdp2-compile``)
   fsdp2_float8_eager   the same + torchao float8 (tensorwise, float8 all-gather; torchtitan's composition)
 
@@ -189,6 +192,9 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
     "ours_fp8_gather_partial": ("megatron_fsdp", {"fp8": True}, "partial"),
     "nvidia_fp8_eager": ("nvidia", {"fp8": True}, "eager"),
     "nvidia_fp8_gather_eager": ("nvidia", {"fp8": True}, "eager"),
+    "ours_fp8_attention_eager": ("megatron_fsdp", {"fp8": True}, "eager"),
+    "ours_fp8_attention_partial": ("megatron_fsdp", {"fp8": True}, "partial"),
+    "nvidia_fp8_attention_eager": ("nvidia", {"fp8": True}, "eager"),
     "fsdp2_torch_eager": ("fsdp2_torchtitan", None, "eager"),
     "fsdp2_float8_eager": ("fsdp2_torchtitan", {"float8": True}, "eager"),
 }

@@ -15,7 +15,8 @@ ln V, and one that trains differently under FP8 shows as a gap between the curve
 Runs (one process, one after the other, the same seed, model, data and optimizer): bf16 (TE layers, no FP8), then
 each recipe of ``--recipes`` under :class:`fsdp_cudagraph.FP8Recipe` (TE's autocast around each forward), all under
 ``megatron_fsdp`` (``optim_grads_params``, bf16 compute, fp32 main weights, Adam). ``--scope attn mlp`` runs each
-one with per-layer graphs (TE's graph maker) instead of eagerly.
+one with per-layer graphs (TE's graph maker) instead of eagerly. A recipe named ``<recipe>+attention`` (e.g.
+``delayed+attention``) runs attention in FP8 too (``FP8Recipe(..., dot_product_attention=True)``).
 
 The gap ([Note: the FP8 loss gap]): for each recipe, the mean of its last ``--tail`` losses against bf16's, relative;
 the goal is at most 1% (GOAL_GAP). Each step's loss is the mean over ranks (each rank trains its slice of the
@@ -78,6 +79,14 @@ def loss_gap(fp8: Sequence[float], bf16: Sequence[float], tail: int) -> float:
     return abs(a - b) / b
 
 
+def parse_run(name: str) -> tuple:
+    """``delayed`` -> ("delayed", False); ``delayed+attention`` -> ("delayed", True); anything else raises."""
+    recipe, _, extra = name.partition("+")
+    if extra not in ("", "attention"):
+        raise ValueError(f"run {name!r}: a recipe (delayed, current, block), optionally '+attention'")
+    return recipe, extra == "attention"
+
+
 def train_curve(cfg: GPTConfig, recipe: Optional[str], *, steps: int, micro_batch_size: int, table: torch.Tensor,
                 lr: float, seed: int, device: torch.device, scope: Optional[List[str]], backend: str) -> List[float]:
     """One run; the step losses (mean over ranks)."""
@@ -88,7 +97,10 @@ def train_curve(cfg: GPTConfig, recipe: Optional[str], *, steps: int, micro_batc
                    backend=backend, lr=lr, seed=seed)
     model = build_model(spec, device)
     opt = make_adam(model.optimizer_parameters(), "adam_fused" if device.type == "cuda" else "adam", lr=lr)
-    fp8 = FP8Recipe(recipe) if recipe is not None else None
+    fp8 = None
+    if recipe is not None:
+        name, attention = parse_run(recipe)
+        fp8 = FP8Recipe(name, dot_product_attention=attention)
     graphs = (PartialCudaGraphs(model, graph_config(spec), backend=backend, fp8=fp8)
               if scope is not None else None)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -133,6 +145,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="CPU, Gloo: the bf16 curve of a tiny model for a few "
                    "steps (the data, loop and record; FP8 needs TE on a GPU)")
     args = p.parse_args(argv)
+    for r in args.recipes:
+        try:
+            parse_run(r)
+        except ValueError as exc:
+            p.error(str(exc))
     if args.cpu_smoke:
         args.steps, args.recipes, args.hidden, args.layers, args.heads, args.seq, args.vocab = 6, [], 32, 2, 2, 16, 64
         args.micro_batch_size, args.tail = 2, 3
@@ -153,13 +170,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     runs = {"bf16": None, **{r: r for r in args.recipes}}
     curves: Dict[str, List[float]] = {}
     for name, recipe in runs.items():
-        run_cfg = GPTConfig(**{**cfg.__dict__, "fp8": recipe})
+        run_cfg = GPTConfig(**{**cfg.__dict__, "fp8": recipe and parse_run(recipe)[0]})
         curves[name] = train_curve(run_cfg, recipe, steps=args.steps, micro_batch_size=args.micro_batch_size,
                                    table=table, lr=args.lr, seed=args.seed, device=device, scope=args.scope,
                                    backend=backend)
         if dist.get_rank() == 0:
             c = curves[name]
-            print(f"{name:8s} loss {c[0]:.4f} -> {c[-1]:.4f} (mean of the last {args.tail}: "
+            print(f"{name:18s} loss {c[0]:.4f} -> {c[-1]:.4f} (mean of the last {args.tail}: "
                   f"{sum(c[-args.tail:]) / args.tail:.4f})", flush=True)
     gaps = {r: loss_gap(curves[r], curves["bf16"], args.tail) for r in args.recipes}
     bf16_end = sum(curves["bf16"][-args.tail:]) / args.tail
@@ -175,7 +192,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"bf16 learned the chain: {learned} (last {args.tail} mean {bf16_end:.3f}; "
               f"ln V {math.log(args.vocab):.3f}, ln K {math.log(args.successors):.3f})")
         for r, g in gaps.items():
-            print(f"{r:8s} gap {100 * g:.3f}% (goal <= {100 * GOAL_GAP:.0f}%): {result['verdicts'][r]}")
+            print(f"{r:18s} gap {100 * g:.3f}% (goal <= {100 * GOAL_GAP:.0f}%): {result['verdicts'][r]}")
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -403,6 +403,10 @@ class CudaGraphConfig:
             is up, so a captured step would never update the gradients' scales); not with inference graphs.
         fp8_cache_quantized_params: TE's ``cache_quantized_params``: the FP8 weights are quantized on the first
             micro-batch of a step and reused on the others; needs ``fp8_recipe`` and a per-layer or no impl.
+        fp8_dot_product_attention: attention in FP8 too (TE's ``fp8_dpa``, Megatron-LM's
+            ``--fp8-dot-product-attention``); needs ``fp8_recipe`` other than ``block``, not with
+            ``full_iteration``; the GPU, the recipe and the cuDNN TE loaded are checked at runtime ([Note: FP8
+            attention] in capture/fp8.py).
 
     Deprecated (migrated by :func:`migrate_deprecated_options`, then reset to ``None``):
         enable_cuda_graph, external_cuda_graph, cuda_graph_scope.
@@ -424,6 +428,7 @@ class CudaGraphConfig:
     fsdp_db_use_persist_buf_on_alloc_fail: bool = False
     fp8_recipe: Optional[str] = None
     fp8_cache_quantized_params: bool = False
+    fp8_dot_product_attention: bool = False
     enable_cuda_graph: Optional[bool] = None
     external_cuda_graph: Optional[bool] = None
     cuda_graph_scope: Union[List[str], str, None] = None
@@ -460,7 +465,7 @@ class CudaGraphConfig:
     def _validate(self) -> None:
         """Check every cross-field rule; raise one ValueError listing all violations."""
         for name in ("use_megatron_fsdp", "fsdp_double_buffer", "fsdp_db_use_persist_buf_on_alloc_fail",
-                     "cuda_graph_strict_signature", "fp8_cache_quantized_params"):
+                     "cuda_graph_strict_signature", "fp8_cache_quantized_params", "fp8_dot_product_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         problems: List[str] = []
@@ -511,7 +516,8 @@ class CudaGraphConfig:
                                 "check the model's engine itself (the precise rule, in the engine's contract)")
         problems += _offload_problems(self)
         problems += _fp8.config_problems(self.fp8_recipe, impl=str(impl), cache=self.fp8_cache_quantized_params,
-                                         inference_scope=str(self.inference_cuda_graph_scope))
+                                         inference_scope=str(self.inference_cuda_graph_scope),
+                                         attention=self.fp8_dot_product_attention)
         if problems:
             raise ValueError("invalid CUDA graph config:\n  - " + "\n  - ".join(problems))
 
@@ -546,7 +552,9 @@ class CudaGraphConfig:
             raise ImportError(f"cuda_graph_impl='transformer_engine' needs TransformerEngine >= "
                               f"{_te.MIN_TE_VERSION}: {_te.TE_REASON}; install it with pip install "
                               "'fsdp-cudagraph[te]' or use cuda_graph_impl='local'")
-        if self.fp8_recipe is not None:
+        if self.fp8_recipe is not None and self.fp8_dot_product_attention:
+            _fp8.check_fp8_attention_runtime(self.fp8_recipe)
+        elif self.fp8_recipe is not None:
             _fp8.check_fp8_runtime(self.fp8_recipe)
 
 
@@ -601,6 +609,8 @@ def add_cuda_graph_args(parser_or_group: Union[argparse.ArgumentParser, Any]) ->
     group.add_argument("--fp8-cache-quantized-params", action="store_true", default=None,
                        help="quantize FP8 weights on a step's first micro-batch only and reuse them (TE's "
                             "cache_quantized_params)")
+    group.add_argument("--fp8-dot-product-attention", action="store_true", default=None,
+                       help="attention in FP8 too (TE's fp8_dpa; delayed scaling, or current where TE runs it)")
     group.add_argument("--enable-cuda-graph", action="store_true", default=None,
                        help="DEPRECATED: use --cuda-graph-impl local")
     group.add_argument("--external-cuda-graph", action="store_true", default=None,
@@ -613,7 +623,8 @@ def add_cuda_graph_args(parser_or_group: Union[argparse.ArgumentParser, Any]) ->
 _NEW_FIELDS = ("cuda_graph_impl", "cuda_graph_modules", "cuda_graph_module_patterns", "inference_cuda_graph_scope",
                "cuda_graph_warmup_steps", "cuda_graph_num_warmup_iters", "cuda_graph_strict_signature",
                "activation_offload_modules", "activation_offload_module_patterns", "activation_offload_fraction",
-               "activation_offload_min_bytes", "fp8_recipe", "fp8_cache_quantized_params")
+               "activation_offload_min_bytes", "fp8_recipe", "fp8_cache_quantized_params",
+               "fp8_dot_product_attention")
 _DEPRECATED_FIELDS = ("enable_cuda_graph", "external_cuda_graph", "cuda_graph_scope")
 _FSDP_FIELDS = ("use_megatron_fsdp", "fsdp_double_buffer", "fsdp_db_use_persist_buf_on_alloc_fail")
 

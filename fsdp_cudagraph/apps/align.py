@@ -114,6 +114,16 @@ def block_scaling_supported() -> bool:
     return True
 
 
+def fp8_attention_refusal() -> Optional[str]:
+    """Why this machine cannot run FP8 attention with delayed scaling and deterministic kernels (None: it can):
+    the GPU, and the cuDNN TE loaded ([Note: FP8 attention] in capture/fp8.py). The FP8 attention rows need it."""
+    try:
+        _fp8.FP8Recipe("delayed", dot_product_attention=True).check_runtime()
+    except (RuntimeError, ImportError) as exc:
+        return str(exc)
+    return None
+
+
 #: [Note: FP8 rows] Sequence 128 (TE's FP8 GEMMs need tokens and widths in multiples of 16); MEGATRON's per-layer
 #: scopes (attention, MLP) and whole layers. The cached-weight rows run last: TE's one weight-update flag
 #: ([Note: TE's one weight flag] in capture/fp8.py).
@@ -137,6 +147,11 @@ def fp8_rows(row: Any, *, quick: bool) -> None:
         seq_len=FP8_SEQ, fp8="delayed")
     row([], "FP8 current scaling, cached weights, gradient accumulation 2", grad_accum=2, fp8_cache=True,
         seq_len=FP8_SEQ, fp8="current")
+    if fp8_attention_refusal() is None:  # head dim 128, as the Llama shapes (num_heads 2 of hidden 256)
+        row(["attn", "mlp"], "FP8 delayed scaling, FP8 attention", seq_len=FP8_SEQ, num_heads=2, fp8="delayed",
+            fp8_attention=True)
+        row([], "FP8 delayed scaling, FP8 attention, gradient accumulation 2", grad_accum=2, seq_len=FP8_SEQ,
+            num_heads=2, fp8="delayed", fp8_attention=True)
 
 
 def matrix(backend: str, *, quick: bool) -> List[Dict[str, Any]]:
@@ -144,10 +159,12 @@ def matrix(backend: str, *, quick: bool) -> List[Dict[str, Any]]:
     rows: List[Dict[str, Any]] = []
 
     def row(scope: List[str], what: str, strategy: str = ZERO3, grad_accum: int = 1, user_hooks: bool = False,
-            reduce_dtype: Optional[torch.dtype] = None, fp8_cache: bool = False, **model: Any) -> None:
+            reduce_dtype: Optional[torch.dtype] = None, fp8_cache: bool = False, fp8_attention: bool = False,
+            **model: Any) -> None:
         rows.append(dict(scope=scope, what=what, strategy=strategy, grad_accum=grad_accum, user_hooks=user_hooks,
                          model=model, **({"reduce_dtype": reduce_dtype} if reduce_dtype else {}),
-                         **({"fp8_cache": True} if fp8_cache else {})))
+                         **({"fp8_cache": True} if fp8_cache else {}),
+                         **({"fp8_attention": True} if fp8_attention else {})))
 
     seqs = (100,) if quick else (64, 100, 128, 512)
     for seq in seqs:
@@ -244,11 +261,12 @@ def run_row(*, scope: List[str], strategy: str, backend: str, grad_accum: int, s
             device: torch.device, perturb_step: Optional[int] = None, what: str = "", user_hooks: bool = False,
             model: Optional[Dict[str, Any]] = None, eager_matches_graph_attention: bool = True,
             spec_overrides: Optional[Dict[str, Any]] = None, reduce_dtype: Optional[torch.dtype] = None,
-            fp8_cache: bool = False, after_capture: Optional[Any] = None) -> Dict[str, Any]:
+            fp8_cache: bool = False, fp8_attention: bool = False,
+            after_capture: Optional[Any] = None) -> Dict[str, Any]:
     model = dict(model or {})
     spec = RunSpec(model=model_config(backend, **model), steps=steps, sharding_strategy=strategy, backend=backend,
                    grad_accum=grad_accum, capture_step=capture_step, user_hooks=user_hooks, reduce_dtype=reduce_dtype,
-                   fp8_cache_quantized_params=fp8_cache,
+                   fp8_cache_quantized_params=fp8_cache, fp8_dot_product_attention=fp8_attention,
                    attention_as_graphed=scope if eager_matches_graph_attention else None, **(spec_overrides or {}))
     eager = run_training(spec, device)
     graphed_spec = RunSpec(**{**spec.__dict__, "cuda_graph_modules": scope, "perturb_step": perturb_step,
@@ -256,6 +274,7 @@ def run_row(*, scope: List[str], strategy: str, backend: str, grad_accum: int, s
     graphed = run_training(graphed_spec, device)
     row = {"what": what, "scope": scope, "strategy": strategy, "backend": backend, "grad_accum": grad_accum,
            "reduce_dtype": str(reduce_dtype) if reduce_dtype else None, "fp8_cache_quantized_params": fp8_cache,
+           "fp8_dot_product_attention": fp8_attention,
            "model": {k: v for k, v in dataclasses.asdict(spec.model).items() if k != "ffn_hidden_size"}}
     row.update(compare(eager, graphed, device))
     return row

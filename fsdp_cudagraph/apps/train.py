@@ -122,6 +122,8 @@ class RunSpec:
     #: With ``model.fp8``: quantize the FP8 weights on each step's first micro-batch only (TE's
     #: ``cache_quantized_params``, eagerly through ``is_first_microbatch`` and in the graph maker).
     fp8_cache_quantized_params: bool = False
+    #: With ``model.fp8``: attention in FP8 too (TE's ``fp8_dpa``; [Note: FP8 attention] in capture/fp8.py).
+    fp8_dot_product_attention: bool = False
     #: Graphed runs: called with the model right after capture (the FP8 negative controls change state there).
     after_capture: Optional[Callable[[Any], None]] = None
 
@@ -214,20 +216,23 @@ def fp8_recipe(spec: RunSpec) -> Optional[FP8Recipe]:
     """The run's FP8 recipe (``spec.model.fp8``; the default amax reduction group, the world: the data-parallel group
     of these runs), or None. One object per run: the eager autocast and the graph maker share it."""
     if spec.model.fp8 is None:
-        if spec.fp8_cache_quantized_params:
-            raise ValueError("fp8_cache_quantized_params=True needs GPTConfig(fp8=...)")
+        for flag in ("fp8_cache_quantized_params", "fp8_dot_product_attention"):
+            if getattr(spec, flag):
+                raise ValueError(f"{flag}=True needs GPTConfig(fp8=...)")
         return None
     if spec.fp8_cache_quantized_params and spec.model.unit == "te_layer":
         raise ValueError("fp8_cache_quantized_params=True with unit='te_layer': the GPT calls TE's TransformerLayer "
                          "without is_first_microbatch (it would become part of the graphed call's signature); use "
                          "unit='block'")
-    return FP8Recipe(spec.model.fp8, cache_quantized_params=spec.fp8_cache_quantized_params)
+    return FP8Recipe(spec.model.fp8, cache_quantized_params=spec.fp8_cache_quantized_params,
+                     dot_product_attention=spec.fp8_dot_product_attention)
 
 
 def graph_config(spec: RunSpec, scope: Optional[Sequence[str]] = None) -> CudaGraphConfig:
     """The CudaGraphConfig of a graphed run: its scope (default ``spec.cuda_graph_modules``) and backend."""
     return CudaGraphConfig(
         fp8_recipe=spec.model.fp8, fp8_cache_quantized_params=spec.fp8_cache_quantized_params,
+        fp8_dot_product_attention=spec.fp8_dot_product_attention,
         cuda_graph_impl={"te": "transformer_engine", "torch": "local", "protocol": "local"}[spec.backend],
         cuda_graph_modules=list((spec.cuda_graph_modules if scope is None else scope) or []),
         cuda_graph_warmup_steps=spec.capture_step,

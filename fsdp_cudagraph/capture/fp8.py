@@ -44,6 +44,20 @@ copy lives outside the graphs' memory at a fixed address that the captured kerne
 module that drops or replaces it after capture (TE clears it on a recipe change) would leave the graph
 writing freed memory, so the replay check compares those addresses too (:func:`quantized_weight_probe`).
 
+[Note: FP8 attention]
+``dot_product_attention=True`` (Megatron-LM's ``--fp8-dot-product-attention``) sets TE's ``fp8_dpa``: TE's
+``DotProductAttention`` then quantizes Q, K and V, runs cuDNN's FP8 fused attention and returns bf16. TE 2.20
+chooses that kernel by rules this module checks first, so a run that cannot have it is refused by name instead of
+failing inside the first forward ("no dot product attention backend"): block scaling has no FP8 attention (TE's
+recipe asserts); the fused FP8 kernel needs Hopper (9.0); current scaling runs it from Blackwell (10.0), and on
+Hopper only with ``NVTE_DPA_FP8_RECIPE=DelayedScaling`` (attention scaled by delayed scaling, the linears by current);
+and deterministic training (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` or torch's deterministic mode, which bit-exact
+runs need) takes cuDNN 9.19 or newer. TE loads the cuDNN it finds under ``CUDNN_PATH``, ``CUDNN_HOME``,
+``CUDA_HOME`` or ``/usr/local/cuda`` before the pip package torch uses, so a machine can run two cuDNNs, the older
+one in TE's kernels. Attention in FP8 always keeps delayed-scaling state (the softmax's S and dP scales, even under
+current scaling), so it is refused with whole-step graphs as delayed scaling is ([Note: the FP8 region under
+graphs]): TE updates those scales on the host.
+
 Nothing here imports TE at import time (``capture/te.py`` probes it once); the recipe object is built on
 first use, so configs and refusals are checkable on CPU.
 """
@@ -60,6 +74,7 @@ from torch import nn
 from fsdp_cudagraph.capture import te as _te
 
 __all__ = ["FP8_RECIPES", "FP8Recipe", "parse_fp8_recipe", "config_problems", "check_fp8_device", "fp8_shape_problem",
+           "fp8_attention_problems", "check_fp8_attention_runtime",
            "is_first_microbatch", "te_call_kwargs", "te_autocast_active", "delayed_scaling_modules",
            "quantized_weight_probe", "reset_scaling_state"]
 
@@ -69,6 +84,11 @@ FP8_RECIPES = ("delayed", "current", "block")
 MIN_CAPABILITY = {"delayed": (8, 9), "current": (8, 9), "block": (9, 0)}
 #: Block scaling's FP8 GEMMs also need this CUDA version (TE's ``check_fp8_block_scaling_support``).
 BLOCK_MIN_CUDA = (12, 9)
+#: FP8 attention ([Note: FP8 attention]), TE 2.20's rules: cuDNN's fused FP8 kernel needs this compute capability;
+#: current scaling runs it from the second; deterministic training needs this cuDNN.
+FP8_ATTENTION_MIN_CAPABILITY = (9, 0)
+FP8_ATTENTION_CURRENT_CAPABILITY = (10, 0)
+FP8_ATTENTION_DETERMINISTIC_CUDNN = (9, 19, 0)
 
 
 def parse_fp8_recipe(value: Any, what: str = "fp8_recipe") -> Optional[str]:
@@ -114,6 +134,62 @@ def check_fp8_runtime(name: str) -> None:
     check_fp8_device(name, torch.cuda.get_device_capability(), torch.version.cuda)
 
 
+def _no_block_attention(given: str) -> str:
+    return (f"{given}: TE has no FP8 attention for block scaling (Float8BlockScaling asserts fp8_dpa=False); use "
+            "fp8_recipe='delayed' for FP8 attention, or keep attention in bf16")
+
+
+def fp8_attention_problems(name: str, capability: Tuple[int, int], cudnn: Tuple[int, ...], *, deterministic: bool,
+                           dpa_recipe: str = "") -> List[str]:
+    """Why FP8 attention ([Note: FP8 attention]) cannot run with recipe ``name`` on a GPU of ``capability`` with
+    cuDNN ``cudnn`` (the one TE loaded), as problem lines (empty: it can). ``deterministic``: whether TE must pick
+    deterministic kernels; ``dpa_recipe``: TE's ``NVTE_DPA_FP8_RECIPE``."""
+    given = f"fp8_recipe={name!r} with dot_product_attention=True"
+    cap = ".".join(str(c) for c in capability)
+    if name == "block":
+        return [_no_block_attention(given)]
+    if tuple(capability) < FP8_ATTENTION_MIN_CAPABILITY:
+        return [f"{given} needs a GPU of compute capability 9.0 or newer (cuDNN's fused FP8 attention), this one is "
+                f"{cap}; keep attention in bf16 (dot_product_attention=False)"]
+    problems = []
+    if name == "current" and tuple(capability) < FP8_ATTENTION_CURRENT_CAPABILITY and dpa_recipe != "DelayedScaling":
+        problems.append(f"{given}: TE runs current-scaling FP8 attention on compute capability 10.0 or newer, this GPU "
+                        f"is {cap}; use fp8_recipe='delayed', or set NVTE_DPA_FP8_RECIPE=DelayedScaling before "
+                        "transformer_engine is imported (attention then scales by delayed scaling, the linears by "
+                        "current)")
+    if deterministic and tuple(cudnn) < FP8_ATTENTION_DETERMINISTIC_CUDNN:
+        problems.append(
+            f"{given} and deterministic kernels (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or "
+            f"torch.use_deterministic_algorithms) need cuDNN 9.19 or newer for FP8 attention's backward, and TE loaded "
+            f"cuDNN {'.'.join(str(v) for v in cudnn)}; TE takes the cuDNN under CUDNN_PATH before the pip package "
+            "torch uses: set CUDNN_PATH to a cuDNN >= 9.19 before transformer_engine is imported (torch's: python -c "
+            "\"import nvidia.cudnn; print(nvidia.cudnn.__path__[0])\"), or allow non-deterministic kernels "
+            "(NVTE_ALLOW_NONDETERMINISTIC_ALGO=1; graphed and eager runs are then not bit-exact)")
+    return problems
+
+
+def attention_deterministic() -> bool:
+    """Whether TE's attention must pick deterministic kernels (TE's own test: the environment, or torch's mode)."""
+    import os
+
+    return os.getenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1") == "0" or torch.are_deterministic_algorithms_enabled()
+
+
+def check_fp8_attention_runtime(name: str) -> None:
+    """:func:`fp8_attention_problems` on this machine's GPU and the cuDNN TE loaded; RuntimeError with each problem."""
+    import os
+
+    check_fp8_runtime(name)
+    _te.require_te("FP8 attention (dot_product_attention=True)")
+    from transformer_engine.pytorch.utils import get_cudnn_version  # pragma: no cover - needs TE
+
+    problems = fp8_attention_problems(  # pragma: no cover - needs TE
+        name, torch.cuda.get_device_capability(), tuple(get_cudnn_version()),
+        deterministic=attention_deterministic(), dpa_recipe=os.getenv("NVTE_DPA_FP8_RECIPE", ""))
+    if problems:  # pragma: no cover - needs TE
+        raise RuntimeError("; ".join(problems))
+
+
 def fp8_shape_problem(what: str, shape: Sequence[int]) -> Optional[str]:
     """TE's FP8 GEMM rule for one operand (``assert_dim_for_fp8_exec``): the product of all dimensions but the last
     a multiple of 8, the last a multiple of 16. Returns the violation in words, or None."""
@@ -155,13 +231,23 @@ def fp8_gemm_problems(name: str, module: nn.Module, sample_args: Sequence[Any]) 
     return out
 
 
-def config_problems(recipe: Optional[str], *, impl: str, cache: bool, inference_scope: str) -> List[str]:
+def config_problems(recipe: Optional[str], *, impl: str, cache: bool, inference_scope: str,
+                    attention: bool = False) -> List[str]:
     """``CudaGraphConfig``'s FP8 rules, as problem lines: which graph makers know TE's FP8 state ([Note: the FP8
-    region under graphs]). ``impl``, ``inference_scope``: the config's values as strings."""
+    region under graphs]). ``impl``, ``inference_scope``: the config's values as strings; ``attention``:
+    ``fp8_dot_product_attention``."""
     if recipe is None:
-        return (["fp8_cache_quantized_params=True without fp8_recipe would be ignored; set fp8_recipe (one of "
-                 f"{', '.join(FP8_RECIPES)}) or drop fp8_cache_quantized_params"] if cache else [])
+        return [f"{flag}=True without fp8_recipe would be ignored; set fp8_recipe (one of {', '.join(FP8_RECIPES)}) "
+                f"or drop {flag}" for flag, on in (("fp8_cache_quantized_params", cache),
+                                                   ("fp8_dot_product_attention", attention)) if on]
     given, problems = f"fp8_recipe='{recipe}'", []
+    if attention and recipe == "block":
+        problems.append(_no_block_attention(f"{given} with fp8_dot_product_attention=True"))
+    if attention and impl == "full_iteration" and recipe != "delayed":  # delayed: refused below for the same reason
+        problems.append("fp8_dot_product_attention=True with cuda_graph_impl='full_iteration' is not supported: FP8 "
+                        "attention keeps delayed-scaling state (the softmax's scales) that TE updates on the host, "
+                        "which a replayed step would never do ([Note: FP8 attention]); use per-layer graphs "
+                        "(cuda_graph_impl='transformer_engine') or drop fp8_dot_product_attention")
     if impl == "local":
         problems.append(f"{given} with cuda_graph_impl='local' is not supported: torch's make_graphed_callables knows "
                         "no FP8 state (TE's graph maker wraps each callable in TE's autocast while it captures and "
@@ -249,15 +335,18 @@ def _recipe_classes() -> Any:
     return recipes  # pragma: no cover
 
 
-def build_te_recipe(name: str) -> Any:
+def build_te_recipe(name: str, *, dot_product_attention: bool = False) -> Any:
     """TE's recipe object for ``name``: HYBRID for ``delayed`` and ``current`` (Megatron-LM's ``--fp8-format
-    hybrid``), TE's defaults for ``block``."""
+    hybrid``), TE's defaults for ``block``; ``dot_product_attention``: TE's ``fp8_dpa`` ([Note: FP8 attention])."""
     r = _recipe_classes()
+    attention = {"fp8_dpa": True} if dot_product_attention else {}
     if name == "delayed":
-        return r.DelayedScaling(fp8_format=r.Format.HYBRID)
+        return r.DelayedScaling(fp8_format=r.Format.HYBRID, **attention)
     if name == "current":
-        return r.Float8CurrentScaling(fp8_format=r.Format.HYBRID)
+        return r.Float8CurrentScaling(fp8_format=r.Format.HYBRID, **attention)
     if name == "block":
+        if dot_product_attention:
+            raise ValueError(_no_block_attention("fp8_recipe='block' with dot_product_attention=True"))
         return r.Float8BlockScaling()
     raise ValueError(f"unknown FP8 recipe {name!r}; valid values are: {', '.join(FP8_RECIPES)}")
 
@@ -274,35 +363,49 @@ class FP8Recipe:
         cache_quantized_params: quantize each weight once per step, on the first micro-batch, and reuse
             the FP8 copy on the others (TE's ``cache_quantized_params``; [Note: quantized weights across
             micro-batches]); every region then needs ``autocast(first_microbatch=...)``.
+        dot_product_attention: attention in FP8 too (TE's ``fp8_dpa``, Megatron-LM's
+            ``--fp8-dot-product-attention``; [Note: FP8 attention]): ``delayed``, or ``current`` where TE runs it;
+            refused for ``block``.
 
     Use the same object for the eager autocast and the graph maker ([Note: the FP8 region under graphs]).
     """
 
-    def __init__(self, name: str, *, amax_reduction_group: Any = None, cache_quantized_params: bool = False) -> None:
+    def __init__(self, name: str, *, amax_reduction_group: Any = None, cache_quantized_params: bool = False,
+                 dot_product_attention: bool = False) -> None:
         parsed = parse_fp8_recipe(name, "FP8Recipe name")
         if parsed is None:
             raise ValueError("FP8Recipe(None): pass one of " + ", ".join(FP8_RECIPES) + " (no FP8: pass no FP8Recipe)")
-        if not isinstance(cache_quantized_params, bool):
-            raise TypeError(f"cache_quantized_params must be a bool, got {cache_quantized_params!r}")
+        for flag, value in (("cache_quantized_params", cache_quantized_params),
+                            ("dot_product_attention", dot_product_attention)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {value!r}")
+        if dot_product_attention and parsed == "block":
+            raise ValueError(_no_block_attention("FP8Recipe('block', dot_product_attention=True)"))
         self.name = parsed
         self.amax_reduction_group = amax_reduction_group
         self.cache_quantized_params = cache_quantized_params
+        self.dot_product_attention = dot_product_attention
         self._recipe: Any = None
 
     def __repr__(self) -> str:
-        return (f"FP8Recipe({self.name!r}, cache_quantized_params={self.cache_quantized_params}, "
+        attention = ", dot_product_attention=True" if self.dot_product_attention else ""
+        return (f"FP8Recipe({self.name!r}, cache_quantized_params={self.cache_quantized_params}{attention}, "
                 f"amax_reduction_group={'default' if self.amax_reduction_group is None else 'given'})")
 
     @property
     def recipe(self) -> Any:
         """TE's recipe object, built once (needs TE): one object for every region and the graph maker."""
         if self._recipe is None:
-            self._recipe = build_te_recipe(self.name)
+            self._recipe = build_te_recipe(self.name, dot_product_attention=self.dot_product_attention)
         return self._recipe
 
     def check_runtime(self) -> None:
-        """Refuse this recipe on a machine whose GPU or CUDA cannot run it (:func:`check_fp8_device`)."""
-        check_fp8_runtime(self.name)
+        """Refuse this recipe on a machine whose GPU, CUDA or cuDNN cannot run it (:func:`check_fp8_device`;
+        with FP8 attention :func:`check_fp8_attention_runtime`)."""
+        if self.dot_product_attention:
+            check_fp8_attention_runtime(self.name)
+        else:
+            check_fp8_runtime(self.name)
 
     @contextlib.contextmanager
     def autocast(self, *, first_microbatch: Optional[bool] = None) -> Iterator[None]:

@@ -434,10 +434,10 @@ class FullIterationCudaGraph:
         if delayed:
             raise NotImplementedError(
                 f"[rank {self.engine.rank}] fsdp_cudagraph: cannot capture the step: TE modules {delayed[:3]} train "
-                "in FP8 with delayed scaling, whose gradient scales TE updates on the host after the first FP8 "
-                "module's backward and skips while a capture is under way (a replayed step would never update "
-                "them). Use the 'current' or 'block' recipe in whole-step graphs, or per-layer graphs "
-                "(PartialCudaGraphs, backend 'te') for delayed scaling")
+                "in FP8 with delayed scaling (FP8 attention keeps it under every recipe), whose gradient scales TE "
+                "updates on the host after the first FP8 module's backward and skips while a capture is under way (a "
+                "replayed step would never update them). Use the 'current' or 'block' recipe with attention in bf16 "
+                "in whole-step graphs, or per-layer graphs (PartialCudaGraphs, backend 'te') for delayed scaling")
 
     def _agree(self, log: List[str], what: str) -> None:  # the group is read now: the engine holds it weakly
         _recipe.agree_collectives(log, what, rank=self.engine.rank, world_size=self.static_step.world_size,

@@ -507,12 +507,15 @@ def fp8_for(config: CudaGraphConfig, fp8: Optional[_fp8.FP8Recipe], backend: str
         raise TypeError(f"fp8 must be an FP8Recipe (fsdp_cudagraph.FP8Recipe('delayed')) or None, got "
                         f"{type(fp8).__name__}")
     if fp8 is not None and config.fp8_recipe is not None and (
-            fp8.name != config.fp8_recipe or fp8.cache_quantized_params != config.fp8_cache_quantized_params):
+            (fp8.name, fp8.cache_quantized_params, fp8.dot_product_attention)
+            != (config.fp8_recipe, config.fp8_cache_quantized_params, config.fp8_dot_product_attention)):
         raise ValueError(f"fp8={fp8!r} disagrees with config.fp8_recipe={config.fp8_recipe!r}, "
-                         f"fp8_cache_quantized_params={config.fp8_cache_quantized_params}; give the same recipe to "
+                         f"fp8_cache_quantized_params={config.fp8_cache_quantized_params}, "
+                         f"fp8_dot_product_attention={config.fp8_dot_product_attention}; give the same recipe to "
                          "both, or leave config.fp8_recipe unset")
     if fp8 is None and config.fp8_recipe is not None:
-        fp8 = _fp8.FP8Recipe(config.fp8_recipe, cache_quantized_params=config.fp8_cache_quantized_params)
+        fp8 = _fp8.FP8Recipe(config.fp8_recipe, cache_quantized_params=config.fp8_cache_quantized_params,
+                             dot_product_attention=config.fp8_dot_product_attention)
     if fp8 is not None and backend != "te":
         raise NotImplementedError(
             f"{fp8!r} with backend={backend!r} is not supported: only TE's graph maker knows the FP8 state (it "

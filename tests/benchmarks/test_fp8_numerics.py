@@ -44,6 +44,13 @@ def test_loss_gap_compares_the_tail_means():
         fp8_numerics.loss_gap(fp8[:-1], bf16, tail=2)
 
 
+def test_a_run_names_its_recipe_and_whether_attention_is_fp8():
+    assert fp8_numerics.parse_run("delayed") == ("delayed", False)
+    assert fp8_numerics.parse_run("delayed+attention") == ("delayed", True)
+    with pytest.raises(ValueError, match="optionally '\\+attention'"):
+        fp8_numerics.parse_run("delayed+mha")
+
+
 def _run(tmp_path, *extra):
     env = dict(os.environ, PYTHONPATH=ROOT, MASTER_PORT=str(_free_port()), CUDA_VISIBLE_DEVICES="")
     return subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "n.json"), *extra], capture_output=True,

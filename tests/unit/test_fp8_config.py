@@ -43,7 +43,9 @@ def test_recipe_names_parse_case_insensitively_and_unknown_ones_are_named():
                                 dict(cuda_graph_impl=TE, fp8_recipe="block", fp8_cache_quantized_params=True),
                                 dict(cuda_graph_impl="full_iteration", fp8_recipe="current"),
                                 dict(cuda_graph_impl="full_iteration", fp8_recipe="block"),
-                                dict(fp8_recipe="delayed", fp8_cache_quantized_params=True)])  # eager
+                                dict(fp8_recipe="delayed", fp8_cache_quantized_params=True),  # eager
+                                dict(cuda_graph_impl=TE, fp8_recipe="delayed", fp8_dot_product_attention=True),
+                                dict(cuda_graph_impl=TE, fp8_recipe="current", fp8_dot_product_attention=True)])
 def test_config_accepts_what_te_can_capture(kw):
     cfg = CudaGraphConfig(**kw)
     assert cfg.fp8_recipe == kw["fp8_recipe"]
@@ -59,6 +61,12 @@ def test_config_accepts_what_te_can_capture(kw):
     (dict(cuda_graph_impl=TE, fp8_recipe="delayed", inference_cuda_graph_scope="block"),
      ["inference_cuda_graph_scope='block' is not supported", "drop inference_cuda_graph_scope"]),
     (dict(cuda_graph_impl=TE, fp8_cache_quantized_params=True), ["without fp8_recipe would be ignored"]),
+    (dict(fp8_dot_product_attention=True), ["fp8_dot_product_attention=True without fp8_recipe would be ignored"]),
+    (dict(cuda_graph_impl=TE, fp8_recipe="block", fp8_dot_product_attention=True),
+     ["fp8_recipe='block' with fp8_dot_product_attention=True", "no FP8 attention for block scaling", "'delayed'"]),
+    (dict(cuda_graph_impl="full_iteration", fp8_recipe="current", fp8_dot_product_attention=True),
+     ["fp8_dot_product_attention=True with cuda_graph_impl='full_iteration'", "delayed-scaling state",
+      "cuda_graph_impl='transformer_engine'"]),
 ])
 def test_config_refuses_with_value_rule_and_fix(kw, words):
     with pytest.raises(ValueError) as err:
@@ -70,12 +78,25 @@ def test_config_refuses_with_value_rule_and_fix(kw, words):
 def test_config_from_the_command_line():
     p = argparse.ArgumentParser()
     add_cuda_graph_args(p)
-    args = p.parse_args(["--cuda-graph-impl", TE, "--fp8-recipe", "Current", "--fp8-cache-quantized-params"])
+    args = p.parse_args(["--cuda-graph-impl", TE, "--fp8-recipe", "Current", "--fp8-cache-quantized-params",
+                         "--fp8-dot-product-attention"])
     cfg = config_from_args(args)
-    assert (cfg.fp8_recipe, cfg.fp8_cache_quantized_params) == ("current", True)
+    assert (cfg.fp8_recipe, cfg.fp8_cache_quantized_params, cfg.fp8_dot_product_attention) == ("current", True, True)
+    assert not config_from_args(p.parse_args(["--fp8-recipe", "delayed"])).fp8_dot_product_attention
     assert config_from_args(p.parse_args([])).fp8_recipe is None
     with pytest.raises(SystemExit):
         p.parse_args(["--fp8-recipe", "e4m3"])
+
+
+def test_a_run_spec_carries_fp8_attention_to_the_recipe_and_the_graph_config():
+    from fsdp_cudagraph.apps.train import RunSpec, fp8_recipe, graph_config
+
+    model = GPTConfig(fp8="delayed", use_te=True, hidden_size=64, seq_len=32)
+    spec = RunSpec(model=model, fp8_dot_product_attention=True, backend="te")
+    assert fp8_recipe(spec).dot_product_attention and graph_config(spec).fp8_dot_product_attention
+    assert not fp8_recipe(RunSpec(model=model)).dot_product_attention
+    with pytest.raises(ValueError, match="fp8_dot_product_attention=True needs GPTConfig\\(fp8=...\\)"):
+        fp8_recipe(RunSpec(model=GPTConfig(), fp8_dot_product_attention=True))
 
 
 def test_gpt_config_refuses_fp8_without_te_layers_or_fp8_shapes():
@@ -113,6 +134,50 @@ def test_without_a_gpu_fp8_is_refused_at_runtime():
         pytest.skip("this machine has a GPU")
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         fp8_mod.check_fp8_runtime("current")
+
+
+@pytest.mark.parametrize("name, cap, cudnn, det, env, words", [
+    ("block", (9, 0), (9, 19, 0), False, "", ["no FP8 attention for block scaling", "'delayed'"]),
+    ("delayed", (8, 9), (9, 19, 0), False, "", ["compute capability 9.0", "is 8.9"]),
+    ("current", (9, 0), (9, 19, 0), False, "", ["current-scaling FP8 attention on compute capability 10.0",
+                                                 "is 9.0", "NVTE_DPA_FP8_RECIPE=DelayedScaling"]),
+    ("delayed", (9, 0), (9, 14, 0), True, "", ["cuDNN 9.19 or newer", "loaded cuDNN 9.14.0", "CUDNN_PATH",
+                                                "NVTE_ALLOW_NONDETERMINISTIC_ALGO=1"]),
+    ("current", (10, 0), (9, 18, 1), True, "", ["cuDNN 9.19 or newer", "9.18.1"]),
+])
+def test_fp8_attention_refusals_name_the_rule_and_the_fix(name, cap, cudnn, det, env, words):
+    """[Note: FP8 attention]: TE 2.20's kernel rules, checked before the first forward."""
+    problems = fp8_mod.fp8_attention_problems(name, cap, cudnn, deterministic=det, dpa_recipe=env)
+    assert len(problems) == 1
+    for w in words:
+        assert w in problems[0]
+
+
+@pytest.mark.parametrize("name, cap, cudnn, det, env", [
+    ("delayed", (9, 0), (9, 19, 0), True, ""),
+    ("delayed", (9, 0), (9, 14, 0), False, ""),  # non-deterministic kernels: any cuDNN TE takes
+    ("current", (9, 0), (9, 19, 0), True, "DelayedScaling"),  # attention scaled by delayed scaling on Hopper
+    ("current", (10, 0), (9, 19, 0), True, ""),
+])
+def test_fp8_attention_accepted_where_te_runs_it(name, cap, cudnn, det, env):
+    assert fp8_mod.fp8_attention_problems(name, cap, cudnn, deterministic=det, dpa_recipe=env) == []
+
+
+def test_fp8_attention_determinism_follows_te(monkeypatch):
+    """TE picks deterministic attention kernels when NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or torch's deterministic
+    mode is on (its own test): the cuDNN rule applies then only."""
+    monkeypatch.delenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", raising=False)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert not fp8_mod.attention_deterministic()
+        monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+        assert fp8_mod.attention_deterministic()
+        monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert fp8_mod.attention_deterministic()
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 def test_te_gemm_shape_rule():
@@ -189,6 +254,22 @@ def test_recipes_are_built_as_megatron_builds_them(stub_te):
     assert type(d).__name__ == "DelayedScaling" and d.kw == {"fp8_format": "HYBRID"}
     assert type(c).__name__ == "Float8CurrentScaling" and c.kw == {"fp8_format": "HYBRID"}
     assert type(b).__name__ == "Float8BlockScaling" and b.kw == {}  # TE's default: E4M3, 1x128 / 128x128 blocks
+
+
+def test_fp8_attention_sets_te_fp8_dpa_in_the_one_recipe(stub_te):
+    d, c = (FP8Recipe(n, dot_product_attention=True) for n in ("delayed", "current"))
+    assert d.recipe.kw == {"fp8_format": "HYBRID", "fp8_dpa": True} and type(d.recipe).__name__ == "DelayedScaling"
+    assert c.recipe.kw == {"fp8_format": "HYBRID", "fp8_dpa": True}
+    assert "dot_product_attention=True" in repr(d) and "dot_product_attention" not in repr(FP8Recipe("delayed"))
+    with d.autocast():
+        pass
+    assert stub_te.regions[-1]["recipe"] is d.recipe and d.graph_maker_kwargs()["recipe"] is d.recipe
+    with pytest.raises(ValueError, match="no FP8 attention for block scaling"):
+        FP8Recipe("block", dot_product_attention=True)
+    with pytest.raises(ValueError, match="no FP8 attention for block scaling"):
+        fp8_mod.build_te_recipe("block", dot_product_attention=True)
+    with pytest.raises(TypeError, match="dot_product_attention must be a bool"):
+        FP8Recipe("delayed", dot_product_attention="yes")
 
 
 def test_one_recipe_object_for_every_region_and_the_graph_maker(stub_te):
@@ -325,6 +406,11 @@ def test_config_recipe_builds_the_object_and_a_disagreeing_one_is_refused(stub_t
     graphs.delete()
     with pytest.raises(ValueError, match="disagrees with config.fp8_recipe='current'"):
         _graphs(FP8Recipe("delayed"), fp8_recipe="current")
+    with pytest.raises(ValueError, match="fp8_dot_product_attention=True; give the same recipe"):
+        _graphs(FP8Recipe("delayed"), fp8_recipe="delayed", fp8_dot_product_attention=True)
+    _, graphs = _graphs(None, fp8_recipe="delayed", fp8_dot_product_attention=True)
+    assert graphs.fp8.dot_product_attention and graphs.fp8.recipe.kw["fp8_dpa"] is True
+    graphs.delete()
     with pytest.raises(TypeError, match="fp8 must be an FP8Recipe"):
         _graphs("delayed")
 
