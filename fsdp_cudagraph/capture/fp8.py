@@ -163,7 +163,7 @@ def fp8_attention_problems(name: str, capability: Tuple[int, int], cudnn: Tuple[
             f"torch.use_deterministic_algorithms) need cuDNN 9.19 or newer for FP8 attention's backward, and TE loaded "
             f"cuDNN {'.'.join(str(v) for v in cudnn)}; TE takes the cuDNN under CUDNN_PATH before the pip package "
             "torch uses: set CUDNN_PATH to a cuDNN >= 9.19 before transformer_engine is imported (torch's: python -c "
-            "\"import nvidia.cudnn; print(nvidia.cudnn.__path__[0])\"), or allow non-deterministic kernels "
+            "\"import nvidia.cudnn; print(list(nvidia.cudnn.__path__)[0])\"), or allow non-deterministic kernels "
             "(NVTE_ALLOW_NONDETERMINISTIC_ALGO=1; graphed and eager runs are then not bit-exact)")
     return problems
 
