@@ -52,11 +52,19 @@ failing inside the first forward ("no dot product attention backend"): block sca
 recipe asserts); the fused FP8 kernel needs Hopper (9.0); current scaling runs it from Blackwell (10.0), and on
 Hopper only with ``NVTE_DPA_FP8_RECIPE=DelayedScaling`` (attention scaled by delayed scaling, the linears by current);
 and deterministic training (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` or torch's deterministic mode, which bit-exact
-runs need) takes cuDNN 9.19 or newer. TE loads the cuDNN it finds under ``CUDNN_PATH``, ``CUDNN_HOME``,
-``CUDA_HOME`` or ``/usr/local/cuda`` before the pip package torch uses, so a machine can run two cuDNNs, the older
-one in TE's kernels. Attention in FP8 always keeps delayed-scaling state (the softmax's S and dP scales, even under
-current scaling), so it is refused with whole-step graphs as delayed scaling is ([Note: the FP8 region under
-graphs]): TE updates those scales on the host.
+runs need) takes cuDNN 9.19 or newer. Which cuDNN runs is decided by the library path: cuDNN's loader opens its
+sub-libraries (``libcudnn_graph``, ``libcudnn_engines_*``...) by name, so on a machine with a system cuDNN (e.g.
+9.14 in ``/usr/lib/x86_64-linux-gnu``) they came from there once TE was imported, beside torch's 9.19
+``libcudnn.so.9``, and torch then reported a version mismatch (2026-11-29, H200); with torch's cuDNN directory
+first on ``LD_LIBRARY_PATH`` every part was 9.19. TE's own ``CUDNN_PATH`` did not change that.
+
+Attention in FP8 keeps delayed-scaling state under every recipe (the softmax's S and dP scales under current
+scaling; all of attention's with ``NVTE_DPA_FP8_RECIPE=DelayedScaling``), so it is refused with whole-step graphs
+as delayed scaling is ([Note: the FP8 region under graphs]): TE updates those scales on the host. And with
+``current`` it is refused under per-layer graphs: TE's graph maker saves and restores the delayed-scaling state
+around its warmup only when the recipe it is given is ``DelayedScaling``, so under ``current`` the warmup's
+attention amaxes stay in that state and the replays differ from the eager steps (measured on an H200: the first
+replayed step differs). ``delayed`` with FP8 attention is restored whole and graphs equal eager bit for bit.
 
 Nothing here imports TE at import time (``capture/te.py`` probes it once); the recipe object is built on
 first use, so configs and refusals are checkable on CPU.
@@ -154,18 +162,27 @@ def fp8_attention_problems(name: str, capability: Tuple[int, int], cudnn: Tuple[
     problems = []
     if name == "current" and tuple(capability) < FP8_ATTENTION_CURRENT_CAPABILITY and dpa_recipe != "DelayedScaling":
         problems.append(f"{given}: TE runs current-scaling FP8 attention on compute capability 10.0 or newer, this GPU "
-                        f"is {cap}; use fp8_recipe='delayed', or set NVTE_DPA_FP8_RECIPE=DelayedScaling before "
-                        "transformer_engine is imported (attention then scales by delayed scaling, the linears by "
-                        "current)")
+                        f"is {cap}; use fp8_recipe='delayed', or, eagerly only (not with graphs), set "
+                        "NVTE_DPA_FP8_RECIPE=DelayedScaling before transformer_engine is imported (attention then "
+                        "scales by delayed scaling, the linears by current)")
     if deterministic and tuple(cudnn) < FP8_ATTENTION_DETERMINISTIC_CUDNN:
         problems.append(
             f"{given} and deterministic kernels (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or "
-            f"torch.use_deterministic_algorithms) need cuDNN 9.19 or newer for FP8 attention's backward, and TE loaded "
-            f"cuDNN {'.'.join(str(v) for v in cudnn)}; TE takes the cuDNN under CUDNN_PATH before the pip package "
-            "torch uses: set CUDNN_PATH to a cuDNN >= 9.19 before transformer_engine is imported (torch's: python -c "
-            "\"import nvidia.cudnn; print(list(nvidia.cudnn.__path__)[0])\"), or allow non-deterministic kernels "
-            "(NVTE_ALLOW_NONDETERMINISTIC_ALGO=1; graphed and eager runs are then not bit-exact)")
+            f"torch.use_deterministic_algorithms) need cuDNN 9.19 or newer for FP8 attention's backward, and TE runs "
+            f"cuDNN {'.'.join(str(v) for v in cudnn)}; cuDNN's parts are found on the library path: put the lib "
+            "directory of a cuDNN >= 9.19 first on LD_LIBRARY_PATH before Python starts (torch's: python -c \"import "
+            "os, nvidia.cudnn; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))\"), or allow "
+            "non-deterministic kernels (NVTE_ALLOW_NONDETERMINISTIC_ALGO=1; graphed and eager runs are then not "
+            "bit-exact)")
     return problems
+
+
+def attention_graph_problem(name: str) -> str:
+    """Why per-layer graphs refuse FP8 attention under ``name`` (``current``; [Note: FP8 attention])."""
+    return (f"fp8_recipe={name!r} with FP8 attention under per-layer graphs is not supported: the attention keeps "
+            "delayed-scaling state that TE's graph maker saves and restores around its warmup only for a "
+            "DelayedScaling recipe, so the replays would differ from the eager steps (measured); use "
+            "fp8_recipe='delayed' for FP8 attention with graphs, or keep attention in bf16")
 
 
 def attention_deterministic() -> bool:
@@ -243,6 +260,8 @@ def config_problems(recipe: Optional[str], *, impl: str, cache: bool, inference_
     given, problems = f"fp8_recipe='{recipe}'", []
     if attention and recipe == "block":
         problems.append(_no_block_attention(f"{given} with fp8_dot_product_attention=True"))
+    if attention and recipe == "current" and impl == "transformer_engine":
+        problems.append(attention_graph_problem(recipe))
     if attention and impl == "full_iteration" and recipe != "delayed":  # delayed: refused below for the same reason
         problems.append("fp8_dot_product_attention=True with cuda_graph_impl='full_iteration' is not supported: FP8 "
                         "attention keeps delayed-scaling state (the softmax's scales) that TE updates on the host, "
@@ -386,6 +405,7 @@ class FP8Recipe:
         self.cache_quantized_params = cache_quantized_params
         self.dot_product_attention = dot_product_attention
         self._recipe: Any = None
+        self._attention_checked = False
 
     def __repr__(self) -> str:
         attention = ", dot_product_attention=True" if self.dot_product_attention else ""
@@ -420,6 +440,9 @@ class FP8Recipe:
                 "region must say whether it is the step's first micro-batch (TE quantizes the weights on it and "
                 "reuses them on the others): pass first_microbatch=(i == 0)")
         te = _te.require_te("FP8Recipe.autocast")
+        if self.dot_product_attention and not self._attention_checked:  # eager runs too, before TE's first forward
+            self.check_runtime()
+            self._attention_checked = True
         _REGIONS.append((self, first_microbatch if self.cache_quantized_params else None))
         try:
             with te.autocast(enabled=True, recipe=self.recipe, amax_reduction_group=self.amax_reduction_group):

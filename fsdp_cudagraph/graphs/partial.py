@@ -516,6 +516,8 @@ def fp8_for(config: CudaGraphConfig, fp8: Optional[_fp8.FP8Recipe], backend: str
     if fp8 is None and config.fp8_recipe is not None:
         fp8 = _fp8.FP8Recipe(config.fp8_recipe, cache_quantized_params=config.fp8_cache_quantized_params,
                              dot_product_attention=config.fp8_dot_product_attention)
+    if fp8 is not None and fp8.dot_product_attention and fp8.name == "current":
+        raise NotImplementedError(_fp8.attention_graph_problem(fp8.name))
     if fp8 is not None and backend != "te":
         raise NotImplementedError(
             f"{fp8!r} with backend={backend!r} is not supported: only TE's graph maker knows the FP8 state (it "

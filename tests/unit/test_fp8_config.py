@@ -45,7 +45,7 @@ def test_recipe_names_parse_case_insensitively_and_unknown_ones_are_named():
                                 dict(cuda_graph_impl="full_iteration", fp8_recipe="block"),
                                 dict(fp8_recipe="delayed", fp8_cache_quantized_params=True),  # eager
                                 dict(cuda_graph_impl=TE, fp8_recipe="delayed", fp8_dot_product_attention=True),
-                                dict(cuda_graph_impl=TE, fp8_recipe="current", fp8_dot_product_attention=True)])
+                                dict(fp8_recipe="current", fp8_dot_product_attention=True)])  # eager
 def test_config_accepts_what_te_can_capture(kw):
     cfg = CudaGraphConfig(**kw)
     assert cfg.fp8_recipe == kw["fp8_recipe"]
@@ -64,6 +64,9 @@ def test_config_accepts_what_te_can_capture(kw):
     (dict(fp8_dot_product_attention=True), ["fp8_dot_product_attention=True without fp8_recipe would be ignored"]),
     (dict(cuda_graph_impl=TE, fp8_recipe="block", fp8_dot_product_attention=True),
      ["fp8_recipe='block' with fp8_dot_product_attention=True", "no FP8 attention for block scaling", "'delayed'"]),
+    (dict(cuda_graph_impl=TE, fp8_recipe="current", fp8_dot_product_attention=True),
+     ["fp8_recipe='current' with FP8 attention under per-layer graphs", "only for a DelayedScaling recipe",
+      "fp8_recipe='delayed'"]),
     (dict(cuda_graph_impl="full_iteration", fp8_recipe="current", fp8_dot_product_attention=True),
      ["fp8_dot_product_attention=True with cuda_graph_impl='full_iteration'", "delayed-scaling state",
       "cuda_graph_impl='transformer_engine'"]),
@@ -78,10 +81,10 @@ def test_config_refuses_with_value_rule_and_fix(kw, words):
 def test_config_from_the_command_line():
     p = argparse.ArgumentParser()
     add_cuda_graph_args(p)
-    args = p.parse_args(["--cuda-graph-impl", TE, "--fp8-recipe", "Current", "--fp8-cache-quantized-params",
+    args = p.parse_args(["--cuda-graph-impl", TE, "--fp8-recipe", "Delayed", "--fp8-cache-quantized-params",
                          "--fp8-dot-product-attention"])
     cfg = config_from_args(args)
-    assert (cfg.fp8_recipe, cfg.fp8_cache_quantized_params, cfg.fp8_dot_product_attention) == ("current", True, True)
+    assert (cfg.fp8_recipe, cfg.fp8_cache_quantized_params, cfg.fp8_dot_product_attention) == ("delayed", True, True)
     assert not config_from_args(p.parse_args(["--fp8-recipe", "delayed"])).fp8_dot_product_attention
     assert config_from_args(p.parse_args([])).fp8_recipe is None
     with pytest.raises(SystemExit):
@@ -141,7 +144,7 @@ def test_without_a_gpu_fp8_is_refused_at_runtime():
     ("delayed", (8, 9), (9, 19, 0), False, "", ["compute capability 9.0", "is 8.9"]),
     ("current", (9, 0), (9, 19, 0), False, "", ["current-scaling FP8 attention on compute capability 10.0",
                                                  "is 9.0", "NVTE_DPA_FP8_RECIPE=DelayedScaling"]),
-    ("delayed", (9, 0), (9, 14, 0), True, "", ["cuDNN 9.19 or newer", "loaded cuDNN 9.14.0", "CUDNN_PATH",
+    ("delayed", (9, 0), (9, 14, 0), True, "", ["cuDNN 9.19 or newer", "runs cuDNN 9.14.0", "LD_LIBRARY_PATH",
                                                 "NVTE_ALLOW_NONDETERMINISTIC_ALGO=1"]),
     ("current", (10, 0), (9, 18, 1), True, "", ["cuDNN 9.19 or newer", "9.18.1"]),
 ])
@@ -270,6 +273,23 @@ def test_fp8_attention_sets_te_fp8_dpa_in_the_one_recipe(stub_te):
         fp8_mod.build_te_recipe("block", dot_product_attention=True)
     with pytest.raises(TypeError, match="dot_product_attention must be a bool"):
         FP8Recipe("delayed", dot_product_attention="yes")
+
+
+def test_fp8_attention_is_checked_at_the_first_region_and_current_is_refused_under_graphs(stub_te, monkeypatch):
+    """An eager run reaches TE's attention through the first ``autocast()``: the machine's rules are checked there,
+    once a recipe; per-layer graphs refuse FP8 attention under current scaling (TE restores the warmup's
+    delayed-scaling state only for a DelayedScaling recipe, [Note: FP8 attention])."""
+    checked: List[str] = []
+    monkeypatch.setattr(FP8Recipe, "check_runtime", lambda self: checked.append(repr(self)))
+    attention, plain = FP8Recipe("delayed", dot_product_attention=True), FP8Recipe("delayed")
+    for _ in range(3):
+        with attention.autocast():
+            pass
+        with plain.autocast():
+            pass
+    assert checked == [repr(attention)]
+    with pytest.raises(NotImplementedError, match="fp8_recipe='current' with FP8 attention under per-layer graphs"):
+        _graphs(FP8Recipe("current", dot_product_attention=True))
 
 
 def test_one_recipe_object_for_every_region_and_the_graph_maker(stub_te):
