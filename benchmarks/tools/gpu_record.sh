@@ -59,6 +59,10 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD NCCL_NVLS_ENABLE=0
+# One cuDNN in the process, torch's: its lib directory first on the library path (TE's import otherwise loads a
+# system cuDNN's parts beside torch's libcudnn.so.9; docs/fp8.md, "Which cuDNN runs"). KEEP_LD_LIBRARY_PATH=1: as given.
+CUDNN_LIB=$(python3 -c "import os, nvidia.cudnn as c; print(os.path.join(list(c.__path__)[0], 'lib'))" 2>/dev/null)
+[ -n "$CUDNN_LIB" ] && [ "${KEEP_LD_LIBRARY_PATH:-0}" != 1 ] && export LD_LIBRARY_PATH=$CUDNN_LIB:${LD_LIBRARY_PATH:-}
 # The records' "commit" (fsdp_cudagraph.checker.records.versions): a copy of .git on the GPU machine can name an older
 # HEAD than the tree that runs, so COMMIT, when given, wins.
 [ -n "${COMMIT:-}" ] && export GIT_COMMIT=${GIT_COMMIT:-$COMMIT}
@@ -336,7 +340,7 @@ stage_fp8() {
     tail -3 "$OUT/fp8-gather-${N}gpu.log"
   fi
   step fp8-numerics-1gpu.log $ONE $LIMIT ${FP8_NUMERICS_S:-400} python3 benchmarks/fp8_numerics.py \
-    --steps ${FP8_STEPS:-300} --out "$OUT/fp8-numerics-1gpu.json"
+    --steps ${FP8_STEPS:-300} --recipes delayed current block delayed+attention --out "$OUT/fp8-numerics-1gpu.json"
   tail -8 "$OUT/fp8-numerics-1gpu.log"
 }
 
