@@ -22,7 +22,9 @@ attention (QK^T, AV) and the LM head in bf16. Its floor is the bf16 floor with t
 (``torch._scaled_mm`` of E4M3 operands, ``_flops.fp8_matmul_peak_tflops``), the other model FLOPs at the bf16 rate;
 optimizer and collectives as in bf16 (the parameters' all-gather counted at 2 bytes an element; the FP8-weight
 columns gather 1, so for them the collective part is an upper bound). The FP8
-columns' ``x_floor`` is against it (``floor["fp8"]``); MFU stays against the bf16 rate, as Megatron reports it.
+columns' ``x_floor`` is against it (``floor["fp8"]``); MFU stays against the bf16 rate, as Megatron reports it. A
+column with attention in FP8 too (TE's ``fp8_dpa``) has the attention FLOPs at the FP8 rate as well
+(``floor["fp8_attention"]``).
 """
 
 from __future__ import annotations
@@ -91,6 +93,11 @@ def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], column
                 floor["fp8"] = with_comm(matmul_ms=(fp8_flops / rates["fp8_matmul_tflops"]
                                                     + (flops - fp8_flops) / rates["matmul_tflops"]) / 1e12 * 1e3)
                 floor["fp8"]["fp8_flops_share"] = fp8_flops / flops
+                attention = flops - 6 * tokens * counts["matmul_params"] / tp  # QK^T and AV
+                fp8_attention = fp8_flops + attention
+                floor["fp8_attention"] = with_comm(matmul_ms=(fp8_attention / rates["fp8_matmul_tflops"] + (
+                    flops - fp8_attention) / rates["matmul_tflops"]) / 1e12 * 1e3)
+                floor["fp8_attention"]["fp8_flops_share"] = fp8_attention / flops
             if tp > 1:
                 floor["tensor_parallel"] = (f"TP {tp} x DP {dp}: FSDP's collectives over the {dp} data-parallel "
                                             "rank(s) of one TP slice; the TP collectives inside the layers are not "
@@ -103,8 +110,8 @@ def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], column
                                                              optimizer_ms=floor["optimizer_ms"],
                                                              moved=r["comm_bytes"], rates=rates)
                 r["x_floor"] = r["step_ms"] / r["floor_bytes"]["floor_ms"]
-            elif floor is not None and r.get("fp8") and "fp8" in floor:
-                r["x_floor"] = r["step_ms"] / floor["fp8"]["floor_ms"]  # against the floor of its own GEMMs
+            elif floor is not None and r.get("fp8") and "fp8" in floor:  # against the floor of its own GEMMs
+                r["x_floor"] = r["step_ms"] / floor["fp8_attention" if r.get("fp8_attention") else "fp8"]["floor_ms"]
             elif floor is not None:
                 r["x_floor"] = r["step_ms"] / floor["floor_ms"]
             if flops is not None:
@@ -189,6 +196,9 @@ def table(args: argparse.Namespace, columns: Dict[str, Dict[str, Any]], skipped:
             lines.append(f"FP8 floor {f8['floor_ms']:.1f} ms (the FP8 columns' x floor): matmul {f8['matmul_ms']:.1f} "
                          f"({f8['fp8_flops_share']:.0%} of the FLOPs, the layers' GEMMs, at the measured FP8 rate; "
                          f"attention and the LM head at the bf16 rate), optimizer {f8['optimizer_ms']:.1f}")
+            fa = floor["fp8_attention"]
+            lines.append(f"FP8 attention floor {fa['floor_ms']:.1f} ms (the columns with FP8 attention): matmul "
+                         f"{fa['matmul_ms']:.1f} ({fa['fp8_flops_share']:.0%} of the FLOPs at the FP8 rate)")
     lines += ["", "| goal | ratio | goal | noise | verdict |", "| --- | --- | --- | --- | --- |"]
     for r in ev["goals"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"

@@ -687,6 +687,7 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
         "counts": counts, "micro_batches": n_micro,
         # which GEMMs run in FP8: TE's recipe, or torchao's float8 (the FP8 floor of _engines_report.assemble)
         "fp8": fp8.name if fp8 is not None else ("torchao-float8" if column == "fsdp2_float8_eager" else None),
+        "fp8_attention": bool(fp8 is not None and fp8.dot_product_attention),
     }
     row["comm_bytes"] = reduce_max(comm_bytes, device)  # [Note: counting a step's bytes]; the largest rank's
     if capture_s is not None:

@@ -171,10 +171,12 @@ def test_fp8_columns_are_measured_against_their_own_floor():
     from _engines_report import assemble
 
     losses = [11.0, 10.9, 10.8]
-    cols = _rows(ours_eager=(1000.0, 80.0, 8e9, losses), ours_fp8_current_eager=(700.0, 78.0, 8e9, losses))
+    cols = _rows(ours_eager=(1000.0, 80.0, 8e9, losses), ours_fp8_current_eager=(700.0, 78.0, 8e9, losses),
+                 ours_fp8_attention_eager=(680.0, 78.0, 8e9, losses))
     for c in cols.values():
         c["counts"]["unit_matmul_params"] = 32 * 218_103_808
     cols["ours_fp8_current_eager"]["fp8"] = "current"
+    cols["ours_fp8_attention_eager"].update(fp8="delayed", fp8_attention=True)
     args = argparse.Namespace(config="llama8b_fp8", micro_batch=1, micro_batches=1, warmup=3, fp8_recipe="current")
     rates = {"matmul_tflops": 800.0, "copy_gbps": 4000.0, "all_gather_gbps": 300.0, "reduce_scatter_gbps": 300.0}
     plain = assemble(args, 4, dict(rates), {c: dict(r) for c, r in cols.items()}, {})
@@ -188,6 +190,14 @@ def test_fp8_columns_are_measured_against_their_own_floor():
     assert f8["matmul_ms"] == pytest.approx((fp8_flops / 1600e12 + (total - fp8_flops) / 800e12) * 1e3)
     assert f8["matmul_ms"] < floor["matmul_ms"] and f8["optimizer_ms"] == floor["optimizer_ms"]
     assert cols["ours_fp8_current_eager"]["x_floor"] == pytest.approx(700.0 / f8["floor_ms"])
+    # attention in FP8 too: its QK^T and AV FLOPs (the model FLOPs beyond 6 x tokens x matmul params) at the FP8 rate
+    fa = res["floor"]["fp8_attention"]
+    attention = total - 6 * 8192 * counts["matmul_params"]
+    assert attention > 0 and fa["matmul_ms"] == pytest.approx(
+        ((fp8_flops + attention) / 1600e12 + (total - fp8_flops - attention) / 800e12) * 1e3)
+    assert fa["floor_ms"] < f8["floor_ms"]
+    assert cols["ours_fp8_attention_eager"]["x_floor"] == pytest.approx(680.0 / fa["floor_ms"])
+    assert "FP8 attention floor" in res["table"]
     assert cols["ours_eager"]["x_floor"] == pytest.approx(1000.0 / floor["floor_ms"])
     assert "FP8 floor" in res["table"]
 
