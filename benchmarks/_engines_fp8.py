@@ -227,8 +227,8 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.fp8_cache_quantized_params:
         if args.config != "llama8b_fp8":
             p.error(f"--fp8-cache-quantized-params with --config {args.config}: the flag is for --config llama8b_fp8")
-        graphed = [c for c in (args.columns or FP8_COLUMNS) if c in ("ours_fp8_partial", "ours_fp8_full",
-                                                                           "ours_fp8_attention_partial")]
+        graphed = [c for c in (args.columns or FP8_COLUMNS)
+                   if c in ("ours_fp8_partial", "ours_fp8_full", "ours_fp8_attention_partial")]
         if graphed:
             p.error(f"--fp8-cache-quantized-params with {graphed}: the bench wires TE's weight cache into the eager "
                     "columns only (the graphed columns would run without it under a record that says it is on); "

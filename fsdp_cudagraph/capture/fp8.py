@@ -73,6 +73,7 @@ first use, so configs and refusals are checkable on CPU.
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -187,15 +188,11 @@ def attention_graph_problem(name: str) -> str:
 
 def attention_deterministic() -> bool:
     """Whether TE's attention must pick deterministic kernels (TE's own test: the environment, or torch's mode)."""
-    import os
-
     return os.getenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1") == "0" or torch.are_deterministic_algorithms_enabled()
 
 
 def check_fp8_attention_runtime(name: str) -> None:
     """:func:`fp8_attention_problems` on this machine's GPU and the cuDNN TE loaded; RuntimeError with each problem."""
-    import os
-
     check_fp8_runtime(name)
     _te.require_te("FP8 attention (dot_product_attention=True)")
     from transformer_engine.pytorch.utils import get_cudnn_version  # pragma: no cover - needs TE
@@ -383,8 +380,9 @@ class FP8Recipe:
             the FP8 copy on the others (TE's ``cache_quantized_params``; [Note: quantized weights across
             micro-batches]); every region then needs ``autocast(first_microbatch=...)``.
         dot_product_attention: attention in FP8 too (TE's ``fp8_dpa``, Megatron-LM's
-            ``--fp8-dot-product-attention``; [Note: FP8 attention]): ``delayed``, or ``current`` where TE runs it;
-            refused for ``block``.
+            ``--fp8-dot-product-attention``; [Note: FP8 attention]): ``delayed``, eager and graphed; ``current``
+            eagerly where TE runs it (refused under per-layer graphs); refused for ``block``. Checked at the first
+            ``autocast()`` and when graphs are built.
 
     Use the same object for the eager autocast and the graph maker ([Note: the FP8 region under graphs]).
     """
