@@ -86,8 +86,8 @@ def cuda_kernels(prof: Any) -> List[Tuple[str, float, float]]:
 def summarize_kernels(kernels: Sequence[Tuple[str, float, float]], steps: int) -> Dict[str, Any]:
     """Per step: kernel milliseconds per category, busy ms (union), the span from first start to last end, idle
     (span - busy), collective time when no other kernel ran (``exposed_collective_ms``: on 2+ GPUs, the
-    communication the step waits for instead of hiding it under compute), and the ten kernels that took
-    longest in all."""
+    communication the step waits for instead of hiding it under compute), the ten kernels that took longest in
+    all, and the five longest of each category."""
     if not kernels or steps < 1:
         raise ValueError(f"{len(kernels)} kernels over {steps} steps: need at least one of each (was the profiler "
                          "given CUDA activity?)")
@@ -115,7 +115,17 @@ def summarize_kernels(kernels: Sequence[Tuple[str, float, float]], steps: int) -
         "collectives": _collective_rows(collectives, compute, steps),
         "matmul_under_collective": _matmul_slowdown(by_cat.get("matmul", []), collectives, steps),
         "top_kernels_ms": [(k[:160], v / steps / 1e3) for k, v in top],
+        # the five longest kernels of each category: what a category's time is made of
+        "top_kernels_by_category_ms": {cat: _top_kernels(ks, steps, 5) for cat, ks in by_cat.items()},
     }
+
+
+def _top_kernels(kernels: List[Tuple[str, float, float]], steps: int, n: int) -> List[Tuple[str, float]]:
+    """The ``n`` kernels of ``kernels`` ((name, start, end) in us) with the most time, in ms a step."""
+    total: Dict[str, float] = {}
+    for name, start, end in kernels:
+        total[name] = total.get(name, 0.0) + (end - start)
+    return [(k[:160], v / steps / 1e3) for k, v in sorted(total.items(), key=lambda kv: -kv[1])[:n]]
 
 
 def _overlap(start: float, end: float, merged: Sequence[Tuple[float, float]]) -> float:

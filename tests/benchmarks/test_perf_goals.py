@@ -239,6 +239,8 @@ def test_profile_busy_time_is_the_union_and_idle_the_rest():
     s = ps.summarize_kernels(kernels, steps=2)
     # per step: matmul 10 us, collective 7 us, optimizer 10 us; busy 22 of a 30 us span
     assert s["category_ms"] == {"matmul": 0.005, "optimizer": 0.005, "collective": 0.0035}
+    assert s["top_kernels_by_category_ms"] == {"matmul": [("nvjet_a", 0.005)], "collective": [("ncclKernel_b", 0.0035)],
+                                               "optimizer": [("fused_adam", 0.005)]}
     assert (s["busy_ms"], s["span_ms"], s["idle_ms"]) == (0.011, 0.015, 0.004)
     # the collective ran 5..12, the matmul until 10: 2 us of it (1 us per step) hid under nothing
     assert s["exposed_collective_ms"] == 0.001
