@@ -130,12 +130,19 @@ def reduce_grads(unit: Unit, grads: List[Optional[torch.Tensor]], written: Optio
         work = C.all_reduce(flat, unit.group, f"gradients of unit {unit.name}", average=unit.reduce_average)
         out, adopt = flat, False
     else:
+        # [Note: no collective at one rank]: the reduce-scatter of one rank is a copy of the buffer, which the
+        # result can read in place wherever it is folded into a main gradient rather than kept as one (not under
+        # HSDP: the all-reduce across replicas runs on the reduced shard while the buffer's slot is reused)
+        in_place = C.is_one_rank(unit.group) and not eng.hsdp.hybrid and flat.shape == unit.main_shard.shape
         if eng.reduce_dtype != eng.main_grad_dtype:
             # [Note: reducing in another dtype] The buffer and the collective are in reduce_dtype (e.g. bf16);
             # the reduced shard lands in a reduce_dtype tensor of its own, and retire() casts it into the fp32
             # main gradient: a new one, the kept one (graphs), or added into the bound one (micro-batches), so
             # that accumulation and the optimizer stay in main_grad_dtype.
-            out, adopt = torch.empty_like(unit.main_shard, dtype=eng.reduce_dtype), False
+            out = flat if in_place else torch.empty_like(unit.main_shard, dtype=eng.reduce_dtype)
+            adopt = False
+        elif in_place and accumulate:  # added into the bound main gradient from the buffer itself
+            out, adopt = flat, False
         else:
             kept = unit._main_grad_data if unit._main_grad_kept is not None else None
             out = torch.empty_like(unit.main_shard, dtype=eng.main_grad_dtype) if accumulate or kept is None else kept

@@ -8,7 +8,9 @@ skips its all-reduces and broadcasts: no call reaches torch.distributed. Must ho
   parameters and the state dict are ``torch.equal`` to the same run with the collectives forced on (the code of
   before);
 - HSDP as 2 x 1 (shard groups of one rank): no all-gather or reduce-scatter is issued, the all-reduce across
-  the replicas still is, and the result equals the same run with the collectives forced on.
+  the replicas still is, and the result equals the same run with the collectives forced on;
+- a gradient reduce-scatter whose result is added into the main gradient (the second micro-batch) copies nothing:
+  the fold reads the gradient buffer in place; the first micro-batch's, which becomes the main gradient, copies.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ pytestmark = pytest.mark.gloo
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 MODEL = dict(vocab_size=64, hidden_size=32, num_layers=2, seq_len=16, moe_every=0)
 STEPS = 4
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 
 
 @contextlib.contextmanager
@@ -37,7 +40,8 @@ def _collectives_counted(forced: bool) -> Iterator[Dict[str, int]]:
     is treated as having several ranks (the collectives of before). Everything is put back on exit."""
     from megatron_fsdp import _collectives as C
 
-    counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "broadcast": 0}
+    counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "broadcast": 0, "local_reduce_scatters": 0,
+              "local_reduce_scatter_copies": 0}
 
     def counting(name, fn):
         def wrapped(*args, **kwargs):
@@ -45,18 +49,27 @@ def _collectives_counted(forced: bool) -> Iterator[Dict[str, int]]:
             return fn(*args, **kwargs)
         return wrapped
 
+    def local_reduce_scatter(output, full, *args, **kwargs):  # one rank: a copy unless the output is the input
+        counts["local_reduce_scatters"] += 1
+        counts["local_reduce_scatter_copies"] += int(output.data_ptr() != full.data_ptr())
+        return saved[-1](output, full, *args, **kwargs)
+
     # C.dist is torch.distributed itself: its all_reduce and broadcast are wrapped in place
-    saved = (C._one_rank, C._all_gather_single, C._reduce_scatter_single, dist.all_reduce, dist.broadcast)
+    saved = (C._one_rank, C._all_gather_single, C._reduce_scatter_single, dist.all_reduce, dist.broadcast,
+             C.reduce_scatter)
     if forced:
         C._one_rank = lambda group: False
     C._all_gather_single = counting("all_gather", C._all_gather_single)
     C._reduce_scatter_single = counting("reduce_scatter", C._reduce_scatter_single)
     dist.all_reduce = counting("all_reduce", dist.all_reduce)
     dist.broadcast = counting("broadcast", dist.broadcast)
+    if not forced:
+        C.reduce_scatter = local_reduce_scatter
     try:
         yield counts
     finally:
-        C._one_rank, C._all_gather_single, C._reduce_scatter_single, dist.all_reduce, dist.broadcast = saved
+        (C._one_rank, C._all_gather_single, C._reduce_scatter_single, dist.all_reduce, dist.broadcast,
+         C.reduce_scatter) = saved
 
 
 def _train(rank: int, world: int, strategy: str, dtype: torch.dtype, forced: bool, graphed: bool,
@@ -126,9 +139,20 @@ def _same(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
 def test_one_rank_issues_no_collective_and_trains_the_same_bits(one_rank):
     for key, runs in one_rank.items():
         mine, forced = runs[False], runs[True]
-        assert sum(mine["counts"].values()) == 0, (key, mine["counts"])
+        assert sum(mine["counts"][k] for k in COLLECTIVES) == 0, (key, mine["counts"])
         assert forced["counts"]["all_gather"] + forced["counts"]["all_reduce"] > 0, (key, forced["counts"])
         assert _same(mine, forced) == [], (key, _same(mine, forced))
+
+
+def test_one_rank_folds_accumulated_gradients_from_the_buffer(one_rank):
+    """Two micro-batches a step: the first's reduce-scatter makes the main gradient (a copy), the second's is added
+    into it from the gradient buffer itself (no copy), for both sharded strategies; the bits as above."""
+    for key, runs in one_rank.items():
+        if key.split("/")[0] not in ("optim_grads", "optim_grads_params"):
+            continue
+        counts = runs[False]["counts"]
+        assert counts["local_reduce_scatters"] > 0 and counts["local_reduce_scatters"] % (2 * STEPS) == 0, (key, counts)
+        assert counts["local_reduce_scatter_copies"] * 2 == counts["local_reduce_scatters"], (key, counts)
 
 
 def _hsdp_2x1(rank: int, world: int) -> Dict[str, Any]:
