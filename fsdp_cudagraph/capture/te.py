@@ -3,15 +3,24 @@
 Everything in the package that needs TE asks this module instead of importing TE itself, so that the
 absence of TE is discovered in one place and explained with one reason string (which tests reuse in their
 skip messages).
+
+[Note: two cuDNNs in one process]
+cuDNN's loader opens its parts (``libcudnn_graph``, ``libcudnn_engines_*``, ...) by name from the library path. On
+a machine with a system cuDNN beside torch's pip one, importing TE left the system's parts (9.14) beside torch's
+``libcudnn.so.9`` (9.19): TE then ran 9.14, and torch raised "cuDNN version incompatibility" whenever it asked for
+its cuDNN (2026-11-29, H200). Nothing fails at import, so the probe asks torch once TE is in and warns with the fix:
+torch's cuDNN directory first on ``LD_LIBRARY_PATH`` before Python starts (TE's ``CUDNN_PATH`` did not help).
+docs/fp8.md, "Which cuDNN runs".
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 from packaging.version import Version
 
-__all__ = ["HAS_TE", "TE_REASON", "TE_VERSION", "MIN_TE_VERSION", "require_te", "te_pytorch"]
+__all__ = ["HAS_TE", "TE_REASON", "TE_VERSION", "MIN_TE_VERSION", "require_te", "te_pytorch", "cudnn_mismatch"]
 
 #: Oldest TE whose ``make_graphed_callables`` accepts ``capture_time_hooks``.
 MIN_TE_VERSION = Version("2.19")
@@ -39,6 +48,30 @@ except Exception as exc:  # ImportError, or a TE build that fails to load its li
         f"TransformerEngine is not importable ({type(exc).__name__}: {exc}); "
         "install it with: pip install 'fsdp-cudagraph[te]'"
     )
+
+
+def cudnn_mismatch() -> Optional[str]:
+    """torch's complaint about the cuDNN in this process ([Note: two cuDNNs in one process]) with the fix, or None
+    when torch accepts it (or has none to check)."""
+    import torch
+
+    try:
+        torch.backends.cudnn.version()
+    except RuntimeError as exc:
+        text = str(exc)
+        if "cuDNN version incompatibility" not in text:
+            return None
+        return (f"{text.split('. ')[0]}: this process holds parts of two cuDNNs (TE's import loads the ones it finds "
+                "on the library path); put torch's cuDNN first on LD_LIBRARY_PATH before Python starts: export "
+                "LD_LIBRARY_PATH=$(python -c \"import os, nvidia.cudnn; print(os.path.join(list(nvidia.cudnn.__path__)"
+                "[0], 'lib'))\"):$LD_LIBRARY_PATH (docs/fp8.md, 'Which cuDNN runs')")
+    return None
+
+
+if HAS_TE:  # pragma: no cover - depends on the machine
+    _mismatch = cudnn_mismatch()
+    if _mismatch:
+        warnings.warn(f"fsdp_cudagraph: {_mismatch}", RuntimeWarning, stacklevel=2)
 
 
 def require_te(what: str) -> Any:

@@ -613,3 +613,27 @@ def _fsdp2_with_fp8(rank: int, world: int) -> str:
 def test_fp8_under_an_engine_it_has_not_run_with_is_refused():
     (msg,) = run_gloo(_fsdp2_with_fp8, 1)
     assert "under torch FSDP2 is not supported yet" in msg and "megatron_fsdp" in msg, msg
+
+
+def test_two_cudnns_in_one_process_are_named_with_the_fix(monkeypatch):
+    """[Note: two cuDNNs in one process]: torch's mismatch error becomes one line with the library-path fix; other
+    errors and an accepted cuDNN say nothing."""
+    from fsdp_cudagraph.capture import te as te_mod
+
+    def mismatch():
+        raise RuntimeError("cuDNN version incompatibility: PyTorch was compiled  against (9, 19, 0) but found runtime "
+                           "version (9, 14, 0). PyTorch already comes bundled with cuDNN.")
+
+    monkeypatch.setattr(torch.backends.cudnn, "version", mismatch)
+    said = te_mod.cudnn_mismatch()
+    assert said.startswith("cuDNN version incompatibility: PyTorch was compiled  against (9, 19, 0) but found runtime "
+                           "version (9, 14, 0): this process holds parts of two cuDNNs")
+    assert "LD_LIBRARY_PATH" in said and "nvidia.cudnn" in said
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    assert te_mod.cudnn_mismatch() is None
+
+    def other():
+        raise RuntimeError("cuDNN version 91100 is not compatible with devices with SM < 7.5")
+
+    monkeypatch.setattr(torch.backends.cudnn, "version", other)
+    assert te_mod.cudnn_mismatch() is None
