@@ -94,6 +94,15 @@ def run_entry(cmd: Sequence[str], *, env: Optional[dict] = None, timeout: Option
     raise AssertionError("unreachable")
 
 
+def graphed_rows(result: dict) -> tuple:
+    """(the graphed runs that a "graphed == eager" row compares, every graphed run) of an alignment script's result
+    (``tests/gpu/scripts/ep_align.py``): equal when every graphed run has its row. Other "==" rows compare eager
+    layouts (expert groups against one group) and are not counted."""
+    compared = {r["row"].split(" == ")[0] for r in result["rows"] if " == " in r["row"]}
+    return ({n for n in compared if n.endswith("/graphed")},
+            {n for n in result["runs"] if n.endswith("/graphed")})
+
+
 def run_json(cmd: Sequence[str], out: str, *, name: str = "", tail: int = 6000) -> dict:
     """Run ``cmd --out <out>`` from the repository root; keep the JSON; fail with the output's tail on a non-zero
     exit; return the JSON."""

@@ -13,7 +13,7 @@ import torch
 
 from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON
 from fsdp_cudagraph.apps.align import matrix
-from tests.gpu_utils import NO_GPU, ROOT, gpu_env, keep, launcher, run_json
+from tests.gpu_utils import NO_GPU, ROOT, gpu_env, graphed_rows, keep, launcher, run_json
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
 
@@ -145,10 +145,8 @@ def test_expert_parallel_nccl(tmp_path, nproc):
     script = os.path.join(ROOT, "tests", "gpu", "scripts", "ep_align.py")
     res = run_json(launcher(nproc, [script]), tmp_path / "ep.json", name=f"ep-align-{nproc}gpu.json", tail=4000)
     assert res["ok"] and res["world_size"] == nproc and not res["errors"], res
-    # every graphed run has its row (the other "==" rows compare eager layouts, e.g. expert groups against one group)
-    graphed = {r["row"].split(" == ")[0] for r in res["rows"] if " == " in r["row"]}
-    graphed = {n for n in graphed if n.endswith("/graphed")}
-    assert graphed == {n for n in res["runs"] if n.endswith("/graphed")}, res["rows"]
+    graphed, runs = graphed_rows(res)
+    assert graphed == runs, res["rows"]  # every graphed run has its row
     assert any(n.endswith("/te/graphed") for n in graphed) == HAS_TE, sorted(graphed)
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.gpu_utils import ROOT, gpu_env, launcher, run_json
+from tests.gpu_utils import ROOT, gpu_env, graphed_rows, launcher, run_json
 
 SCRIPT = os.path.join(ROOT, "tests", "gpu", "scripts", "dcp_worlds.py")
 
@@ -49,6 +49,8 @@ def test_ep_align_script_on_gloo(tmp_path):
     assert result["ok"] and result["world_size"] == 2 and not result["errors"], result
     assert [r["row"] for r in result["rows"]] == ["ep2/graphed == ep2", "ep2/groups/graphed == ep2/groups",
                                                   "ep2/groups == ep2", "ep2 ~ ref"], result["rows"]
+    graphed, runs = graphed_rows(result)  # the GPU test's check (tests/gpu/test_alignment.py)
+    assert graphed == runs == {"ep2/graphed", "ep2/groups/graphed"}, (graphed, runs)
     assert len(result["controls"]) == 3 and all(c["caught"] for c in result["controls"]), result["controls"]
 
 
