@@ -45,7 +45,8 @@
 #                   GPTModel with TP under ours (mcore_gpt.py --only-tp; PYTHONPATH=/tmp/site)  -> tp-*.json
 #   fp8             FP8 with TE (needs TE): apps.align --rows FP8 and full_iteration_align --fp8-only on 1 GPU and
 #                   NPROC, the FP8 all-gather rows (tests/gpu/scripts/fp8_gather.py) on 1 and NPROC, and
-#                   benchmarks/fp8_numerics.py (every recipe beside bf16, FP8_STEPS=300) on 1 GPU
+#                   benchmarks/fp8_numerics.py (every recipe and delayed with FP8 attention beside bf16,
+#                   FP8_STEPS=300) on 1 GPU
 #                                                     -> fp8-align-*.json, fp8-fi-*.json, fp8-gather-*.json, fp8-numerics-1gpu.json
 #   hsdp            hybrid sharding on NPROC as (NPROC/2) x 2 or 2 x 1: bench_hsdp.py --align (flat vs HSDP, both
 #                   engines, eager vs partial graphs bit for bit, bytes across the slow dimension) and the
