@@ -73,6 +73,17 @@ def local_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, cf
     return local
 
 
+def eager_losses(forward_step: Any, model: nn.Module, micro_batches: Any) -> torch.Tensor:
+    """The eager reference of one step's forwards and backwards: ``forward_step(model, x, y)`` and its backward for
+    each ``(x, y)``; the micro-batches' losses, stacked. The optimizer step is the caller's."""
+    per = []
+    for x, y in micro_batches:
+        loss = forward_step(model, x, y)
+        loss.backward()
+        per.append(loss.detach())
+    return torch.stack(per)
+
+
 def global_loss(local: torch.Tensor, world: int) -> float:
     """Mean of the ranks' losses: the loss of the whole global batch (every rank has as many rows)."""
     total = local.clone()

@@ -39,7 +39,7 @@ from torch import nn
 from megatron_fsdp import _collectives, _fp8, fully_shard
 from megatron_fsdp._unit import FSDPUnit
 from tests.dist_utils import run_gloo
-from tests.engine._common import RTOL
+from tests.engine._common import RTOL, eager_losses
 from tests.engine import _fp8_net
 from tests.engine._fp8_net import Block, Net, StandInOps
 
@@ -390,12 +390,7 @@ def _whole_step_job(rank: int, world: int) -> Dict[str, Any]:
                     losses.append(g.step(micro))
                     g.optimizer_step(opt)
                 else:
-                    per = []
-                    for x, y in micro:
-                        loss = forward_step(model, x, y)
-                        loss.backward()
-                        per.append(loss.detach())
-                    losses.append(torch.stack(per))
+                    losses.append(eager_losses(forward_step, model, micro))
                     opt.step()
                 opt.zero_grad()
             out["graphed" if graphed else "eager"] = {"losses": losses, "state": model.full_state_dict(),

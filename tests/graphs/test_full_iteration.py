@@ -35,6 +35,7 @@ from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn,
 from megatron_fsdp import CaptureGuardMode, capture_guard, fully_shard, is_capturing, simulated_capture
 from megatron_fsdp._common import capture_guard_mode, check_not_capturing
 from tests.dist_utils import run_gloo
+from tests.engine._common import eager_losses
 
 CPU = torch.device("cpu")
 WORLD = 2
@@ -262,16 +263,11 @@ def _eager_run(strategy: str, rank: int, *, seq_at: Dict[int, int] = {}, eval_at
         if step in eval_at:
             with torch.no_grad():
                 evals.append(tuple(_forward_step(model, x, y) for x, y in _micro_batches(cfg, 100, rank)))
-        per = []
-        for x, y in _micro_batches(cfg, step, rank, seq_at.get(step, 0)):
-            loss = _forward_step(model, x, y)
-            loss.backward()
-            per.append(loss.detach())
+        losses.append(eager_losses(_forward_step, model, _micro_batches(cfg, step, rank, seq_at.get(step, 0))))
         if max_norm is not None:
             norms.append(model.clip_grad_norm_(max_norm))
         opt.step()
         opt.zero_grad()
-        losses.append(torch.stack(per))
     return losses, evals, model.full_state_dict(), norms
 
 
@@ -287,12 +283,7 @@ def _graphed_run(strategy: str, rank: int, *, graph_optimizer: bool, seq_at: Dic
             evals.append(g.evaluate(_micro_batches(cfg, 100, rank)))
         batches = _micro_batches(cfg, step, rank, seq_at.get(step, 0))
         if g.deleted:  # after delete(): the model trains eagerly, as without graphs
-            per = []
-            for x, y in batches:
-                loss = _forward_step(model, x, y)
-                loss.backward()
-                per.append(loss.detach())
-            losses.append(torch.stack(per))
+            losses.append(eager_losses(_forward_step, model, batches))
             opt.step()
         else:
             log: List[str] = []
