@@ -139,12 +139,12 @@ def not_applicable(column: str, device: torch.device, args: argparse.Namespace) 
             return "FP8 runs in TransformerEngine's layers and TransformerEngine is not importable here"
         if args.layers_impl != "te":
             return f"FP8 runs in TE's layers; this run has --layers-impl {args.layers_impl}"
-        from fsdp_cudagraph.capture.fp8 import check_fp8_attention_runtime, check_fp8_device
+        from fsdp_cudagraph.capture.fp8 import check_fp8_device, check_fp8_runtime
 
         try:
             check_fp8_device(name, torch.cuda.get_device_capability(device), torch.version.cuda)
             if column in FP8_ATTENTION:  # the GPU and the cuDNN TE loaded ([Note: FP8 attention])
-                check_fp8_attention_runtime(name)
+                check_fp8_runtime(name, dot_product_attention=True)
         except Exception as exc:  # noqa: BLE001 - the library's refusal names the device and the rule
             return str(exc)
     if column == "fsdp2_float8_eager":

@@ -552,10 +552,8 @@ class CudaGraphConfig:
             raise ImportError(f"cuda_graph_impl='transformer_engine' needs TransformerEngine >= "
                               f"{_te.MIN_TE_VERSION}: {_te.TE_REASON}; install it with pip install "
                               "'fsdp-cudagraph[te]' or use cuda_graph_impl='local'")
-        if self.fp8_recipe is not None and self.fp8_dot_product_attention:
-            _fp8.check_fp8_attention_runtime(self.fp8_recipe)
-        elif self.fp8_recipe is not None:
-            _fp8.check_fp8_runtime(self.fp8_recipe)
+        if self.fp8_recipe is not None:
+            _fp8.check_fp8_runtime(self.fp8_recipe, dot_product_attention=self.fp8_dot_product_attention)
 
 
 def _argtype(parse: Any) -> Any:

@@ -136,9 +136,9 @@ def reduce_grads(unit: Unit, grads: List[Optional[torch.Tensor]], written: Optio
         in_place = C.is_one_rank(unit.group) and not eng.hsdp.hybrid and flat.shape == unit.main_shard.shape
         if eng.reduce_dtype != eng.main_grad_dtype:
             # [Note: reducing in another dtype] The buffer and the collective are in reduce_dtype (e.g. bf16);
-            # the reduced shard lands in a reduce_dtype tensor of its own, and retire() casts it into the fp32
-            # main gradient: a new one, the kept one (graphs), or added into the bound one (micro-batches), so
-            # that accumulation and the optimizer stay in main_grad_dtype.
+            # the reduced shard lands in a reduce_dtype tensor of its own (at one rank: the buffer itself, above),
+            # and retire() casts it into the fp32 main gradient: a new one, the kept one (graphs), or added into
+            # the bound one (micro-batches), so that accumulation and the optimizer stay in main_grad_dtype.
             out = flat if in_place else torch.empty_like(unit.main_shard, dtype=eng.reduce_dtype)
             adopt = False
         elif in_place and accumulate:  # added into the bound main gradient from the buffer itself

@@ -83,7 +83,7 @@ from torch import nn
 from fsdp_cudagraph.capture import te as _te
 
 __all__ = ["FP8_RECIPES", "FP8Recipe", "parse_fp8_recipe", "config_problems", "check_fp8_device", "fp8_shape_problem",
-           "fp8_attention_problems", "check_fp8_attention_runtime",
+           "fp8_attention_problems", "check_fp8_runtime",
            "is_first_microbatch", "te_call_kwargs", "te_autocast_active", "delayed_scaling_modules",
            "quantized_weight_probe", "reset_scaling_state"]
 
@@ -135,12 +135,23 @@ def check_fp8_device(name: str, capability: Tuple[int, int], cuda_version: Optio
             f"GEMMs, torch runs CUDA {cuda_version}; use a newer CUDA build of torch, or fp8_recipe='current'")
 
 
-def check_fp8_runtime(name: str) -> None:
-    """:func:`check_fp8_device` on this machine's current GPU; RuntimeError without one."""
+def check_fp8_runtime(name: str, *, dot_product_attention: bool = False) -> None:
+    """:func:`check_fp8_device` on this machine's current GPU; RuntimeError without one. With
+    ``dot_product_attention`` also :func:`fp8_attention_problems` with the cuDNN TE loaded, each problem named."""
     if not torch.cuda.is_available():
         raise RuntimeError(f"fp8_recipe={name!r} needs a CUDA GPU (TransformerEngine's FP8 kernels), but "
                            "torch.cuda.is_available() is False; run on a GPU machine or drop fp8_recipe")
     check_fp8_device(name, torch.cuda.get_device_capability(), torch.version.cuda)
+    if not dot_product_attention:
+        return
+    _te.require_te("FP8 attention (dot_product_attention=True)")
+    from transformer_engine.pytorch.utils import get_cudnn_version  # pragma: no cover - needs TE
+
+    problems = fp8_attention_problems(  # pragma: no cover - needs TE
+        name, torch.cuda.get_device_capability(), tuple(get_cudnn_version()),
+        deterministic=attention_deterministic(), dpa_recipe=os.getenv("NVTE_DPA_FP8_RECIPE", ""))
+    if problems:  # pragma: no cover - needs TE
+        raise RuntimeError("; ".join(problems))
 
 
 def _no_block_attention(given: str) -> str:
@@ -189,19 +200,6 @@ def attention_graph_problem(name: str) -> str:
 def attention_deterministic() -> bool:
     """Whether TE's attention must pick deterministic kernels (TE's own test: the environment, or torch's mode)."""
     return os.getenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1") == "0" or torch.are_deterministic_algorithms_enabled()
-
-
-def check_fp8_attention_runtime(name: str) -> None:
-    """:func:`fp8_attention_problems` on this machine's GPU and the cuDNN TE loaded; RuntimeError with each problem."""
-    check_fp8_runtime(name)
-    _te.require_te("FP8 attention (dot_product_attention=True)")
-    from transformer_engine.pytorch.utils import get_cudnn_version  # pragma: no cover - needs TE
-
-    problems = fp8_attention_problems(  # pragma: no cover - needs TE
-        name, torch.cuda.get_device_capability(), tuple(get_cudnn_version()),
-        deterministic=attention_deterministic(), dpa_recipe=os.getenv("NVTE_DPA_FP8_RECIPE", ""))
-    if problems:  # pragma: no cover - needs TE
-        raise RuntimeError("; ".join(problems))
 
 
 def fp8_shape_problem(what: str, shape: Sequence[int]) -> Optional[str]:
@@ -419,11 +417,8 @@ class FP8Recipe:
 
     def check_runtime(self) -> None:
         """Refuse this recipe on a machine whose GPU, CUDA or cuDNN cannot run it (:func:`check_fp8_device`;
-        with FP8 attention :func:`check_fp8_attention_runtime`)."""
-        if self.dot_product_attention:
-            check_fp8_attention_runtime(self.name)
-        else:
-            check_fp8_runtime(self.name)
+        with FP8 attention the cuDNN TE loaded too: :func:`check_fp8_runtime`)."""
+        check_fp8_runtime(self.name, dot_product_attention=self.dot_product_attention)
 
     @contextlib.contextmanager
     def autocast(self, *, first_microbatch: Optional[bool] = None) -> Iterator[None]:
