@@ -87,20 +87,16 @@ def parse_run(name: str) -> tuple:
     return recipe, extra == "attention"
 
 
-def train_curve(cfg: GPTConfig, recipe: Optional[str], *, steps: int, micro_batch_size: int, table: torch.Tensor,
+def train_curve(cfg: GPTConfig, fp8: Any, *, steps: int, micro_batch_size: int, table: torch.Tensor,
                 lr: float, seed: int, device: torch.device, scope: Optional[List[str]], backend: str) -> List[float]:
-    """One run; the step losses (mean over ranks)."""
-    from fsdp_cudagraph import FP8Recipe, PartialCudaGraphs
+    """One run (``fp8``: its ``FP8Recipe``, or None for bf16); the step losses (mean over ranks)."""
+    from fsdp_cudagraph import PartialCudaGraphs
     from fsdp_cudagraph.apps.train import RunSpec, build_model, graph_config, make_adam
 
     spec = RunSpec(model=cfg, steps=steps, micro_batch_size=micro_batch_size, cuda_graph_modules=scope,
                    backend=backend, lr=lr, seed=seed)
     model = build_model(spec, device)
     opt = make_adam(model.optimizer_parameters(), "adam_fused" if device.type == "cuda" else "adam", lr=lr)
-    fp8 = None
-    if recipe is not None:
-        name, attention = parse_run(recipe)
-        fp8 = FP8Recipe(name, dot_product_attention=attention)
     graphs = (PartialCudaGraphs(model, graph_config(spec), backend=backend, fp8=fp8)
               if scope is not None else None)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -146,13 +142,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="CPU, Gloo: the bf16 curve of a tiny model for a few "
                    "steps (the data, loop and record; FP8 needs TE on a GPU)")
     args = p.parse_args(argv)
-    for r in args.recipes:
-        try:
-            parse_run(r)
-        except ValueError as exc:
-            p.error(str(exc))
+    try:
+        parsed = {r: parse_run(r) for r in args.recipes}
+    except ValueError as exc:
+        p.error(str(exc))
     if args.cpu_smoke:
-        args.steps, args.recipes, args.hidden, args.layers, args.heads, args.seq, args.vocab = 6, [], 32, 2, 2, 16, 64
+        args.steps, args.hidden, args.layers, args.heads, args.seq, args.vocab = 6, 32, 2, 2, 16, 64
+        args.recipes, parsed = [], {}
         args.micro_batch_size, args.tail = 2, 3
     elif not torch.cuda.is_available():
         raise SystemExit("fp8_numerics.py: FP8 runs on a CUDA GPU with TransformerEngine (Hopper or newer for block "
@@ -170,21 +166,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     backend = "te" if use_te else "protocol"
     from fsdp_cudagraph import FP8Recipe
 
+    runs: Dict[str, Any] = {"bf16": None}  # run name -> its FP8Recipe (None: bf16)
     skipped = {}  # a recipe this machine cannot run, with the library's refusal (the other runs go on)
-    for r in args.recipes:
-        name, attention = parse_run(r)
+    for r, (name, attention) in parsed.items():
         try:
-            FP8Recipe(name, dot_product_attention=attention).check_runtime()
+            fp8 = FP8Recipe(name, dot_product_attention=attention)
+            fp8.check_runtime()
+            runs[r] = fp8
         except (RuntimeError, ImportError, ValueError) as exc:
             skipped[r] = str(exc)
             if dist.get_rank() == 0:
                 print(f"{r:18s} skipped: {exc}", flush=True)
     args.recipes = [r for r in args.recipes if r not in skipped]
-    runs = {"bf16": None, **{r: r for r in args.recipes}}
     curves: Dict[str, List[float]] = {}
-    for name, recipe in runs.items():
-        run_cfg = GPTConfig(**{**cfg.__dict__, "fp8": recipe and parse_run(recipe)[0]})
-        curves[name] = train_curve(run_cfg, recipe, steps=args.steps, micro_batch_size=args.micro_batch_size,
+    for name, fp8 in runs.items():
+        run_cfg = GPTConfig(**{**cfg.__dict__, "fp8": fp8.name if fp8 is not None else None})
+        curves[name] = train_curve(run_cfg, fp8, steps=args.steps, micro_batch_size=args.micro_batch_size,
                                    table=table, lr=args.lr, seed=args.seed, device=device, scope=args.scope,
                                    backend=backend)
         if dist.get_rank() == 0:
