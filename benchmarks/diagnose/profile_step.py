@@ -36,12 +36,14 @@ import torch  # noqa: E402
 #: (category, pattern over the kernel name); the first match wins, anything else is ``elementwise/other``.
 CATEGORIES: Sequence[Tuple[str, str]] = (
     ("collective", r"nccl"),
-    ("attention", r"fmha|flash|sdpa|fused_attn|fort_native|cudnn_generated|attn"),
+    # TE's unfused attention (``scaled_masked_softmax``, ``scaled_upper_triang_masked_softmax``, ...: the backend TE
+    # falls back to when no fused one runs) is attention, not the loss
+    ("attention", r"fmha|flash|sdpa|fused_attn|fort_native|cudnn_generated|attn|scaled_\w*softmax"),
     ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|wgmma|s\d+_.*_tn|s\d+_.*_nt"),
     ("optimizer", r"adam|FusedOptimizer"),
     ("foreach", r"multi_tensor_apply"),
     ("norm", r"layer_?norm|rms_?norm|ln_fwd|ln_bwd|welford"),
-    ("loss", r"cross_entropy|log_softmax|nll_loss|softmax_warp"),
+    ("loss", r"cross_entropy|log_?softmax|nll_loss|softmax_warp"),  # torch's log-softmax: cunn_SoftMax*<LogSoftMax*>
     ("zero/fill", r"fill|memset|zero"),
     ("copy/cast", r"copy|cast|memcpy|convert|transpose"),
 )
@@ -49,8 +51,14 @@ _COMPILED = [(name, re.compile(pat, re.IGNORECASE)) for name, pat in CATEGORIES]
 OTHER = "elementwise/other"
 
 
+#: Template arguments that name how an elementwise kernel loads and stores (a mixed-dtype ``add_`` is
+#: ``unrolled_elementwise_kernel<CUDAFunctor_add<float>, ..., LoadWithCast<2>, StoreWithCast<1>>``): not a cast.
+_IO_ONLY = re.compile(r"(Load|Store)WithCast")
+
+
 def categorize(kernel: str) -> str:
     """The category of a CUDA kernel (or memcpy/memset) by its name."""
+    kernel = _IO_ONLY.sub("", kernel)
     for name, pat in _COMPILED:
         if pat.search(kernel):
             return name

@@ -145,10 +145,8 @@ def check_fp8_runtime(name: str, *, dot_product_attention: bool = False) -> None
     if not dot_product_attention:
         return
     _te.require_te("FP8 attention (dot_product_attention=True)")
-    from transformer_engine.pytorch.utils import get_cudnn_version  # pragma: no cover - needs TE
-
     problems = fp8_attention_problems(  # pragma: no cover - needs TE
-        name, torch.cuda.get_device_capability(), tuple(get_cudnn_version()),
+        name, torch.cuda.get_device_capability(), _te.te_cudnn_version(),
         deterministic=attention_deterministic(), dpa_recipe=os.getenv("NVTE_DPA_FP8_RECIPE", ""))
     if problems:  # pragma: no cover - needs TE
         raise RuntimeError("; ".join(problems))

@@ -8,7 +8,9 @@ skip messages).
 cuDNN's loader opens its parts (``libcudnn_graph``, ``libcudnn_engines_*``, ...) by name from the library path. On
 a machine with a system cuDNN beside torch's pip one, importing TE left the system's parts (9.14) beside torch's
 ``libcudnn.so.9`` (9.19): TE then ran 9.14, and torch raised "cuDNN version incompatibility" whenever it asked for
-its cuDNN (2026-11-29, H200). Nothing fails at import, so the probe asks torch once TE is in and warns with the fix:
+its cuDNN (2026-11-29, H200); another time torch reported its own 9.19 while TE ran 9.14 and fell back to its
+unfused attention (the same day and machine kind). Nothing fails at import, so the probe asks torch, and compares
+TE's cuDNN with torch's, once TE is in, and warns with the fix:
 torch's cuDNN directory first on ``LD_LIBRARY_PATH`` before Python starts (TE's ``CUDNN_PATH`` did not help).
 docs/fp8.md, "Which cuDNN runs".
 """
@@ -16,11 +18,12 @@ docs/fp8.md, "Which cuDNN runs".
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Tuple
 
 from packaging.version import Version
 
-__all__ = ["HAS_TE", "TE_REASON", "TE_VERSION", "MIN_TE_VERSION", "require_te", "te_pytorch", "cudnn_mismatch"]
+__all__ = ["HAS_TE", "TE_REASON", "TE_VERSION", "MIN_TE_VERSION", "require_te", "te_pytorch", "cudnn_mismatch",
+           "te_cudnn_version"]
 
 #: Oldest TE whose ``make_graphed_callables`` accepts ``capture_time_hooks``.
 MIN_TE_VERSION = Version("2.19")
@@ -50,22 +53,47 @@ except Exception as exc:  # ImportError, or a TE build that fails to load its li
     )
 
 
-def cudnn_mismatch() -> Optional[str]:
-    """torch's complaint about the cuDNN in this process ([Note: two cuDNNs in one process]) with the fix, or None
-    when torch accepts it (or has none to check)."""
+_FIX = ("put torch's cuDNN first on LD_LIBRARY_PATH before Python starts: export "
+        "LD_LIBRARY_PATH=$(python -c \"import os, nvidia.cudnn; print(os.path.join(list(nvidia.cudnn.__path__)"
+        "[0], 'lib'))\"):$LD_LIBRARY_PATH (docs/fp8.md, 'Which cuDNN runs')")
+
+
+def te_cudnn_version() -> Optional[Tuple[int, ...]]:
+    """The cuDNN version TE runs (``transformer_engine.pytorch.utils.get_cudnn_version``), or None without TE."""
+    if not HAS_TE:
+        return None
+    from transformer_engine.pytorch.utils import get_cudnn_version  # pragma: no cover - needs TE
+
+    return tuple(int(v) for v in get_cudnn_version())  # pragma: no cover - needs TE
+
+
+def cudnn_mismatch(te_cudnn: Optional[Sequence[int]] = None) -> Optional[str]:
+    """What is wrong with the cuDNN in this process ([Note: two cuDNNs in one process]) with the fix, or None.
+
+    Two ways were seen on one machine: torch raises its version incompatibility (its ``libcudnn.so.9`` beside
+    another cuDNN's parts), or torch reports its own version while TE runs another (``te_cudnn``: TE's, asked of
+    TE when not given); in the second case TE's attention ran its unfused softmax kernels, without a word, at
+    1.8 s a step where the fused attention takes about 1 s (H200, 2026-11-29, the 8B-shaped bench).
+    """
     import torch
 
     try:
-        torch.backends.cudnn.version()
+        ours = torch.backends.cudnn.version()
     except RuntimeError as exc:
         text = str(exc)
         if "cuDNN version incompatibility" not in text:
             return None
         return (f"{text.split('. ')[0]}: this process holds parts of two cuDNNs (TE's import loads the ones it finds "
-                "on the library path); put torch's cuDNN first on LD_LIBRARY_PATH before Python starts: export "
-                "LD_LIBRARY_PATH=$(python -c \"import os, nvidia.cudnn; print(os.path.join(list(nvidia.cudnn.__path__)"
-                "[0], 'lib'))\"):$LD_LIBRARY_PATH (docs/fp8.md, 'Which cuDNN runs')")
-    return None
+                f"on the library path); {_FIX}")
+    te_cudnn = te_cudnn if te_cudnn is not None else te_cudnn_version()
+    if ours is None or te_cudnn is None:
+        return None
+    torch_cudnn = (ours // 10000, ours // 100 % 100, ours % 100)
+    if tuple(te_cudnn)[:3] == torch_cudnn:
+        return None
+    return (f"TE runs cuDNN {'.'.join(map(str, te_cudnn))} and torch cuDNN {'.'.join(map(str, torch_cudnn))}: this "
+            "process holds two cuDNNs (TE's import loads the one it finds on the library path), and TE may then "
+            f"fall back to its unfused attention without a word; {_FIX}")
 
 
 if HAS_TE:  # pragma: no cover - depends on the machine

@@ -17,7 +17,7 @@ from typing import Any, Dict
 
 import torch
 
-from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON, TE_VERSION
+from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON, TE_VERSION, te_cudnn_version
 
 __all__ = ["versions", "write_record", "exit_process"]
 
@@ -50,6 +50,8 @@ def versions() -> Dict[str, Any]:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
         "te": str(TE_VERSION) if HAS_TE else f"absent ({TE_REASON})",
         "cudnn": _cudnn_version(),
+        # the one TE runs, which may differ from torch's ([Note: two cuDNNs in one process] in capture/te.py)
+        "te_cudnn": ".".join(map(str, te_cudnn_version())) if HAS_TE else None,
         "python": platform.python_version(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "commit": commit,

@@ -210,7 +210,7 @@ def test_goal_check_and_memory_table_glue(monkeypatch):
 # --- benchmarks/diagnose/profile_step.py: the kernel arithmetic of the profile write-up (pure functions) -------
 
 
-def test_profile_categories_of_kernel_names_seen_on_an_h100():
+def test_profile_categories_of_kernel_names_seen_on_hopper():
     import profile_step as ps
 
     names = {
@@ -223,6 +223,14 @@ def test_profile_categories_of_kernel_names_seen_on_an_h100():
         "void at::native::multi_tensor_apply_kernel<TensorListMetadata<2>, BinaryOpScalarFunctor<float>>": "foreach",
         "void transformer_engine::normalization::ln_fwd_tuned_kernel<float>": "norm",
         "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>": "elementwise/other",
+        # seen on an H200 (2026-11-29): the LM loss's log-softmax, TE's unfused attention, a mixed-dtype add
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous "
+        "namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)": "loss",
+        "void transformer_engine::scaled_masked_softmax_warp_forward<__nv_bfloat16, __nv_bfloat16, float, 13>": "attention",
+        "void transformer_engine::scaled_upper_triang_masked_softmax_warp_backward<__nv_bfloat16, float, 13>": "attention",
+        "void at::native::unrolled_elementwise_kernel<at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>, 4, "
+        "TrivialOffsetCalculator<2, unsigned int>, TrivialOffsetCalculator<1, unsigned int>, "
+        "at::native::memory::LoadWithCast<2>, at::native::memory::StoreWithCast<1> >": "elementwise/other",
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "zero/fill",
         "Memcpy DtoD (Device -> Device)": "copy/cast",
         "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>": "copy/cast",

@@ -637,3 +637,20 @@ def test_two_cudnns_in_one_process_are_named_with_the_fix(monkeypatch):
 
     monkeypatch.setattr(torch.backends.cudnn, "version", other)
     assert te_mod.cudnn_mismatch() is None
+
+
+def test_te_running_another_cudnn_than_torch_is_named_with_the_fix(monkeypatch):
+    """[Note: two cuDNNs in one process], the second way: torch reports its own cuDNN while TE runs another (its
+    attention then ran unfused); the same version, or no TE, says nothing."""
+    from fsdp_cudagraph.capture import te as te_mod
+
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    said = te_mod.cudnn_mismatch(te_cudnn=(9, 14, 0))
+    assert said.startswith("TE runs cuDNN 9.14.0 and torch cuDNN 9.19.0: this process holds two cuDNNs"), said
+    assert "unfused attention" in said and "LD_LIBRARY_PATH" in said and "nvidia.cudnn" in said
+    assert te_mod.cudnn_mismatch(te_cudnn=(9, 19, 0)) is None
+    assert te_mod.cudnn_mismatch(te_cudnn=(9, 19, 0, 1)) is None  # only major, minor and patch are compared
+    monkeypatch.setattr(te_mod, "HAS_TE", False)
+    assert te_mod.te_cudnn_version() is None and te_mod.cudnn_mismatch() is None
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: None)  # a torch without cuDNN
+    assert te_mod.cudnn_mismatch(te_cudnn=(9, 14, 0)) is None
