@@ -50,9 +50,13 @@ each rank builds its TP slice (megatron-core tags the shards ``tensor_model_para
 embedding among them, and the norms ``sequence_parallel``); every TP rank of a data-parallel group takes the same
 micro-batch (:func:`batch`). megatron-core's groups (:func:`tensor_groups`) reach the engine as
 ``ModelSpec.tensor_groups``: ``megatron_fsdp`` passes them as ``fully_shard(process_group=dp,
-tensor_parallel_group=tp)``, which sums the ``sequence_parallel`` gradients over TP (megatron-core's
-``finalize_model_grads`` does that in Megatron-LM; it is not called here). Scopes ``attn_mlp`` and ``layer``, the TP
-collectives inside the graphs. Refused: engines ``nvidia`` and ``fsdp2`` (``NotImplementedError``), TP on the MoE
+tensor_parallel_group=tp)``, which sums the ``sequence_parallel`` gradients over TP in its gradient fold;
+``nvidia`` with ``--nvidia-wrapper mcore`` checks that they are parallel_state's (megatron-core's
+``FullyShardedDataParallel`` shards over the DP group of its (DP, TP) mesh) and calls megatron-core's
+``finalize_model_grads`` before each optimizer step, which sums those gradients over TP as in Megatron-LM
+([Note: NVIDIA Megatron-FSDP under tensor parallelism] in ``engines/nvidia/build.py``; CUDA only, as every nvidia
+run). Scopes ``attn_mlp`` and ``layer``, the TP collectives inside the graphs. Refused (``NotImplementedError``):
+``fsdp2`` and ``nvidia`` with wrapper ``fully_shard`` (they shard over one group of all ranks); and TP on the MoE
 models, TP with EP. On the local spec without apex the norms are :class:`SequenceParallelLayerNorm`.
 
 Run (1 GPU, 2 GPUs, CPU on Gloo with the protocol backend)::
@@ -62,6 +66,8 @@ Run (1 GPU, 2 GPUs, CPU on Gloo with the protocol backend)::
     python -m fsdp_cudagraph.apps.mcore_gpt --device cpu --model moe_allgather --scope attn_router --json r.json
     torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.mcore_gpt --model moe_alltoall --expert-parallel 2
     torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.mcore_gpt --model dense --tensor-parallel 2 --scope attn_mlp
+    torchrun --nproc-per-node 2 -m fsdp_cudagraph.apps.mcore_gpt --engine nvidia --nvidia-wrapper mcore \\
+        --model dense --tensor-parallel 2 --scope attn_mlp
 
 and through the alignment checker (the factories :func:`dense`, :func:`moe_alltoall`, :func:`moe_allgather`
 and :func:`moe_alltoall_ep`, EP = world size, tag ``self_attention`` as ``attn``, a dense ``mlp`` as ``mlp``
@@ -620,16 +626,22 @@ def check_engine_expert_parallel(engine: str, expert_parallel_size: int) -> None
             "too); use --engine megatron_fsdp or nvidia, or --expert-parallel 1")
 
 
-def check_engine_tensor_parallel(engine: str, tensor_parallel_size: int) -> None:
-    """Refuse (NotImplementedError) an engine other than ``megatron_fsdp`` at TP > 1: the checker's FSDP2 and
-    NVIDIA builders shard over one group of all ranks, which would treat the TP ranks' different slices as one
-    data-parallel model."""
-    if engine != "megatron_fsdp" and tensor_parallel_size > 1:
-        raise NotImplementedError(
-            f"engine={engine!r} with tensor_parallel_size={tensor_parallel_size}: this app hands megatron-core's "
-            "tensor-parallel and data-parallel groups to megatron_fsdp only (fully_shard(process_group=dp, "
-            f"tensor_parallel_group=tp)); {engine} would shard the TP ranks' different slices over all ranks as if "
-            "they were one model; use --engine megatron_fsdp, or --tensor-parallel 1")
+def check_engine_tensor_parallel(engine: str, tensor_parallel_size: int, nvidia_wrapper: Optional[str] = None
+                                 ) -> None:
+    """Refuse (NotImplementedError) an engine that cannot take megatron-core's TP and DP groups at TP > 1:
+    ``fsdp2``, and ``nvidia`` with wrapper ``fully_shard`` (the default): their builders shard over one group of
+    all ranks, which would treat the TP ranks' different slices as one data-parallel model. ``megatron_fsdp`` and
+    ``nvidia`` with wrapper ``mcore`` (megatron-core's ``FullyShardedDataParallel``) run."""
+    if tensor_parallel_size == 1 or engine == "megatron_fsdp" or (engine == "nvidia" and nvidia_wrapper == "mcore"):
+        return
+    what = f"engine={engine!r}" + (f" with nvidia_wrapper={nvidia_wrapper or 'fully_shard'!r}"
+                                   if engine == "nvidia" else "")
+    raise NotImplementedError(
+        f"{what} and tensor_parallel_size={tensor_parallel_size}: this app hands megatron-core's tensor-parallel and "
+        "data-parallel groups to megatron_fsdp (fully_shard(process_group=dp, tensor_parallel_group=tp)) and to "
+        "megatron-core's FullyShardedDataParallel (nvidia wrapper mcore, which reads them from parallel_state); "
+        "its builder would shard the TP ranks' different slices over all ranks as if they were one model; use "
+        "--engine megatron_fsdp, or --engine nvidia --nvidia-wrapper mcore, or --tensor-parallel 1")
 
 
 def run(*, model: str, engine: str, scope: str, device: torch.device, steps: int = 6, capture_step: int = 2,
@@ -640,7 +652,8 @@ def run(*, model: str, engine: str, scope: str, device: torch.device, steps: int
     on every rank). Needs an initialised process group and, on the CPU, :func:`cpu_shims` entered.
     ``shape.expert_parallel_size`` > 1: megatron-core's expert parallelism (its groups go to the engine through
     the factory's ``ModelSpec.expert_groups``); engines megatron_fsdp and nvidia, fsdp2 refused.
-    ``nvidia_wrapper`` (engine nvidia): ``fully_shard`` (default) or ``mcore`` (megatron-core's
+    ``shape.tensor_parallel_size`` > 1: engines megatron_fsdp and nvidia with ``nvidia_wrapper='mcore'``
+    (:func:`check_engine_tensor_parallel`). ``nvidia_wrapper`` (engine nvidia): ``fully_shard`` (default) or ``mcore`` (megatron-core's
     ``FullyShardedDataParallel``; see ``engines/nvidia/build.py``)."""
     from fsdp_cudagraph.check import check_alignment
 
@@ -648,7 +661,7 @@ def run(*, model: str, engine: str, scope: str, device: torch.device, steps: int
     patterns = scope_patterns(scope, moe=shape.num_experts is not None)
     check_engine_expert_parallel(engine, shape.expert_parallel_size)
     check_expert_parallel_world(shape.expert_parallel_size, dist.get_world_size())
-    check_engine_tensor_parallel(engine, shape.tensor_parallel_size)
+    check_engine_tensor_parallel(engine, shape.tensor_parallel_size, nvidia_wrapper)
     check_tensor_parallel_world(shape.tensor_parallel_size, dist.get_world_size())
     compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     return check_alignment(lambda dev: spec(model, dev, shape), steps=steps, capture_step=capture_step,
@@ -688,7 +701,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "experts; engines megatron_fsdp and nvidia)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="megatron-core's tensor_model_parallel_size with sequence parallelism (dense model; N divides "
-                        "the world size, the heads, the MLP and the vocabulary; engine megatron_fsdp)")
+                        "the world size, the heads, the MLP and the vocabulary; engine megatron_fsdp, or nvidia "
+                        "with --nvidia-wrapper mcore)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--capture-step", type=int, default=2)
     p.add_argument("--backend", choices=["te", "torch", "protocol"], default=None)

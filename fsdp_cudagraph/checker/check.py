@@ -102,7 +102,9 @@ class ModelSpec:
             tensor parallelism (TP > 1: each rank holds its TP slice; megatron-core's ``tensor_model_parallel`` and
             ``sequence_parallel`` parameter tags say which parameters are shards and which need their gradients
             summed over TP). ``megatron_fsdp`` takes them as ``fully_shard(process_group=dp,
-            tensor_parallel_group=tp)``; the other engines refuse them. None (default): no tensor parallelism.
+            tensor_parallel_group=tp)``, ``nvidia`` with ``engine_options wrapper='mcore'`` checks that they are
+            megatron-core's parallel-state groups (``FullyShardedDataParallel`` reads them there); ``fsdp2`` and
+            ``nvidia`` with wrapper ``fully_shard`` refuse them. None (default): no tensor parallelism.
     """
 
     model: nn.Module
@@ -240,7 +242,8 @@ def _train(factory: Callable[[torch.device], ModelSpec], *, engine: EngineBuilde
                 f"engine={engine.name!r} with a model's tensor-parallel groups (TP="
                 f"{dist.get_world_size(spec.tensor_groups[0])}): its builder shards every parameter over one group "
                 "of all ranks and would treat the TP ranks' different slices as one data-parallel model; use "
-                "engine='megatron_fsdp' (fully_shard(process_group=dp, tensor_parallel_group=tp))")
+                "engine='megatron_fsdp' (fully_shard(process_group=dp, tensor_parallel_group=tp)) or engine='nvidia' "
+                "with engine_options wrapper='mcore'")
         extra["tensor_groups"] = spec.tensor_groups
     run = engine.build(spec.model, unit_modules=spec.unit_modules, make_optimizer=spec.make_optimizer, device=device,
                        sharding_strategy=sharding_strategy, compute_dtype=compute_dtype, **extra)

@@ -25,7 +25,11 @@ shared cores). What must hold:
   of the TP=1 parameters) within ``RTOL``; with the norms' ``sequence_parallel`` tags removed (so the engine no
   longer sums their gradients over TP) they are not (1 x 2);
 - misuse refused with the value, the rule and the fix: TP on an MoE model, TP with EP, TP not dividing the
-  heads or the world size, engines fsdp2 and nvidia with TP (the app and the checker).
+  heads or the world size, engine fsdp2 and engine nvidia with wrapper fully_shard with TP (the app, the checker
+  and NVIDIA's builder), and NVIDIA's builder with wrapper mcore given groups that are not parallel_state's or a
+  model without sequence parallelism. Engine nvidia with wrapper mcore is let through by the app and stops only
+  at the engine's need for CUDA: NVIDIA's engine cannot be built on the CPU (CUDA streams, a "cuda" device mesh),
+  so its TP runs, graphed against eager and against our engine, are rows of tests/gpu/scripts/mcore_gpt.py.
 
 [Note: mcore TP tolerance]
 fp32, deterministic. The global batch is the same: at TP=2 the data-parallel rank ``j`` takes rows ``2j, 2j+1``
@@ -186,6 +190,7 @@ def _agreement(*, control: bool) -> Dict[str, Any]:
 
 def _misuse() -> Dict[str, str]:
     from fsdp_cudagraph.check import check_alignment
+    from fsdp_cudagraph.engines.registry import registered_builders
 
     out: Dict[str, str] = {}
 
@@ -195,10 +200,28 @@ def _misuse() -> Dict[str, str]:
     for engine in ("fsdp2", "nvidia"):
         catch(f"app_{engine}", lambda: mcore_gpt.run(model="dense", engine=engine, scope="attn_mlp", device=CPU,
                                                      shape=_shape()), NotImplementedError)
+    # the app lets nvidia wrapper mcore through: what stops it on the CPU is the engine's own need for CUDA
+    catch("app_nvidia_mcore", lambda: mcore_gpt.run(model="dense", engine="nvidia", scope="attn_mlp", device=CPU,
+                                                    shape=_shape(), nvidia_wrapper="mcore"), RuntimeError)
     catch("checker_fsdp2", lambda: check_alignment(lambda dev: mcore_gpt.spec("dense", dev, _shape()), steps=3,
                                                    capture_step=1, backend="protocol", device=CPU, engine="fsdp2",
                                                    cuda_graph_modules=["attn", "mlp"]), NotImplementedError)
     catch("world", lambda: mcore_gpt.init_parallel_state(SEED, CPU, 1, 4), ValueError)
+    # NVIDIA's builder refuses before it builds NVIDIA's engine (so on the CPU too)
+    nvidia = registered_builders()["nvidia"]
+    spec = mcore_gpt.spec("dense", CPU, _shape())
+    tp_group, dp_group = spec.tensor_groups
+    common = dict(unit_modules=["TransformerLayer"], make_optimizer=lambda ps_: torch.optim.Adam(ps_), device=CPU,
+                  sharding_strategy="optim_grads_params", compute_dtype=None)
+    catch("nvidia_fully_shard", lambda: nvidia.build(spec.model, options={"wrapper": "fully_shard"},
+                                                     tensor_groups=(tp_group, dp_group), **common),
+          NotImplementedError)
+    catch("nvidia_mcore_groups", lambda: nvidia.build(spec.model, options={"wrapper": "mcore"},
+                                                      tensor_groups=(dp_group, tp_group), **common), ValueError)
+    spec.model.config.sequence_parallel = False
+    catch("nvidia_mcore_no_sp", lambda: nvidia.build(spec.model, options={"wrapper": "mcore"},
+                                                     tensor_groups=(tp_group, dp_group), **common),
+          NotImplementedError)
     return out
 
 
@@ -310,10 +333,23 @@ def test_misuse_refused(two: List[Dict[str, Any]]) -> None:
     for engine in ("fsdp2", "nvidia"):
         text = m[f"app_{engine}"]
         assert text.startswith("NotImplementedError") and "tensor_parallel_size=2" in text \
-            and "--engine megatron_fsdp" in text, text
+            and "--engine megatron_fsdp" in text and "--nvidia-wrapper mcore" in text, text
+    assert "nvidia_wrapper='fully_shard'" in m["app_nvidia"], m["app_nvidia"]
+    assert m["app_nvidia_mcore"].startswith("RuntimeError") and "needs a GPU" in m["app_nvidia_mcore"], \
+        m["app_nvidia_mcore"]
     assert m["checker_fsdp2"].startswith("NotImplementedError") and "TP=2" in m["checker_fsdp2"] \
-        and "engine='megatron_fsdp'" in m["checker_fsdp2"], m["checker_fsdp2"]
+        and "engine='megatron_fsdp'" in m["checker_fsdp2"] and "wrapper='mcore'" in m["checker_fsdp2"], \
+        m["checker_fsdp2"]
     assert m["world"].startswith("ValueError") and "does not divide the world size 2" in m["world"], m["world"]
+    text = m["nvidia_fully_shard"]
+    assert text.startswith("NotImplementedError") and "wrapper='fully_shard'" in text and "TP=2" in text \
+        and "use engine_options wrapper='mcore'" in text, text
+    text = m["nvidia_mcore_groups"]
+    assert text.startswith("ValueError") and "are not megatron-core's parallel-state groups (TP [0, 1]" in text \
+        and "get_tensor_model_parallel_group()" in text, text
+    text = m["nvidia_mcore_no_sp"]
+    assert text.startswith("NotImplementedError") and "sequence_parallel=False" in text \
+        and "sequence_parallel=True" in text, text
 
 
 @pytest.mark.parametrize("kw,words", [
@@ -330,8 +366,10 @@ def test_shape_refusals(kw: Dict[str, Any], words: str) -> None:
 def test_engine_refusals_without_a_group() -> None:
     with pytest.raises(ValueError, match="does not divide the world size 6"):
         mcore_gpt.check_tensor_parallel_world(4, 6)
-    for engine in ("fsdp2", "nvidia"):
-        with pytest.raises(NotImplementedError, match="use --engine megatron_fsdp"):
-            mcore_gpt.check_engine_tensor_parallel(engine, 2)
-        mcore_gpt.check_engine_tensor_parallel(engine, 1)
+    for engine, wrapper in (("fsdp2", None), ("nvidia", None), ("nvidia", "fully_shard")):
+        with pytest.raises(NotImplementedError, match="use --engine megatron_fsdp, or --engine nvidia "
+                                                      "--nvidia-wrapper mcore"):
+            mcore_gpt.check_engine_tensor_parallel(engine, 2, wrapper)
+        mcore_gpt.check_engine_tensor_parallel(engine, 1, wrapper)
     mcore_gpt.check_engine_tensor_parallel("megatron_fsdp", 2)
+    mcore_gpt.check_engine_tensor_parallel("nvidia", 2, "mcore")

@@ -20,6 +20,10 @@ named ``experts``): :func:`tag_expert_parameters` gives the parameters of every 
 own mark, ``allreduce = False`` (megatron-core sets it on its expert parameters at EP > 1; NVIDIA's engine then
 refuses to run without an expert group, and its ``broadcast_params`` uses the expert-data-parallel group for them),
 and refuses an ``is_expert`` parameter whose name lacks ``.experts.``: NVIDIA would shard it as a dense one.
+
+Tensor parallelism (``tensor_groups``, the factory's ``ModelSpec.tensor_groups``; [Note: NVIDIA Megatron-FSDP under
+tensor parallelism]): wrapper ``mcore`` only, with the groups of megatron-core's parallel state (checked); wrapper
+``fully_shard`` is refused (``NotImplementedError``).
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ NVIDIA_WRAPPERS = ("fully_shard", "mcore")
 
 
 ExpertGroups = Tuple[dist.ProcessGroup, dist.ProcessGroup]
+#: ``(tensor-parallel group, data-parallel group)`` of this rank (``ModelSpec.tensor_groups``)
+TensorGroups = Tuple[dist.ProcessGroup, dist.ProcessGroup]
 
 
 def _check_expert_names(model: nn.Module, expert_groups: ExpertGroups) -> None:
@@ -139,7 +145,8 @@ def _single_rank_group() -> dist.ProcessGroup:
 def _build_nvidia(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_optimizer: MakeOptimizer,
                   device: torch.device, sharding_strategy: str, compute_dtype: Optional[torch.dtype],
                   options: Optional[Dict[str, Any]] = None,
-                  expert_groups: Optional[ExpertGroups] = None) -> ShardedRun:
+                  expert_groups: Optional[ExpertGroups] = None,
+                  tensor_groups: Optional[TensorGroups] = None) -> ShardedRun:
     from megatron.core.distributed.fsdp.src import megatron_fsdp as mf
 
     wrapper = (options or {}).get("wrapper", "fully_shard")
@@ -147,6 +154,14 @@ def _build_nvidia(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_op
         raise ValueError(f"engine_options wrapper={wrapper!r} is not one of {NVIDIA_WRAPPERS} (fully_shard: the "
                          "bundled megatron_fsdp.fully_shard; mcore: megatron-core's FullyShardedDataParallel with a "
                          "DistributedDataParallelConfig(use_megatron_fsdp=True), for megatron-core models)")
+    if tensor_groups is not None and wrapper != "mcore":
+        raise NotImplementedError(
+            f"engine='nvidia' wrapper={wrapper!r} with tensor parallelism (tensor_groups, TP="
+            f"{dist.get_world_size(tensor_groups[0])}): the checker's fully_shard build shards over one mesh of all "
+            "ranks (no (data-parallel, tensor-parallel) device mesh) and nothing sums the sequence-parallel "
+            "parameters' gradients over TP (megatron-core's finalize_model_grads), so the TP ranks' different slices "
+            "would be sharded as one data-parallel model; use engine_options wrapper='mcore' (megatron-core's "
+            "FullyShardedDataParallel, which takes both groups from parallel_state) or engine='megatron_fsdp'")
     # NVIDIA's string unit specs are import paths; ours are class names: hand it the classes.
     classes = unit_classes(model, unit_modules, engine="nvidia")
     if expert_groups is not None:
@@ -158,7 +173,7 @@ def _build_nvidia(model: nn.Module, *, unit_modules: Sequence[UnitSpec], make_op
     if wrapper == "mcore":
         return _build_nvidia_mcore(model, classes=classes, make_optimizer=make_optimizer, device=device,
                                    sharding_strategy=sharding_strategy, compute_dtype=compute_dtype,
-                                   expert_groups=expert_groups)
+                                   expert_groups=expert_groups, tensor_groups=tensor_groups)
     accepted = inspect.signature(mf.fully_shard).parameters
     if expert_groups is not None and "expt_device_mesh" not in accepted:
         raise NotImplementedError(
@@ -236,16 +251,88 @@ def _check_parallel_state_groups(expert_groups: ExpertGroups) -> None:
                          "parallel_state.get_expert_model_parallel_group() and get_expert_data_parallel_group()")
 
 
+def _check_parallel_state_tensor_groups(model: nn.Module, tensor_groups: TensorGroups) -> None:
+    """wrapper='mcore' with TP: ``FullyShardedDataParallel`` takes its (data-parallel, tensor-parallel) mesh and
+    ``finalize_model_grads`` its TP group from megatron-core's parallel state; refuse groups of other ranks, and a
+    model built without sequence parallelism ([Note: NVIDIA Megatron-FSDP under tensor parallelism])."""
+    from megatron.core import parallel_state as ps
+
+    ranks = dist.get_process_group_ranks
+    ours = [ranks(g) for g in tensor_groups]
+    if not ps.model_parallel_is_initialized():
+        raise ValueError("engine_options wrapper='mcore' with tensor_groups: megatron-core's parallel state is not "
+                         "initialised; FullyShardedDataParallel reads its groups from there: call "
+                         "parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP) first")
+    theirs = [ranks(ps.get_tensor_model_parallel_group()),
+              ranks(ps.get_data_parallel_group(with_context_parallel=True))]
+    if ours != theirs:
+        raise ValueError(f"[rank {dist.get_rank()}] engine_options wrapper='mcore': tensor_groups (TP {ours[0]}, DP "
+                         f"{ours[1]}) are not megatron-core's parallel-state groups (TP {theirs[0]}, DP {theirs[1]}), "
+                         "which FullyShardedDataParallel shards with and finalize_model_grads sums over; pass "
+                         "parallel_state.get_tensor_model_parallel_group() and get_data_parallel_group()")
+    if not getattr(model.config, "sequence_parallel", False):
+        raise NotImplementedError(
+            f"engine_options wrapper='mcore' with tensor_groups (TP={len(ours[0])}) and TransformerConfig."
+            "sequence_parallel=False: only the sequence-parallel layout is checked here (its norms' gradients are "
+            "summed over TP by megatron-core's finalize_model_grads); build the model with sequence_parallel=True")
+
+
+# [Note: NVIDIA Megatron-FSDP under tensor parallelism]
+# What megatron-core's FullyShardedDataParallel does at TP > 1 (read in 0.16.1's mcore_fsdp_adapter.py and bundled
+# megatron_fsdp 0.3.1):
+# - Sharding: a 2-D DeviceMesh ("dp_cp", "tp") from parallel_state's data-parallel (with context parallel) and
+#   tensor-parallel groups; FSDP shards, gathers and reduce-scatters over "dp_cp" only, as our engine does over its
+#   process group. A `tensor_model_parallel` parameter (megatron-core's tag, with `partition_dim`) becomes a DTensor
+#   Shard(partition_dim) over "tp"; a TP-duplicated one (`_tp_duplicated`: TE linears without a parallel mode, the
+#   MoE router) Replicate over "tp", broadcast from TP rank 0 when its distributed parameter is made.
+# - Not done by the engine: the TP sum of the gradients of replicated parameters tagged `sequence_parallel` (the
+#   norms; each TP rank's gradient covers only its positions). Megatron-LM does it in `finalize_model_grads` ->
+#   `_allreduce_non_tensor_model_parallel_grads` (alias `_allreduce_layernorm_grads`), after
+#   `finish_grad_sync`: with `ddp_config.use_megatron_fsdp` it all-reduces each such parameter's main-gradient
+#   DTensor's local shard (a view of NVIDIA's main-gradient buffer) over the TP group. Every TP rank holds the same
+#   DP shard of a replicated parameter, and the DP reduce-scatter is linear, so that is the sum over TP of the
+#   mean over DP. The run here calls megatron-core's own `finalize_model_grads([wrapped])` before each optimizer
+#   step (where Megatron-LM's training step calls it, `config.finalize_model_grads_func`, before
+#   `optimizer.step()`); NVIDIA's optimizer step then calls `finish_grad_sync` again, which finds no reduction
+#   pending and re-attaches the same buffer views, so the sum stays. Without it the norms' gradients stay
+#   partial: the TP ranks' copies of one norm drift apart.
+# - Clipping (not used by the checker, whose optimizer is plain Adam): megatron-core's optimizer takes a gradient
+#   into the norm on every TP rank when its parameter is `tensor_model_parallel` and on TP rank 0 only otherwise
+#   (`param_is_not_tensor_parallel_duplicate`, in `get_main_grads_for_grad_norm`); `get_grad_norm_fp32` sums the
+#   p-th powers of the local shards over the DTensors' data-parallel group, then over the model-parallel group:
+#   each element once, as our engine counts ([Note: tensor parallelism] in megatron_fsdp/_tensor.py, "Clipping").
+# - NVIDIA's bundled `fully_shard` takes `device_mesh`, `dp_shard_dim` and `tp_dim` but the checker's build of it
+#   passes no mesh (one dimension of all ranks) and has no hook for the TP sum: refused at TP > 1.
+def _finalize_before_step(optimizer: torch.optim.Optimizer, wrapped: nn.Module) -> None:
+    """Make ``optimizer.step()`` first call megatron-core's ``finalize_model_grads([wrapped])`` (the TP sum of the
+    sequence-parallel gradients, [Note: NVIDIA Megatron-FSDP under tensor parallelism])."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    first = next(iter(inspect.signature(finalize_model_grads).parameters), None)
+    if first != "model":
+        raise RuntimeError(f"megatron-core's finalize_model_grads takes {first!r} first, not the list of model "
+                           f"chunks this run passes; this megatron-core is not one the checker knows: {NVIDIA_PIP}")
+    step = optimizer.step
+
+    def finalized_step(*args: Any, **kwargs: Any) -> Any:
+        finalize_model_grads([wrapped])
+        return step(*args, **kwargs)
+
+    optimizer.step = finalized_step  # type: ignore[method-assign]
+
+
 def _build_nvidia_mcore(model: nn.Module, *, classes: Sequence[type], make_optimizer: MakeOptimizer,
                         device: torch.device, sharding_strategy: str,
-                        compute_dtype: Optional[torch.dtype], expert_groups: Optional[ExpertGroups] = None
-                        ) -> ShardedRun:
+                        compute_dtype: Optional[torch.dtype], expert_groups: Optional[ExpertGroups] = None,
+                        tensor_groups: Optional[TensorGroups] = None) -> ShardedRun:
     """NVIDIA Megatron-FSDP as megatron-core ships it: ``FullyShardedDataParallel(config, ddp_config, module)``
     builds the same ``MegatronFSDP`` as ``fully_shard`` (same hooks, buffers and double buffer), with its
     process groups from ``megatron.core.parallel_state`` (which the model's builder initialised; with expert
     parallelism its expert device mesh too, from the expert-data-parallel group) and its precision from the
     ``DistributedDataParallelConfig``; NVIDIA's ``fully_shard_optimizer`` wires the optimizer (grad sync before
-    ``step``, weights installed after), as ``fully_shard`` does."""
+    ``step``, weights installed after), as ``fully_shard`` does. With ``tensor_groups`` (parallel_state's, checked)
+    each step first calls megatron-core's ``finalize_model_grads`` ([Note: NVIDIA Megatron-FSDP under tensor
+    parallelism])."""
     import dataclasses as _dc
 
     config = getattr(model, "config", None)
@@ -254,6 +341,8 @@ def _build_nvidia_mcore(model: nn.Module, *, classes: Sequence[type], make_optim
                          f"as .config); {type(model).__name__} has none: use wrapper='fully_shard'")
     if expert_groups is not None:
         _check_parallel_state_groups(expert_groups)
+    if tensor_groups is not None:
+        _check_parallel_state_tensor_groups(model, tensor_groups)
 
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
@@ -276,14 +365,19 @@ def _build_nvidia_mcore(model: nn.Module, *, classes: Sequence[type], make_optim
     named = list(user.named_parameters())
     optimizer = mf.fully_shard_optimizer(make_optimizer([p for _, p in named]))
     optimizer.state.clear()  # fully_shard_optimizer's eager zero step would start Adam's count at 1
+    parallel = f", expert parallel {dist.get_world_size(expert_groups[0])}" if expert_groups else ""
+    if tensor_groups is not None:
+        _finalize_before_step(optimizer, wrapped)
+        parallel += (f", tensor parallel {dist.get_world_size(tensor_groups[0])} (data-parallel group of "
+                     f"{dist.get_world_size(tensor_groups[1])}; finalize_model_grads before each step)")
     return _nvidia_run(
         wrapped, user, optimizer, named, wrapping="megatron-core's FullyShardedDataParallel (wrapper='mcore')",
         precision=(f"module in {compute_dtype or 'its own dtype'}, {mains} (this rank's shards compared), "
                    f"megatron-core FullyShardedDataParallel (megatron_fsdp {getattr(mf, '__version__', '?')}), "
-                   f"{sharding_strategy}"
-                   + (f", expert parallel {dist.get_world_size(expert_groups[0])}" if expert_groups else "")),
+                   f"{sharding_strategy}{parallel}"),
     )
 
 
 BUILDER = register_builder(EngineBuilder("nvidia", _build_nvidia, _nvidia_unavailable, True,
-                                         fix=f"{NVIDIA_PIP} and run on a GPU (--device cuda)", options=("wrapper",)))
+                                         fix=f"{NVIDIA_PIP} and run on a GPU (--device cuda)", options=("wrapper",),
+                                         tensor_parallel=True))
