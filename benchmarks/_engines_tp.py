@@ -50,7 +50,8 @@ NVIDIA_TP_REASON = (
     "NVIDIA Megatron-FSDP takes tensor parallelism from megatron-core's parallel state, for megatron-core models "
     "(vocabulary-parallel embedding, TE or megatron-core TP linears); this model is the reference GPT, whose TP "
     "layers NVIDIA's fully_shard does not know (it would shard the TP ranks' different slices over all ranks as one "
-    "data-parallel model). The project refuses engine nvidia with TP for megatron-core's GPTModel too "
+    "data-parallel model). For megatron-core's GPTModel the project runs it with TP only through megatron-core's "
+    "FullyShardedDataParallel (wrapper mcore) and refuses wrapper fully_shard with TP "
     "(check_engine_tensor_parallel in fsdp_cudagraph/apps/mcore_gpt.py)")
 
 _GROUPS: Dict[int, Tuple[Any, Any]] = {}

@@ -65,7 +65,8 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
   fsdp2_tp_gathered_eager  with --vocab-parallel: the same, its head's logits gathered whole for the plain loss
   fsdp2_tp_partial     the same + keep_unsharded_storage + PartialCudaGraphs over ``attn mlp``
   nvidia_tp_eager      (llama70b) NVIDIA Megatron-FSDP with TP: not applicable to this model (it takes TP from
-                       megatron-core's parallel state; the project refuses nvidia with TP in ``apps/mcore_gpt.py``)
+                       megatron-core's parallel state; ``apps/mcore_gpt.py`` runs it with TP for megatron-core's
+                       GPTModel through megatron-core's FullyShardedDataParallel only)
   ours_fp8_<r>_eager   (llama8b_fp8) ours_eager under TE's FP8 autocast with recipe r (delayed, current, block)
   ours_fp8_partial     + PartialCudaGraphs with the recipe (``--fp8-recipe``, default current)
   ours_fp8_full        + FullIterationCudaGraph, the autocast inside the captured step (``--fp8-recipe``)

@@ -34,10 +34,14 @@ before the allgather ones, which take megatron-core's unfused permute (:func:`ep
 
 Tensor parallelism (megatron-core's ``tensor_model_parallel_size`` with sequence parallelism; ``--tensor-parallel N
 [N ..]``, opt-in, each ``N > 1`` dividing the world size): per TP size rows ``dense`` x ``layer`` and ``attn_mlp``
-for engine ``megatron_fsdp`` (megatron-core's TP and DP groups passed to ``fully_shard(process_group=dp,
-tensor_parallel_group=tp)``; the TP collectives inside the captured graphs), eager against graphed as above, plus
-the negative control (the last MLP's graph scaled by 1.01); every other engine gets one row that must be refused
-(``NotImplementedError``). The TP ranks of a data-parallel group train the same micro-batch. ``--only-tp`` runs only
+for engines ``megatron_fsdp`` (megatron-core's TP and DP groups passed to ``fully_shard(process_group=dp,
+tensor_parallel_group=tp)``) and ``nvidia_mcore`` (``FullyShardedDataParallel`` takes them from parallel_state;
+megatron-core's ``finalize_model_grads`` before each step), the TP collectives inside the captured graphs, eager
+against graphed as above, plus the negative control (the last MLP's graph scaled by 1.01); for ``nvidia_mcore`` also
+two ``tp_norms`` rows (:func:`tp_norms_row`): the sequence-parallel norms stay ``torch.equal`` over the TP ranks,
+and with their tags removed (the TP sum skipped) they do not. ``nvidia`` (``fully_shard``) and ``fsdp2`` get one
+row that must be refused (``NotImplementedError``). The TP ranks of a data-parallel group train the same
+micro-batch. ``--only-tp`` runs only
 these rows. After rows with TP on CUDA the script leaves without ``destroy_process_group()`` once every rank passed
 a barrier ([Note: no destroy after captured NCCL collectives] in tests/gpu/scripts/tp_graphs.py).
 """
@@ -68,7 +72,9 @@ EP_ENGINES = ["megatron_fsdp", "nvidia", "nvidia_mcore"]
 
 #: the dense scopes of the tensor-parallel rows, and the engines that take megatron-core's TP groups
 TP_SCOPES = ["layer", "attn_mlp"]
-TP_ENGINES = ["megatron_fsdp"]
+TP_ENGINES = ["megatron_fsdp", "nvidia_mcore"]
+#: eager steps of the TP-sum rows (tp_norms_row)
+TP_NORM_STEPS = 4
 
 
 def ep_overrides(model: str, expert_parallel: int) -> Dict[str, Any]:
@@ -122,6 +128,47 @@ def refused_row(engine: str, device: torch.device, expert_parallel: int = 1, ten
         out.update(ok=True, refused=str(exc))
     except Exception as exc:  # noqa: BLE001 - recorded
         out.update(RowGuard.failed(f"{engine} refusal ep={expert_parallel} tp={tensor_parallel}", exc))
+    return out
+
+
+def tp_norms_row(device: torch.device, tensor_parallel: int, *, untag: bool) -> Dict[str, Any]:
+    """NVIDIA Megatron-FSDP (wrapper mcore) at TP: the sequence-parallel norms' copies on the TP ranks of a
+    data-parallel group stay ``torch.equal`` after ``TP_NORM_STEPS`` eager steps (megatron-core's
+    ``finalize_model_grads`` summed their gradients over TP, [Note: NVIDIA Megatron-FSDP under tensor parallelism]
+    in fsdp_cudagraph/engines/nvidia/build.py). ``untag``: the negative control, the norms' ``sequence_parallel``
+    tags removed before the build, so their gradients stay partial: ok when some norm differs between the TP ranks
+    (which also shows that the steps moved the norms)."""
+    from fsdp_cudagraph.apps import mcore_gpt
+    from fsdp_cudagraph.engines.registry import registered_builders
+
+    out: Dict[str, Any] = {"engine": "nvidia_mcore", "model": "dense", "scope": "tp_norms", "perturb": None,
+                           "expert_parallel": 1, "tensor_parallel": tensor_parallel, "untag": untag}
+    try:
+        shape = mcore_gpt.base_shape(device, "dense", tensor_parallel_size=tensor_parallel)
+        torch.manual_seed(1234)
+        spec = mcore_gpt.spec("dense", device, shape)
+        norms = [n for n, p in spec.model.named_parameters() if getattr(p, "sequence_parallel", False)]
+        if untag:
+            for n, p in spec.model.named_parameters():
+                if n in norms:
+                    p.sequence_parallel = False
+        run = registered_builders()["nvidia"].build(
+            spec.model, unit_modules=spec.unit_modules, make_optimizer=spec.make_optimizer, device=device,
+            sharding_strategy="optim_grads_params", compute_dtype=torch.bfloat16, options={"wrapper": "mcore"},
+            tensor_groups=spec.tensor_groups)
+        for step in range(TP_NORM_STEPS):
+            spec.loss(run.model, spec.batch(step)).backward()
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+        final = {n: t for n, t in run.final_parameters().items() if n in norms}
+        tp_group = spec.tensor_groups[0]
+        mine = {n: t.float() for n, t in final.items()}
+        each: List[Any] = [None] * dist.get_world_size(tp_group)
+        dist.all_gather_object(each, mine, group=tp_group)
+        differ = sorted(n for n in mine if any(not torch.equal(other[n], mine[n]) for other in each))
+        out.update(norms=len(norms), differ=differ, ok=bool(norms) and (bool(differ) if untag else not differ))
+    except Exception as exc:  # recorded: one failing row must not hide the others
+        out.update(RowGuard.failed(f"nvidia_mcore tp norms tp={tensor_parallel} untag={untag}", exc))
     return out
 
 
@@ -268,6 +315,10 @@ def main() -> int:
                 add(row(engine, "dense", "attn_mlp", device, args.backend, tp_control, tensor_parallel=tp))
                 rows[-1]["layout"] = layouts[f"dense/tp{tp}"]
                 _print(rows[-len(TP_SCOPES) - 1:])
+                if engine == "nvidia_mcore":  # the TP sum of the norms' gradients, and its negative control
+                    for untag in (False, True):
+                        add(tp_norms_row(device, tp, untag=untag))
+                    _print(rows[-2:])
     ok = bool(rows) and all(r["ok"] for r in rows)
     if dist.get_rank() == 0:
         from fsdp_cudagraph.capture import te as _te
