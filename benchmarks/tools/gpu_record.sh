@@ -60,15 +60,16 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD NCCL_NVLS_ENABLE=0
-# One cuDNN in the process, torch's: its lib directory first on the library path (TE's import otherwise loads a
-# system cuDNN's parts beside torch's libcudnn.so.9; docs/fp8.md, "Which cuDNN runs"). KEEP_LD_LIBRARY_PATH=1: as given.
-# TE's CUDNN_PATH, where set, is the fallback when python cannot name torch's. The package warns at import when TE's
-# cuDNN still differs from torch's ([Note: two cuDNNs in one process]); the check below prints that once, up front.
+# One cuDNN in the process, torch's: TE opens libcudnn from CUDNN_PATH before the library path, and cuDNN its parts
+# from the library path, so both point at torch's ([Note: two cuDNNs in one process] in capture/te.py; docs/fp8.md,
+# "Which cuDNN runs"). KEEP_LD_LIBRARY_PATH=1: both as given. The package warns at import when TE's cuDNN still
+# differs from torch's; the check below prints that once, up front.
 CUDNN_LIB=$(python3 -c "import os, nvidia.cudnn as c; print(os.path.join(list(c.__path__)[0], 'lib'))" 2>/dev/null)
-[ -z "$CUDNN_LIB" ] && [ -d "${CUDNN_PATH:-/nonexistent}/lib" ] && CUDNN_LIB=$CUDNN_PATH/lib
-[ -n "$CUDNN_LIB" ] && [ "${KEEP_LD_LIBRARY_PATH:-0}" != 1 ] && export LD_LIBRARY_PATH=$CUDNN_LIB:${LD_LIBRARY_PATH:-}
+if [ -n "$CUDNN_LIB" ] && [ "${KEEP_LD_LIBRARY_PATH:-0}" != 1 ]; then
+  export CUDNN_PATH=${CUDNN_LIB%/lib} LD_LIBRARY_PATH=$CUDNN_LIB:${LD_LIBRARY_PATH:-}
+fi
 CUDNN_SAYS=$(python3 -W ignore -c "from fsdp_cudagraph.capture.te import cudnn_mismatch as m; print(m() or 'TE and torch agree, or no TE')" 2>&1 | tail -1)
-echo "cuDNN first on LD_LIBRARY_PATH: ${CUDNN_LIB:-none found}; $CUDNN_SAYS"
+echo "cuDNN: CUDNN_PATH=${CUDNN_PATH:-unset}, first on LD_LIBRARY_PATH ${CUDNN_LIB:-none}; $CUDNN_SAYS"
 # The records' "commit" (fsdp_cudagraph.checker.records.versions): a copy of .git on the GPU machine can name an older
 # HEAD than the tree that runs, so COMMIT, when given, wins.
 [ -n "${COMMIT:-}" ] && export GIT_COMMIT=${GIT_COMMIT:-$COMMIT}

@@ -52,11 +52,9 @@ failing inside the first forward ("no dot product attention backend"): block sca
 recipe asserts); the fused FP8 kernel needs Hopper (9.0); current scaling runs it from Blackwell (10.0), and on
 Hopper only with ``NVTE_DPA_FP8_RECIPE=DelayedScaling`` (attention scaled by delayed scaling, the linears by current);
 and deterministic training (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` or torch's deterministic mode, which bit-exact
-runs need) takes cuDNN 9.19 or newer. Which cuDNN runs is decided by the library path: cuDNN's loader opens its
-sub-libraries (``libcudnn_graph``, ``libcudnn_engines_*``...) by name, so on a machine with a system cuDNN (e.g.
-9.14 in ``/usr/lib/x86_64-linux-gnu``) they came from there once TE was imported, beside torch's 9.19
-``libcudnn.so.9``, and torch then reported a version mismatch (2026-11-29, H200); with torch's cuDNN directory
-first on ``LD_LIBRARY_PATH`` every part was 9.19. TE's own ``CUDNN_PATH`` did not change that.
+runs need) takes cuDNN 9.19 or newer. Which cuDNN TE runs is decided by ``CUDNN_PATH`` and the library path
+([Note: two cuDNNs in one process] in ``capture/te.py``): on a machine with a system cuDNN 9.14 beside torch's 9.19,
+only both pointed at torch's made every part 9.19.
 
 Attention in FP8 keeps delayed-scaling state under every recipe (the softmax's S and dP scales under current
 scaling; all of attention's with ``NVTE_DPA_FP8_RECIPE=DelayedScaling``), so it is refused with whole-step graphs
@@ -179,9 +177,7 @@ def fp8_attention_problems(name: str, capability: Tuple[int, int], cudnn: Tuple[
         problems.append(
             f"{given} and deterministic kernels (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or "
             f"torch.use_deterministic_algorithms) need cuDNN 9.19 or newer for FP8 attention's backward, and TE runs "
-            f"cuDNN {'.'.join(str(v) for v in cudnn)}; cuDNN's parts are found on the library path: put the lib "
-            "directory of a cuDNN >= 9.19 first on LD_LIBRARY_PATH before Python starts (torch's: python -c \"import "
-            "os, nvidia.cudnn; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))\"), or allow "
+            f"cuDNN {'.'.join(str(v) for v in cudnn)}; {_te.CUDNN_FIX} (torch's is 9.19 or newer), or allow "
             "non-deterministic kernels (NVTE_ALLOW_NONDETERMINISTIC_ALGO=1; graphed and eager runs are then not "
             "bit-exact)")
     return problems

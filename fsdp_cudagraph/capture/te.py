@@ -5,13 +5,19 @@ absence of TE is discovered in one place and explained with one reason string (w
 skip messages).
 
 [Note: two cuDNNs in one process]
-cuDNN's loader opens its parts (``libcudnn_graph``, ``libcudnn_engines_*``, ...) by name from the library path. On
-a machine with a system cuDNN beside torch's pip one, importing TE left the system's parts (9.14) beside torch's
-``libcudnn.so.9`` (9.19): TE then ran 9.14, and torch raised "cuDNN version incompatibility" whenever it asked for
-its cuDNN (2026-11-29, H200); another time torch reported its own 9.19 while TE ran 9.14 and fell back to its
-unfused attention (the same day and machine kind). Nothing fails at import, so the probe asks torch, and compares
-TE's cuDNN with torch's, once TE is in, and warns with the fix:
-torch's cuDNN directory first on ``LD_LIBRARY_PATH`` before Python starts (TE's ``CUDNN_PATH`` did not help).
+Two loaders decide which cuDNN TE runs. TE's import opens ``libcudnn`` from ``CUDNN_HOME`` or ``CUDNN_PATH``, else
+from the first of ``CUDA_HOME``, ``CUDA_PATH`` and ``/usr/local/cuda`` that holds one (a recursive search), and only
+then by name from the library path (``transformer_engine/common/__init__.py``, TE 2.20); cuDNN then opens its parts
+(``libcudnn_graph``, ``libcudnn_engines_*``, ...) by name from the library path. On machines with a system cuDNN
+(9.14) beside torch's pip one (9.19) three mixes were seen (H200, 2026-11-29): with ``CUDNN_PATH`` at torch's cuDNN
+alone, the system's parts came in beside torch's ``libcudnn.so.9`` and torch raised "cuDNN version incompatibility"
+when asked for its version; with torch's directory first on ``LD_LIBRARY_PATH`` alone and no ``CUDNN_PATH``, TE
+opened the system's 9.14 (it asks for ``libcudnn.so`` by name; torch's directory holds only ``libcudnn.so.9``)
+while torch reported its own 9.19, and TE's attention ran its unfused softmax
+kernels (the 8B-shaped bench's FP8 step at 4 layers and 8 micro-batches: 1.82 s, against 0.98 s fused); with
+both, TE and torch ran 9.19.
+Nothing fails at import, so the probe asks torch for its version and compares TE's with it once TE is in, and warns
+with :data:`CUDNN_FIX`. (``CUDNN_PATH`` set to the empty string makes TE's search walk the whole file system.)
 docs/fp8.md, "Which cuDNN runs".
 """
 
@@ -23,7 +29,7 @@ from typing import Any, Optional, Sequence, Tuple
 from packaging.version import Version
 
 __all__ = ["HAS_TE", "TE_REASON", "TE_VERSION", "MIN_TE_VERSION", "require_te", "te_pytorch", "cudnn_mismatch",
-           "te_cudnn_version"]
+           "te_cudnn_version", "CUDNN_FIX"]
 
 #: Oldest TE whose ``make_graphed_callables`` accepts ``capture_time_hooks``.
 MIN_TE_VERSION = Version("2.19")
@@ -53,9 +59,11 @@ except Exception as exc:  # ImportError, or a TE build that fails to load its li
     )
 
 
-_FIX = ("put torch's cuDNN first on LD_LIBRARY_PATH before Python starts: export "
-        "LD_LIBRARY_PATH=$(python -c \"import os, nvidia.cudnn; print(os.path.join(list(nvidia.cudnn.__path__)"
-        "[0], 'lib'))\"):$LD_LIBRARY_PATH (docs/fp8.md, 'Which cuDNN runs')")
+#: How to give TE torch's cuDNN: TE opens ``libcudnn`` from ``CUDNN_PATH`` (else ``CUDA_HOME``, ``/usr/local/cuda``)
+#: before the library path, and cuDNN opens its parts by name from the library path; both before Python starts.
+CUDNN_FIX = ("point TE and the library path at torch's cuDNN before Python starts: export "
+             "CUDNN_PATH=$(python -c \"import nvidia.cudnn; print(list(nvidia.cudnn.__path__)[0])\") "
+             "LD_LIBRARY_PATH=$CUDNN_PATH/lib:$LD_LIBRARY_PATH (docs/fp8.md, 'Which cuDNN runs')")
 
 
 def te_cudnn_version() -> Optional[Tuple[int, ...]]:
@@ -70,10 +78,9 @@ def te_cudnn_version() -> Optional[Tuple[int, ...]]:
 def cudnn_mismatch(te_cudnn: Optional[Sequence[int]] = None) -> Optional[str]:
     """What is wrong with the cuDNN in this process ([Note: two cuDNNs in one process]) with the fix, or None.
 
-    Two ways were seen on one machine: torch raises its version incompatibility (its ``libcudnn.so.9`` beside
-    another cuDNN's parts), or torch reports its own version while TE runs another (``te_cudnn``: TE's, asked of
-    TE when not given); in the second case TE's attention ran its unfused softmax kernels, without a word, at
-    1.8 s a step where the fused attention takes about 1 s (H200, 2026-11-29, the 8B-shaped bench).
+    Two ways were seen: torch raises its version incompatibility (its ``libcudnn.so.9`` beside another cuDNN's
+    parts), or torch reports its own version while TE runs another (``te_cudnn``: TE's, asked of TE when not
+    given), in which case TE's attention ran unfused, without a word of its own.
     """
     import torch
 
@@ -84,7 +91,7 @@ def cudnn_mismatch(te_cudnn: Optional[Sequence[int]] = None) -> Optional[str]:
         if "cuDNN version incompatibility" not in text:
             return None
         return (f"{text.split('. ')[0]}: this process holds parts of two cuDNNs (TE's import loads the ones it finds "
-                f"on the library path); {_FIX}")
+                f"on the library path); {CUDNN_FIX}")
     te_cudnn = te_cudnn if te_cudnn is not None else te_cudnn_version()
     if ours is None or te_cudnn is None:
         return None
@@ -93,7 +100,7 @@ def cudnn_mismatch(te_cudnn: Optional[Sequence[int]] = None) -> Optional[str]:
         return None
     return (f"TE runs cuDNN {'.'.join(map(str, te_cudnn))} and torch cuDNN {'.'.join(map(str, torch_cudnn))}: this "
             "process holds two cuDNNs (TE's import loads the one it finds on the library path), and TE may then "
-            f"fall back to its unfused attention without a word; {_FIX}")
+            f"fall back to its unfused attention without a word; {CUDNN_FIX}")
 
 
 if HAS_TE:  # pragma: no cover - depends on the machine

@@ -144,7 +144,8 @@ def test_without_a_gpu_fp8_is_refused_at_runtime():
     ("delayed", (8, 9), (9, 19, 0), False, "", ["compute capability 9.0", "is 8.9"]),
     ("current", (9, 0), (9, 19, 0), False, "", ["current-scaling FP8 attention on compute capability 10.0",
                                                  "is 9.0", "NVTE_DPA_FP8_RECIPE=DelayedScaling"]),
-    ("delayed", (9, 0), (9, 14, 0), True, "", ["cuDNN 9.19 or newer", "runs cuDNN 9.14.0", "LD_LIBRARY_PATH",
+    ("delayed", (9, 0), (9, 14, 0), True, "", ["cuDNN 9.19 or newer", "runs cuDNN 9.14.0", "CUDNN_PATH=",
+                                                "LD_LIBRARY_PATH=$CUDNN_PATH/lib",
                                                 "NVTE_ALLOW_NONDETERMINISTIC_ALGO=1"]),
     ("current", (10, 0), (9, 18, 1), True, "", ["cuDNN 9.19 or newer", "9.18.1"]),
 ])
@@ -628,7 +629,7 @@ def test_two_cudnns_in_one_process_are_named_with_the_fix(monkeypatch):
     said = te_mod.cudnn_mismatch()
     assert said.startswith("cuDNN version incompatibility: PyTorch was compiled  against (9, 19, 0) but found runtime "
                            "version (9, 14, 0): this process holds parts of two cuDNNs")
-    assert "LD_LIBRARY_PATH" in said and "nvidia.cudnn" in said
+    assert "CUDNN_PATH=" in said and "LD_LIBRARY_PATH=$CUDNN_PATH/lib" in said and "nvidia.cudnn" in said
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
     assert te_mod.cudnn_mismatch() is None
 
@@ -647,7 +648,7 @@ def test_te_running_another_cudnn_than_torch_is_named_with_the_fix(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
     said = te_mod.cudnn_mismatch(te_cudnn=(9, 14, 0))
     assert said.startswith("TE runs cuDNN 9.14.0 and torch cuDNN 9.19.0: this process holds two cuDNNs"), said
-    assert "unfused attention" in said and "LD_LIBRARY_PATH" in said and "nvidia.cudnn" in said
+    assert "unfused attention" in said and said.endswith(te_mod.CUDNN_FIX)
     assert te_mod.cudnn_mismatch(te_cudnn=(9, 19, 0)) is None
     assert te_mod.cudnn_mismatch(te_cudnn=(9, 19, 0, 1)) is None  # only major, minor and patch are compared
     monkeypatch.setattr(te_mod, "HAS_TE", False)
