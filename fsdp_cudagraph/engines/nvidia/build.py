@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -232,44 +232,49 @@ def _nvidia_run(model: nn.Module, root: nn.Module, optimizer: torch.optim.Optimi
                       final_parameters=lambda: {n: cpu_copy(local(p)) for n, p in named}, precision=precision)
 
 
-def _check_parallel_state_groups(expert_groups: ExpertGroups) -> None:
-    """wrapper='mcore': ``FullyShardedDataParallel`` takes its expert groups from megatron-core's parallel state;
-    refuse expert groups of other ranks (the model's exchange and the engine's sharding would disagree)."""
+def _check_parallel_state(what: str, groups: Sequence[dist.ProcessGroup], labels: Sequence[str],
+                          getters: Sequence[Callable[[Any], dist.ProcessGroup]], init: str, use: str,
+                          fix: str) -> List[List[int]]:
+    """wrapper='mcore': ``FullyShardedDataParallel`` (and ``finalize_model_grads``) take their groups from
+    megatron-core's parallel state; refuse ``groups`` (``what``) whose ranks are not those ``getters`` return
+    (the model's collectives and the engine's would disagree). Returns the ranks of ``groups``."""
     from megatron.core import parallel_state as ps
 
     ranks = dist.get_process_group_ranks
-    ours = [ranks(g) for g in expert_groups]
+    ours = [ranks(g) for g in groups]
     if not ps.model_parallel_is_initialized():
-        raise ValueError("engine_options wrapper='mcore' with expert_groups: megatron-core's parallel state is not "
-                         "initialised; FullyShardedDataParallel reads its expert groups from there: call "
-                         "parallel_state.initialize_model_parallel(expert_model_parallel_size=EP) first")
-    theirs = [ranks(ps.get_expert_model_parallel_group()), ranks(ps.get_expert_data_parallel_group())]
+        raise ValueError(f"engine_options wrapper='mcore' with {what}: megatron-core's parallel state is not "
+                         "initialised; FullyShardedDataParallel reads its groups from there: call "
+                         f"parallel_state.initialize_model_parallel({init}) first")
+    theirs = [ranks(get(ps)) for get in getters]
     if ours != theirs:
-        raise ValueError(f"[rank {dist.get_rank()}] engine_options wrapper='mcore': expert_groups (EP {ours[0]}, "
-                         f"EDP {ours[1]}) are not megatron-core's parallel-state groups (EP {theirs[0]}, EDP "
-                         f"{theirs[1]}), which FullyShardedDataParallel shards the experts with; pass "
-                         "parallel_state.get_expert_model_parallel_group() and get_expert_data_parallel_group()")
+        def named(rs: List[List[int]]) -> str:
+            return ", ".join(f"{label} {r}" for label, r in zip(labels, rs))
+        raise ValueError(f"[rank {dist.get_rank()}] engine_options wrapper='mcore': {what} ({named(ours)}) are not "
+                         f"megatron-core's parallel-state groups ({named(theirs)}), which {use}; pass {fix}")
+    return ours
+
+
+def _check_parallel_state_groups(expert_groups: ExpertGroups) -> None:
+    """wrapper='mcore' with EP: the expert groups must be parallel_state's (:func:`_check_parallel_state`)."""
+    _check_parallel_state(
+        "expert_groups", expert_groups, ("EP", "EDP"),
+        (lambda ps: ps.get_expert_model_parallel_group(), lambda ps: ps.get_expert_data_parallel_group()),
+        "expert_model_parallel_size=EP", "FullyShardedDataParallel shards the experts with",
+        "parallel_state.get_expert_model_parallel_group() and get_expert_data_parallel_group()")
 
 
 def _check_parallel_state_tensor_groups(model: nn.Module, tensor_groups: TensorGroups) -> None:
     """wrapper='mcore' with TP: ``FullyShardedDataParallel`` takes its (data-parallel, tensor-parallel) mesh and
-    ``finalize_model_grads`` its TP group from megatron-core's parallel state; refuse groups of other ranks, and a
-    model built without sequence parallelism ([Note: NVIDIA Megatron-FSDP under tensor parallelism])."""
-    from megatron.core import parallel_state as ps
-
-    ranks = dist.get_process_group_ranks
-    ours = [ranks(g) for g in tensor_groups]
-    if not ps.model_parallel_is_initialized():
-        raise ValueError("engine_options wrapper='mcore' with tensor_groups: megatron-core's parallel state is not "
-                         "initialised; FullyShardedDataParallel reads its groups from there: call "
-                         "parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP) first")
-    theirs = [ranks(ps.get_tensor_model_parallel_group()),
-              ranks(ps.get_data_parallel_group(with_context_parallel=True))]
-    if ours != theirs:
-        raise ValueError(f"[rank {dist.get_rank()}] engine_options wrapper='mcore': tensor_groups (TP {ours[0]}, DP "
-                         f"{ours[1]}) are not megatron-core's parallel-state groups (TP {theirs[0]}, DP {theirs[1]}), "
-                         "which FullyShardedDataParallel shards with and finalize_model_grads sums over; pass "
-                         "parallel_state.get_tensor_model_parallel_group() and get_data_parallel_group()")
+    ``finalize_model_grads`` its TP group from megatron-core's parallel state; refuse groups of other ranks
+    (:func:`_check_parallel_state`), and a model built without sequence parallelism ([Note: NVIDIA Megatron-FSDP
+    under tensor parallelism])."""
+    ours = _check_parallel_state(
+        "tensor_groups", tensor_groups, ("TP", "DP"),
+        (lambda ps: ps.get_tensor_model_parallel_group(),
+         lambda ps: ps.get_data_parallel_group(with_context_parallel=True)),
+        "tensor_model_parallel_size=TP", "FullyShardedDataParallel shards with and finalize_model_grads sums over",
+        "parallel_state.get_tensor_model_parallel_group() and get_data_parallel_group()")
     if not getattr(model.config, "sequence_parallel", False):
         raise NotImplementedError(
             f"engine_options wrapper='mcore' with tensor_groups (TP={len(ours[0])}) and TransformerConfig."
