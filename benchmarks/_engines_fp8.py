@@ -23,8 +23,8 @@ a step (gradient accumulation, as Megatron reaches its global batch; default 1).
 - ``nvidia_fp8_eager``: NVIDIA Megatron-FSDP (the checker's ``nvidia`` builder) on the same TE layers under the same
   autocast; its parameters are gathered in bf16. ``nvidia_fp8_gather_eager``: its layers built as
   ``ours_fp8_gather_eager``'s, so that NVIDIA's engine gathers the FP8 weights as bytes (its parameter groups of
-  dtype "float8", what Megatron-Bridge's ``--fp8-param-gather`` runs; eager only: our adapter refuses graphs over
-  them, since backward reads a transpose buffer the replay check does not see).
+  dtype "float8", what Megatron-Bridge's ``--fp8-param-gather`` runs; eager only: per-layer graphs over them need
+  ``keep_fp8_transpose_cache=True``, which the checker's builder does not pass; docs/fp8.md).
 - ``fsdp2_torch_eager``: FSDP2 with ``MixedPrecisionPolicy(bf16, fp32)`` on the model's torch layers (nn.Linear:
   what torchao converts), each layer compiled (``torch.compile`` per block, as torchtitan compiles; ``--fsdp2-compile
   off``: not compiled).

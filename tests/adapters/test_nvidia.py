@@ -331,15 +331,12 @@ def test_refuses_engine_hooks_inside_a_unit():
 
 
 @needs_mcore
-@pytest.mark.parametrize("setting", ["fine_grained", "fp8", "fused_wgrad"])
+@pytest.mark.parametrize("setting", ["fine_grained", "fused_wgrad"])
 def test_refuses_unsafe_settings(setting):
     e, _ = build_engine(Net(), strategy="optim")
     if setting == "fine_grained":
         e.enable_fine_grained_param_gather_hook = True
         match = "enable_fine_grained_param_gather_hook"
-    elif setting == "fp8":
-        e.ddp_config.fp8_param_gather = True
-        match = "fp8_param_gather=False"
     else:
         e.module.layers[0].fc1.fuse_wgrad_accumulation = True
         match = r"layers\.0\.fc1.*fuse_wgrad_accumulation=False"

@@ -13,7 +13,9 @@ They run the entry points a user runs and check their verdicts (docs/fp8.md):
   current and block scaling; delayed scaling refused with its reason.
 - ``tests/gpu/scripts/fp8_gather.py``: TE's primary FP8 weights gathered as FP8 bytes by the engine, every loss and
   main parameter ``torch.equal`` to the same layers with bf16 weights that TE quantizes in forward, and graphed
-  (per-layer and whole-step) equal to eager; fused and unfused weight gradients.
+  (per-layer and whole-step) equal to eager; fused and unfused weight gradients. With ``--engine nvidia`` (not yet
+  run on a GPU): NVIDIA Megatron-FSDP gathering the same FP8 weights, per-layer graphs ``torch.equal`` to eager;
+  controls: a transpose moved after capture refused before the replay, ``keep_fp8_transpose_cache=False`` refused.
 
 Skipped without CUDA or without TE, with the reason.
 """
@@ -130,3 +132,33 @@ def test_fp8_gathered_weights_bit_exact_1gpu(tmp_path):
 def test_fp8_gathered_weights_bit_exact_2gpu(tmp_path):
     """The weights' scales come from the amax all-reduced over both ranks' shards."""
     _check_gather(_fp8_gather(tmp_path, 2), 2)
+
+
+def _nvidia_fp8_gather(tmp_path, nproc: int) -> dict:
+    from fsdp_cudagraph.engines.nvidia.build import NVIDIA_PIP, _nvidia_unavailable
+
+    why = _nvidia_unavailable(torch.device("cuda"))
+    if why is not None:
+        pytest.skip(f"{why}; {NVIDIA_PIP}")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "fp8_gather.py")
+    return run_json(launcher(nproc, [script]) + ["--engine", "nvidia"], tmp_path / f"fp8-gather-nvidia-{nproc}.json",
+                    name=f"fp8-gather-nvidia-{nproc}gpu.json", tail=6000)
+
+
+def _check_nvidia_gather(res: dict, world: int) -> None:
+    assert res["world_size"] == world and res["ok"], res
+    names = [r["row"] for r in res["rows"][0]]
+    assert names == ["nvidia gather", "nvidia gather + per-layer graphs", "nvidia control: transpose moved",
+                     "nvidia control: keep_fp8_transpose_cache=False"], names
+
+
+@pytest.mark.gpu
+def test_nvidia_fp8_gathered_weights_graphed_bit_exact_1gpu(tmp_path):
+    _check_nvidia_gather(_nvidia_fp8_gather(tmp_path, 1), 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@TWO_GPUS
+def test_nvidia_fp8_gathered_weights_graphed_bit_exact_2gpu(tmp_path):
+    _check_nvidia_gather(_nvidia_fp8_gather(tmp_path, 2), 2)

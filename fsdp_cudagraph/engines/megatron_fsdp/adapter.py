@@ -4,7 +4,8 @@ The only module of the library that imports ``megatron_fsdp``: it reads the engi
 (``MegatronFSDP``, its units, ``reset_step_state``, ``simulated_capture``, ``capture_guard``) and the sentinels
 its hooks carry, and answers the per-layer questions with them; its static step (item 9) is the engine's own
 ``megatron_fsdp.graph_contract.StaticStep``, handed over as is. Only this engine has a static step, so only it
-runs whole-step graphs.
+runs whole-step graphs. The NVIDIA adapter reads TE's FP8 weights through this module's
+:func:`parameter_replay_tensors` and :func:`replay_addresses` (one expansion of a quantized parameter for both).
 """
 
 from __future__ import annotations
@@ -22,7 +23,20 @@ from fsdp_cudagraph.engines.contract import (HOOK_DICTS, PER_LAYER_BUFFERS, Engi
 from fsdp_cudagraph.engines.hookplan import adapt, read_sentinel
 from fsdp_cudagraph.engines.registry import register_engine
 
-__all__ = ["MegatronFSDPEngine", "ROLE_ATTR", "PLANNED_ROLES"]
+__all__ = ["MegatronFSDPEngine", "ROLE_ATTR", "PLANNED_ROLES", "parameter_ops", "parameter_replay_tensors",
+           "replay_addresses"]
+
+#: The ops of a quantized parameter's kind (TE's ``Float8Tensor``, a test's stand-in), None for a plain tensor.
+parameter_ops = _fp8.ops_for
+#: (name, tensor) of what a GEMM reads of parameter ``name`` by address: itself, or a quantized weight's FP8 bytes,
+#: transpose and scale-inverse ([Note: FP8 parameter all-gather]).
+parameter_replay_tensors = _fp8.replay_tensors
+
+
+def replay_addresses(p: torch.Tensor, ops: Optional[_fp8.QuantizedOps]) -> List[int]:
+    """The addresses of ``parameter_replay_tensors(name, p)``, in its order; ``ops``: ``parameter_ops(p)``, resolved
+    once by the caller (a probe runs before every replay)."""
+    return [p.data_ptr()] if ops is None else [t.data_ptr() for _, t in ops.tensors(p)]
 
 #: Every hook ``megatron_fsdp`` registers names its role in this attribute.
 ROLE_ATTR = "_megatron_fsdp_role"
@@ -144,7 +158,7 @@ class MegatronFSDPEngine(EngineAdapter, PerLayerEngine):
         # may rebind ``grad_buffer.tensor``), unless it is allocated on demand (then nothing can be pinned).
         # an FP8 weight as the tensors its GEMMs read: bytes, transpose, scale ([Note: FP8 parameter all-gather])
         out: List[Tuple[str, torch.Tensor]] = [pair for n, p in module.named_parameters()
-                                               for pair in _fp8.replay_tensors(n, p)]
+                                               for pair in parameter_replay_tensors(n, p)]
         unit = self._unit(module)
         gb = unit.grad_buffer if unit is not None else None
         if gb is not None and gb.kind != "dynamic":
@@ -156,16 +170,13 @@ class MegatronFSDPEngine(EngineAdapter, PerLayerEngine):
         # seen) and the owning unit; each call reads data pointers only, as replay_tensors orders them.
         slots = parameter_slots(module)
         unit = self._unit(module)
-        kinds = [_fp8.ops_for(d[n]) for d, n in slots]  # the quantized weights' ops, None for plain parameters
+        kinds = [parameter_ops(d[n]) for d, n in slots]  # the quantized weights' ops, None for plain parameters
 
         def probe() -> Tuple[int, ...]:
             if not any(kinds):
                 out = [d[n].data_ptr() for d, n in slots]
             else:
-                out = []
-                for (d, n), ops in zip(slots, kinds):
-                    p = d[n]
-                    out.extend([p.data_ptr()] if ops is None else [t.data_ptr() for _, t in ops.tensors(p)])
+                out = [a for (d, n), ops in zip(slots, kinds) for a in replay_addresses(d[n], ops)]
             gb = unit.grad_buffer if unit is not None else None
             if gb is not None and gb.kind != "dynamic":
                 out.append(gb.tensor.data_ptr())

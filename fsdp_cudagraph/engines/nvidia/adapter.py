@@ -24,6 +24,40 @@ at one address per unit in forward and in backward, which the graph layer's repl
 parameters (:meth:`NvidiaMegatronFSDPEngine.replay_tensors`) verifies before every replay. Units outside
 the double-buffered group need ``fsdp_db_use_persist_buf_on_alloc_fail`` (0.6.1; a persistent buffer per
 bucket); 0.3.1 has no such option and allocates them anew at each unshard, so it is refused.
+
+[Note: NVIDIA's FP8 parameters and replay]
+A model whose TE layers were built under ``quantized_model_init`` holds ``Float8Tensor`` weights (per-tensor
+scaling: current or delayed), and NVIDIA's engine gathers them as bytes: a parameter group of such weights has
+dtype "float8" whatever ``fp8_param_gather`` says (that flag only quantizes parameters initialised on the meta
+device). What a replay reads of such a weight, from Megatron-FSDP 0.6.1's ``param_and_grad_buffer.py``,
+``megatron_fsdp.py`` and ``mixed_precision.py`` (0.3.1's are the same in these points) and TE 2.20's
+``tensor/float8_tensor.py``, ``tensor/storage/float8_tensor_storage.py`` and ``tensor/utils.py``:
+
+- ``_data``, the FP8 bytes: ``DataParallelBuffer.fetch_bucket(set_param_data=True)`` points it
+  (``fp8_set_raw_data``) into the unit's bucket of the weight buffer, a slot of ``weight_alloc``: double-buffered
+  and pinned like a bf16 unit's ([Note: NVIDIA's double buffer and replay]), in forward and in backward.
+- ``_scale_inv``: the weight's own tensor, written in place when the optimizer step quantizes the main shards
+  (``fp8_quantize`` -> TE's ``cast_master_weights_to_fp8``: ``multi_tensor_compute_scale_and_scale_inv`` into
+  ``_scale_inv.view(1)``), outside any graph.
+- ``_transpose``, the column-wise copy TE's dgrad GEMM reads on Hopper: not gathered. After the backward
+  all-gather, ``all_gather_and_wait_parameters_ready(bwd=True)`` writes it from ``_data`` on the device
+  (``fp8_create_transpose_cache`` -> TE's ``post_all_gather_processing`` -> ``_create_transpose``:
+  ``fp8_transpose(_data, out=_transpose)``), in the pre-backward hook, outside the graph. With
+  ``keep_fp8_transpose_cache=False`` (the default) every release drops it (``fp8_discard_transpose_cache``:
+  ``_transpose = None``), so each backward writes a new tensor wherever the allocator puts it: a backward graph
+  would read the capture's freed copy, and the pre-replay check, which runs before the forward, cannot see it (no
+  transpose exists then). Refused. With ``keep_fp8_transpose_cache=True`` the tensor is kept and rewritten in
+  place at every backward unshard, before the backward replay reads it; TE's forward may rewrite it too when TE
+  marked it stale (0.3.1's quantization resets the caches), again in place and from the same bytes.
+- ``raw_param`` maps each name to the ``Float8Tensor`` itself (the module's compute parameter), as for bf16.
+
+So each of the three tensors stays where capture found it, and :meth:`NvidiaMegatronFSDPEngine.replay_tensors`
+names them (the same expansion as ``megatron_fsdp``'s: a tensor subclass's own ``data_ptr()`` says nothing of the
+bytes its GEMMs read), so a replay after any of them moved is refused before it runs. Refused too, naming the fix:
+a ``transpose_weight_buffer`` (MXFP8 weights: column-wise bytes gathered into their own buffer, per-block scales
+the check does not read), quantized weights of another layout (block scaling, NVFP4: ``_rowwise_data``), and
+FP8 weights under a strategy other than ``optim_grads_params`` (not checked: no double buffer there). On Blackwell
+TE reads no transpose (``is_non_tn_fp8_gemm_supported``); the check then covers the bytes and the scale.
 """
 
 from __future__ import annotations
@@ -41,6 +75,7 @@ from torch import nn
 from fsdp_cudagraph.engines.contract import (HOOK_DICTS, EngineAdapter, HookPlan, PerLayerEngine, ReplayProbe,
                                              parameter_slots)
 from fsdp_cudagraph.engines.hookplan import read_sentinel
+from fsdp_cudagraph.engines.megatron_fsdp.adapter import parameter_ops, parameter_replay_tensors, replay_addresses
 from fsdp_cudagraph.engines.nvidia.hooks import (_PLANS, _engine_of, _is_engine, _is_mcore_wrapper, _local_name,
                                                  _owner, _te_form, identify_hook)
 from fsdp_cudagraph.engines.registry import register_engine
@@ -111,6 +146,9 @@ def _forget_refused_gathers(pipeline: Any) -> None:
 
 
 _PIN_ATTR = "_fsdp_cudagraph_unpinned_allocate"
+#: Attributes that mark a quantized parameter (TE's Float8Tensor: _data, _scale_inv; MXFP8, block-scaled and
+#: NVFP4 weights: _rowwise_data, _columnwise_data), for one TE has not registered with the FP8 expansion.
+_QUANTIZED_ATTRS = ("_data", "_scale_inv", "_rowwise_data", "_columnwise_data")
 
 
 def _pinned_allocators(engine: Any) -> List[Any]:
@@ -251,8 +289,9 @@ class NvidiaMegatronFSDPEngine(EngineAdapter, PerLayerEngine):
     """
 
     name = "NVIDIA Megatron-FSDP"
-    address_hint = ("Keep fsdp_double_buffer=True (and fsdp_db_use_persist_buf_on_alloc_fail=True on 0.6.1) and the "
-                    "double buffer's slot pin (pin_double_buffer_slots) in force.")
+    address_hint = ("Keep fsdp_double_buffer=True (and fsdp_db_use_persist_buf_on_alloc_fail=True on 0.6.1), "
+                    "keep_fp8_transpose_cache=True with FP8 weights, and the double buffer's slot pin "
+                    "(pin_double_buffer_slots) in force.")
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
@@ -339,12 +378,7 @@ class NvidiaMegatronFSDPEngine(EngineAdapter, PerLayerEngine):
                 f"fsdp_cudagraph: {version} was built with {fine}=True, which hooks every submodule, so the "
                 "engine's all-gathers would run inside the captured layers; build it without fine-grained "
                 "parameter gathering (fully_shard_model(enable_fine_grained_param_gather=False))")
-        if getattr(cfg, "fp8_param_gather", False) or any(
-                getattr(g, "transpose_weight_buffer", None) is not None
-                for g in getattr(getattr(e, "param_and_grad_buffer", None), "parameter_groups", ())):
-            raise NotImplementedError(
-                f"fsdp_cudagraph: {version} gathers FP8 parameters (fp8_param_gather=True): backward reads a "
-                "transpose buffer whose address the replay check does not see; use fp8_param_gather=False")
+        self._check_fp8_parameters(version)
         index = getattr(e, "dist_index", None)
         if getattr(index, "use_hybrid_fsdp", False):
             raise NotImplementedError(
@@ -369,6 +403,58 @@ class NvidiaMegatronFSDPEngine(EngineAdapter, PerLayerEngine):
         if self._strategy() == "optim_grads_params":
             self._check_zero3(version)
         pin_double_buffer_slots(self.engine)
+
+    def _quantized_parameters(self) -> List[Tuple[str, torch.Tensor]]:
+        """(name, parameter) of the engine's compute parameters that are quantized (TE's FP8 weights)."""
+        raw = getattr(self.engine, "raw_param", None) or dict(self.root.named_parameters())
+        return [(n, p) for n, p in raw.items()
+                if parameter_ops(p) is not None or any(hasattr(p, a) for a in _QUANTIZED_ATTRS)]
+
+    @property
+    def fp8_supported(self) -> bool:  # type: ignore[override]
+        """An FP8 recipe under per-layer graphs: only over FP8 weights the engine gathers as bytes, whose every
+        tensor the replay check reads ([Note: NVIDIA's FP8 parameters and replay]; not yet run on a GPU). bf16
+        weights that TE quantizes in forward stay refused here, as the contract's default says."""
+        return bool(self._quantized_parameters())
+
+    def _check_fp8_parameters(self, version: str) -> None:
+        """[Note: NVIDIA's FP8 parameters and replay]: refuse what the replay check does not cover."""
+        e, cfg = self.engine, self.engine.ddp_config
+        groups = getattr(getattr(e, "param_and_grad_buffer", None), "parameter_groups", ())
+        columnwise = [i for i, g in enumerate(groups) if getattr(g, "transpose_weight_buffer", None) is not None]
+        if columnwise:
+            raise NotImplementedError(
+                f"fsdp_cudagraph: {version} gathers parameter groups {columnwise[:4]} into a transpose_weight_buffer "
+                "(MXFP8 weights): their column-wise bytes and per-block scales are tensors the replay check does not "
+                "read; build the FP8 layers with a per-tensor recipe (Float8CurrentScaling or DelayedScaling under "
+                "quantized_model_init), or without quantized_model_init (bf16 weights)")
+        quantized = self._quantized_parameters()
+        if not quantized:  # fp8_param_gather=True over bf16 parameters gathers bf16, as without it
+            return
+        other = [f"{n} ({type(p).__name__})" for n, p in quantized
+                 if parameter_ops(p) is None or hasattr(p, "_rowwise_data")
+                 or not all(hasattr(p, a) for a in ("_data", "_scale_inv"))]
+        if other:
+            raise NotImplementedError(
+                f"fsdp_cudagraph: {version} holds quantized parameters {other[:4]} that are not per-tensor FP8 "
+                "weights (TE's Float8Tensor: _data, _transpose, _scale_inv), the only layout the replay check reads; "
+                "build them under quantized_model_init with Float8CurrentScaling or DelayedScaling, or without it")
+        names = [n for n, _ in quantized]
+        strategy = self._strategy()
+        if strategy != "optim_grads_params":
+            raise NotImplementedError(
+                f"fsdp_cudagraph: {version} gathers FP8 weights {names[:3]} as bytes with "
+                f"data_parallel_sharding_strategy={strategy!r}; partial graphs over FP8 weights were checked with "
+                "'optim_grads_params' only (double-buffered slots, transposes written by the backward unshard): use "
+                "'optim_grads_params' with fsdp_double_buffer=True, or build the layers without quantized_model_init")
+        if not getattr(cfg, "keep_fp8_transpose_cache", False):
+            raise ValueError(
+                f"fsdp_cudagraph: {version} with FP8 weights {names[:3]} and keep_fp8_transpose_cache="
+                f"{getattr(cfg, 'keep_fp8_transpose_cache', None)}: the engine drops each weight's transpose when it "
+                "releases the unit and writes a new one at the next backward unshard, wherever the allocator puts "
+                "it, so a backward graph would read the capture's freed copy (and no check before the forward can "
+                "see it); pass keep_fp8_transpose_cache=True to fully_shard (or set it in "
+                "DistributedDataParallelConfig): the transpose is then kept and rewritten in place")
 
     def _check_zero3(self, version: str) -> None:
         cfg = self.engine.ddp_config
@@ -415,28 +501,33 @@ class NvidiaMegatronFSDPEngine(EngineAdapter, PerLayerEngine):
 
     def replay_tensors(self, module: nn.Module) -> List[Tuple[str, torch.Tensor]]:
         # The module's compute ("raw") parameters, whose .data the engine points into the unshard buffer; after
-        # finish_grad_sync the module holds the optimizer's DTensors instead, so map those back by name.
+        # finish_grad_sync the module holds the optimizer's DTensors instead, so map those back by name. An FP8
+        # weight is the tensors its GEMMs read: bytes, transpose, scale ([Note: NVIDIA's FP8 parameters and replay]).
         raw = getattr(self.engine, "raw_param", None) or {}
         dist = self._optimizer_names()
-        out = []
+        out: List[Tuple[str, torch.Tensor]] = []
         for name, p in module.named_parameters():
             full = dist.get(id(p))
-            out.append((name, raw[full] if full is not None and full in raw else p))
+            out.extend(parameter_replay_tensors(name, raw[full] if full is not None and full in raw else p))
         return out
 
     def replay_probe(self, module: nn.Module) -> ReplayProbe:
-        # Resolved once: where each parameter is registered and the optimizer's DTensors by id (created with the
-        # engine, they do not change); each call maps what is registered now, as replay_tensors does.
+        # Resolved once: where each parameter is registered, the optimizer's DTensors by id (created with the
+        # engine, they do not change) and each compute parameter's kind; each call maps what is registered now, as
+        # replay_tensors does, and reads data pointers only.
         slots, dist, engine = parameter_slots(module), self._optimizer_names(), self.engine
+
+        def compute(p: torch.Tensor, raw: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            full = dist.get(id(p))
+            return raw[full] if full is not None and full in raw else p
+
+        kinds = [parameter_ops(compute(d[n], getattr(engine, "raw_param", None) or {})) for d, n in slots]
 
         def probe() -> Tuple[int, ...]:
             raw = getattr(engine, "raw_param", None) or {}
-            out = []
-            for d, n in slots:
-                p = d[n]
-                full = dist.get(id(p))
-                out.append((raw[full] if full is not None and full in raw else p).data_ptr())
-            return tuple(out)
+            if not any(kinds):
+                return tuple(compute(d[n], raw).data_ptr() for d, n in slots)
+            return tuple(a for (d, n), ops in zip(slots, kinds) for a in replay_addresses(compute(d[n], raw), ops))
         return probe
 
     def _optimizer_names(self) -> Dict[int, str]:

@@ -18,6 +18,15 @@ again in backward), Adam, current scaling with one ``FP8Recipe.autocast()`` arou
   ``.grad``; the QKV weight stays fused, as TE requires of FP8 weights).
 - Bytes all-gathered in step 1 by dtype, and the peak memory, of each row.
 
+``--engine nvidia`` (not yet run on a GPU): NVIDIA Megatron-FSDP (megatron-core's bundled copy) on the same FP8 layers,
+which it gathers as bytes, ZeRO-3 with its double buffer and ``keep_fp8_transpose_cache=True``, unfused weight
+gradients (the adapter refuses fused ones under NVIDIA's engine) and the head in bf16. Rows: ``nvidia gather``
+(eager) and ``nvidia gather + per-layer graphs`` against it (``torch.equal``, every loss and this rank's shard of
+every main parameter; [Note: NVIDIA's FP8 parameters and replay] in fsdp_cudagraph/engines/nvidia/adapter.py), and
+two controls: ``nvidia control: transpose moved`` (a weight's transpose, its scale-inverse where TE keeps no
+transpose, replaced after capture: the next forward must be refused before the replay, naming it) and ``nvidia
+control: keep_fp8_transpose_cache=False`` (refused when the graphs are built).
+
 Rank 0 writes the JSON (``ok``: every row ran and every comparison is equal); exit status 1 if not.
 """
 
@@ -156,12 +165,139 @@ def compare(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
     return {"equal": equal, "max_rel_param": rel, "max_rel_loss": loss_rel}
 
 
+def nvidia_model(dev: torch.device, *, keep_transpose: bool):
+    """The FP8 layers under NVIDIA Megatron-FSDP (megatron-core's copy): (engine, its optimizer)."""
+    import inspect
+
+    import transformer_engine.pytorch as te
+    from megatron.core.distributed.fsdp.src import megatron_fsdp as mf
+
+    torch.manual_seed(7)
+    torch.cuda.manual_seed_all(7)
+    with dev:
+        net = Net(True, fuse=False)
+    net.head.to(torch.bfloat16)  # NVIDIA computes in the module's dtype; the FP8 layers are bf16 already
+    accepted = inspect.signature(mf.fully_shard).parameters
+    options: Dict[str, Any] = dict(fsdp_unit_modules=[te.TransformerLayer], zero_dp_strategy="optim_grads_params",
+                                   device=dev, fsdp_double_buffer=True, keep_fp8_transpose_cache=keep_transpose,
+                                   overlap_grad_reduce=True, overlap_param_gather=True, sync_model_each_microbatch=True)
+    if "fsdp_db_use_persist_buf_on_alloc_fail" in accepted:  # 0.6.1
+        options["fsdp_db_use_persist_buf_on_alloc_fail"] = True
+    if "mixed_precision_policy" in accepted:  # 0.6.1
+        options["mixed_precision_policy"] = mf.MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                                                    main_grads_dtype=torch.float32)
+    model, opt = mf.fully_shard(net, torch.optim.Adam(net.parameters(), lr=1e-3), **options)
+    opt.state.clear()  # fully_shard_optimizer's eager zero step would start Adam's count at 1
+    return model, opt
+
+
+def train_nvidia(dev: torch.device, *, graphs: bool, move_after_capture: bool = False) -> Dict[str, Any]:
+    """NVIDIA's engine over the FP8 layers, eagerly or with per-layer graphs (whole layers, TE's graph maker);
+    ``move_after_capture``: replace a weight's transpose (its scale-inverse without one) after the capture and
+    return the refusal of the next forward."""
+    from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
+    from fsdp_cudagraph.capture.fp8 import FP8Recipe
+
+    model, opt = nvidia_model(dev, keep_transpose=True)
+    fp8 = FP8Recipe("current")
+    partial = None
+    if graphs:
+        partial = PartialCudaGraphs(model, CudaGraphConfig(cuda_graph_impl="transformer_engine", cuda_graph_modules=[],
+                                                           cuda_graph_warmup_steps=CAPTURE_AT), backend="te", fp8=fp8)
+    losses: List[torch.Tensor] = []
+    try:
+        for step in range(STEPS):
+            if partial is not None and step == CAPTURE_AT:
+                partial.capture()
+                if move_after_capture:
+                    w = next(p for n, p in model.raw_param.items()  # the compute parameters: TE's Float8Tensors
+                             if n.startswith("layers.0.") and hasattr(p, "_scale_inv"))
+                    attr = "_transpose" if getattr(w, "_transpose", None) is not None else "_scale_inv"
+                    setattr(w, attr, getattr(w, attr).clone())
+                    x, _ = batch(step, dev)
+                    try:
+                        with fp8.autocast():
+                            model(x)
+                    except RuntimeError as exc:
+                        return {"moved": attr, "refusal": str(exc)}
+                    return {"moved": attr, "refusal": None}
+            x, y = batch(step, dev)
+            with fp8.autocast():
+                out = model(x)
+            loss = nn.functional.mse_loss(out.float(), y.float())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach().float().clone())
+        torch.cuda.synchronize(dev)
+        held = [p for g in opt.param_groups for p in g["params"]]
+        state = {str(i): (p.to_local() if hasattr(p, "to_local") else p).detach().float().cpu()
+                 for i, p in enumerate(held)}  # this rank's shard of every main parameter
+    finally:
+        if partial is not None:
+            partial.delete()
+    return {"losses": [float(v) for v in torch.stack(losses).cpu()], "state": state, "fp8_units": ["(NVIDIA)"],
+            "gathered_bytes_step1": {}, "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30}
+
+
+def nvidia_rows(dev: torch.device, guard: RowGuard) -> List[Dict[str, Any]]:
+    """``--engine nvidia``: NVIDIA Megatron-FSDP gathering FP8 weights, eager against per-layer graphs, and two
+    controls (see the module's docstring)."""
+    rows: List[Dict[str, Any]] = []
+    runs: Dict[str, Any] = {}
+    for key, graphs in (("nvidia gather", False), ("nvidia gather + per-layer graphs", True)):
+        try:
+            runs[key] = train_nvidia(dev, graphs=graphs)
+        except Exception as exc:  # noqa: BLE001 - recorded in the row, the run goes on
+            rows.append({"row": key, **RowGuard.failed(key, exc)})
+            guard.end_of_row(key)
+            continue
+        guard.end_of_row(key)
+        row = {"row": key, "losses": runs[key]["losses"], "peak_gib": runs[key]["peak_gib"], "ok": True}
+        if graphs:
+            if "nvidia gather" not in runs:
+                row.update(ok=False, error="no nvidia gather run to compare with")
+            else:
+                row.update(against="nvidia gather", **compare(runs[key], runs["nvidia gather"]))
+                row["ok"] = row["equal"]
+        rows.append(row)
+    key = "nvidia control: transpose moved"
+    try:
+        got = train_nvidia(dev, graphs=True, move_after_capture=True)
+        name = {"_transpose": "(transpose)", "_scale_inv": "(scale_inv)"}[got["moved"]]
+        refusal = got["refusal"] or ""
+        rows.append({"row": key, **got, "ok": name in refusal and "captured at" in refusal})
+    except Exception as exc:  # noqa: BLE001
+        rows.append({"row": key, **RowGuard.failed(key, exc)})
+    guard.end_of_row(key)
+    key = "nvidia control: keep_fp8_transpose_cache=False"
+    try:
+        from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
+        from fsdp_cudagraph.capture.fp8 import FP8Recipe
+
+        model, _ = nvidia_model(dev, keep_transpose=False)
+        try:
+            PartialCudaGraphs(model, CudaGraphConfig(cuda_graph_impl="transformer_engine", cuda_graph_modules=[]),
+                              backend="te", fp8=FP8Recipe("current")).delete()
+            rows.append({"row": key, "refusal": None, "ok": False})
+        except ValueError as exc:
+            rows.append({"row": key, "refusal": str(exc), "ok": "keep_fp8_transpose_cache=True" in str(exc)})
+    except Exception as exc:  # noqa: BLE001
+        rows.append({"row": key, **RowGuard.failed(key, exc)})
+    guard.end_of_row(key)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--engine", choices=("ours", "nvidia"), default="ours",
+                    help="ours: megatron_fsdp's rows (the default); nvidia: NVIDIA Megatron-FSDP's rows")
     args = ap.parse_args()
     dev = init_script_ranks("cuda", 29533)
     guard = RowGuard()  # [Note: a row that raises on one rank] in tests/gpu_utils.py
+    if args.engine == "nvidia":
+        return finish(args.out, nvidia_rows(dev, guard), expected=4, ratio=None)
     rows: List[Dict[str, Any]] = []
     runs: Dict[str, Any] = {}
     plan = [("reference", False, None), ("gather", True, None), ("gather + per-layer graphs", True, "partial"),
@@ -188,19 +324,25 @@ def main() -> None:
                     row.update(against=against, **compare(r, runs[against]))
                     row["ok"] = row["equal"] and (quantized == bool(r["fp8_units"]))
             rows.append(row)
+    ref, got = runs.get("reference", {}), runs.get("gather", {})
+    ratio = None
+    if ref and got:
+        ratio = sum(got["gathered_bytes_step1"].values()) / max(sum(ref["gathered_bytes_step1"].values()), 1)
+    finish(args.out, rows, expected=2 * len(plan), ratio=ratio)
+
+
+def finish(out: str, rows: List[Dict[str, Any]], *, expected: int, ratio: Optional[float]) -> None:
+    """Every rank's rows to rank 0, which writes the JSON; exit status 1 unless every row is ok."""
     everything: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everything, rows)
-    ok = all(r["ok"] for rs in everything for r in rs) and len(rows) == 2 * len(plan)
+    ok = all(r["ok"] for rs in everything for r in rs) and len(rows) == expected
     if dist.get_rank() == 0:
-        ref, got = runs.get("reference", {}), runs.get("gather", {})
-        ratio = None
-        if ref and got:
-            ratio = sum(got["gathered_bytes_step1"].values()) / max(sum(ref["gathered_bytes_step1"].values()), 1)
-        with open(args.out, "w") as f:
+        with open(out, "w") as f:
             json.dump({"ok": ok, "world_size": dist.get_world_size(), "gather_bytes_ratio": ratio, "rows": everything,
                        "versions": {"torch": torch.__version__, "te": __import__("transformer_engine").__version__,
                                     "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-                                    "device": torch.cuda.get_device_name(dev)}}, f, indent=1)
+                                    "device": torch.cuda.get_device_name(torch.cuda.current_device())}},
+                      f, indent=1)
         for r in rows:
             print({k: v for k, v in r.items() if k not in ("losses", "traceback")}, flush=True)
         print("gather bytes / reference bytes (step 1):", ratio, "ok:", ok, flush=True)
