@@ -109,10 +109,12 @@ def test_fp8_whole_step_graphs_bit_exact_2gpu(tmp_path):
     _check_whole_step(_whole_step(tmp_path, 2), 2)
 
 
-def _fp8_gather(tmp_path, nproc: int) -> dict:
+def _fp8_gather(tmp_path, nproc: int, engine: str = "ours") -> dict:
+    """tests/gpu/scripts/fp8_gather.py under ``engine`` (``--engine``; the file names carry a non-default one)."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "fp8_gather.py")
-    return run_json(launcher(nproc, [script]), tmp_path / f"fp8-gather-{nproc}.json", name=f"fp8-gather-{nproc}gpu.json",
-                    tail=6000)
+    tag = "" if engine == "ours" else f"-{engine}"
+    return run_json(launcher(nproc, [script]) + ["--engine", engine], tmp_path / f"fp8-gather{tag}-{nproc}.json",
+                    name=f"fp8-gather{tag}-{nproc}gpu.json", tail=6000)
 
 
 def _check_gather(res: dict, world: int) -> None:
@@ -140,9 +142,7 @@ def _nvidia_fp8_gather(tmp_path, nproc: int) -> dict:
     why = _nvidia_unavailable(torch.device("cuda"))
     if why is not None:
         pytest.skip(f"{why}; {NVIDIA_PIP}")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "fp8_gather.py")
-    return run_json(launcher(nproc, [script]) + ["--engine", "nvidia"], tmp_path / f"fp8-gather-nvidia-{nproc}.json",
-                    name=f"fp8-gather-nvidia-{nproc}gpu.json", tail=6000)
+    return _fp8_gather(tmp_path, nproc, engine="nvidia")
 
 
 def _check_nvidia_gather(res: dict, world: int) -> None:
