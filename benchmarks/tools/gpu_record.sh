@@ -42,9 +42,11 @@
 #                   TORCH_DISTRIBUTED_DEBUG=DETAIL)                           -> ep-*.json, bench-qwen3moe-*.json
 #   tp              tensor parallelism on 2 and NPROC GPUs: the reference GPT on the (dp, tp) grid
 #                   (tests/gpu/scripts/tp_graphs.py), FSDP2 with DTensor TP (fsdp2_tp_graphs.py), megatron-core's
-#                   GPTModel with TP under ours (mcore_gpt.py --only-tp; PYTHONPATH=/tmp/site)  -> tp-*.json
+#                   GPTModel with TP under ours and NVIDIA's FullyShardedDataParallel (mcore_gpt.py --only-tp;
+#                   PYTHONPATH=/tmp/site)                                       -> tp-*.json
 #   fp8             FP8 with TE (needs TE): apps.align --rows FP8 and full_iteration_align --fp8-only on 1 GPU and
-#                   NPROC, the FP8 all-gather rows (tests/gpu/scripts/fp8_gather.py) on 1 and NPROC, and
+#                   NPROC, the FP8 all-gather rows (tests/gpu/scripts/fp8_gather.py, ours and --engine nvidia) on 1
+#                   and NPROC, and
 #                   benchmarks/fp8_numerics.py (every recipe and delayed with FP8 attention beside bf16,
 #                   FP8_STEPS=300) on 1 GPU
 #                                                     -> fp8-align-*.json, fp8-fi-*.json, fp8-gather-*.json, fp8-numerics-1gpu.json
@@ -339,13 +341,20 @@ stage_fp8() {
       --out "$OUT/fp8-fi-${N}gpu.json"
     tail -3 "$OUT/fp8-align-${N}gpu.log" "$OUT/fp8-fi-${N}gpu.log"
   fi
-  # TE's FP8 weights gathered as FP8 bytes against TE quantizing bf16 weights, eager and graphed (tests/gpu/scripts)
-  step fp8-gather-1gpu.log $ONE $LIMIT 150 python3 tests/gpu/scripts/fp8_gather.py --out "$OUT/fp8-gather-1gpu.json"
-  tail -3 "$OUT/fp8-gather-1gpu.log"
-  if multi; then
-    step fp8-gather-${N}gpu.log $LIMIT 150 $RUN_N tests/gpu/scripts/fp8_gather.py --out "$OUT/fp8-gather-${N}gpu.json"
-    tail -3 "$OUT/fp8-gather-${N}gpu.log"
-  fi
+  # TE's FP8 weights gathered as FP8 bytes against TE quantizing bf16 weights, eager and graphed (tests/gpu/scripts);
+  # then NVIDIA Megatron-FSDP gathering them, eager against per-layer graphs (--engine nvidia; PYTHONPATH=/tmp/site)
+  local e tag
+  for e in ours nvidia; do
+    tag=$([ $e = ours ] && echo "" || echo "-$e")
+    step fp8-gather$tag-1gpu.log $ONE $LIMIT 150 python3 tests/gpu/scripts/fp8_gather.py --engine $e \
+      --out "$OUT/fp8-gather$tag-1gpu.json"
+    tail -3 "$OUT/fp8-gather$tag-1gpu.log"
+    if multi; then
+      step fp8-gather$tag-${N}gpu.log $LIMIT 150 $RUN_N tests/gpu/scripts/fp8_gather.py --engine $e \
+        --out "$OUT/fp8-gather$tag-${N}gpu.json"
+      tail -3 "$OUT/fp8-gather$tag-${N}gpu.log"
+    fi
+  done
   step fp8-numerics-1gpu.log $ONE $LIMIT ${FP8_NUMERICS_S:-400} python3 benchmarks/fp8_numerics.py \
     --steps ${FP8_STEPS:-300} --recipes delayed current block delayed+attention --out "$OUT/fp8-numerics-1gpu.json"
   tail -8 "$OUT/fp8-numerics-1gpu.log"
