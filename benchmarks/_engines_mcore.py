@@ -69,7 +69,7 @@ def shape(args: argparse.Namespace, tp: int) -> Any:
     from fsdp_cudagraph.apps import mcore_gpt
 
     common = dict(num_layers=args.layers, micro_batch_size=args.micro_batch, tensor_parallel_size=tp, swiglu=True,
-                  normalization="RMSNorm", tie_embeddings=False)
+                  normalization="RMSNorm")  # untied: megatron-core's default
     if args.cpu_smoke:
         return mcore_gpt.base_shape(torch.device("cpu"), "dense", vocab_size=128, hidden_size=32, ffn_hidden_size=64,
                                     num_heads=4, num_query_groups=2, seq_len=16, use_te=False, **common)

@@ -155,8 +155,9 @@ class MCoreShape:
     swiglu: bool = False
     #: ``TransformerConfig.normalization``: ``LayerNorm`` or ``RMSNorm``
     normalization: str = "LayerNorm"
-    #: ``GPTModel(share_embeddings_and_output_weights=)``: the output layer reuses the embedding's weight
-    tie_embeddings: bool = True
+    #: ``GPTModel(share_embeddings_and_output_weights=)``: the output layer reuses the embedding's weight (False,
+    #: megatron-core's default: an output layer of its own)
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
