@@ -17,8 +17,9 @@ Tensor parallelism: a call whose group is ``tp_group`` (the model's tensor-paral
 :func:`count_collectives`) counts under ``tp_<kind>`` instead, and the reference GPT's sequence-parallel
 all-gathers and reduce-scatters (``fsdp_cudagraph.apps.tp``'s ``_all_gather_single`` / ``_reduce_scatter_single``,
 and megatron-core's ``dist_all_gather_func`` / ``dist_reduce_scatter_func`` in ``tensor_parallel.mappings``,
-``tensor_parallel.layers`` and ``utils``, bound at import) are patched where they live, so a TP step splits into the TP collectives inside the layers (and
-the engine's all-reduce of the ``sequence_parallel`` gradients over TP) and FSDP's over the data-parallel group.
+``tensor_parallel.layers`` and ``utils``, bound at import) are patched where they live, so a TP step splits into
+the TP collectives inside the layers (and the engine's all-reduce of the ``sequence_parallel`` gradients over TP)
+and FSDP's over the data-parallel group.
 DTensor's TP collectives (FSDP2 + ``parallelize_module``) are torch's functional collectives
 (``torch.ops._c10d_functional``), which this counter does not see: an FSDP2 TP row holds FSDP2's bytes only.
 
@@ -117,7 +118,8 @@ def count_collectives(tp_group: Optional[dist.ProcessGroup] = None) -> Iterator[
         pass
     else:
         targets += [(m, f"dist_{kind}_func", kind) for m in (mcore_mappings, mcore_layers)
-                    for kind in ("all_gather", "reduce_scatter")] + [(mcore_utils, "dist_all_gather_func", "all_gather")]
+                    for kind in ("all_gather", "reduce_scatter")]
+        targets.append((mcore_utils, "dist_all_gather_func", "all_gather"))
     saved = []
     for owner, name, kind in targets:
         fn = getattr(owner, name, None)

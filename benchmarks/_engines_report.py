@@ -13,7 +13,9 @@ FSDP2 EP against ours EP: at most 8.7e-5, first losses bit-equal). :data:`LOSS_P
 ``FIRST_LOSS_RTOL = 1e-5`` on the first loss and ``LOSS_RTOL = 2e-3`` (about 10x the largest drift measured) on
 every loss; a column whose experts were sharded or exchanged
 over the wrong ranks trains another model from step 0 and is far outside. Not seen by it: a gradient scale
-error that Adam normalises away. DISAGREE fails the run, like a failed goal.
+error that Adam normalises away. DISAGREE fails the run, like a failed goal. :data:`EXACT_FIRST_LOSS` pairs
+(NVIDIA against ours on megatron-core's GPTModel, ``--config mcore70b``: the same bf16 weights into the same
+forward) must start bit-equal: their first-loss bound is 0.
 
 [Note: the FP8 floor]
 An FP8 column runs the layers' GEMMs in FP8 and the rest in bf16: TE's recipes and torchao's float8 leave

@@ -23,6 +23,13 @@ Configs (``--config``):
            printed. Tokens/s and TFLOP/s per GPU divide a data-parallel rank's micro-batch by TP. ``--vocab-parallel``:
            the token embedding and the LM head split over the vocabulary too, in ours and FSDP2's columns alike
            (default: both replicated over TP). See ``_engines_tp.py``.
+  mcore70b megatron-core's own ``GPTModel`` (``apps/mcore_gpt.py``) at the llama70b slice's dimensions (hidden 8192,
+           SwiGLU FFN 28672 (``gated_linear_unit``), 64 query / 8 KV heads, RMSNorm, RoPE, vocab 128256 untied, bf16
+           parameters; TE's layer spec when TE is importable, else the local spec) under megatron-core's parallel
+           state, TP = ``--tensor-parallel`` (default: the world size) with sequence parallelism: ours against NVIDIA
+           Megatron-FSDP on the same model (NVIDIA's engine shards megatron-core's TP layers through megatron-core's
+           FullyShardedDataParallel). Partial graphs over each layer's ``self_attention`` and ``mlp``. Depth as
+           llama70b, printed. The NVIDIA columns have not run on a GPU yet. See ``_engines_mcore.py``.
   llama8b_fp8 the Llama-3-8B shape of llama8b at sequence 8192 (the published FP8 records' setting), bf16 beside TE's
            FP8 recipes (delayed, current, block), FP8 with partial and whole-step graphs, NVIDIA Megatron-FSDP in FP8,
            FSDP2 bf16 and FSDP2 + torchao float8 (torch layers, each compiled); ``--micro-batches N`` for gradient
@@ -64,9 +71,17 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
                        ``mesh['tp']`` (q, k, v split; no sequence parallelism), ``fully_shard`` over ``mesh['dp']``
   fsdp2_tp_gathered_eager  with --vocab-parallel: the same, its head's logits gathered whole for the plain loss
   fsdp2_tp_partial     the same + keep_unsharded_storage + PartialCudaGraphs over ``attn mlp``
-  nvidia_tp_eager      (llama70b) NVIDIA Megatron-FSDP with TP: not applicable to this model (it takes TP from
-                       megatron-core's parallel state; ``apps/mcore_gpt.py`` runs it with TP for megatron-core's
-                       GPTModel through megatron-core's FullyShardedDataParallel only)
+  nvidia_tp_eager      (llama70b) NVIDIA Megatron-FSDP with TP: not applicable to the reference GPT (it takes TP from
+                       megatron-core's parallel state, for megatron-core models); NVIDIA with TP: see --config mcore70b
+  ours_mcore_tp_eager  (mcore70b) megatron_fsdp on megatron-core's GPTModel, ``fully_shard(process_group=dp,
+                       tensor_parallel_group=tp)`` with megatron-core's groups
+  ours_mcore_tp_partial  + PartialCudaGraphs over ``decoder.layers.*.self_attention`` and ``.mlp`` (attn_mlp)
+  nvidia_mcore_tp_eager  (mcore70b) NVIDIA Megatron-FSDP on the same model through megatron-core's
+                       FullyShardedDataParallel (the ``nvidia`` builder, ``wrapper='mcore'``; megatron-core's
+                       ``finalize_model_grads`` before each optimizer step); its first loss must equal
+                       ours_mcore_tp_eager's bit for bit, the others within LOSS_RTOL ([Note: losses across
+                       engines]); GPU only, not yet run on one
+  nvidia_mcore_tp_partial  + PartialCudaGraphs (as ours_mcore_tp_partial)
   ours_fp8_<r>_eager   (llama8b_fp8) ours_eager under TE's FP8 autocast with recipe r (delayed, current, block)
   ours_fp8_partial     + PartialCudaGraphs with the recipe (``--fp8-recipe``, default current)
   ours_fp8_full        + FullIterationCudaGraph, the autocast inside the captured step (``--fp8-recipe``)
@@ -89,7 +104,8 @@ K's CUDA runtime calls and operators by their own host time) and the first losse
 column is reported against the floor with communication ([Note: the floor with communication] in
 ``_perf_goals.py``; the all-gather and reduce-scatter rates of a layer-sized collective measured in the same
 run) and the engines-at-scale goals (llama8b), the MoE goals (olmoe), the expert-parallel goals (qwen3moe, among
-them ours EP eager >= 1.2x NVIDIA EP eager's tokens/s at no more peak) and the TP goals (llama70b) get PASS / NOISE
+them ours EP eager >= 1.2x NVIDIA EP eager's tokens/s at no more peak) and the TP goals (llama70b; mcore70b: ours
+eager >= 1.1x NVIDIA's tokens/s per GPU, partial never slower than eager) get PASS / NOISE
 / FAIL / MISSING verdicts (``_perf_goals.ENGINE_GOALS``); the losses of a column of another engine on the same EP
 model are checked against ours EP eager's ([Note: losses across engines] in ``_engines_report.py``: AGREE or
 DISAGREE, which fails the run). A column that does not apply here (slots on one rank, EP on one rank, NVIDIA on CPU
@@ -110,6 +126,8 @@ the children's run ends that column at once and goes on.
     python benchmarks/bench_engines.py --config llama70b --nproc-per-node 2 --seq 8192 --out tp2.json   # TP 2
     python benchmarks/bench_engines.py --config llama70b --nproc-per-node 4 --tensor-parallel 2 --out tp2x2.json
     python benchmarks/bench_engines.py --config llama70b --nproc-per-node 2 --layers 2 --vocab-parallel --out vp.json
+    python benchmarks/bench_engines.py --config mcore70b --nproc-per-node 4 --out mcore-tp4.json    # TP 4, 8 layers
+    python benchmarks/bench_engines.py --config mcore70b --nproc-per-node 2 --seq 8192 --out mcore-tp2.json  # TP 2
     python benchmarks/bench_engines.py --config llama8b_fp8 --nproc-per-node 4 --out fp8-4gpu.json   # 32 layers, seq 8192
     python benchmarks/bench_engines.py --cpu-smoke --config llama8b            # Gloo, tiny shapes, protocol backend
 
