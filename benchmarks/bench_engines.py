@@ -274,7 +274,7 @@ class Model:
     #: ``(model, tokens, targets) -> loss`` for a model that takes other inputs than the tokens (megatron-core's
     #: GPTModel: position ids, mask, labels); None: ``module(x)`` or ``module(x, y)`` as above
     call_loss: Optional[Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]] = None
-    #: the partial columns' ``cuda_graph_module_patterns`` (models selected by module names), instead of ``scopes``
+    #: the partial columns' ``cuda_graph_module_patterns`` (modules selected by name), instead of ``scopes``
     scope_patterns: List[str] = dataclasses.field(default_factory=list)
     #: the model's tensor-parallel group where the module does not carry it as ``tensor_parallel_group``
     tensor_parallel_group: Optional[Any] = None
@@ -662,7 +662,9 @@ def _run_column(column: str, args: argparse.Namespace, device: torch.device) -> 
     mbs = args.micro_batch
     dp_rank, dp = model.data_parallel or (rank, world)
     tp = counts.get("tensor_parallel_size", 1)
-    tp_group = (model.tensor_parallel_group or getattr(model.module, "tensor_parallel_group", None)) if tp > 1 else None
+    tp_group = model.tensor_parallel_group
+    if tp_group is None and tp > 1:
+        tp_group = getattr(model.module, "tensor_parallel_group", None)
     n_micro = args.micro_batches
     batches = []  # per step, its micro-batches
     for step in range(args.warmup + args.steps):
