@@ -16,8 +16,10 @@ what crosses this rank's links under a ring (or pairwise) algorithm:
 Tensor parallelism: a call whose group is ``tp_group`` (the model's tensor-parallel group, given to
 :func:`count_collectives`) counts under ``tp_<kind>`` instead, and the reference GPT's sequence-parallel
 all-gathers and reduce-scatters (``fsdp_cudagraph.apps.tp``'s ``_all_gather_single`` / ``_reduce_scatter_single``,
-bound at import) are patched where they live, so a TP step splits into the TP collectives inside the layers (and
-the engine's all-reduce of the ``sequence_parallel`` gradients over TP) and FSDP's over the data-parallel group.
+and megatron-core's ``dist_all_gather_func`` / ``dist_reduce_scatter_func`` in ``tensor_parallel.mappings``,
+``tensor_parallel.layers`` and ``utils``, bound at import) are patched where they live, so a TP step splits into
+the TP collectives inside the layers (and the engine's all-reduce of the ``sequence_parallel`` gradients over TP)
+and FSDP's over the data-parallel group.
 DTensor's TP collectives (FSDP2 + ``parallelize_module``) are torch's functional collectives
 (``torch.ops._c10d_functional``), which this counter does not see: an FSDP2 TP row holds FSDP2's bytes only.
 
@@ -109,6 +111,15 @@ def count_collectives(tp_group: Optional[dist.ProcessGroup] = None) -> Iterator[
                (ours, "_all_gather_single", "all_gather"), (ours, "_reduce_scatter_single", "reduce_scatter"),
                (tp_layers, "_all_gather_single", "all_gather"),
                (tp_layers, "_reduce_scatter_single", "reduce_scatter")]
+    try:  # megatron-core's sequence-parallel gathers and scatters (mcore70b), bound at import
+        from megatron.core import utils as mcore_utils
+        from megatron.core.tensor_parallel import layers as mcore_layers, mappings as mcore_mappings
+    except ImportError:
+        pass
+    else:
+        targets += [(m, f"dist_{kind}_func", kind) for m in (mcore_mappings, mcore_layers)
+                    for kind in ("all_gather", "reduce_scatter")]
+        targets.append((mcore_utils, "dist_all_gather_func", "all_gather"))
     saved = []
     for owner, name, kind in targets:
         fn = getattr(owner, name, None)

@@ -21,7 +21,8 @@ data-parallel ranks; the TP ranks of one data-parallel rank take the same micro-
   torchtitan does by default, :func:`_root_tp_plan`), ``shard_fsdp2(mesh=mesh['dp'])`` with
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; the partial column adds
   ``keep_unsharded_storage``. Each rank starts from the same values as ours (the TP=1 model's slice).
-- NVIDIA Megatron-FSDP: not applicable (:func:`not_applicable`).
+- NVIDIA Megatron-FSDP: not applicable (:func:`not_applicable`); NVIDIA with TP: see ``--config mcore70b``
+  (``_engines_mcore.py``: both engines on megatron-core's GPTModel).
 
 No CUDA needed to import; the CPU smoke runs it on Gloo at a tiny shape.
 """
@@ -52,7 +53,8 @@ NVIDIA_TP_REASON = (
     "layers NVIDIA's fully_shard does not know (it would shard the TP ranks' different slices over all ranks as one "
     "data-parallel model). For megatron-core's GPTModel the project runs it with TP only through megatron-core's "
     "FullyShardedDataParallel (wrapper mcore) and refuses wrapper fully_shard with TP "
-    "(check_engine_tensor_parallel in fsdp_cudagraph/apps/mcore_gpt.py)")
+    "(check_engine_tensor_parallel in fsdp_cudagraph/apps/mcore_gpt.py). NVIDIA with TP: see --config mcore70b "
+    "(ours and NVIDIA on megatron-core's GPTModel at this slice's dimensions)")
 
 _GROUPS: Dict[int, Tuple[Any, Any]] = {}
 _MESHES: Dict[Tuple[str, int], Any] = {}

@@ -207,7 +207,8 @@ GOALS: List[Goal] = [
 
 
 #: The engines-at-scale goals (config ``llama8b``), the MoE goals (``olmoe``, ``qwen3moe``) and the tensor-parallel
-#: goals (``llama70b``, the same tokens per GPU per step in every column of one run) over ``bench_engines.py``'s columns.
+#: goals (``llama70b``, and ``mcore70b`` on megatron-core's GPTModel; the same tokens per GPU per step in every column
+#: of one run) over ``bench_engines.py``'s columns.
 #: A tokens/s goal "a >= x * b" with the same tokens per step is the step-time goal "a / b <= 1 / x".
 ENGINE_GOALS: List[Goal] = [
     Goal("ours eager step / floor with communication", "llama8b", "ms", "ours_eager", "floor", 1.2),
@@ -255,6 +256,12 @@ ENGINE_GOALS: List[Goal] = [
          "ours_tp_eager", "fsdp2_tp_gathered_eager", 1 / 1.15),
     Goal("ours TP eager step / NVIDIA TP eager (tokens/s per GPU >= 1.1x)", "llama70b", "ms", "ours_tp_eager",
          "nvidia_tp_eager", 1 / 1.1),
+    Goal("ours mcore TP eager step / NVIDIA mcore TP eager (tokens/s per GPU >= 1.1x)", "mcore70b", "ms",
+         "ours_mcore_tp_eager", "nvidia_mcore_tp_eager", 1 / 1.1),
+    Goal("ours mcore TP + partial step / ours mcore TP eager (never slower)", "mcore70b", "ms",
+         "ours_mcore_tp_partial", "ours_mcore_tp_eager", 1.0),
+    Goal("NVIDIA mcore TP + partial step / NVIDIA mcore TP eager (never slower)", "mcore70b", "ms",
+         "nvidia_mcore_tp_partial", "nvidia_mcore_tp_eager", 1.0),
     Goal("ours FP8 (current) eager step / ours bf16 eager (tokens/s >= 1.35x)", "llama8b_fp8", "ms",
          "ours_fp8_current_eager", "ours_eager", 1 / 1.35),
     Goal("ours FP8 (current) eager step / NVIDIA FP8 eager (tokens/s >= 1.1x)", "llama8b_fp8", "ms",

@@ -23,6 +23,13 @@ Configs (``--config``):
            printed. Tokens/s and TFLOP/s per GPU divide a data-parallel rank's micro-batch by TP. ``--vocab-parallel``:
            the token embedding and the LM head split over the vocabulary too, in ours and FSDP2's columns alike
            (default: both replicated over TP). See ``_engines_tp.py``.
+  mcore70b megatron-core's own ``GPTModel`` (``apps/mcore_gpt.py``) at the llama70b slice's dimensions (hidden 8192,
+           SwiGLU FFN 28672 (``gated_linear_unit``), 64 query / 8 KV heads, RMSNorm, RoPE, vocab 128256 untied, bf16
+           parameters; TE's layer spec when TE is importable, else the local spec) under megatron-core's parallel
+           state, TP = ``--tensor-parallel`` (default: the world size) with sequence parallelism: ours against NVIDIA
+           Megatron-FSDP on the same model (NVIDIA's engine shards megatron-core's TP layers through megatron-core's
+           FullyShardedDataParallel). Partial graphs over each layer's ``self_attention`` and ``mlp``. Depth as
+           llama70b, printed. The NVIDIA columns have not run on a GPU yet. See ``_engines_mcore.py``.
   llama8b_fp8 the Llama-3-8B shape of llama8b at sequence 8192 (the published FP8 records' setting), bf16 beside TE's
            FP8 recipes (delayed, current, block), FP8 with partial and whole-step graphs, NVIDIA Megatron-FSDP in FP8,
            FSDP2 bf16 and FSDP2 + torchao float8 (torch layers, each compiled); ``--micro-batches N`` for gradient
@@ -64,9 +71,17 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
                        ``mesh['tp']`` (q, k, v split; no sequence parallelism), ``fully_shard`` over ``mesh['dp']``
   fsdp2_tp_gathered_eager  with --vocab-parallel: the same, its head's logits gathered whole for the plain loss
   fsdp2_tp_partial     the same + keep_unsharded_storage + PartialCudaGraphs over ``attn mlp``
-  nvidia_tp_eager      (llama70b) NVIDIA Megatron-FSDP with TP: not applicable to this model (it takes TP from
-                       megatron-core's parallel state; ``apps/mcore_gpt.py`` runs it with TP for megatron-core's
-                       GPTModel through megatron-core's FullyShardedDataParallel only)
+  nvidia_tp_eager      (llama70b) NVIDIA Megatron-FSDP with TP: not applicable to the reference GPT (it takes TP from
+                       megatron-core's parallel state, for megatron-core models); NVIDIA with TP: see --config mcore70b
+  ours_mcore_tp_eager  (mcore70b) megatron_fsdp on megatron-core's GPTModel, ``fully_shard(process_group=dp,
+                       tensor_parallel_group=tp)`` with megatron-core's groups
+  ours_mcore_tp_partial  + PartialCudaGraphs over ``decoder.layers.*.self_attention`` and ``.mlp`` (attn_mlp)
+  nvidia_mcore_tp_eager  (mcore70b) NVIDIA Megatron-FSDP on the same model through megatron-core's
+                       FullyShardedDataParallel (the ``nvidia`` builder, ``wrapper='mcore'``; megatron-core's
+                       ``finalize_model_grads`` before each optimizer step); its first loss must equal
+                       ours_mcore_tp_eager's bit for bit, the others within LOSS_RTOL ([Note: losses across
+                       engines]); GPU only, not yet run on one
+  nvidia_mcore_tp_partial  + PartialCudaGraphs (as ours_mcore_tp_partial)
   ours_fp8_<r>_eager   (llama8b_fp8) ours_eager under TE's FP8 autocast with recipe r (delayed, current, block)
   ours_fp8_partial     + PartialCudaGraphs with the recipe (``--fp8-recipe``, default current)
   ours_fp8_full        + FullIterationCudaGraph, the autocast inside the captured step (``--fp8-recipe``)
@@ -89,7 +104,8 @@ K's CUDA runtime calls and operators by their own host time) and the first losse
 column is reported against the floor with communication ([Note: the floor with communication] in
 ``_perf_goals.py``; the all-gather and reduce-scatter rates of a layer-sized collective measured in the same
 run) and the engines-at-scale goals (llama8b), the MoE goals (olmoe), the expert-parallel goals (qwen3moe, among
-them ours EP eager >= 1.2x NVIDIA EP eager's tokens/s at no more peak) and the TP goals (llama70b) get PASS / NOISE
+them ours EP eager >= 1.2x NVIDIA EP eager's tokens/s at no more peak) and the TP goals (llama70b; mcore70b: ours
+eager >= 1.1x NVIDIA's tokens/s per GPU, partial never slower than eager) get PASS / NOISE
 / FAIL / MISSING verdicts (``_perf_goals.ENGINE_GOALS``); the losses of a column of another engine on the same EP
 model are checked against ours EP eager's ([Note: losses across engines] in ``_engines_report.py``: AGREE or
 DISAGREE, which fails the run). A column that does not apply here (slots on one rank, EP on one rank, NVIDIA on CPU
@@ -110,6 +126,8 @@ the children's run ends that column at once and goes on.
     python benchmarks/bench_engines.py --config llama70b --nproc-per-node 2 --seq 8192 --out tp2.json   # TP 2
     python benchmarks/bench_engines.py --config llama70b --nproc-per-node 4 --tensor-parallel 2 --out tp2x2.json
     python benchmarks/bench_engines.py --config llama70b --nproc-per-node 2 --layers 2 --vocab-parallel --out vp.json
+    python benchmarks/bench_engines.py --config mcore70b --nproc-per-node 4 --out mcore-tp4.json    # TP 4, 8 layers
+    python benchmarks/bench_engines.py --config mcore70b --nproc-per-node 2 --seq 8192 --out mcore-tp2.json  # TP 2
     python benchmarks/bench_engines.py --config llama8b_fp8 --nproc-per-node 4 --out fp8-4gpu.json   # 32 layers, seq 8192
     python benchmarks/bench_engines.py --cpu-smoke --config llama8b            # Gloo, tiny shapes, protocol backend
 
@@ -152,6 +170,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import _engines_fp8  # noqa: E402
+import _engines_mcore  # noqa: E402
 import _engines_tp  # noqa: E402
 import _flops  # noqa: E402
 from _comm_bytes import count_collectives, reduce_max  # noqa: E402
@@ -184,6 +203,10 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
     "fsdp2_tp_gathered_eager": ("fsdp2", {"tensor_parallel": True}, "eager"),
     "fsdp2_tp_partial": ("fsdp2", {"tensor_parallel": True, "storage": "keep"}, "partial"),
     "nvidia_tp_eager": ("nvidia", {"tensor_parallel": True}, "eager"),
+    "ours_mcore_tp_eager": ("megatron_fsdp", {"mcore": True}, "eager"),
+    "ours_mcore_tp_partial": ("megatron_fsdp", {"mcore": True}, "partial"),
+    "nvidia_mcore_tp_eager": ("nvidia", {"mcore": True}, "eager"),
+    "nvidia_mcore_tp_partial": ("nvidia", {"mcore": True}, "partial"),
     "ours_fp8_delayed_eager": ("megatron_fsdp", {"fp8": True}, "eager"),
     "ours_fp8_current_eager": ("megatron_fsdp", {"fp8": True}, "eager"),
     "ours_fp8_block_eager": ("megatron_fsdp", {"fp8": True}, "eager"),
@@ -201,18 +224,20 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
 }
 COLUMNS = {
     "llama8b": [c for c in COLUMN_SPECS if "_ep_" not in c and c not in _engines_tp.TP_COLUMNS
+                and c not in _engines_mcore.MCORE_COLUMNS
                 and (c == "ours_eager" or c not in _engines_fp8.FP8_COLUMNS)],
     "olmoe": ["ours_eager", "ours_partial", "ours_full", "fsdp2_eager", "fsdp2_keep_partial", "nvidia_eager",
               "nvidia_partial"],
     "qwen3moe": ["ours_eager", "ours_partial", "ours_ep_eager", "ours_ep_groups_eager", "ours_ep_partial",
                  "fsdp2_ep_eager", "fsdp2_ep_partial", "nvidia_ep_eager", "nvidia_ep_partial"],
     "llama70b": list(_engines_tp.TP_COLUMNS),
+    "mcore70b": list(_engines_mcore.MCORE_COLUMNS),
     "llama8b_fp8": list(_engines_fp8.FP8_COLUMNS),
 }
 #: depth by world size when --layers is not given (see the module docstring)
 DEFAULT_LAYERS = {"llama8b": {1: 4, 2: 16}, "olmoe": {1: 4, 2: 8}, "qwen3moe": {1: 2, 2: 4}, "llama70b": {1: 2, 2: 4},
-                  "llama8b_fp8": {1: 4, 2: 16}}
-DEEPEST = {"llama8b": 32, "olmoe": 16, "qwen3moe": 8, "llama70b": 8, "llama8b_fp8": 32}
+                  "mcore70b": {1: 2, 2: 4}, "llama8b_fp8": {1: 4, 2: 16}}
+DEEPEST = {"llama8b": 32, "olmoe": 16, "qwen3moe": 8, "llama70b": 8, "mcore70b": 8, "llama8b_fp8": 32}
 OLMOE_SCOPES = ["attn", "moe_router", "moe_preprocess"]
 CHILD_ENV = "BENCH_ENGINES_CHILD"
 
@@ -246,6 +271,13 @@ class Model:
     loss_context: Callable[[], Any] = contextlib.nullcontext
     #: the model computes its own loss, ``module(x, y)`` (ours with the vocabulary split: from the slices)
     fused_loss: bool = False
+    #: ``(model, tokens, targets) -> loss`` for a model that takes other inputs than the tokens (megatron-core's
+    #: GPTModel: position ids, mask, labels); None: ``module(x)`` or ``module(x, y)`` as above
+    call_loss: Optional[Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]] = None
+    #: the partial columns' ``cuda_graph_module_patterns`` (modules selected by name), instead of ``scopes``
+    scope_patterns: List[str] = dataclasses.field(default_factory=list)
+    #: the model's tensor-parallel group where the module does not carry it as ``tensor_parallel_group``
+    tensor_parallel_group: Optional[Any] = None
 
 
 def _llama_config(args: argparse.Namespace, *, fuse_wgrad: bool, layers_impl: Optional[str] = None,
@@ -310,6 +342,8 @@ def build_model(args: argparse.Namespace, device: torch.device, *, ours: bool, f
     expert_groups = None
     if args.config == "llama70b":
         return _tensor_parallel_model(args, device, ours=ours, gathered=column in _engines_tp.GATHERED_LOGITS)
+    if args.config == "mcore70b":
+        return _mcore_model(args, device)
     if args.config in ("llama8b", "llama8b_fp8"):
         from fsdp_cudagraph.apps import llama
 
@@ -381,6 +415,29 @@ def _tensor_parallel_model(args: argparse.Namespace, device: torch.device, *, ou
                  fused_loss=ours and cfg.vocab_parallel)
 
 
+def _mcore_model(args: argparse.Namespace, device: torch.device) -> Model:
+    """``--config mcore70b``: this rank's TP slice of megatron-core's GPTModel (``_engines_mcore.py``), the same
+    model for both engines."""
+    import dataclasses as dc
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from fsdp_cudagraph.apps import mcore_gpt
+    from fsdp_cudagraph.apps.model import synthetic_batch
+
+    module, shape, counts = _engines_mcore.build(args, device)
+    counts["model_config"] = {k: v for k, v in dc.asdict(shape).items()
+                              if isinstance(v, (int, float, str, bool, type(None)))}
+    # the loss is call_loss's; synthetic_batch reads the shape's vocab_size and seq_len
+    return Model(module, TransformerLayer, [], shape.seq_len, shape.vocab_size, None,
+                 lambda step, n, dev: synthetic_batch(step, n, shape, dev), counts,
+                 _engines_mcore.data_parallel_rank(),
+                 call_loss=_engines_mcore.forward_loss(device, shape.seq_len),
+                 scope_patterns=list(mcore_gpt.SCOPES[_engines_mcore.SCOPE]),
+                 tensor_parallel_group=ps.get_tensor_model_parallel_group())
+
+
 # ---------------------------------------------------------------------------------------------- the engines
 
 
@@ -442,6 +499,8 @@ def shard(column: str, model: Model, device: torch.device, args: argparse.Namesp
         return Sharded(net, opt, False, precision)
     # FP8 is the training loop's (the autocast around each forward): the engine is built as without it
     options = {k: v for k, v in (options or {}).items() if k != "fp8"} or None
+    if (options or {}).get("mcore"):
+        return Sharded(*_engines_mcore.shard(column, model.module, device, _adam(device)))
     if (options or {}).get("tensor_parallel"):
         net, opt, use_mf, precision, _ = _engines_tp.shard(column, model.module, model.unit_class, device,
                                                            model.counts["tensor_parallel_size"], _adam(device))
@@ -497,6 +556,8 @@ def not_applicable(column: str, world: int, device: torch.device,
     """Why ``column`` cannot run here by design (None: it can). A failure to run is not this: it is an error."""
     if column in _engines_tp.TP_COLUMNS:
         return _engines_tp.not_applicable(column, world, args if args is not None else parse([]))
+    if column in _engines_mcore.MCORE_COLUMNS:
+        return _engines_mcore.not_applicable(column, world, device, args if args is not None else parse([]))
     if column in _engines_fp8.FP8_COLUMNS:
         why = _engines_fp8.not_applicable(column, device, args if args is not None else parse([]))
         if why is not None:
@@ -526,11 +587,13 @@ def _has_megatron_core() -> bool:
 # ---------------------------------------------------------------------------------------------- one column
 
 
-def _graph_config(args: argparse.Namespace, scopes: List[str], use_megatron_fsdp: bool) -> Any:
+def _graph_config(args: argparse.Namespace, scopes: List[str], use_megatron_fsdp: bool,
+                  patterns: Optional[List[str]] = None) -> Any:
     from fsdp_cudagraph.config import CudaGraphConfig
 
     return CudaGraphConfig(cuda_graph_impl="transformer_engine" if args.backend == "te" else "local",
-                           cuda_graph_modules=list(scopes), cuda_graph_warmup_steps=args.capture_step,
+                           cuda_graph_modules=list(scopes), cuda_graph_module_patterns=list(patterns or []),
+                           cuda_graph_warmup_steps=args.capture_step,
                            use_megatron_fsdp=use_megatron_fsdp, fsdp_double_buffer=use_megatron_fsdp,
                            fsdp_db_use_persist_buf_on_alloc_fail=use_megatron_fsdp)
 
@@ -564,6 +627,13 @@ def _host_profile_summary(prof: Any, top: int = 12) -> Dict[str, Any]:
 
 def run_column(column: str, args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
     """Build, shard and train ``column`` for ``--warmup + --steps`` steps; its row (every rank returns it)."""
+    if column in _engines_mcore.MCORE_COLUMNS:  # megatron-core on the CPU: its CUDA-only calls shimmed
+        with _engines_mcore.device_context(device):
+            return _run_column(column, args, device)
+    return _run_column(column, args, device)
+
+
+def _run_column(column: str, args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
     from fsdp_cudagraph import FullIterationCudaGraph, PartialCudaGraphs
     from fsdp_cudagraph.config import CudaGraphConfig
 
@@ -592,7 +662,9 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
     mbs = args.micro_batch
     dp_rank, dp = model.data_parallel or (rank, world)
     tp = counts.get("tensor_parallel_size", 1)
-    tp_group = getattr(model.module, "tensor_parallel_group", None) if tp > 1 else None
+    tp_group = model.tensor_parallel_group
+    if tp_group is None and tp > 1:
+        tp_group = getattr(model.module, "tensor_parallel_group", None)
     n_micro = args.micro_batches
     batches = []  # per step, its micro-batches
     for step in range(args.warmup + args.steps):
@@ -602,11 +674,13 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
             micro.append((x[dp_rank * mbs:(dp_rank + 1) * mbs].contiguous(),
                           y[dp_rank * mbs:(dp_rank + 1) * mbs].contiguous()))
         batches.append(micro)
-    loss_of, loss_context, fused_loss = model.loss, model.loss_context, model.fused_loss
+    loss_of, loss_context, fused_loss, call_loss = model.loss, model.loss_context, model.fused_loss, model.call_loss
 
     def forward_loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor, first: bool = True) -> torch.Tensor:
         # FP8: one autocast region around each micro-batch's forward, eager, replayed and captured alike
         with _engines_fp8.autocast(fp8, first):
+            if call_loss is not None:
+                return call_loss(m, x, y) / n_micro
             if fused_loss:
                 return m(x, y) / n_micro
             out = m(x)
@@ -615,7 +689,8 @@ def run_column(column: str, args: argparse.Namespace, device: torch.device) -> D
     net, opt = sharded.model, sharded.optimizer
     partial = full = None
     if mode == "partial":
-        partial = PartialCudaGraphs(net, _graph_config(args, model.scopes, sharded.use_megatron_fsdp),
+        partial = PartialCudaGraphs(net, _graph_config(args, model.scopes, sharded.use_megatron_fsdp,
+                                                       model.scope_patterns),
                                     backend=args.backend, **({"fp8": fp8} if fp8 is not None else {}))
     elif mode == "full":
         full = FullIterationCudaGraph(net, forward_loss,
@@ -742,6 +817,8 @@ def layer_numel(args: argparse.Namespace) -> int:
         return _llama_config(args, fuse_wgrad=False).layer_params()
     if args.config == "llama70b":
         return _engines_tp.layer_numel(args, dist.get_world_size())
+    if args.config == "mcore70b":
+        return _engines_mcore.layer_numel(args, dist.get_world_size())
     if args.config == "qwen3moe":
         cfg = _qwen3_moe_config(args, fuse_wgrad=False, ep=1)
         h, d = cfg.hidden_size, cfg.head_dim
@@ -895,7 +972,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the config's, 4096)")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--tensor-parallel", type=int, default=None,
-                   help="llama70b: TP ranks per data-parallel rank (default: the world size)")
+                   help="llama70b, mcore70b: TP ranks per data-parallel rank (default: the world size)")
     p.add_argument("--vocab-parallel", action="store_true",
                    help="llama70b: split the token embedding and the LM head over the vocabulary across the TP group "
                         "(ours: GPTConfig(vocab_parallel=True); FSDP2: RowwiseParallel/ColwiseParallel on tok/head)")
@@ -996,10 +1073,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.layers = 2 if args.cpu_smoke else default_layers(args.config, world)
         argv += ["--layers", str(args.layers)]
     columns = args.columns or COLUMNS[args.config]
-    if args.config == "llama70b":
+    if args.config in ("llama70b", "mcore70b"):
         tp = _engines_tp.tensor_parallel_size(args, world)
-        _say(f"llama70b: {args.layers} of Llama-3-70B's 80 layers, TP {tp} x DP {world // tp}, sequence "
-             f"{args.seq or 4096}, micro-batch {args.micro_batch}")
+        model = "reference GPT" if args.config == "llama70b" else "megatron-core GPTModel"
+        _say(f"{args.config}: {args.layers} of Llama-3-70B's 80 layers ({model}), TP {tp} x DP {world // tp}, "
+             f"sequence {16 if args.cpu_smoke else args.seq or 4096}, micro-batch {args.micro_batch}")
     skipped = {c: why for c in columns if (why := not_applicable(c, world, device, args)) is not None}
     _say(f"bench_engines: config {args.config}, {args.layers} layers, {world} rank(s), layers {args.layers_impl}, "
          f"graphs {args.backend}, columns {columns}, isolation {args.isolate}"

@@ -148,6 +148,16 @@ class MCoreShape:
     #: megatron-core's ``tensor_model_parallel_size`` (TP, with sequence parallelism; dense model only): each rank
     #: builds its TP slice of every layer and of the vocabulary-parallel embedding and output layer; 1: no TP
     tensor_parallel_size: int = 1
+    #: megatron-core's ``num_query_groups`` (grouped-query attention: the key/value heads); None: one per head
+    num_query_groups: Optional[int] = None
+    #: a SwiGLU MLP (``gated_linear_unit=True``, ``activation_func=silu``; ``ffn_hidden_size`` is the gate's and
+    #: the up projection's width each, as Llama counts it); False: megatron-core's default GELU MLP
+    swiglu: bool = False
+    #: ``TransformerConfig.normalization``: ``LayerNorm`` or ``RMSNorm``
+    normalization: str = "LayerNorm"
+    #: ``GPTModel(share_embeddings_and_output_weights=)``: the output layer reuses the embedding's weight (False,
+    #: megatron-core's default: an output layer of its own)
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
@@ -155,6 +165,13 @@ class MCoreShape:
                              "'allgather' (the flex dispatcher needs DeepEP/HybridEP, not checked here)")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size({self.hidden_size}) % num_heads({self.num_heads}) != 0")
+        if self.num_query_groups is not None and (self.num_query_groups < 1 or self.num_heads % self.num_query_groups):
+            raise ValueError(f"num_query_groups={self.num_query_groups} does not divide num_heads={self.num_heads}: "
+                             "each key/value head serves num_heads / num_query_groups query heads; pick a divisor "
+                             f"of {self.num_heads} (None: one group per head)")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"normalization={self.normalization!r} is not 'LayerNorm' or 'RMSNorm' (the norms this "
+                             "app builds on both layer specs)")
         self._check_tensor_parallel()
         self._check_expert_parallel()
 
@@ -172,7 +189,8 @@ class MCoreShape:
                              "and the MoE layer's sequence-parallel dispatch are not wired into this app or checked; "
                              "use model dense with tensor parallelism, or tensor_parallel_size=1 (expert "
                              "parallelism: --expert-parallel)")
-        for what, n in (("num_heads", self.num_heads), ("ffn_hidden_size", self.ffn_hidden_size),
+        groups = () if self.num_query_groups is None else (("num_query_groups", self.num_query_groups),)
+        for what, n in (("num_heads", self.num_heads), *groups, ("ffn_hidden_size", self.ffn_hidden_size),
                         ("vocab_size", self.vocab_size), ("seq_len", self.seq_len)):
             if n % tp:
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {what}={n}: megatron-core splits the "
@@ -343,14 +361,15 @@ class SequenceParallelLayerNorm:
     its own, and each TP rank holds its positions): ``FusedLayerNorm`` only tags its weight and bias
     ``sequence_parallel = True`` so that their gradients, partial per TP rank, are summed over TP after
     backward (megatron-core's ``finalize_model_grads``; our engine does it in its gradient fold). This class is
-    that: a ``torch.nn.LayerNorm`` (what ``WrappedTorchNorm`` builds) with the tags, used by :func:`build` for
+    that: a ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` (what ``WrappedTorchNorm`` builds for
+    ``config.normalization``) with the tags, used by :func:`build` for
     the layers' and the final norm when TP > 1, the local spec is chosen and apex is missing (the CPU)."""
 
     def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any) -> nn.Module:
-        if config.normalization != "LayerNorm":
+        if config.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization={config.normalization!r} with sequence parallelism on the local spec "
-                             "without apex: only LayerNorm is provided here; use normalization='LayerNorm' or TE")
-        norm = nn.LayerNorm(hidden_size, eps=eps)
+                             "without apex: only LayerNorm and RMSNorm are provided here; use one of them or TE")
+        norm = (nn.LayerNorm if config.normalization == "LayerNorm" else nn.RMSNorm)(hidden_size, eps=eps)
         for p in norm.parameters():
             p.sequence_parallel = True
         return norm
@@ -425,6 +444,11 @@ def build(shape: MCoreShape, device: torch.device, *, dtype: torch.dtype = torch
         # needs gradients returned, not fused into main_grad (docs/engines.md).
         cuda_graph_impl="none", gradient_accumulation_fusion=False,
     )
+    if shape.num_query_groups is not None:
+        kwargs.update(num_query_groups=shape.num_query_groups)
+    if shape.swiglu:
+        kwargs.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False)
+    kwargs.update(normalization=shape.normalization)
     tp = shape.tensor_parallel_size
     if tp > 1:  # every TP rank builds its slice; activations between TP regions are split along the sequence
         kwargs.update(tensor_model_parallel_size=tp, sequence_parallel=True)
@@ -437,11 +461,14 @@ def build(shape: MCoreShape, device: torch.device, *, dtype: torch.dtype = torch
         _fix_router_without_te()
     config = TransformerConfig(**kwargs)
     spec_fn = get_gpt_layer_with_transformer_engine_spec if te else get_gpt_layer_local_spec
-    layer_spec = spec_fn(num_experts=shape.num_experts, moe_grouped_gemm=grouped)
+    # TE's spec reads the norm from the config; the local one picks its norm class by this argument
+    layer_spec = spec_fn(num_experts=shape.num_experts, moe_grouped_gemm=grouped,
+                         **({} if te else {"normalization": shape.normalization}))
     if tp > 1 and not te:  # [Note: megatron-core's local norm under sequence parallelism]
         layer_spec = _sequence_parallel_local_spec(layer_spec, shape.num_layers)
     model = GPTModel(config, layer_spec, vocab_size=shape.vocab_size, max_sequence_length=shape.seq_len,
-                     position_embedding_type="rope")
+                     position_embedding_type="rope",
+                     share_embeddings_and_output_weights=shape.tie_embeddings)
     model = model.to(device)
     tag_modules(model)
     return model
