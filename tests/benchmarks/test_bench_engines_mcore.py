@@ -5,9 +5,7 @@ columns on 2 Gloo ranks (TP 2) with the NVIDIA columns reported as not run."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -20,6 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import _engines_mcore  # noqa: E402
 import _engines_report  # noqa: E402
 from fsdp_cudagraph.apps.mcore_gpt import MCoreShape  # noqa: E402
+from tests.benchmarks._smoke import bench_engines_smoke  # noqa: E402
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -96,13 +95,7 @@ def test_bench_engines_cpu_smoke_mcore70b(tmp_path):
     """TP 2 on 2 Gloo ranks: ours trains megatron-core's GPTModel eagerly and with partial graphs over attn_mlp
     (the same losses, changing step to step), the sequence-parallel collectives counted as TP bytes; NVIDIA's
     columns are not run, with the reason."""
-    out = tmp_path / "mcore70b.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "benchmarks", "bench_engines.py"), "--cpu-smoke", "--warmup", "2", "--steps", "2",
-           "--capture-step", "1", "--config", "mcore70b", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = bench_engines_smoke(tmp_path, "mcore70b", "--config", "mcore70b", timeout=300)
     cols = r["columns"]
     eager, partial = cols["ours_mcore_tp_eager"], cols["ours_mcore_tp_partial"]
     assert len(eager["losses"]) == 4 and all(v == v and abs(v) < 1e3 for v in eager["losses"])

@@ -4,9 +4,7 @@ on synthetic rows, the reasons for what does not run, and the CPU smoke of the c
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +17,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import _engines_report  # noqa: E402
 import _engines_tp  # noqa: E402
+from tests.benchmarks._smoke import bench_engines_smoke  # noqa: E402
 
 
 def test_llama70b_config_has_llama3_70b_layer_and_vocabulary():
@@ -89,13 +88,7 @@ def test_tp_sizes_refused_and_columns_not_applicable():
 def test_bench_engines_cpu_smoke_llama70b_tensor_parallel(tmp_path):
     """TP 2 on 2 Gloo ranks, every column in one process: graphed columns train like their eager column, ours and
     FSDP2 start from the same values, the TP collectives are counted apart from FSDP's, NVIDIA is N/A."""
-    out = tmp_path / "llama70b.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "benchmarks", "bench_engines.py"), "--cpu-smoke", "--warmup", "2", "--steps", "2",
-           "--capture-step", "1", "--config", "llama70b", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = bench_engines_smoke(tmp_path, "llama70b", "--config", "llama70b")
     cols = r["columns"]
     for graphed, eager in (("ours_tp_partial", "ours_tp_eager"), ("ours_tp_full", "ours_tp_eager"),
                            ("fsdp2_tp_partial", "fsdp2_tp_eager")):
@@ -149,14 +142,8 @@ def test_bench_engines_cpu_smoke_llama70b_vocab_parallel_loss_parallel(tmp_path)
     assert _engines_tp.loss_context(_args(vocab_parallel=True), True, 2).__name__ == "loss_parallel"
     assert _engines_tp.loss_context(_args(vocab_parallel=True), False, 2) is not _engines_tp.loss_context(
         _args(vocab_parallel=True), True, 2)  # ours computes its own vocabulary-parallel loss
-    out = tmp_path / "vp.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "benchmarks", "bench_engines.py"), "--cpu-smoke", "--warmup", "2", "--steps", "2",
-           "--capture-step", "1", "--config", "llama70b", "--vocab-parallel", "--columns", "ours_tp_eager",
-           "fsdp2_tp_eager", "fsdp2_tp_partial", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cols = json.loads(out.read_text())["columns"]
+    cols = bench_engines_smoke(tmp_path, "vp", "--config", "llama70b", "--vocab-parallel", "--columns",
+                               "ours_tp_eager", "fsdp2_tp_eager", "fsdp2_tp_partial")["columns"]
     assert cols["fsdp2_tp_partial"]["losses_equal_to_fsdp2_tp_eager"] is True
     assert cols["fsdp2_tp_eager"]["losses"][0] == pytest.approx(cols["ours_tp_eager"]["losses"][0], rel=1e-3)
     assert cols["fsdp2_tp_eager"]["counts"]["rank_params"] < cols["fsdp2_tp_eager"]["counts"]["num_params"]
