@@ -20,6 +20,11 @@ a step (gradient accumulation, as Megatron reaches its global batch; default 1).
 - ``ours_fp8_attention_eager``: delayed scaling with attention in FP8 too (``FP8Recipe(..., dot_product_attention=True)``,
   TE's ``fp8_dpa``: cuDNN's FP8 fused attention); ``ours_fp8_attention_partial``: + ``PartialCudaGraphs`` (whole
   layers); ``nvidia_fp8_attention_eager``: NVIDIA's engine under the same recipe.
+- ``ours_fp8_gather_attention_eager``: the two together, ours' fastest FP8 step: ``ours_fp8_gather_eager``'s FP8
+  weights gathered as bytes (current scaling) with attention in FP8, which TE runs on Hopper beside current-scaled
+  linears only with ``NVTE_DPA_FP8_RECIPE=DelayedScaling`` (attention scaled by delayed scaling; read when TE is
+  imported, so the column's own process gets it: :func:`column_env`). Eager only: per-layer graphs refuse current
+  scaling with FP8 attention ([Note: FP8 attention] in capture/fp8.py).
 - ``nvidia_fp8_eager``: NVIDIA Megatron-FSDP (the checker's ``nvidia`` builder) on the same TE layers under the same
   autocast; its parameters are gathered in bf16. ``nvidia_fp8_gather_eager``: its layers built as
   ``ours_fp8_gather_eager``'s, so that NVIDIA's engine gathers the FP8 weights as bytes (its parameter groups of
@@ -42,27 +47,34 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import os
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["FP8_COLUMNS", "FP8_WEIGHTS", "COLUMN_RECIPE", "recipe_of", "make_recipe", "weights_init", "layer_overrides",
+__all__ = ["FP8_COLUMNS", "FP8_WEIGHTS", "GATHER_ATTENTION", "COLUMN_RECIPE", "recipe_of", "make_recipe",
+           "column_env", "weights_init", "layer_overrides",
            "autocast", "not_applicable", "layers_impl", "float8_fsdp2", "after_optimizer_step", "add_arguments",
            "check_arguments"]
 
 #: The columns of ``--config llama8b_fp8``, in the table's order (their specs are in bench_engines.COLUMN_SPECS).
 FP8_COLUMNS = ["ours_eager", "ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager",
                "ours_fp8_partial", "ours_fp8_full", "ours_fp8_gather_eager", "ours_fp8_gather_partial",
-               "nvidia_fp8_eager", "nvidia_fp8_gather_eager", "ours_fp8_attention_eager", "ours_fp8_attention_partial",
+               "ours_fp8_gather_attention_eager", "nvidia_fp8_eager", "nvidia_fp8_gather_eager", "ours_fp8_attention_eager", "ours_fp8_attention_partial",
                "nvidia_fp8_attention_eager", "fsdp2_torch_eager", "fsdp2_float8_eager"]
 #: Columns whose layers are built under TE's quantized_model_init (primary FP8 weights), so that the engine gathers
 #: them as FP8 bytes (ours: [Note: FP8 parameter all-gather] in megatron_fsdp/_fp8.py; NVIDIA's: its "float8"
 #: parameter groups, what Megatron's fp8_param_gather builds); current scaling.
-FP8_WEIGHTS = ["ours_fp8_gather_eager", "ours_fp8_gather_partial", "nvidia_fp8_gather_eager"]
+FP8_WEIGHTS = ["ours_fp8_gather_eager", "ours_fp8_gather_partial", "ours_fp8_gather_attention_eager",
+               "nvidia_fp8_gather_eager"]
 #: Columns that run attention in FP8 too (TE's ``fp8_dpa``; [Note: FP8 attention] in capture/fp8.py), with delayed
 #: scaling: the recipe TE runs it with on Hopper.
 FP8_ATTENTION = ["ours_fp8_attention_eager", "ours_fp8_attention_partial", "nvidia_fp8_attention_eager"]
+#: FP8-weight columns (current scaling) with attention in FP8, delayed-scaled through TE's NVTE_DPA_FP8_RECIPE.
+GATHER_ATTENTION = ["ours_fp8_gather_attention_eager"]
+#: What a GATHER_ATTENTION column's process needs in its environment before TE is imported.
+DPA_DELAYED = {"NVTE_DPA_FP8_RECIPE": "DelayedScaling"}
 #: Columns whose recipe is fixed by their name; the others with ``fp8`` in their spec take ``--fp8-recipe``.
 COLUMN_RECIPE = {"ours_fp8_delayed_eager": "delayed", "ours_fp8_current_eager": "current",
                  "ours_fp8_block_eager": "block", **{c: "current" for c in FP8_WEIGHTS},
@@ -88,7 +100,13 @@ def make_recipe(column: str, args: argparse.Namespace) -> Any:
     from fsdp_cudagraph.capture.fp8 import FP8Recipe
 
     return FP8Recipe(name, cache_quantized_params=caches_weights(column, args),
-                     dot_product_attention=column in FP8_ATTENTION)
+                     dot_product_attention=column in FP8_ATTENTION or column in GATHER_ATTENTION)
+
+
+def column_env(column: str) -> Dict[str, str]:
+    """The environment ``column``'s own process needs (set before TE is imported): TE's recipe for FP8 attention
+    beside current-scaled linears on Hopper for the GATHER_ATTENTION columns, nothing for the others."""
+    return dict(DPA_DELAYED) if column in GATHER_ATTENTION else {}
 
 
 def caches_weights(column: str, args: argparse.Namespace) -> bool:
@@ -139,7 +157,8 @@ def not_applicable(column: str, device: torch.device, args: argparse.Namespace) 
             return "FP8 runs in TransformerEngine's layers and TransformerEngine is not importable here"
         if args.layers_impl != "te":
             return f"FP8 runs in TE's layers; this run has --layers-impl {args.layers_impl}"
-        from fsdp_cudagraph.capture.fp8 import check_fp8_device, check_fp8_runtime
+        from fsdp_cudagraph.capture.fp8 import (attention_deterministic, check_fp8_device, check_fp8_runtime,
+                                                fp8_attention_problems)
 
         try:
             check_fp8_device(name, torch.cuda.get_device_capability(device), torch.version.cuda)
@@ -147,6 +166,16 @@ def not_applicable(column: str, device: torch.device, args: argparse.Namespace) 
                 check_fp8_runtime(name, dot_product_attention=True)
         except Exception as exc:  # noqa: BLE001 - the library's refusal names the device and the rule
             return str(exc)
+        if column in GATHER_ATTENTION:
+            # the rules with the environment the column's process will have (this one may lack it)
+            problems = fp8_attention_problems(name, torch.cuda.get_device_capability(device), _te.te_cudnn_version(),
+                                              deterministic=attention_deterministic(),
+                                              dpa_recipe=DPA_DELAYED["NVTE_DPA_FP8_RECIPE"])
+            if problems:
+                return "; ".join(problems)
+            if args.isolate == "none" and any(os.environ.get(k) != v for k, v in DPA_DELAYED.items()):
+                return ("needs NVTE_DPA_FP8_RECIPE=DelayedScaling before TE is imported, which the run gives each "
+                        "column's own process: run with --isolate process (the default), or set it before the run")
     if column == "fsdp2_float8_eager":
         if device.type != "cuda":
             return "torchao's Float8Linear runs its scaled matmuls on CUDA only"

@@ -88,6 +88,8 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
   ours_fp8_gather_eager  the layers built under TE's quantized_model_init (primary FP8 weights), current scaling: our
                        engine gathers the weights as FP8 bytes ([Note: FP8 parameter all-gather])
   ours_fp8_gather_partial  + PartialCudaGraphs (whole layers)
+  ours_fp8_gather_attention_eager  ours_fp8_gather_eager with attention in FP8 (delayed-scaled on Hopper through
+                       NVTE_DPA_FP8_RECIPE=DelayedScaling, set in the column's own process); eager only
   nvidia_fp8_eager     NVIDIA Megatron-FSDP under the same autocast (``--fp8-recipe``; bf16 parameter all-gather)
   nvidia_fp8_gather_eager  NVIDIA Megatron-FSDP on ours_fp8_gather_eager's layers: it gathers the FP8 weights as bytes
   ours_fp8_attention_eager  delayed scaling with attention in FP8 too (TE's fp8_dpa: cuDNN's FP8 fused attention;
@@ -216,6 +218,7 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
     "ours_fp8_gather_partial": ("megatron_fsdp", {"fp8": True}, "partial"),
     "nvidia_fp8_eager": ("nvidia", {"fp8": True}, "eager"),
     "nvidia_fp8_gather_eager": ("nvidia", {"fp8": True}, "eager"),
+    "ours_fp8_gather_attention_eager": ("megatron_fsdp", {"fp8": True}, "eager"),
     "ours_fp8_attention_eager": ("megatron_fsdp", {"fp8": True}, "eager"),
     "ours_fp8_attention_partial": ("megatron_fsdp", {"fp8": True}, "partial"),
     "nvidia_fp8_attention_eager": ("nvidia", {"fp8": True}, "eager"),
@@ -939,7 +942,7 @@ def run_isolated(args: argparse.Namespace, argv: List[str], world: int, columns:
             with open(err, "w") as fh:
                 try:
                     proc = subprocess.run(cmd, stderr=fh, timeout=args.column_timeout,
-                                          env={**os.environ, CHILD_ENV: "1"})
+                                          env={**os.environ, CHILD_ENV: "1", **_engines_fp8.column_env(c)})
                     rc: Any = proc.returncode
                 except subprocess.TimeoutExpired:
                     rc = f"timeout after {args.column_timeout} s"

@@ -15,13 +15,14 @@ import os
 import sys
 
 import pytest
+import torch
 
 from tests.benchmarks.test_bench_engines import ROOT, _bench, _smoke
 
 TE_FP8 = ["ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager", "ours_fp8_partial",
           "ours_fp8_full", "nvidia_fp8_eager", "ours_fp8_gather_eager", "ours_fp8_gather_partial",
           "nvidia_fp8_gather_eager", "ours_fp8_attention_eager", "ours_fp8_attention_partial",
-          "nvidia_fp8_attention_eager"]
+          "nvidia_fp8_attention_eager", "ours_fp8_gather_attention_eager"]
 
 
 def test_fp8_config_cpu_smoke_with_gradient_accumulation(tmp_path):
@@ -40,7 +41,7 @@ def test_fp8_config_cpu_smoke_with_gradient_accumulation(tmp_path):
     # every FP8 goal names a column that cannot run here: N/A with its reason, not a failure
     # every FP8 goal compares a column that needs a GPU: all of them not applicable here
     fp8_goals = [g for g in sys.modules["_perf_goals"].ENGINE_GOALS if g.config == "llama8b_fp8"]
-    assert r["evaluation"]["goals"] == [] and len(r["evaluation"]["not_applicable"]) == len(fp8_goals) == 15
+    assert r["evaluation"]["goals"] == [] and len(r["evaluation"]["not_applicable"]) == len(fp8_goals) == 17
     assert "torch layers" in cols["fsdp2_torch_eager"]["precision"]
 
 
@@ -75,7 +76,8 @@ def test_fp8_goals_from_measured_columns():
                  nvidia_fp8_gather_eager=(740.0, 90.0, 4.2e9, losses),
                  ours_fp8_attention_eager=(680.0, 78.0, 8e9, losses),
                  ours_fp8_attention_partial=(685.0, 78.0, 8e9, losses),
-                 nvidia_fp8_attention_eager=(760.0, 85.0, 8e9, [11.0, 10.9, 10.7]))
+                 nvidia_fp8_attention_eager=(760.0, 85.0, 8e9, [11.0, 10.9, 10.7]),
+                 ours_fp8_gather_attention_eager=(700.0, 81.0, 4.2e9, losses))
     res = _assemble(cols)
     by = {g["name"]: g for g in res["evaluation"]["goals"]}
 
@@ -103,6 +105,9 @@ def test_fp8_goals_from_measured_columns():
     assert verdict("ours FP8 with FP8 attention, eager step / NVIDIA") == "PASS"
     assert verdict("ours FP8 with FP8 attention + partial") == "FAIL"
     assert cols["ours_fp8_attention_partial"]["losses_equal_to_ours_fp8_attention_eager"] is True
+    # both together: 1.43x bf16 passes, 1.086x NVIDIA's with FP8 attention fails
+    assert verdict("ours FP8 weights gathered as FP8 + FP8 attention: eager step / ours bf16") == "PASS"
+    assert verdict("ours FP8 weights gathered as FP8 + FP8 attention: eager step / NVIDIA") == "FAIL"
     assert cols["ours_fp8_full"]["losses_equal_to_ours_fp8_current_eager"] is False
     blk = _rows(ours_fp8_block_eager=(700.0, 78.0, 8e9, losses), ours_fp8_partial=(690.0, 79.0, 8e9, losses))
     _assemble(blk, recipe="block")
@@ -131,6 +136,23 @@ def test_fp8_arguments_refused_with_the_rule():
     current = b.parse(["--config", "llama8b_fp8", "--columns", "ours_fp8_attention_eager", "nvidia_fp8_eager"])
     assert [_engines_fp8.recipe_of(c, current) for c in _engines_fp8.FP8_ATTENTION] == ["delayed"] * 3
     assert _engines_fp8.recipe_of("nvidia_fp8_eager", current) == "current"
+
+
+def test_fp8_weights_with_fp8_attention_column():
+    """ours_fp8_gather_attention_eager: current-scaled FP8 weights with FP8 attention, which TE runs on Hopper only
+    with NVTE_DPA_FP8_RECIPE=DelayedScaling in the column's own process; refused in a shared process without it."""
+    b = _bench()
+    import _engines_fp8
+
+    args = b.parse(["--config", "llama8b_fp8", "--fp8-recipe", "delayed", "--columns", "ours_fp8_gather_attention_eager"])
+    col = "ours_fp8_gather_attention_eager"
+    assert _engines_fp8.recipe_of(col, args) == "current"  # the FP8 weights' recipe, whatever --fp8-recipe says
+    recipe = _engines_fp8.make_recipe(col, args)
+    assert recipe.name == "current" and recipe.dot_product_attention is True
+    assert _engines_fp8.column_env(col) == {"NVTE_DPA_FP8_RECIPE": "DelayedScaling"}
+    assert all(_engines_fp8.column_env(c) == {} for c in _engines_fp8.FP8_COLUMNS if c != col)
+    assert _engines_fp8.layer_overrides(col) == _engines_fp8.layer_overrides("ours_fp8_gather_eager") != {}
+    assert "CUDA GPU" in _engines_fp8.not_applicable(col, torch.device("cpu"), args)
 
 
 def test_the_weight_cache_is_for_the_eager_columns_with_bf16_weights(tmp_path):
