@@ -564,3 +564,34 @@ def test_the_inner_module_is_refused_naming_the_engine():
         with pytest.raises(ValueError, match=r"pass NVIDIA's MegatronFSDP around Net .*not its inner module"):
             adapter_for(inner)
     assert isinstance(adapter_for(nn.Sequential(nn.Linear(2, 2))), PlainModule)
+
+
+def test_tensor_parallel_step_runs_megatron_cores_finalize_first(monkeypatch):
+    """[Note: NVIDIA Megatron-FSDP under tensor parallelism]: with TP the optimizer's step first calls megatron-core's
+    own ``finalize_model_grads([model])`` (the TP sum of the sequence-parallel gradients), once per step, then the
+    step; a megatron-core whose function takes something else first is refused, naming it."""
+    fmg = pytest.importorskip("megatron.core.distributed.finalize_model_grads")
+    from fsdp_cudagraph.engines.nvidia.build import _finalize_before_step
+
+    calls: List[Tuple[str, Any]] = []
+
+    def finalize_model_grads(model, num_tokens=None):  # the signature megatron-core's has: model chunks first
+        calls.append(("finalize", model))
+
+    monkeypatch.setattr(fmg, "finalize_model_grads", finalize_model_grads)
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = opt.step
+    monkeypatch.setattr(opt, "step", lambda *a, **k: (calls.append(("step", None)), step(*a, **k))[1])
+    _finalize_before_step(opt, model)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    opt.step()
+    assert calls == [("finalize", [model]), ("step", None)] * 2
+
+    def other(chunks_first_not, model=None):
+        pass
+
+    monkeypatch.setattr(fmg, "finalize_model_grads", other)
+    with pytest.raises(RuntimeError, match="takes 'chunks_first_not' first"):
+        _finalize_before_step(torch.optim.SGD(model.parameters(), lr=0.1), model)
