@@ -151,6 +151,14 @@ _PIN_ATTR = "_fsdp_cudagraph_unpinned_allocate"
 _QUANTIZED_ATTRS = ("_data", "_scale_inv", "_rowwise_data", "_columnwise_data")
 
 
+def _compute_parameter(p: torch.Tensor, raw: Mapping[str, torch.Tensor], optimizer_names: Mapping[int, str]
+                       ) -> torch.Tensor:
+    """The compute ("raw") parameter behind ``p``: after ``finish_grad_sync`` the module holds the optimizer's
+    DTensors, which map back to the engine's ``raw_param`` by name; any other parameter is itself."""
+    full = optimizer_names.get(id(p))
+    return raw[full] if full is not None and full in raw else p
+
+
 def _pinned_allocators(engine: Any) -> List[Any]:
     buffer = getattr(engine, "param_and_grad_buffer", None)
     out = []
@@ -507,8 +515,7 @@ class NvidiaMegatronFSDPEngine(EngineAdapter, PerLayerEngine):
         dist = self._optimizer_names()
         out: List[Tuple[str, torch.Tensor]] = []
         for name, p in module.named_parameters():
-            full = dist.get(id(p))
-            out.extend(parameter_replay_tensors(name, raw[full] if full is not None and full in raw else p))
+            out.extend(parameter_replay_tensors(name, _compute_parameter(p, raw, dist)))
         return out
 
     def replay_probe(self, module: nn.Module) -> ReplayProbe:
@@ -516,18 +523,15 @@ class NvidiaMegatronFSDPEngine(EngineAdapter, PerLayerEngine):
         # engine, they do not change) and each compute parameter's kind; each call maps what is registered now, as
         # replay_tensors does, and reads data pointers only.
         slots, dist, engine = parameter_slots(module), self._optimizer_names(), self.engine
-
-        def compute(p: torch.Tensor, raw: Mapping[str, torch.Tensor]) -> torch.Tensor:
-            full = dist.get(id(p))
-            return raw[full] if full is not None and full in raw else p
-
-        kinds = [parameter_ops(compute(d[n], getattr(engine, "raw_param", None) or {})) for d, n in slots]
+        raw0 = getattr(engine, "raw_param", None) or {}
+        kinds = [parameter_ops(_compute_parameter(d[n], raw0, dist)) for d, n in slots]
 
         def probe() -> Tuple[int, ...]:
             raw = getattr(engine, "raw_param", None) or {}
             if not any(kinds):
-                return tuple(compute(d[n], raw).data_ptr() for d, n in slots)
-            return tuple(a for (d, n), ops in zip(slots, kinds) for a in replay_addresses(compute(d[n], raw), ops))
+                return tuple(_compute_parameter(d[n], raw, dist).data_ptr() for d, n in slots)
+            return tuple(a for (d, n), ops in zip(slots, kinds)
+                         for a in replay_addresses(_compute_parameter(d[n], raw, dist), ops))
         return probe
 
     def _optimizer_names(self) -> Dict[int, str]:
