@@ -173,10 +173,9 @@ def not_applicable(column: str, world: int, device: torch.device, args: argparse
 
     if not mcore_gpt.HAS_MCORE:
         return mcore_gpt.MCORE_REASON
-    tp = args.tensor_parallel or world
-    if tp < 2:
-        return (f"tensor parallelism needs 2+ TP ranks (--tensor-parallel {tp} on {world} rank(s)); run with "
-                "--nproc-per-node 2 or more")
+    few = _engines_tp.too_few_tp_ranks(args, world)
+    if few:
+        return few
     if column.startswith("nvidia") and device.type != "cuda":
         return NVIDIA_CPU_REASON
     return None

@@ -37,8 +37,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TP_COLUMNS", "GATHERED_LOGITS", "NVIDIA_TP_REASON", "SCOPES", "tensor_parallel_size", "config",
-           "layer_numel", "build", "shard", "not_applicable", "SplitQKVAttention"]
+__all__ = ["TP_COLUMNS", "GATHERED_LOGITS", "NVIDIA_TP_REASON", "SCOPES", "tensor_parallel_size", "too_few_tp_ranks",
+           "config", "layer_numel", "build", "shard", "not_applicable", "SplitQKVAttention"]
 
 #: The columns of ``--config llama70b`` (their specs are in bench_engines.COLUMN_SPECS).
 TP_COLUMNS = ["ours_tp_eager", "ours_tp_partial", "ours_tp_full", "fsdp2_tp_eager", "fsdp2_tp_gathered_eager",
@@ -262,12 +262,17 @@ def shard(column: str, module: nn.Module, unit_class: type, device: torch.device
             + ("; keep_unsharded_storage" if keep else ""), None)
 
 
-def not_applicable(column: str, world: int, args: argparse.Namespace) -> Optional[str]:
-    """Why a TP column cannot run here by design (None: it can)."""
-    if column == "nvidia_tp_eager":
-        return NVIDIA_TP_REASON
+def too_few_tp_ranks(args: argparse.Namespace, world: int) -> Optional[str]:
+    """Why no tensor-parallel column can run with ``--tensor-parallel`` on ``world`` ranks (None: it can)."""
     tp = args.tensor_parallel or world
     if tp < 2:
         return (f"tensor parallelism needs 2+ TP ranks (--tensor-parallel {tp} on {world} rank(s)); run with "
                 "--nproc-per-node 2 or more")
     return None
+
+
+def not_applicable(column: str, world: int, args: argparse.Namespace) -> Optional[str]:
+    """Why a TP column cannot run here by design (None: it can)."""
+    if column == "nvidia_tp_eager":
+        return NVIDIA_TP_REASON
+    return too_few_tp_ranks(args, world)
