@@ -421,8 +421,6 @@ def _tensor_parallel_model(args: argparse.Namespace, device: torch.device, *, ou
 def _mcore_model(args: argparse.Namespace, device: torch.device) -> Model:
     """``--config mcore70b``: this rank's TP slice of megatron-core's GPTModel (``_engines_mcore.py``), the same
     model for both engines."""
-    import dataclasses as dc
-
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -430,7 +428,7 @@ def _mcore_model(args: argparse.Namespace, device: torch.device) -> Model:
     from fsdp_cudagraph.apps.model import synthetic_batch
 
     module, shape, counts = _engines_mcore.build(args, device)
-    counts["model_config"] = {k: v for k, v in dc.asdict(shape).items()
+    counts["model_config"] = {k: v for k, v in dataclasses.asdict(shape).items()
                               if isinstance(v, (int, float, str, bool, type(None)))}
     # the loss is call_loss's; synthetic_batch reads the shape's vocab_size and seq_len
     return Model(module, TransformerLayer, [], shape.seq_len, shape.vocab_size, None,

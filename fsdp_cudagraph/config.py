@@ -405,8 +405,8 @@ class CudaGraphConfig:
             micro-batch of a step and reused on the others; needs ``fp8_recipe`` and a per-layer or no impl.
         fp8_dot_product_attention: attention in FP8 too (TE's ``fp8_dpa``, Megatron-LM's
             ``--fp8-dot-product-attention``); needs ``fp8_recipe`` other than ``block``, not with
-            ``full_iteration``, not ``current`` with ``transformer_engine``; the GPU, the recipe and the cuDNN TE loaded are checked at runtime ([Note: FP8
-            attention] in capture/fp8.py).
+            ``full_iteration``, not ``current`` with ``transformer_engine``; the GPU, the recipe and the cuDNN TE
+            loaded are checked at runtime ([Note: FP8 attention] in capture/fp8.py).
 
     Deprecated (migrated by :func:`migrate_deprecated_options`, then reset to ``None``):
         enable_cuda_graph, external_cuda_graph, cuda_graph_scope.
