@@ -40,7 +40,8 @@ The same run measures its own noise two ways and, for each goal, takes the large
   * repeat: the eager column is run twice (``eager`` and ``eager_repeat``, same spec, one early and one
     late); ``|a - b| / min(a, b)`` of their median step times (peak memory: of their peaks);
   * spread (step times only): half the inter-quartile range of the per-step times (after ``--skip``) over
-    their median, of each of the goal's two columns (the floor has none).
+    their median, of each of the goal's two columns (the floor has none); with two or three timed steps,
+    half their range over the median.
 A ratio with goal ``<= g`` is PASS when ``ratio <= g``, NOISE when ``g < ratio <= g * (1 + noise)`` (outside
 the goal by less than the run-to-run noise: not a regression we can tell from chance) and FAIL when
 ``ratio > g * (1 + noise)``. The benchmark exits 1 when any goal FAILs, 0 otherwise (NOISE is reported, not
@@ -148,13 +149,17 @@ def floor_with_comm_ms(*, matmul_ms: float, optimizer_ms: float, num_params: int
 
 
 def relative_spread(values: Sequence[float]) -> float:
-    """Half the inter-quartile range over the median (0 for fewer than 4 values)."""
+    """Half the inter-quartile range over the median; with 2 or 3 values (too few for quartiles), half their
+    range over the median, so that a run of two or three timed steps does not report itself noiseless; 0 for
+    one value (nothing to compare)."""
     vals = sorted(values)
-    if len(vals) < 4:
+    med = statistics.median(vals) if vals else 0.0
+    if len(vals) < 2 or not med:
         return 0.0
+    if len(vals) < 4:
+        return (vals[-1] - vals[0]) / 2 / med
     q1, _, q3 = statistics.quantiles(vals, n=4)
-    med = statistics.median(vals)
-    return (q3 - q1) / 2 / med if med else 0.0
+    return (q3 - q1) / 2 / med
 
 
 def repeat_noise(a: Optional[float], b: Optional[float]) -> float:

@@ -58,7 +58,11 @@ def test_compute_config_floor_on_h100_like_rates():
 
 
 def test_spread_and_repeat_noise():
-    assert g.relative_spread([10.0, 10.0, 10.0]) == 0.0  # too few values
+    assert g.relative_spread([10.0]) == 0.0  # one value: nothing to compare
+    assert g.relative_spread([10.0, 10.0, 10.0]) == 0.0
+    # two or three timed steps (too few for quartiles): half the range over the median, not a noiseless 0
+    assert g.relative_spread([695.8, 722.9, 718.3]) == pytest.approx((722.9 - 695.8) / 2 / 718.3)
+    assert g.relative_spread([9.0, 11.0]) == pytest.approx(0.1)
     assert g.relative_spread([10.0] * 8) == 0.0
     s = g.relative_spread([9.0, 10.0, 10.0, 11.0, 10.0, 9.0, 11.0, 10.0])
     assert 0 < s < 0.1
