@@ -13,8 +13,8 @@ They run the entry points a user runs and check their verdicts (docs/fp8.md):
   current and block scaling; delayed scaling refused with its reason.
 - ``tests/gpu/scripts/fp8_gather.py``: TE's primary FP8 weights gathered as FP8 bytes by the engine, every loss and
   main parameter ``torch.equal`` to the same layers with bf16 weights that TE quantizes in forward, and graphed
-  (per-layer and whole-step) equal to eager; fused and unfused weight gradients. With ``--engine nvidia`` (not yet
-  run on a GPU): NVIDIA Megatron-FSDP gathering the same FP8 weights, per-layer graphs ``torch.equal`` to eager;
+  (per-layer and whole-step) equal to eager; fused and unfused weight gradients. With ``--engine nvidia`` (one GPU
+  green at ``907f506``): NVIDIA Megatron-FSDP gathering the same FP8 weights, per-layer graphs ``torch.equal`` to eager;
   controls: a transpose moved after capture refused before the replay, ``keep_fp8_transpose_cache=False`` refused.
 
 Skipped without CUDA or without TE, with the reason.

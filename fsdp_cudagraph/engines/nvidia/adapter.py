@@ -421,7 +421,7 @@ class NvidiaMegatronFSDPEngine(EngineAdapter, PerLayerEngine):
     @property
     def fp8_supported(self) -> bool:  # type: ignore[override]
         """An FP8 recipe under per-layer graphs: only over FP8 weights the engine gathers as bytes, whose every
-        tensor the replay check reads ([Note: NVIDIA's FP8 parameters and replay]; not yet run on a GPU). bf16
+        tensor the replay check reads ([Note: NVIDIA's FP8 parameters and replay]; `torch.equal` on one GPU). bf16
         weights that TE quantizes in forward stay refused here, as the contract's default says."""
         return bool(self._quantized_parameters())
 
