@@ -514,7 +514,8 @@ def shard(column: str, model: Model, device: torch.device, args: argparse.Namesp
         ep = expert_parallel_size(column)
         sharded = fully_shard(model.module, fsdp_unit_modules=[model.unit_class], sharding_strategy="optim_grads_params",
                               compute_dtype=torch.bfloat16, fsdp_double_buffer=True,
-                              fsdp_db_use_persist_buf_on_alloc_fail=True, expert_parallel_size=ep)
+                              fsdp_db_use_persist_buf_on_alloc_fail=True, expert_parallel_size=ep,
+                              keep_compute_shard=args.keep_compute_shard)
         return Sharded(sharded, _adam(device)(list(sharded.optimizer_parameters())), True,
                        f"compute in bf16, fp32 main parameters and gradients, ZeRO-3; EP {ep}: experts whole on "
                        f"their rank (expert-data-parallel groups of {dist.get_world_size() // ep})")
@@ -528,6 +529,8 @@ def shard(column: str, model: Model, device: torch.device, args: argparse.Namesp
     if options and options.get("expert_parallel"):  # the builder's option: EP = the world size
         options = {**{k: v for k, v in options.items() if k != "expert_parallel"},
                    "expert_parallel_size": expert_parallel_size(column)}
+    if name == "megatron_fsdp" and args.keep_compute_shard:  # [Note: cast on gather] in megatron_fsdp/_unit.py
+        options = {**(options or {}), "keep_compute_shard": True}
     extra = {"options": options} if options else {}
     run = builder.build(model.module, unit_modules=[model.unit_class], make_optimizer=_adam(device), device=device,
                         sharding_strategy="optim_grads_params",
@@ -992,6 +995,9 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="TE TransformerLayer (default with TE) or the torch layers")
     p.add_argument("--backend", choices=["te", "torch", "protocol"], default=None,
                    help="partial graphs' backend (default: te with TE, torch without; protocol on CPU)")
+    p.add_argument("--keep-compute-shard", action="store_true",
+                   help="ours' columns (not the TP and megatron-core ones): fully_shard(keep_compute_shard=True), the "
+                        "shards cast to bf16 once a step and kept, instead of at every gather")
     p.add_argument("--fuse-wgrad", choices=["on", "off"], default="on",
                    help="TE layers of our columns accumulate weight gradients into the fp32 main gradients")
     p.add_argument("--moe-experts", default="grouped_mm",

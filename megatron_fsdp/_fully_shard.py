@@ -69,6 +69,7 @@ def fully_shard(
     fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
     fsdp_double_buffer_numel: Optional[int] = None,
     prefetch: bool = True,
+    keep_compute_shard: bool = False,
     expert_parallel_size: Optional[int] = None,
     expert_parallel_group: Optional[dist.ProcessGroup] = None,
     expert_data_parallel_group: Optional[dist.ProcessGroup] = None,
@@ -109,6 +110,13 @@ def fully_shard(
         fsdp_double_buffer_numel: elements per slot; default the largest unit's size.
         prefetch: all-gather the next unit (forward) or the previous unit (backward) while the current
             unit computes.
+        keep_compute_shard: ZeRO-3 with a compute dtype other than fp32 (e.g. bf16): keep a compute-dtype copy of
+            each unit's shards, cast once after each change of the main shards (an optimizer step, a load), and
+            gather from it, instead of casting the fp32 shards at every gather (forward and backward of every
+            micro-batch: [Note: cast on gather] in _unit.py). The same bits; it costs 2 bytes a shard element (bf16)
+            for the run and saves the casts of every gather but the first of a step. A gather inside a
+            full-iteration capture casts as without it. Refused where there is nothing to keep (other
+            strategies keep unsharded compute parameters; fp32 compute gathers the main shards as they are).
         expert_parallel_size: expert parallelism (EP) over the data-parallel ranks ([Note: expert parallelism] in
             _expert.py): groups of ``EP`` contiguous ranks share the experts between them (the model's
             all-to-all), and the ``W/EP`` ranks holding the same local experts (strided by ``EP``) shard them.
@@ -177,6 +185,7 @@ def fully_shard(
         fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
         fsdp_double_buffer_numel=fsdp_double_buffer_numel,
         prefetch=prefetch,
+        keep_compute_shard=keep_compute_shard,
         expert_parallel_size=expert_parallel_size,
         expert_parallel_group=expert_parallel_group,
         expert_data_parallel_group=expert_data_parallel_group,
@@ -209,6 +218,7 @@ class MegatronFSDP(nn.Module):
         fsdp_db_use_persist_buf_on_alloc_fail: bool,
         fsdp_double_buffer_numel: Optional[int],
         prefetch: bool,
+        keep_compute_shard: bool = False,
         mesh: Optional[DeviceMesh] = None,
         replicate_group: Optional[dist.ProcessGroup] = None,
         shard_group: Optional[dist.ProcessGroup] = None,
@@ -303,6 +313,15 @@ class MegatronFSDP(nn.Module):
                          ("reduce_dtype", self.reduce_dtype)):
             if not dt.is_floating_point:
                 raise ValueError(f"{what}={dt} is not a floating-point dtype; pass e.g. torch.bfloat16 or torch.float32")
+        #: a compute-dtype copy of every unit's shards, cast once a change of the main shards ([Note: cast on gather])
+        self.keep_compute_shard = keep_compute_shard
+        if keep_compute_shard and not (self.strategy.shards_params and self.compute_dtype != self.main_param_dtype):
+            why = (f"sharding_strategy={self.strategy.value!r} keeps the compute parameters unsharded and casts them "
+                   "once a step already" if not self.strategy.shards_params else
+                   f"compute_dtype={self.compute_dtype} is the main shards' dtype, so every gather reads them as they are")
+            raise ValueError(f"keep_compute_shard=True keeps a compute-dtype copy of ZeRO-3's shards, but {why}: "
+                             "there is nothing to keep; drop keep_compute_shard (or use optim_grads_params with a "
+                             "compute_dtype such as torch.bfloat16)")
 
         self.units: List[FSDPUnit] = []
         self.root_unit: Optional[FSDPUnit] = None

@@ -118,7 +118,7 @@ def test_engine_options_are_checked_before_any_work():
     """An option another engine owns, an unknown storage, mixed precision with a cast, slots on one rank."""
     cases = [
         (dict(engine="megatron_fsdp", engine_options={"storage": "slots"}),
-         ["engine_options ['storage'] are not options of engine='megatron_fsdp'", "it takes none"]),
+         ["engine_options ['storage'] are not options of engine='megatron_fsdp'", "it takes ['keep_compute_shard']"]),
         (dict(engine="fsdp2", engine_options={"offload": True}),
          ["['offload']", "it takes ['storage', 'mixed_precision', 'expert_parallel_size']"]),
     ]

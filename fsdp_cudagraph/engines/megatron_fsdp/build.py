@@ -10,6 +10,10 @@ rank's full parameters under ``summon_full_params()`` (dense ones and this rank'
 the expert-data-parallel group), compared rank by rank: ``full_state_dict()`` refuses a model whose EP ranks
 give their different local experts one name (megatron-core's ``local_experts.0`` on every EP rank).
 
+Options (``engine_options``): ``keep_compute_shard`` (default False): ``fully_shard(keep_compute_shard=True)``, a
+compute-dtype copy of the shards cast once a step instead of at every gather ([Note: cast on gather] in
+``megatron_fsdp/_unit.py``).
+
 Tensor parallelism (``tensor_groups``, the factory's ``ModelSpec.tensor_groups``): ``fully_shard(process_group=dp,
 tensor_parallel_group=tp)`` ([Note: tensor parallelism] in ``megatron_fsdp/_tensor.py``); the final parameters
 are then this rank's TP slice, full over the data-parallel group, compared rank by rank.
@@ -17,7 +21,7 @@ are then this rank's TP slice, full over the data-parallel group, compared rank 
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,15 +37,18 @@ def _build_megatron_fsdp(model: nn.Module, *, unit_modules: Sequence[UnitSpec], 
                          device: torch.device, sharding_strategy: str,
                          compute_dtype: Optional[torch.dtype],
                          expert_groups: Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]] = None,
-                         tensor_groups: Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]] = None) -> ShardedRun:
+                         tensor_groups: Optional[Tuple[dist.ProcessGroup, dist.ProcessGroup]] = None,
+                         options: Optional[Dict[str, Any]] = None) -> ShardedRun:
     from megatron_fsdp import fully_shard
+
+    keep = bool((options or {}).get("keep_compute_shard", False))
 
     ep = {} if expert_groups is None else dict(expert_parallel_group=expert_groups[0],
                                                  expert_data_parallel_group=expert_groups[1])
     tp = {} if tensor_groups is None else dict(tensor_parallel_group=tensor_groups[0], process_group=tensor_groups[1])
     sharded = fully_shard(model, fsdp_unit_modules=unit_modules, sharding_strategy=sharding_strategy,
                           compute_dtype=compute_dtype, fsdp_double_buffer=True,
-                          fsdp_db_use_persist_buf_on_alloc_fail=True, **ep, **tp)
+                          fsdp_db_use_persist_buf_on_alloc_fail=True, keep_compute_shard=keep, **ep, **tp)
 
     def final() -> Dict[str, torch.Tensor]:
         if sharded.expert_parallel_group is None:
@@ -56,6 +63,8 @@ def _build_megatron_fsdp(model: nn.Module, *, unit_modules: Sequence[UnitSpec], 
     if tp:
         ep_text += (f", tensor parallel {dist.get_world_size(tensor_groups[0])} (data-parallel group of "
                     f"{dist.get_world_size(tensor_groups[1])})")
+    if keep:
+        ep_text += ", a compute-dtype copy of the shards kept (cast once a step)"
     return ShardedRun(
         model=sharded, root=sharded.module, optimizer=make_optimizer(sharded.optimizer_parameters()),
         named_parameters=sharded.named_optimizer_parameters, final_parameters=final,
@@ -65,4 +74,4 @@ def _build_megatron_fsdp(model: nn.Module, *, unit_modules: Sequence[UnitSpec], 
 
 
 BUILDER = register_builder(EngineBuilder("megatron_fsdp", _build_megatron_fsdp, lambda device: None, True,
-                                            tensor_parallel=True))
+                                            options=("keep_compute_shard",), tensor_parallel=True))
