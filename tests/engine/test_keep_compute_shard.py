@@ -3,8 +3,9 @@ change of the shards and gathers from that copy ([Note: cast on gather] in ``meg
 
 Must hold, on Gloo (bf16 compute, two micro-batches a step, clipping, Adam):
 
-- 1 and 2 ranks: every loss and the final state ``torch.equal`` to the same run casting at every gather; the main
-  shards are cast once a step (one cast per unit region and step), where the default casts at every gather;
+- 1 and 2 ranks (and at 2, expert parallelism and HSDP 2 x 1): every loss and the final state ``torch.equal`` to the
+  same run casting at every gather; the main shards are cast once a step (one cast per unit region and step), where
+  the default casts at every gather;
 - a checkpoint loaded mid-run (the shards change outside the optimizer), frozen parameters (their own copy),
   per-layer graphs (protocol backend) and a full-iteration graph (protocol backend, graphed optimizer step and
   eager one): the same bits as casting at every gather;
@@ -28,6 +29,7 @@ from tests.dist_utils import run_gloo
 pytestmark = pytest.mark.gloo
 
 MODEL = dict(vocab_size=64, hidden_size=32, num_layers=3, seq_len=16, moe_every=0)
+MOE = dict(moe_every=1, num_experts=4, moe_top_k=2, ffn_hidden_size=48, moe_experts="split")
 STEPS = 4
 MICRO = 2
 
@@ -54,15 +56,29 @@ def _shard_casts(model: Any) -> Iterator[Dict[str, int]]:
 
 
 def _train(rank: int, world: int, keep: bool, *, frozen: bool = False, reload: bool = False,
-           graphed: bool = False) -> Dict[str, Any]:
+           graphed: bool = False, ep: int = 1, hsdp: bool = False) -> Dict[str, Any]:
+    import torch.distributed as dist
+
+    import megatron_fsdp
+
+    extra: Dict[str, Any] = {}
+    if hsdp:  # 2 x 1: replicas across the two ranks, shard groups of one
+        pair, singles = dist.new_group([0, 1]), [dist.new_group([r]) for r in range(world)]
+        extra = dict(replicate_group=pair, shard_group=singles[rank])
     torch.manual_seed(0)
-    cfg = GPTConfig(**MODEL)
-    gpt = GPT(cfg)
+    if ep > 1:  # expert parallelism: each expert bucket gathers over its own (expert-data-parallel) group
+        cfg = GPTConfig(**{**MODEL, **MOE}, expert_parallel_size=ep)
+        gpt = GPT(cfg, expert_parallel_group=megatron_fsdp.expert_parallel_groups(ep)[0])
+        extra = dict(expert_parallel_size=ep)
+    else:
+        cfg = GPTConfig(**MODEL)
+        gpt = GPT(cfg)
     if frozen:  # one block's norms frozen: a frozen region beside the main one
         for p in gpt.layers[1].attn.ln.parameters():
             p.requires_grad_(False)
     model = fully_shard(gpt, fsdp_unit_modules=[TransformerBlock], compute_dtype=torch.bfloat16,
-                        fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True, keep_compute_shard=keep)
+                        fsdp_double_buffer=True, fsdp_db_use_persist_buf_on_alloc_fail=True, keep_compute_shard=keep,
+                        **extra)
     opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-2)
     graphs = None
     if graphed:
@@ -111,6 +127,9 @@ def _pairs(rank: int, world: int) -> Dict[str, Any]:
     if world == 1:
         out["frozen, reloaded"] = {keep: _train(rank, world, keep, frozen=True, reload=True) for keep in (False, True)}
         out["per-layer graphs"] = {keep: _train(rank, world, keep, graphed=True) for keep in (False, True)}
+    else:
+        out["expert parallel 2"] = {keep: _train(rank, world, keep, ep=2) for keep in (False, True)}
+        out["HSDP 2 x 1"] = {keep: _train(rank, world, keep, hsdp=True) for keep in (False, True)}
     return out
 
 
