@@ -142,3 +142,14 @@ STRATEGY_CASES = {
     "zero3+double_buffer": dict(sharding_strategy="optim_grads_params", fsdp_double_buffer=True,
                                 fsdp_db_use_persist_buf_on_alloc_fail=True),
 }
+
+
+def protocol_layer_graphs(model: nn.Module) -> Any:
+    """Per-layer graphs of every unit of ``model`` (a ``megatron_fsdp`` engine with the double buffer) on the CPU
+    protocol backend: one warm-up step, two warm-up iterations, ``capture()`` left to the caller."""
+    from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
+
+    return PartialCudaGraphs(model, CudaGraphConfig(
+        cuda_graph_impl="local", cuda_graph_modules=[], use_megatron_fsdp=True, fsdp_double_buffer=True,
+        fsdp_db_use_persist_buf_on_alloc_fail=True, cuda_graph_warmup_steps=1, cuda_graph_num_warmup_iters=2),
+        backend="protocol")

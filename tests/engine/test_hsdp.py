@@ -120,7 +120,7 @@ def _two_by_one(rank: int) -> Dict[str, Any]:
 
 
 def _graphed(rank: int, mesh, graphed: bool) -> Dict[str, Any]:
-    from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
+    from tests.engine._common import protocol_layer_graphs
 
     gpt, cfg = _gpt()
     model = _shard(gpt, mesh=mesh, sharding_strategy="optim_grads_params", fsdp_double_buffer=True,
@@ -128,10 +128,7 @@ def _graphed(rank: int, mesh, graphed: bool) -> Dict[str, Any]:
     opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-2)
     graphs, out = None, {"losses": []}
     if graphed:
-        graphs = PartialCudaGraphs(model, CudaGraphConfig(
-            cuda_graph_impl="local", cuda_graph_modules=[], use_megatron_fsdp=True, fsdp_double_buffer=True,
-            fsdp_db_use_persist_buf_on_alloc_fail=True, cuda_graph_warmup_steps=1, cuda_graph_num_warmup_iters=2),
-            backend="protocol")
+        graphs = protocol_layer_graphs(model)
     model.trace = []
     for s in range(5):
         if graphs is not None and s == 1:

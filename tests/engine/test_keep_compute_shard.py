@@ -25,6 +25,7 @@ import torch
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
 from megatron_fsdp import fully_shard
 from tests.dist_utils import run_gloo
+from tests.engine._common import protocol_layer_graphs
 
 pytestmark = pytest.mark.gloo
 
@@ -82,12 +83,7 @@ def _train(rank: int, world: int, keep: bool, *, frozen: bool = False, reload: b
     opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-2)
     graphs = None
     if graphed:
-        from fsdp_cudagraph import CudaGraphConfig, PartialCudaGraphs
-
-        graphs = PartialCudaGraphs(model, CudaGraphConfig(
-            cuda_graph_impl="local", cuda_graph_modules=[], use_megatron_fsdp=True, fsdp_double_buffer=True,
-            fsdp_db_use_persist_buf_on_alloc_fail=True, cuda_graph_warmup_steps=1, cuda_graph_num_warmup_iters=2),
-            backend="protocol")
+        graphs = protocol_layer_graphs(model)
     losses: List[torch.Tensor] = []
     saved = None
     with _shard_casts(model) as casts:
