@@ -153,3 +153,19 @@ def protocol_layer_graphs(model: nn.Module) -> Any:
         cuda_graph_impl="local", cuda_graph_modules=[], use_megatron_fsdp=True, fsdp_double_buffer=True,
         fsdp_db_use_persist_buf_on_alloc_fail=True, cuda_graph_warmup_steps=1, cuda_graph_num_warmup_iters=2),
         backend="protocol")
+
+
+def accumulated_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, rank: int,
+                     micro: int = 2) -> torch.Tensor:
+    """One step of ``micro`` micro-batches of two rows each (this rank's rows of ``x``/``y``, which hold
+    ``2 * micro`` rows a rank), clipped to norm 1, then the optimizer step; the step's loss (fp32)."""
+    total = torch.zeros(())
+    for m in range(micro):
+        lo = (rank * micro + m) * 2
+        loss = loss_fn(model(x[lo:lo + 2]), y[lo:lo + 2]) / micro
+        loss.backward()
+        total += loss.detach().float()
+    model.clip_grad_norm_(1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    return total

@@ -25,7 +25,7 @@ import torch
 from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
 from megatron_fsdp import fully_shard
 from tests.dist_utils import run_gloo
-from tests.engine._common import protocol_layer_graphs
+from tests.engine._common import accumulated_step, protocol_layer_graphs
 
 pytestmark = pytest.mark.gloo
 
@@ -95,16 +95,7 @@ def _train(rank: int, world: int, keep: bool, *, frozen: bool = False, reload: b
             if reload and step == STEPS:
                 model.load_state_dict(saved)  # the shards change outside the optimizer
             x, y = synthetic_batch(step, MICRO * 2 * world, cfg, torch.device("cpu"))
-            total = torch.zeros(())
-            for micro in range(MICRO):
-                lo = (rank * MICRO + micro) * 2
-                loss = loss_fn(model(x[lo:lo + 2]), y[lo:lo + 2]) / MICRO
-                loss.backward()
-                total += loss.detach().float()
-            model.clip_grad_norm_(1.0)
-            opt.step()
-            opt.zero_grad()
-            losses.append(total)
+            losses.append(accumulated_step(model, opt, x, y, rank, MICRO))
     if graphs is not None:
         graphs.delete()
     regions = {"main": len(list(model.all_units())),

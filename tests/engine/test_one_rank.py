@@ -22,10 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, loss_fn, synthetic_batch
+from fsdp_cudagraph.apps.model import GPT, GPTConfig, TransformerBlock, synthetic_batch
 from megatron_fsdp import fully_shard
 from tests.dist_utils import run_gloo
-from tests.engine._common import protocol_layer_graphs
+from tests.engine._common import accumulated_step, protocol_layer_graphs
 
 pytestmark = pytest.mark.gloo
 
@@ -94,16 +94,7 @@ def _train(rank: int, world: int, strategy: str, dtype: torch.dtype, forced: boo
             if graphs is not None and step == 1:
                 graphs.capture()
             x, y = synthetic_batch(step, 4 * world, cfg, torch.device("cpu"))
-            total = torch.zeros(())
-            for micro in range(2):
-                lo = (rank * 2 + micro) * 2
-                loss = loss_fn(model(x[lo:lo + 2]), y[lo:lo + 2]) / 2
-                loss.backward()
-                total += loss.detach().float()
-            model.clip_grad_norm_(1.0)
-            opt.step()
-            opt.zero_grad()
-            losses.append(total)
+            losses.append(accumulated_step(model, opt, x, y, rank))
         state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
         if graphs is not None:
             graphs.delete()
