@@ -38,7 +38,9 @@ Configs (``--config``):
 
 Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; same seed and batches):
   ours_eager           megatron_fsdp (double buffer, persistent buffers); TE layers fuse weight gradients into
-                       the fp32 main gradients (``--fuse-wgrad on``)
+                       the fp32 main gradients (``--fuse-wgrad on``); each gather casts the fp32 shard to bf16, or,
+                       with ``--keep-compute-shard``, reads a bf16 copy cast once a step (ours' columns but the TP
+                       and megatron-core ones)
   ours_partial         + PartialCudaGraphs (TE's graph maker with TE, else torch's)
   ours_full            + FullIterationCudaGraph (forward+backward in one graph, optimizer eager)
   fsdp2_eager          torch FSDP2 as its users run it: fully_shard per layer and the root, default ZeRO-3,
