@@ -24,7 +24,8 @@ The factory protocol (a few lines for any model)::
 Engines (``engine=`` / ``--engine``; how each shards the model: ``engines/<engine>/build.py``):
 
 - ``megatron_fsdp`` (default): this project's ``fully_shard``, ZeRO-3 with its double buffer; compute in
-  ``--dtype``, fp32 main parameters. CPU (Gloo) or GPU.
+  ``--dtype``, fp32 main parameters (``--keep-compute-shard``: the shards cast once a step and kept). CPU (Gloo)
+  or GPU.
 - ``fsdp2``: PyTorch's ``torch.distributed.fsdp.fully_shard`` on each unit, then the root, with
   ``keep_unsharded_storage`` (``--fsdp2-storage slots``: ``use_unsharded_slots``, two slots, ZeRO-3 memory,
   2+ ranks). ``--dtype`` is the dtype the model is cast to (parameters, gradients and optimizer state);
@@ -477,6 +478,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--fsdp2-mp", choices=["bf16"], default=None,
                    help="engine fsdp2: fp32 sharded parameters with MixedPrecisionPolicy(param_dtype=bf16, "
                         "reduce_dtype=fp32) instead of casting the model to --dtype")
+    p.add_argument("--keep-compute-shard", action="store_true",
+                   help="engine megatron_fsdp: fully_shard(keep_compute_shard=True), the shards cast to --dtype once "
+                        "a step and kept (needs --dtype bf16 or fp16)")
     p.add_argument("--nvidia-wrapper", choices=["fully_shard", "mcore"], default=None,
                    help="engine nvidia: NVIDIA's fully_shard (default) or megatron-core's FullyShardedDataParallel "
                         "(a megatron-core model only)")
@@ -489,6 +493,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                       if v is not None}
     if engine_options and args.engine != "fsdp2":
         p.error(f"--fsdp2-storage/--fsdp2-mp are options of --engine fsdp2, not --engine {args.engine}")
+    if args.keep_compute_shard:
+        if args.engine != "megatron_fsdp":
+            p.error(f"--keep-compute-shard is an option of --engine megatron_fsdp, not --engine {args.engine}")
+        engine_options["keep_compute_shard"] = True
     if args.nvidia_wrapper is not None:
         if args.engine != "nvidia":
             p.error(f"--nvidia-wrapper is an option of --engine nvidia, not --engine {args.engine}")

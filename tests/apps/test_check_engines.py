@@ -184,6 +184,14 @@ def test_checker_command_line_with_fsdp2(tmp_path):
     assert proc.returncode == 2 and "are options of --engine fsdp2, not --engine megatron_fsdp" in proc.stderr
     proc = run_entry(cmd[:-2] + ["--nvidia-wrapper", "mcore"], env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
     assert proc.returncode == 2 and "--nvidia-wrapper is an option of --engine nvidia, not --engine fsdp2" in proc.stderr
+    proc = run_entry(cmd[:-2] + ["--keep-compute-shard"], env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert proc.returncode == 2 and "--keep-compute-shard is an option of --engine megatron_fsdp" in proc.stderr
+    # our engine with the shards' bf16 copy kept: graphed equal to eager; with fp32 compute there is nothing to keep
+    ours = [a if a != "fsdp2" else "megatron_fsdp" for a in cmd[:-2]] + ["--keep-compute-shard"]
+    proc = run_entry(ours + ["--dtype", "bf16"], env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert proc.returncode == 0 and "verdict: EQUAL" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_entry(ours, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert proc.returncode != 0 and "there is nothing to keep" in proc.stderr, proc.stderr[-2000:]
 
 
 def _must_not_build(device: torch.device) -> ModelSpec:
