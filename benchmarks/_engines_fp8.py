@@ -4,7 +4,9 @@ The model is ``apps/llama.py`` at Llama-3-8B's shape (hidden 4096, 32 query / 8 
 128256), sequence 8192 by default (the Megatron-Bridge record's), micro-batch 1, ``--micro-batches N`` micro-batches
 a step (gradient accumulation, as Megatron reaches its global batch; default 1). The columns:
 
-- ``ours_eager``: bf16 compute, TE ``TransformerLayer`` units (the llama8b column).
+- ``ours_eager``: bf16 compute, TE ``TransformerLayer`` units (the llama8b column); ``ours_kept_eager``: the same with
+  ``fully_shard(keep_compute_shard=True)``, the bf16 shards cast once a step and kept instead of at every gather
+  ([Note: cast on gather] in megatron_fsdp/_unit.py).
 - ``ours_fp8_<recipe>_eager``: the same under TE's FP8 autocast with the recipe ``delayed``, ``current`` or ``block``
   (``fsdp_cudagraph.FP8Recipe``): one autocast region around each micro-batch's forward, the amaxes of delayed
   scaling reduced over the data-parallel group (the world); weights gathered in bf16 and quantized by TE in each
@@ -19,7 +21,8 @@ a step (gradient accumulation, as Megatron reaches its global batch; default 1).
   megatron_fsdp/_fp8.py); ``ours_fp8_gather_partial``: + ``PartialCudaGraphs`` (whole layers).
 - ``ours_fp8_attention_eager``: delayed scaling with attention in FP8 too (``FP8Recipe(..., dot_product_attention=True)``,
   TE's ``fp8_dpa``: cuDNN's FP8 fused attention); ``ours_fp8_attention_partial``: + ``PartialCudaGraphs`` (whole
-  layers); ``nvidia_fp8_attention_eager``: NVIDIA's engine under the same recipe.
+  layers); ``ours_fp8_attention_kept_eager``: with the bf16 shards kept, as ``ours_kept_eager``;
+  ``nvidia_fp8_attention_eager``: NVIDIA's engine under the same recipe.
 - ``ours_fp8_gather_attention_eager``: the two together, ours' fastest FP8 step: ``ours_fp8_gather_eager``'s FP8
   weights gathered as bytes (current scaling) with attention in FP8, which TE runs on Hopper beside current-scaled
   linears only with ``NVTE_DPA_FP8_RECIPE=DelayedScaling`` (attention scaled by delayed scaling; read when TE is
@@ -59,9 +62,10 @@ __all__ = ["FP8_COLUMNS", "FP8_WEIGHTS", "GATHER_ATTENTION", "COLUMN_RECIPE", "r
            "check_arguments"]
 
 #: The columns of ``--config llama8b_fp8``, in the table's order (their specs are in bench_engines.COLUMN_SPECS).
-FP8_COLUMNS = ["ours_eager", "ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager",
-               "ours_fp8_partial", "ours_fp8_full", "ours_fp8_gather_eager", "ours_fp8_gather_partial",
-               "ours_fp8_gather_attention_eager", "nvidia_fp8_eager", "nvidia_fp8_gather_eager", "ours_fp8_attention_eager", "ours_fp8_attention_partial",
+FP8_COLUMNS = ["ours_eager", "ours_kept_eager", "ours_fp8_delayed_eager", "ours_fp8_current_eager",
+               "ours_fp8_block_eager", "ours_fp8_partial", "ours_fp8_full", "ours_fp8_gather_eager",
+               "ours_fp8_gather_partial", "ours_fp8_gather_attention_eager", "nvidia_fp8_eager", "nvidia_fp8_gather_eager",
+               "ours_fp8_attention_eager", "ours_fp8_attention_kept_eager", "ours_fp8_attention_partial",
                "nvidia_fp8_attention_eager", "fsdp2_torch_eager", "fsdp2_float8_eager"]
 #: Columns whose layers are built under TE's quantized_model_init (primary FP8 weights), so that the engine gathers
 #: them as FP8 bytes (ours: [Note: FP8 parameter all-gather] in megatron_fsdp/_fp8.py; NVIDIA's: its "float8"
@@ -70,7 +74,8 @@ FP8_WEIGHTS = ["ours_fp8_gather_eager", "ours_fp8_gather_partial", "ours_fp8_gat
                "nvidia_fp8_gather_eager"]
 #: Columns that run attention in FP8 too (TE's ``fp8_dpa``; [Note: FP8 attention] in capture/fp8.py), with delayed
 #: scaling: the recipe TE runs it with on Hopper.
-FP8_ATTENTION = ["ours_fp8_attention_eager", "ours_fp8_attention_partial", "nvidia_fp8_attention_eager"]
+FP8_ATTENTION = ["ours_fp8_attention_eager", "ours_fp8_attention_kept_eager", "ours_fp8_attention_partial",
+                 "nvidia_fp8_attention_eager"]
 #: FP8-weight columns (current scaling) with attention in FP8, delayed-scaled through TE's NVTE_DPA_FP8_RECIPE.
 GATHER_ATTENTION = ["ours_fp8_gather_attention_eager"]
 #: What a GATHER_ATTENTION column's process needs in its environment before TE is imported.

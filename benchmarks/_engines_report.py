@@ -138,7 +138,10 @@ def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], column
                            ("ours_fp8_partial", f"ours_fp8_{getattr(args, 'fp8_recipe', 'current')}_eager"),
                            ("ours_fp8_full", f"ours_fp8_{getattr(args, 'fp8_recipe', 'current')}_eager"),
                            ("ours_fp8_gather_partial", "ours_fp8_gather_eager"),
-                           ("ours_fp8_attention_partial", "ours_fp8_attention_eager")):
+                           ("ours_fp8_attention_partial", "ours_fp8_attention_eager"),
+                           # the kept bf16 shards gather the same bits ([Note: cast on gather])
+                           ("ours_kept_eager", "ours_eager"),
+                           ("ours_fp8_attention_kept_eager", "ours_fp8_attention_eager")):
         a, b = columns.get(graphed, {}), columns.get(eager, {})
         if "losses" in a and "losses" in b:
             a["losses_equal_to_" + eager] = a["losses"] == b["losses"]

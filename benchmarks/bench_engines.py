@@ -38,11 +38,12 @@ Configs (``--config``):
 
 Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; same seed and batches):
   ours_eager           megatron_fsdp (double buffer, persistent buffers); TE layers fuse weight gradients into
-                       the fp32 main gradients (``--fuse-wgrad on``); each gather casts the fp32 shard to bf16, or,
-                       with ``--keep-compute-shard``, reads a bf16 copy cast once a step (ours' columns but the TP
-                       and megatron-core ones)
+                       the fp32 main gradients (``--fuse-wgrad on``); each gather casts the fp32 shard to bf16
   ours_partial         + PartialCudaGraphs (TE's graph maker with TE, else torch's)
   ours_full            + FullIterationCudaGraph (forward+backward in one graph, optimizer eager)
+  ours_kept_eager      ours_eager with ``fully_shard(keep_compute_shard=True)``: a bf16 copy of the shards, cast
+                       once a step, gathered from ([Note: cast on gather] in megatron_fsdp/_unit.py); also in
+                       llama8b_fp8, with ``ours_fp8_attention_kept_eager``
   fsdp2_eager          torch FSDP2 as its users run it: fully_shard per layer and the root, default ZeRO-3,
                        fp32 sharded parameters, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
   fsdp2_keep_partial   the same + keep_unsharded_storage + PartialCudaGraphs
@@ -188,6 +189,7 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
     "ours_eager": ("megatron_fsdp", None, "eager"),
     "ours_partial": ("megatron_fsdp", None, "partial"),
     "ours_full": ("megatron_fsdp", None, "full"),
+    "ours_kept_eager": ("megatron_fsdp", {"keep_compute_shard": True}, "eager"),
     "fsdp2_eager": ("fsdp2_default", None, "eager"),
     "fsdp2_keep_partial": ("fsdp2", {"storage": "keep", "mixed_precision": "bf16"}, "partial"),
     "fsdp2_slots_partial": ("fsdp2", {"storage": "slots", "mixed_precision": "bf16"}, "partial"),
@@ -223,6 +225,7 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
     "ours_fp8_gather_attention_eager": ("megatron_fsdp", {"fp8": True}, "eager"),
     "ours_fp8_attention_eager": ("megatron_fsdp", {"fp8": True}, "eager"),
     "ours_fp8_attention_partial": ("megatron_fsdp", {"fp8": True}, "partial"),
+    "ours_fp8_attention_kept_eager": ("megatron_fsdp", {"fp8": True, "keep_compute_shard": True}, "eager"),
     "nvidia_fp8_attention_eager": ("nvidia", {"fp8": True}, "eager"),
     "fsdp2_torch_eager": ("fsdp2_torchtitan", None, "eager"),
     "fsdp2_float8_eager": ("fsdp2_torchtitan", {"float8": True}, "eager"),
@@ -230,7 +233,7 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
 COLUMNS = {
     "llama8b": [c for c in COLUMN_SPECS if "_ep_" not in c and c not in _engines_tp.TP_COLUMNS
                 and c not in _engines_mcore.MCORE_COLUMNS
-                and (c == "ours_eager" or c not in _engines_fp8.FP8_COLUMNS)],
+                and (c in ("ours_eager", "ours_kept_eager") or c not in _engines_fp8.FP8_COLUMNS)],
     "olmoe": ["ours_eager", "ours_partial", "ours_full", "fsdp2_eager", "fsdp2_keep_partial", "nvidia_eager",
               "nvidia_partial"],
     "qwen3moe": ["ours_eager", "ours_partial", "ours_ep_eager", "ours_ep_groups_eager", "ours_ep_partial",
@@ -516,8 +519,7 @@ def shard(column: str, model: Model, device: torch.device, args: argparse.Namesp
         ep = expert_parallel_size(column)
         sharded = fully_shard(model.module, fsdp_unit_modules=[model.unit_class], sharding_strategy="optim_grads_params",
                               compute_dtype=torch.bfloat16, fsdp_double_buffer=True,
-                              fsdp_db_use_persist_buf_on_alloc_fail=True, expert_parallel_size=ep,
-                              keep_compute_shard=args.keep_compute_shard)
+                              fsdp_db_use_persist_buf_on_alloc_fail=True, expert_parallel_size=ep)
         return Sharded(sharded, _adam(device)(list(sharded.optimizer_parameters())), True,
                        f"compute in bf16, fp32 main parameters and gradients, ZeRO-3; EP {ep}: experts whole on "
                        f"their rank (expert-data-parallel groups of {dist.get_world_size() // ep})")
@@ -531,8 +533,6 @@ def shard(column: str, model: Model, device: torch.device, args: argparse.Namesp
     if options and options.get("expert_parallel"):  # the builder's option: EP = the world size
         options = {**{k: v for k, v in options.items() if k != "expert_parallel"},
                    "expert_parallel_size": expert_parallel_size(column)}
-    if name == "megatron_fsdp" and args.keep_compute_shard:  # [Note: cast on gather] in megatron_fsdp/_unit.py
-        options = {**(options or {}), "keep_compute_shard": True}
     extra = {"options": options} if options else {}
     run = builder.build(model.module, unit_modules=[model.unit_class], make_optimizer=_adam(device), device=device,
                         sharding_strategy="optim_grads_params",
@@ -997,9 +997,6 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="TE TransformerLayer (default with TE) or the torch layers")
     p.add_argument("--backend", choices=["te", "torch", "protocol"], default=None,
                    help="partial graphs' backend (default: te with TE, torch without; protocol on CPU)")
-    p.add_argument("--keep-compute-shard", action="store_true",
-                   help="ours' columns (not the TP and megatron-core ones): fully_shard(keep_compute_shard=True), the "
-                        "shards cast to bf16 once a step and kept, instead of at every gather")
     p.add_argument("--fuse-wgrad", choices=["on", "off"], default="on",
                    help="TE layers of our columns accumulate weight gradients into the fp32 main gradients")
     p.add_argument("--moe-experts", default="grouped_mm",

@@ -21,8 +21,8 @@ from tests.benchmarks.test_bench_engines import ROOT, _bench, _smoke
 
 TE_FP8 = ["ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager", "ours_fp8_partial",
           "ours_fp8_full", "nvidia_fp8_eager", "ours_fp8_gather_eager", "ours_fp8_gather_partial",
-          "nvidia_fp8_gather_eager", "ours_fp8_attention_eager", "ours_fp8_attention_partial",
-          "nvidia_fp8_attention_eager", "ours_fp8_gather_attention_eager"]
+          "nvidia_fp8_gather_eager", "ours_fp8_attention_eager", "ours_fp8_attention_kept_eager",
+          "ours_fp8_attention_partial", "nvidia_fp8_attention_eager", "ours_fp8_gather_attention_eager"]
 
 
 def test_fp8_config_cpu_smoke_with_gradient_accumulation(tmp_path):
@@ -30,7 +30,8 @@ def test_fp8_config_cpu_smoke_with_gradient_accumulation(tmp_path):
     cols = r["columns"]
     assert set(cols) == set(_bench().COLUMNS["llama8b_fp8"])
     ran = {c for c, v in cols.items() if "step_ms" in v}
-    assert ran == {"ours_eager", "fsdp2_torch_eager"}, {c: v.get("skipped", v.get("error")) for c, v in cols.items()}
+    assert ran == {"ours_eager", "ours_kept_eager", "fsdp2_torch_eager"}, \
+        {c: v.get("skipped", v.get("error")) for c, v in cols.items()}
     for c in ran:  # three micro-batches of one sequence a step
         assert cols[c]["micro_batches"] == 3 and cols[c]["tokens_per_gpu_per_step"] == 3 * 16
     # one model, one seed, the same batches: the two engines' first losses agree (fp32 on CPU)
@@ -38,10 +39,13 @@ def test_fp8_config_cpu_smoke_with_gradient_accumulation(tmp_path):
     for c in TE_FP8:
         assert "CUDA GPU" in cols[c]["skipped"], c
     assert "CUDA only" in cols["fsdp2_float8_eager"]["skipped"]
-    # every FP8 goal names a column that cannot run here: N/A with its reason, not a failure
-    # every FP8 goal compares a column that needs a GPU: all of them not applicable here
+    # every FP8 goal compares a column that needs a GPU: not applicable here, with its reason, not a failure; the
+    # one goal of two bf16 columns (the kept bf16 shards against ours_eager) is evaluated, on the same bits
     fp8_goals = [g for g in sys.modules["_perf_goals"].ENGINE_GOALS if g.config == "llama8b_fp8"]
-    assert r["evaluation"]["goals"] == [] and len(r["evaluation"]["not_applicable"]) == len(fp8_goals) == 19
+    assert [g["name"] for g in r["evaluation"]["goals"]] == ["ours bf16 shards kept: eager step / ours eager "
+                                                             "(never slower)"]
+    assert len(r["evaluation"]["not_applicable"]) == len(fp8_goals) - 1 == 21
+    assert cols["ours_kept_eager"]["losses"] == cols["ours_eager"]["losses"]
     assert "torch layers" in cols["fsdp2_torch_eager"]["precision"]
 
 
@@ -138,7 +142,7 @@ def test_fp8_arguments_refused_with_the_rule():
     assert _engines_fp8.recipe_of("ours_eager", args) is None and _engines_fp8.recipe_of("fsdp2_float8_eager", args) is None
     # the FP8 attention columns: delayed scaling whatever --fp8-recipe says (the recipe TE runs it with on Hopper)
     current = b.parse(["--config", "llama8b_fp8", "--columns", "ours_fp8_attention_eager", "nvidia_fp8_eager"])
-    assert [_engines_fp8.recipe_of(c, current) for c in _engines_fp8.FP8_ATTENTION] == ["delayed"] * 3
+    assert [_engines_fp8.recipe_of(c, current) for c in _engines_fp8.FP8_ATTENTION] == ["delayed"] * 4
     assert _engines_fp8.recipe_of("nvidia_fp8_eager", current) == "current"
 
 
@@ -170,7 +174,7 @@ def test_the_weight_cache_is_for_the_eager_columns_with_bf16_weights(tmp_path):
                     "--columns", "ours_eager", "ours_fp8_current_eager", "nvidia_fp8_eager", "ours_fp8_gather_eager"])
     cached = {c for c in _engines_fp8.FP8_COLUMNS if _engines_fp8.caches_weights(c, args)}
     assert cached == {"ours_fp8_delayed_eager", "ours_fp8_current_eager", "ours_fp8_block_eager", "nvidia_fp8_eager",
-                      "ours_fp8_attention_eager", "nvidia_fp8_attention_eager"}
+                      "ours_fp8_attention_eager", "ours_fp8_attention_kept_eager", "nvidia_fp8_attention_eager"}
     assert not any(_engines_fp8.caches_weights(c, b.parse(["--config", "llama8b_fp8", "--columns", c]))
                    for c in cached)
     for refused in (["--config", "llama8b_fp8", "--columns", "ours_fp8_partial"], ["--config", "llama8b_fp8"],
