@@ -636,9 +636,16 @@ class MegatronFSDP(nn.Module):
                         "units a persistent buffer of their own"
                     )
         self.slot_numel = slot_numel or 0
-        use_p_slots = bool(db_units) and self.strategy.shards_params
+
+        def resident(u: FSDPUnit) -> bool:
+            """[Note: cast on gather]: with keep_compute_shard, a unit whose shard group has one rank keeps its
+            cast in an unshard buffer of its own (its shard is the whole unit): one cast a step, no gather."""
+            return self.keep_compute_shard and u.shard_size == 1 and u.fp8 is None
+
+        p_slot_units = [u for u in db_units if not resident(u)]
+        use_p_slots = bool(p_slot_units) and self.strategy.shards_params
         # Expert buckets alternate between slots 2 and 3 of their own ([Note: expert parallelism] in _expert.py).
-        n_pslots = 4 if any(u.is_expert for u in db_units) else 2
+        n_pslots = 4 if any(u.is_expert for u in p_slot_units) else 2
         slots_p = [torch.zeros(self.slot_numel, dtype=cdt, device=dev) for _ in range(n_pslots)] if use_p_slots else []
         # [Note: one gradient slot] Unshard buffers need two slots (the running unit's and the prefetched
         # one's); gradient buffers one: a unit's buffer is read only by its own reduce-scatter, and the engine
@@ -681,11 +688,11 @@ class MegatronFSDP(nn.Module):
                 s = slot_of.get(id(u))
                 # Unsharded strategies keep compute parameters resident, so only ZeRO-3 puts them in slots;
                 # `optim` (ZeRO-1) keeps its full gradient buffer by definition.
-                if s is not None and self.strategy.shards_params:
+                if s is not None and self.strategy.shards_params and not resident(u):
                     pbuf = _Buffer("slot", slots_p[s], s)
                 else:
-                    resident = self.fsdp_double_buffer or not self.strategy.shards_params
-                    pbuf = _Buffer("persistent" if resident else "dynamic", torch.zeros(u.param_numel, dtype=cdt, device=dev))
+                    kept = self.fsdp_double_buffer or not self.strategy.shards_params or resident(u)
+                    pbuf = _Buffer("persistent" if kept else "dynamic", torch.zeros(u.param_numel, dtype=cdt, device=dev))
                 if s is not None and self.strategy is not ShardingStrategy.OPTIM:
                     gbuf = _Buffer("slot", slots_g[s % n_gslots], s % n_gslots)
                 elif u is self.root_unit and root_gslot is not None:

@@ -433,14 +433,16 @@ class FSDPUnit:
         compute-dtype tensor of the shard's size, refreshed at the first gather after the main (or frozen) shard
         changed, on the signal that refreshes ZeRO-1/2's compute parameters (the version counter, the optimizer
         step post-hook, a load: ``_install_if_stale``), and the all-gather reads it. The same bits as casting at
-        every gather; what is saved is the fp32 read and the cast of every later gather of the step (at one rank
-        a gather is still a copy into the slot). A gather inside a capture (a full-iteration graph) casts as
-        without the copy: the refresh is a host decision, and a captured one would be replayed whether or not
-        the shard changed.
+        every gather; what is saved is the fp32 read and the cast of every later gather of the step. A unit with
+        an unshard buffer of its own (the root; with the option, every unit whose shard group has one rank, whose
+        shard is the whole unit: no double-buffer slot then) keeps no copy: its buffer holds the cast from one
+        change of the shards to the next, and it gathers once a step anyway. A gather inside a capture (a
+        full-iteration graph) casts as without the copy: the refresh is a host decision, and a captured one
+        would be replayed whether or not the shard changed.
         """
         if not self._cast_on_gather:
             return C.all_gather(out, shard, self.group, what)
-        if self.engine.keep_compute_shard and not is_capturing():
+        if self.engine.keep_compute_shard and self.param_buffer.kind != "persistent" and not is_capturing():
             kept = self._kept.get(region)
             if kept is None:
                 kept = self._kept[region] = torch.empty(shard.shape, dtype=out.dtype, device=out.device)

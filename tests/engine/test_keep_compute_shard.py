@@ -5,7 +5,8 @@ Must hold, on Gloo (bf16 compute, two micro-batches a step, clipping, Adam):
 
 - 1 and 2 ranks (and at 2, expert parallelism and HSDP 2 x 1): every loss and the final state ``torch.equal`` to the
   same run casting at every gather; the main shards are cast once a step (one cast per unit region and step), where
-  the default casts at every gather;
+  the default casts at every gather; a unit whose shard group has one rank keeps the cast in an unshard buffer of
+  its own (no copy, no slot), the others keep a copy and gather into their slot;
 - a checkpoint loaded mid-run (the shards change outside the optimizer), frozen parameters (their own copy),
   per-layer graphs (protocol backend) and a full-iteration graph (protocol backend, graphed optimizer step and
   eager one): the same bits as casting at every gather;
@@ -100,8 +101,11 @@ def _train(rank: int, world: int, keep: bool, *, frozen: bool = False, reload: b
         graphs.delete()
     regions = {"main": len(list(model.all_units())),
                "frozen": sum(1 for u in model.all_units() if u.frozen_shard.numel())}
+    units = list(model.all_units())
     return {"losses": losses, "state": model.state_dict(), "casts": dict(casts), "regions": regions,
-            "steps": STEPS + (2 if reload else 0)}
+            "steps": STEPS + (2 if reload else 0), "units": sorted(u.name for u in units),
+            "with copy": sorted(u.name for u in units if u._kept),
+            "own buffer": sorted(u.name for u in units if u.param_buffer.kind == "persistent")}
 
 
 def _same(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
@@ -125,6 +129,13 @@ def test_kept_copy_trains_the_same_bits_and_casts_once_a_step(world):
     for rank, runs in enumerate(run_gloo(_pairs, world)):
         for case, pair in runs.items():
             cast, kept = pair[False], pair[True]
+            # where the copy lives: a unit whose shard group has one rank (one rank, HSDP 2 x 1's shard groups, the
+            # expert buckets at EP = world) keeps its cast in a buffer of its own, no copy and no slot; the root has
+            # its own buffer anyway; the other units keep a copy and gather into their slot
+            assert cast["own buffer"] == ["<root>"] and cast["with copy"] == [], (case, cast)
+            one_rank = [u for u in kept["units"] if world == 1 or case.startswith("HSDP") or u.endswith("[experts]")]
+            assert kept["own buffer"] == sorted(set(one_rank) | {"<root>"}), (case, kept["own buffer"])
+            assert kept["with copy"] == [u for u in kept["units"] if u not in kept["own buffer"]], (case, kept)
             assert _same(cast, kept) == [], (world, rank, case, _same(cast, kept))
             steps = kept["steps"]
             # one cast per region and step (a load marks the shards changed: the step after it casts once, as any);
