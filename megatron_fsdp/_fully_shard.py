@@ -114,7 +114,8 @@ def fully_shard(
             each unit's shards, cast once after each change of the main shards (an optimizer step, a load), and
             gather from it, instead of casting the fp32 shards at every gather (forward and backward of every
             micro-batch: [Note: cast on gather] in _unit.py). The same bits; it costs 2 bytes a shard element (bf16)
-            for the run and saves the casts of every gather but the first of a step. A gather inside a
+            for the run and saves the casts of every gather but the first of a step. A unit whose shard group has
+            one rank keeps the cast in an unshard buffer of its own instead of a double-buffer slot. A gather inside a
             full-iteration capture casts as without it. Refused where there is nothing to keep (other
             strategies keep unsharded compute parameters; fp32 compute gathers the main shards as they are).
         expert_parallel_size: expert parallelism (EP) over the data-parallel ranks ([Note: expert parallelism] in
