@@ -7,7 +7,7 @@ Must hold, on Gloo (bf16 compute, two micro-batches a step, clipping, Adam):
   same run casting at every gather; the main shards are cast once a step (one cast per unit region and step), where
   the default casts at every gather; a unit whose shard group has one rank keeps the cast in an unshard buffer of
   its own (no copy, no slot), the others keep a copy and gather into their slot;
-- a checkpoint loaded mid-run (the shards change outside the optimizer), frozen parameters (their own copy),
+- a checkpoint loaded mid-run (the shards change outside the optimizer), frozen parameters (a region of their own),
   per-layer graphs (protocol backend) and a full-iteration graph (protocol backend, graphed optimizer step and
   eager one): the same bits as casting at every gather;
 - a gather inside a (simulated) capture does not use the copy: the captured work must not depend on a host
@@ -99,9 +99,8 @@ def _train(rank: int, world: int, keep: bool, *, frozen: bool = False, reload: b
             losses.append(accumulated_step(model, opt, x, y, rank, MICRO))
     if graphs is not None:
         graphs.delete()
-    regions = {"main": len(list(model.all_units())),
-               "frozen": sum(1 for u in model.all_units() if u.frozen_shard.numel())}
     units = list(model.all_units())
+    regions = {"main": len(units), "frozen": sum(1 for u in units if u.frozen_shard.numel())}
     return {"losses": losses, "state": model.state_dict(), "casts": dict(casts), "regions": regions,
             "steps": STEPS + (2 if reload else 0), "units": sorted(u.name for u in units),
             "with copy": sorted(u.name for u in units if u._kept),
