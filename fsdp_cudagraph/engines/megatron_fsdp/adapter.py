@@ -10,7 +10,7 @@ runs whole-step graphs. The NVIDIA adapter reads TE's FP8 weights through this m
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -33,10 +33,14 @@ parameter_ops = _fp8.ops_for
 parameter_replay_tensors = _fp8.replay_tensors
 
 
-def replay_addresses(p: torch.Tensor, ops: Optional[_fp8.QuantizedOps]) -> List[int]:
-    """The addresses of ``parameter_replay_tensors(name, p)``, in its order; ``ops``: ``parameter_ops(p)``, resolved
-    once by the caller (a probe runs before every replay)."""
-    return [p.data_ptr()] if ops is None else [t.data_ptr() for _, t in ops.tensors(p)]
+def replay_addresses(params: Sequence[torch.Tensor], kinds: Sequence[Optional[_fp8.QuantizedOps]]) -> List[int]:
+    """The addresses of ``parameter_replay_tensors`` of each of ``params``, in its order; ``kinds``: each one's
+    ``parameter_ops``, resolved once by the caller (a probe runs before every replay). Plain parameters only (the
+    common case): their data pointers, without the expansion."""
+    if not any(kinds):
+        return [p.data_ptr() for p in params]
+    return [a for p, ops in zip(params, kinds)
+            for a in ([p.data_ptr()] if ops is None else [t.data_ptr() for _, t in ops.tensors(p)])]
 
 #: Every hook ``megatron_fsdp`` registers names its role in this attribute.
 ROLE_ATTR = "_megatron_fsdp_role"
@@ -173,10 +177,7 @@ class MegatronFSDPEngine(EngineAdapter, PerLayerEngine):
         kinds = [parameter_ops(d[n]) for d, n in slots]  # the quantized weights' ops, None for plain parameters
 
         def probe() -> Tuple[int, ...]:
-            if not any(kinds):
-                out = [d[n].data_ptr() for d, n in slots]
-            else:
-                out = [a for (d, n), ops in zip(slots, kinds) for a in replay_addresses(d[n], ops)]
+            out = replay_addresses([d[n] for d, n in slots], kinds)
             gb = unit.grad_buffer if unit is not None else None
             if gb is not None and gb.kind != "dynamic":
                 out.append(gb.tensor.data_ptr())

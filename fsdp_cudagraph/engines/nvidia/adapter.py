@@ -528,10 +528,7 @@ class NvidiaMegatronFSDPEngine(EngineAdapter, PerLayerEngine):
 
         def probe() -> Tuple[int, ...]:
             raw = getattr(engine, "raw_param", None) or {}
-            if not any(kinds):
-                return tuple(_compute_parameter(d[n], raw, dist).data_ptr() for d, n in slots)
-            return tuple(a for (d, n), ops in zip(slots, kinds)
-                         for a in replay_addresses(_compute_parameter(d[n], raw, dist), ops))
+            return tuple(replay_addresses([_compute_parameter(d[n], raw, dist) for d, n in slots], kinds))
         return probe
 
     def _optimizer_names(self) -> Dict[int, str]:
