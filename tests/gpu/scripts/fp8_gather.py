@@ -18,8 +18,8 @@ again in backward), Adam, current scaling with one ``FP8Recipe.autocast()`` arou
   ``.grad``; the QKV weight stays fused, as TE requires of FP8 weights).
 - Bytes all-gathered in step 1 by dtype, and the peak memory, of each row.
 
-``--engine nvidia`` (not yet run on a GPU): NVIDIA Megatron-FSDP (megatron-core's bundled copy) on the same FP8 layers,
-which it gathers as bytes, ZeRO-3 with its double buffer and ``keep_fp8_transpose_cache=True``, unfused weight
+``--engine nvidia`` (one GPU green at ``907f506``): NVIDIA Megatron-FSDP (megatron-core's bundled copy) on the same
+FP8 layers, which it gathers as bytes, ZeRO-3 with its double buffer and ``keep_fp8_transpose_cache=True``, unfused weight
 gradients (the adapter refuses fused ones under NVIDIA's engine) and the head in bf16. Rows: ``nvidia gather``
 (eager) and ``nvidia gather + per-layer graphs`` against it (``torch.equal``, every loss and this rank's shard of
 every main parameter; [Note: NVIDIA's FP8 parameters and replay] in fsdp_cudagraph/engines/nvidia/adapter.py), and
