@@ -82,10 +82,9 @@ def layer_numel(args: argparse.Namespace, world: int) -> int:
     """Parameters of one layer's TP slice (the size of FSDP's collectives, whose rates the run measures)."""
     tp = tensor_parallel_size(args, world)
     s = shape(args, tp)
-    h, d = s.hidden_size, s.hidden_size // s.num_heads
-    kv = s.num_query_groups or s.num_heads
-    layer = h * (s.num_heads + 2 * kv) * d + s.num_heads * d * h + (3 if s.swiglu else 2) * h * s.ffn_hidden_size
-    return layer // tp
+    return _engines_tp.slice_numel(hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_query_groups or s.num_heads,
+                                   head_dim=s.hidden_size // s.num_heads, ffn=s.ffn_hidden_size,
+                                   mlp_matrices=3 if s.swiglu else 2, tp=tp)
 
 
 def build(args: argparse.Namespace, device: torch.device) -> Tuple[nn.Module, Any, Dict[str, Any]]:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["TP_COLUMNS", "GATHERED_LOGITS", "NVIDIA_TP_REASON", "SCOPES", "tensor_parallel_size", "too_few_tp_ranks",
-           "config", "layer_numel", "build", "shard", "not_applicable", "SplitQKVAttention"]
+           "config", "slice_numel", "layer_numel", "build", "shard", "not_applicable", "SplitQKVAttention"]
 
 #: The columns of ``--config llama70b`` (their specs are in bench_engines.COLUMN_SPECS).
 TP_COLUMNS = ["ours_tp_eager", "ours_tp_partial", "ours_tp_full", "fsdp2_tp_eager", "fsdp2_tp_gathered_eager",
@@ -81,12 +81,18 @@ def config(args: argparse.Namespace, tp: int) -> Any:
     return llama70b_config(num_layers=args.layers, **({"seq_len": args.seq} if args.seq else {}), **par)
 
 
+def slice_numel(*, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int, mlp_matrices: int, tp: int) -> int:
+    """Parameters of one decoder layer's TP slice: the query, key/value and output projections and ``mlp_matrices``
+    matrices of ``hidden x ffn`` (2, or 3 with a gated MLP), split over ``tp`` ranks (norms and biases left out)."""
+    layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + mlp_matrices * hidden * ffn
+    return layer // tp
+
+
 def layer_numel(args: argparse.Namespace, world: int) -> int:
     """Parameters of one layer's TP slice (the size of FSDP's collectives, whose rates the run measures)."""
     cfg = config(args, 1)
-    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size
-    layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 2 * h * f
-    return layer // tensor_parallel_size(args, world)
+    return slice_numel(hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                       ffn=cfg.ffn_hidden_size, mlp_matrices=2, tp=tensor_parallel_size(args, world))
 
 
 def _groups(tp: int) -> Tuple[Any, Any]:
