@@ -162,25 +162,20 @@ def not_applicable(column: str, device: torch.device, args: argparse.Namespace) 
             return "FP8 runs in TransformerEngine's layers and TransformerEngine is not importable here"
         if args.layers_impl != "te":
             return f"FP8 runs in TE's layers; this run has --layers-impl {args.layers_impl}"
-        from fsdp_cudagraph.capture.fp8 import (attention_deterministic, check_fp8_device, check_fp8_runtime,
-                                                fp8_attention_problems)
+        from fsdp_cudagraph.capture.fp8 import check_fp8_device, check_fp8_runtime
 
         try:
             check_fp8_device(name, torch.cuda.get_device_capability(device), torch.version.cuda)
             if column in FP8_ATTENTION:  # the GPU and the cuDNN TE loaded ([Note: FP8 attention])
                 check_fp8_runtime(name, dot_product_attention=True)
+            elif column in GATHER_ATTENTION:  # with the environment the column's own process will have
+                check_fp8_runtime(name, dot_product_attention=True, dpa_recipe=DPA_DELAYED["NVTE_DPA_FP8_RECIPE"])
         except Exception as exc:  # noqa: BLE001 - the library's refusal names the device and the rule
             return str(exc)
-        if column in GATHER_ATTENTION:
-            # the rules with the environment the column's process will have (this one may lack it)
-            problems = fp8_attention_problems(name, torch.cuda.get_device_capability(device), _te.te_cudnn_version(),
-                                              deterministic=attention_deterministic(),
-                                              dpa_recipe=DPA_DELAYED["NVTE_DPA_FP8_RECIPE"])
-            if problems:
-                return "; ".join(problems)
-            if args.isolate == "none" and any(os.environ.get(k) != v for k, v in DPA_DELAYED.items()):
-                return ("needs NVTE_DPA_FP8_RECIPE=DelayedScaling before TE is imported, which the run gives each "
-                        "column's own process: run with --isolate process (the default), or set it before the run")
+        if (column in GATHER_ATTENTION and args.isolate == "none"
+                and any(os.environ.get(k) != v for k, v in DPA_DELAYED.items())):
+            return ("needs NVTE_DPA_FP8_RECIPE=DelayedScaling before TE is imported, which the run gives each "
+                    "column's own process: run with --isolate process (the default), or set it before the run")
     if column == "fsdp2_float8_eager":
         if device.type != "cuda":
             return "torchao's Float8Linear runs its scaled matmuls on CUDA only"

@@ -133,9 +133,10 @@ def check_fp8_device(name: str, capability: Tuple[int, int], cuda_version: Optio
             f"GEMMs, torch runs CUDA {cuda_version}; use a newer CUDA build of torch, or fp8_recipe='current'")
 
 
-def check_fp8_runtime(name: str, *, dot_product_attention: bool = False) -> None:
+def check_fp8_runtime(name: str, *, dot_product_attention: bool = False, dpa_recipe: Optional[str] = None) -> None:
     """:func:`check_fp8_device` on this machine's current GPU; RuntimeError without one. With
-    ``dot_product_attention`` also :func:`fp8_attention_problems` with the cuDNN TE loaded, each problem named."""
+    ``dot_product_attention`` also :func:`fp8_attention_problems` with the cuDNN TE loaded, each problem named;
+    ``dpa_recipe``: TE's ``NVTE_DPA_FP8_RECIPE`` to check with (None: this process's environment)."""
     if not torch.cuda.is_available():
         raise RuntimeError(f"fp8_recipe={name!r} needs a CUDA GPU (TransformerEngine's FP8 kernels), but "
                            "torch.cuda.is_available() is False; run on a GPU machine or drop fp8_recipe")
@@ -145,7 +146,8 @@ def check_fp8_runtime(name: str, *, dot_product_attention: bool = False) -> None
     _te.require_te("FP8 attention (dot_product_attention=True)")
     problems = fp8_attention_problems(  # pragma: no cover - needs TE
         name, torch.cuda.get_device_capability(), _te.te_cudnn_version(),
-        deterministic=attention_deterministic(), dpa_recipe=os.getenv("NVTE_DPA_FP8_RECIPE", ""))
+        deterministic=attention_deterministic(),
+        dpa_recipe=os.getenv("NVTE_DPA_FP8_RECIPE", "") if dpa_recipe is None else dpa_recipe)
     if problems:  # pragma: no cover - needs TE
         raise RuntimeError("; ".join(problems))
 

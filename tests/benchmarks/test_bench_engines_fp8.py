@@ -163,6 +163,33 @@ def test_fp8_weights_with_fp8_attention_column():
     assert "CUDA GPU" in _engines_fp8.not_applicable(col, torch.device("cpu"), args)
 
 
+def test_fp8_weights_with_fp8_attention_checked_with_the_column_env(monkeypatch):
+    """On a GPU (stood in for): the FP8-attention rules are checked with NVTE_DPA_FP8_RECIPE=DelayedScaling, the
+    environment the column's own process gets, whatever this process has; a shared process without it is refused;
+    a cuDNN TE runs below what deterministic FP8 attention needs is refused with the library's reason."""
+    from fsdp_cudagraph.capture import fp8 as fp8_mod, te as te_mod
+
+    b = _bench()
+    import _engines_fp8
+
+    col = "ours_fp8_gather_attention_eager"
+    monkeypatch.setattr(te_mod, "HAS_TE", True)
+    monkeypatch.setattr(te_mod, "require_te", lambda what: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fp8_mod, "check_fp8_device", lambda *a: None)
+    monkeypatch.setattr(fp8_mod, "attention_deterministic", lambda: True)
+    monkeypatch.delenv("NVTE_DPA_FP8_RECIPE", raising=False)
+    cuda = torch.device("cuda")
+    isolated = b.parse(["--config", "llama8b_fp8", "--layers-impl", "te", "--columns", col])
+    shared = b.parse(["--config", "llama8b_fp8", "--layers-impl", "te", "--isolate", "none", "--columns", col])
+    monkeypatch.setattr(te_mod, "te_cudnn_version", lambda: (9, 19, 0))
+    assert _engines_fp8.not_applicable(col, cuda, isolated) is None  # current scaling on Hopper: with the column env
+    assert "NVTE_DPA_FP8_RECIPE=DelayedScaling" in _engines_fp8.not_applicable(col, cuda, shared)
+    monkeypatch.setattr(te_mod, "te_cudnn_version", lambda: (9, 14, 0))
+    assert "need cuDNN 9.19 or newer" in _engines_fp8.not_applicable(col, cuda, isolated)
+
+
 def test_the_weight_cache_is_for_the_eager_columns_with_bf16_weights(tmp_path):
     """``--fp8-cache-quantized-params``: TE's weight cache in the eager FP8 columns whose layers hold bf16 weights
     (ours and NVIDIA's), not the FP8-weight columns (their engine quantizes once a step) nor the bf16 and torchao
