@@ -16,6 +16,8 @@ They run the entry points a user runs and check their verdicts (docs/fp8.md):
   (per-layer and whole-step) equal to eager; fused and unfused weight gradients. With ``--engine nvidia`` (one GPU
   green at ``907f506``): NVIDIA Megatron-FSDP gathering the same FP8 weights, per-layer graphs ``torch.equal`` to eager;
   controls: a transpose moved after capture refused before the replay, ``keep_fp8_transpose_cache=False`` refused.
+  With ``--engine ours-kept``: ``fully_shard(keep_compute_shard=True)`` (the bf16 cast of the shards kept across
+  gathers) against casting at every gather, eager and graphed, every loss and main parameter ``torch.equal``.
 
 Skipped without CUDA or without TE, with the reason.
 """
@@ -134,6 +136,28 @@ def test_fp8_gathered_weights_bit_exact_1gpu(tmp_path):
 def test_fp8_gathered_weights_bit_exact_2gpu(tmp_path):
     """The weights' scales come from the amax all-reduced over both ranks' shards."""
     _check_gather(_fp8_gather(tmp_path, 2), 2)
+
+
+def _check_kept(res: dict, world: int) -> None:
+    assert res["world_size"] == world and res["ok"], res
+    assert [r["row"] for r in res["rows"][0]] == ["cast", "kept", "kept + per-layer graphs", "kept + whole-step graph"]
+    assert all(r.get("placed") and r["equal"] for r in res["rows"][0][1:]), res["rows"][0]
+
+
+@pytest.mark.gpu
+def test_kept_compute_shard_bit_exact_1gpu(tmp_path):
+    """``fully_shard(keep_compute_shard=True)`` under TE layers in FP8 (current scaling): the same bits as casting at
+    every gather, and graphed (per-layer, whole-step) equal to eager; at one GPU every unit keeps its cast in an
+    unshard buffer of its own."""
+    _check_kept(_fp8_gather(tmp_path, 1, engine="ours-kept"), 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@TWO_GPUS
+def test_kept_compute_shard_bit_exact_2gpu(tmp_path):
+    """At 2 GPUs the layers keep a bf16 copy of their shards and gather from it."""
+    _check_kept(_fp8_gather(tmp_path, 2, engine="ours-kept"), 2)
 
 
 def _nvidia_fp8_gather(tmp_path, nproc: int) -> dict:

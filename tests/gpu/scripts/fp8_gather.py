@@ -27,6 +27,11 @@ two controls: ``nvidia control: transpose moved`` (a weight's transpose, its sca
 transpose, replaced after capture: the next forward must be refused before the replay, naming it) and ``nvidia
 control: keep_fp8_transpose_cache=False`` (refused when the graphs are built).
 
+``--engine ours-kept``: the layers with bf16 weights under ``fully_shard(keep_compute_shard=True)`` (the bf16 cast
+of each unit's shards kept across gathers) against the default cast at every gather, eager, with per-layer graphs
+and with a whole-step graph (``KEPT_PLAN``), every loss and main parameter ``torch.equal``, and where each unit keeps
+its cast.
+
 Rank 0 writes the JSON (``ok``: every row ran and every comparison is equal); exit status 1 if not.
 """
 
@@ -85,7 +90,7 @@ def batch(step: int, dev: torch.device):
     return x.to(dev, torch.bfloat16).contiguous(), y.to(dev, torch.bfloat16).contiguous()
 
 
-def train(dev: torch.device, *, quantized: bool, fuse: bool, graphs: Optional[str]) -> Dict[str, Any]:
+def train(dev: torch.device, *, quantized: bool, fuse: bool, graphs: Optional[str], keep: bool = False) -> Dict[str, Any]:
     import transformer_engine.pytorch as te
 
     from fsdp_cudagraph import CudaGraphConfig, FullIterationCudaGraph, PartialCudaGraphs
@@ -97,7 +102,7 @@ def train(dev: torch.device, *, quantized: bool, fuse: bool, graphs: Optional[st
         net = Net(quantized, fuse)
     model = megatron_fsdp.fully_shard(net, fsdp_unit_modules=[te.TransformerLayer], sharding_strategy="optim_grads_params",
                                       compute_dtype=torch.bfloat16, fsdp_double_buffer=True,
-                                      fsdp_db_use_persist_buf_on_alloc_fail=True)
+                                      fsdp_db_use_persist_buf_on_alloc_fail=True, keep_compute_shard=keep)
     opt = torch.optim.Adam(model.optimizer_parameters(), lr=1e-3)
     fp8 = FP8Recipe("current")
     fp8_units = [u.name for u in model.units if u.fp8 is not None]
@@ -152,8 +157,11 @@ def train(dev: torch.device, *, quantized: bool, fuse: bool, graphs: Optional[st
             partial.delete()
         if full is not None:
             full.delete()
+    units = list(model.all_units())
     return {"losses": [float(v) for v in torch.stack(losses).cpu()], "state": state, "fp8_units": fp8_units,
-            "gathered_bytes_step1": gathered, "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30}
+            "gathered_bytes_step1": gathered, "peak_gib": torch.cuda.max_memory_allocated(dev) / 2**30,
+            "units": sorted(u.name for u in units), "with_copy": sorted(u.name for u in units if u._kept),
+            "own_buffer": sorted(u.name for u in units if u.param_buffer.kind == "persistent")}
 
 
 def compare(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
@@ -291,13 +299,16 @@ def nvidia_rows(dev: torch.device, guard: RowGuard) -> List[Dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--engine", choices=("ours", "nvidia"), default="ours",
-                    help="ours: megatron_fsdp's rows (the default); nvidia: NVIDIA Megatron-FSDP's rows")
+    ap.add_argument("--engine", choices=("ours", "ours-kept", "nvidia"), default="ours",
+                    help="ours: megatron_fsdp's rows (the default); ours-kept: keep_compute_shard's rows; nvidia: "
+                         "NVIDIA Megatron-FSDP's rows")
     args = ap.parse_args()
     dev = init_script_ranks("cuda", 29533)
     guard = RowGuard()  # [Note: a row that raises on one rank] in tests/gpu_utils.py
     if args.engine == "nvidia":
         return finish(args.out, nvidia_rows(dev, guard), expected=4, ratio=None)
+    if args.engine == "ours-kept":
+        return finish(args.out, kept_rows(dev, guard), expected=len(KEPT_PLAN), ratio=None)
     rows: List[Dict[str, Any]] = []
     runs: Dict[str, Any] = {}
     plan = [("reference", False, None), ("gather", True, None), ("gather + per-layer graphs", True, "partial"),
@@ -329,6 +340,46 @@ def main() -> None:
     if ref and got:
         ratio = sum(got["gathered_bytes_step1"].values()) / max(sum(ref["gathered_bytes_step1"].values()), 1)
     finish(args.out, rows, expected=2 * len(plan), ratio=ratio)
+
+
+#: ``--engine ours-kept``: (row, per-layer or whole-step graphs, the row it must equal); ``cast`` casts the fp32
+#: shards into the gather buffer at every gather (the default), the others keep the bf16 cast
+#: (``fully_shard(keep_compute_shard=True)``, [Note: cast on gather] in megatron_fsdp/_unit.py)
+KEPT_PLAN = [("cast", None, None), ("kept", None, "cast"), ("kept + per-layer graphs", "partial", "kept"),
+             ("kept + whole-step graph", "full", "kept")]
+
+
+def kept_rows(dev: torch.device, guard: RowGuard) -> List[Dict[str, Any]]:
+    """The layers with bf16 weights (TE quantizes them in forward), casting at every gather against keeping the
+    cast; every loss and main parameter ``torch.equal``. Where each unit's cast lives is checked too: at one rank
+    every unit holds it in an unshard buffer of its own, at more the layers keep a copy and gather into their slot
+    (the head is the root's, which has its own buffer either way)."""
+    world = dist.get_world_size()
+    rows: List[Dict[str, Any]] = []
+    runs: Dict[str, Any] = {}
+    for name, graphs, against in KEPT_PLAN:
+        try:
+            runs[name] = r = train(dev, quantized=False, fuse=True, graphs=graphs, keep=name != "cast")
+        except Exception as exc:  # noqa: BLE001 - recorded in the row, the run goes on
+            rows.append({"row": name, **RowGuard.failed(name, exc)})
+            guard.end_of_row(name)
+            continue
+        guard.end_of_row(name)
+        row = {"row": name, "losses": r["losses"], "peak_gib": r["peak_gib"], "with_copy": r["with_copy"],
+               "own_buffer": r["own_buffer"], "ok": True}
+        if name != "cast":
+            layers = [u for u in r["units"] if u != "<root>"]
+            placed = len(layers) == LAYERS and (
+                r["own_buffer"] == r["units"] and not r["with_copy"] if world == 1
+                else r["own_buffer"] == ["<root>"] and r["with_copy"] == layers)
+            row.update(placed=placed)
+            if against not in runs:
+                row.update(ok=False, error=f"no {against} run to compare with")
+            else:
+                row.update(against=against, **compare(r, runs[against]))
+                row["ok"] = row["equal"] and placed
+        rows.append(row)
+    return rows
 
 
 def finish(out: str, rows: List[Dict[str, Any]], *, expected: int, ratio: Optional[float]) -> None:
