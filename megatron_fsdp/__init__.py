@@ -9,6 +9,11 @@ parallelism (``fully_shard(tensor_parallel_size=TP)``: a (dp, tp) grid, FSDP ove
 global-norm clipping, frozen parameters and activation checkpointing. See :func:`fully_shard`.
 """
 
+#: Which distribution this package is. NVIDIA's standalone ``megatron-fsdp`` has the same import name; the
+#: library checks this line before it uses the engine ([Note: one import name, two packages] in
+#: fsdp_cudagraph/engines/megatron_fsdp/__init__.py). Keep it on one line, as it is: it is read as text.
+__distribution__ = "fsdp-cudagraph"
+
 from ._common import CaptureGuardMode, ShardingStrategy, TrainingState, capture_guard, is_capturing, simulated_capture
 from ._dcp import decode_extra_state
 from ._expert import expert_parallel_groups

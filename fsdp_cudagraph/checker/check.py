@@ -72,7 +72,7 @@ from fsdp_cudagraph.graphs import partial as _capture
 from fsdp_cudagraph.capture.te import HAS_TE
 from fsdp_cudagraph.checker.divergence import StepRecorder, describe_divergence, first_divergence
 from fsdp_cudagraph.engines.build import EngineBuilder, check_options
-from fsdp_cudagraph.engines.registry import adapter_for, engine_builder, registered_builders
+from fsdp_cudagraph.engines.registry import adapter_for, engine_builder, registered_builders, unavailable_engines
 from fsdp_cudagraph.checker.records import write_record
 
 __all__ = ["ModelSpec", "AlignmentReport", "check_alignment", "main"]
@@ -466,7 +466,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="default: te (TE installed) or torch on CUDA, protocol on CPU")
     p.add_argument("--modules", nargs="*", default=[], help="cuda_graph_modules tags (attn, mlp, ...)")
     p.add_argument("--patterns", nargs="*", default=[], help="cuda_graph_module_patterns (globs or class names)")
-    p.add_argument("--engine", choices=sorted(registered_builders()), default="megatron_fsdp",
+    # an engine that failed to load stays a choice: engine_builder then names why and the fix
+    p.add_argument("--engine", choices=sorted(set(registered_builders()) | set(unavailable_engines())),
+                   default="megatron_fsdp",
                    help="the FSDP engine both runs train under (default megatron_fsdp; nvidia needs a GPU and "
                         "megatron-core)")
     p.add_argument("--strategy", default="optim_grads_params",

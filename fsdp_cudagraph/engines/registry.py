@@ -61,6 +61,8 @@ def engine_builder(name: str, device: Any) -> "EngineBuilder":
     ``device`` here (ImportError for a missing package, RuntimeError otherwise), before any work."""
     _load_builtin()
     if name not in _BUILDERS:
+        if name in _UNAVAILABLE:  # a built-in engine whose folder failed to import: its reason names the fix
+            raise ImportError(f"engine={name!r} cannot be loaded here: {_UNAVAILABLE[name]}")
         raise ValueError(f"engine={name!r} is not one of {sorted(_BUILDERS)}; megatron_fsdp (this project's engine), "
                          "fsdp2 (torch.distributed.fsdp.fully_shard) or nvidia (NVIDIA Megatron-FSDP, megatron-core)")
     builder = _BUILDERS[name]
