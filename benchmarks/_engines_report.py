@@ -132,6 +132,7 @@ def assemble(args: argparse.Namespace, world: int, rates: Dict[str, Any], column
                            ("fsdp2_ep_partial", "fsdp2_ep_eager"), ("nvidia_ep_partial", "nvidia_ep_eager"),
                            ("ours_tp_partial", "ours_tp_eager"),
                            ("ours_tp_full", "ours_tp_eager"), ("fsdp2_tp_partial", "fsdp2_tp_eager"),
+                           ("ours_tp_kept_eager", "ours_tp_eager"),
                            ("ours_mcore_tp_partial", "ours_mcore_tp_eager"),
                            ("nvidia_mcore_tp_partial", "nvidia_mcore_tp_eager"),
                            # the graphed FP8 columns train with --fp8-recipe: their eager twin is that recipe's

@@ -10,7 +10,8 @@ data-parallel ranks; the TP ranks of one data-parallel rank take the same micro-
   tensor_parallel_group=tp)`` (docs/tensor-parallel.md); the embeddings and the LM head are replicated over TP,
   or with ``--vocab-parallel`` the token embedding and the LM head split over the vocabulary
   (``GPTConfig(vocab_parallel=True)``), the loss then taken from the vocabulary slices (``model(x, y)``: the
-  logits are never gathered).
+  logits are never gathered). ``ours_tp_kept_eager`` adds ``keep_compute_shard=True``: at TP = world size every
+  unit's data-parallel group is one rank, so each keeps its bf16 cast in a buffer of its own, cast once a step.
 - FSDP2 (``fsdp2_tp_*``): the same model at TP=1 with the same seed, its fused ``[q | k | v]`` projection split
   into ``q``, ``k`` and ``v`` linears (:class:`SplitQKVAttention`: ``ColwiseParallel`` must give each rank whole
   heads), then torchtitan's composition as ``tests/adapters/test_fsdp2_tp.py`` builds it: ``parallelize_module``
@@ -41,7 +42,8 @@ __all__ = ["TP_COLUMNS", "GATHERED_LOGITS", "NVIDIA_TP_REASON", "SCOPES", "tenso
            "config", "slice_numel", "layer_numel", "build", "shard", "not_applicable", "SplitQKVAttention"]
 
 #: The columns of ``--config llama70b`` (their specs are in bench_engines.COLUMN_SPECS).
-TP_COLUMNS = ["ours_tp_eager", "ours_tp_partial", "ours_tp_full", "fsdp2_tp_eager", "fsdp2_tp_gathered_eager",
+TP_COLUMNS = ["ours_tp_eager", "ours_tp_partial", "ours_tp_full", "ours_tp_kept_eager", "fsdp2_tp_eager",
+              "fsdp2_tp_gathered_eager",
               "fsdp2_tp_partial", "nvidia_tp_eager"]
 #: FSDP2 columns whose vocabulary-split head gathers the logits (``Replicate`` output, the plain loss) instead of
 #: taking the loss under ``loss_parallel()``: the other way torchtitan's plan can run, measured beside it.
@@ -233,8 +235,10 @@ def data_parallel_rank(tp: int) -> Tuple[int, int]:
 
 
 def shard(column: str, module: nn.Module, unit_class: type, device: torch.device, tp: int,
-          make_optimizer: Any) -> Tuple[nn.Module, torch.optim.Optimizer, bool, str, Any]:
-    """Shard a TP column's model: (model, optimizer, use_megatron_fsdp, precision, the TP group or None)."""
+          make_optimizer: Any, *, keep_compute_shard: bool = False) -> Tuple[nn.Module, torch.optim.Optimizer, bool,
+                                                                            str, Any]:
+    """Shard a TP column's model: (model, optimizer, use_megatron_fsdp, precision, the TP group or None);
+    ``keep_compute_shard``: ours' ``fully_shard(keep_compute_shard=True)`` ([Note: cast on gather])."""
     if column.startswith("ours"):
         from megatron_fsdp import fully_shard
 
@@ -242,11 +246,12 @@ def shard(column: str, module: nn.Module, unit_class: type, device: torch.device
         kw = dict(process_group=dp_group, tensor_parallel_group=tp_group) if tp > 1 else {}
         sharded = fully_shard(module, fsdp_unit_modules=[unit_class], sharding_strategy="optim_grads_params",
                               compute_dtype=torch.bfloat16, fsdp_double_buffer=True,
-                              fsdp_db_use_persist_buf_on_alloc_fail=True, **kw)
-        vocab = "; embedding and LM head split over the vocabulary" if module.cfg.vocab_parallel else ""
+                              fsdp_db_use_persist_buf_on_alloc_fail=True, keep_compute_shard=keep_compute_shard, **kw)
+        extra = "; embedding and LM head split over the vocabulary" if module.cfg.vocab_parallel else ""
+        extra += "; bf16 shards kept (keep_compute_shard)" if keep_compute_shard else ""
         return (sharded, make_optimizer(list(sharded.optimizer_parameters())), True,
                 f"compute in bf16, fp32 main parameters and gradients, ZeRO-3 over the data-parallel group; TP {tp} "
-                f"with sequence parallelism (the engine's){vocab}", tp_group)
+                f"with sequence parallelism (the engine's){extra}", tp_group)
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
 

@@ -70,6 +70,9 @@ Columns (bf16 compute, fp32 main weights, Adam, ZeRO-3, unit = decoder layer; sa
                        sequence_parallel=True)``), ``fully_shard(process_group=dp, tensor_parallel_group=tp)``
   ours_tp_partial      + PartialCudaGraphs over ``attn mlp`` (the TP collectives inside the graphs, FSDP's outside)
   ours_tp_full         + FullIterationCudaGraph (the TP collectives and FSDP's in one graph)
+  ours_tp_kept_eager   ours_tp_eager with ``fully_shard(keep_compute_shard=True)``: at TP = world size each unit's
+                       data-parallel group is one rank, so its bf16 cast stays in a buffer of its own (cast once a
+                       step instead of at every gather)
   fsdp2_tp_eager       (llama70b) FSDP2 + DTensor TP as torchtitan composes it: ``parallelize_module`` per layer over
                        ``mesh['tp']`` (q, k, v split; no sequence parallelism), ``fully_shard`` over ``mesh['dp']``
   fsdp2_tp_gathered_eager  with --vocab-parallel: the same, its head's logits gathered whole for the plain loss
@@ -205,6 +208,7 @@ COLUMN_SPECS: Dict[str, Tuple[str, Optional[Dict[str, Any]], str]] = {
     "ours_tp_eager": ("megatron_fsdp", {"tensor_parallel": True}, "eager"),
     "ours_tp_partial": ("megatron_fsdp", {"tensor_parallel": True}, "partial"),
     "ours_tp_full": ("megatron_fsdp", {"tensor_parallel": True}, "full"),
+    "ours_tp_kept_eager": ("megatron_fsdp", {"tensor_parallel": True, "keep_compute_shard": True}, "eager"),
     "fsdp2_tp_eager": ("fsdp2", {"tensor_parallel": True}, "eager"),
     "fsdp2_tp_gathered_eager": ("fsdp2", {"tensor_parallel": True}, "eager"),
     "fsdp2_tp_partial": ("fsdp2", {"tensor_parallel": True, "storage": "keep"}, "partial"),
@@ -509,7 +513,8 @@ def shard(column: str, model: Model, device: torch.device, args: argparse.Namesp
         return Sharded(*_engines_mcore.shard(column, model.module, device, _adam(device)))
     if (options or {}).get("tensor_parallel"):
         net, opt, use_mf, precision, _ = _engines_tp.shard(column, model.module, model.unit_class, device,
-                                                           model.counts["tensor_parallel_size"], _adam(device))
+                                                           model.counts["tensor_parallel_size"], _adam(device),
+                                                           keep_compute_shard=bool(options.get("keep_compute_shard")))
         return Sharded(net, opt, use_mf, precision)
     if name == "fsdp2_default":
         return _fsdp2_default(model.module, model.unit_class, device, expert_parallel_size(column))

@@ -91,8 +91,9 @@ def test_bench_engines_cpu_smoke_llama70b_tensor_parallel(tmp_path):
     r = bench_engines_smoke(tmp_path, "llama70b", "--config", "llama70b")
     cols = r["columns"]
     for graphed, eager in (("ours_tp_partial", "ours_tp_eager"), ("ours_tp_full", "ours_tp_eager"),
-                           ("fsdp2_tp_partial", "fsdp2_tp_eager")):
+                           ("fsdp2_tp_partial", "fsdp2_tp_eager"), ("ours_tp_kept_eager", "ours_tp_eager")):
         assert cols[graphed][f"losses_equal_to_{eager}"] is True, (graphed, cols[graphed])
+    assert "keep_compute_shard" in cols["ours_tp_kept_eager"]["precision"]
     counts = cols["ours_tp_eager"]["counts"]
     assert counts["tensor_parallel_size"] == 2 and counts["rank_params"] < counts["num_params"]
     assert cols["fsdp2_tp_eager"]["counts"]["num_params"] == counts["num_params"]
