@@ -43,8 +43,7 @@ __all__ = ["TP_COLUMNS", "GATHERED_LOGITS", "NVIDIA_TP_REASON", "SCOPES", "tenso
 
 #: The columns of ``--config llama70b`` (their specs are in bench_engines.COLUMN_SPECS).
 TP_COLUMNS = ["ours_tp_eager", "ours_tp_partial", "ours_tp_full", "ours_tp_kept_eager", "fsdp2_tp_eager",
-              "fsdp2_tp_gathered_eager",
-              "fsdp2_tp_partial", "nvidia_tp_eager"]
+              "fsdp2_tp_gathered_eager", "fsdp2_tp_partial", "nvidia_tp_eager"]
 #: FSDP2 columns whose vocabulary-split head gathers the logits (``Replicate`` output, the plain loss) instead of
 #: taking the loss under ``loss_parallel()``: the other way torchtitan's plan can run, measured beside it.
 GATHERED_LOGITS = ["fsdp2_tp_gathered_eager"]

@@ -37,6 +37,7 @@ def require_this_projects_engine() -> str:
 require_this_projects_engine()
 
 from fsdp_cudagraph.engines.megatron_fsdp.build import BUILDER  # noqa: E402
-from fsdp_cudagraph.engines.megatron_fsdp.adapter import MegatronFSDPEngine, PLANNED_ROLES, ROLE_ATTR, plan_hooks  # noqa: E402
+from fsdp_cudagraph.engines.megatron_fsdp.adapter import (MegatronFSDPEngine, PLANNED_ROLES, ROLE_ATTR,  # noqa: E402
+                                                           plan_hooks)
 
 __all__ = ["BUILDER", "MegatronFSDPEngine", "PLANNED_ROLES", "ROLE_ATTR", "plan_hooks", "require_this_projects_engine"]

@@ -90,7 +90,8 @@ def batch(step: int, dev: torch.device):
     return x.to(dev, torch.bfloat16).contiguous(), y.to(dev, torch.bfloat16).contiguous()
 
 
-def train(dev: torch.device, *, quantized: bool, fuse: bool, graphs: Optional[str], keep: bool = False) -> Dict[str, Any]:
+def train(dev: torch.device, *, quantized: bool, fuse: bool, graphs: Optional[str],
+          keep: bool = False) -> Dict[str, Any]:
     import transformer_engine.pytorch as te
 
     from fsdp_cudagraph import CudaGraphConfig, FullIterationCudaGraph, PartialCudaGraphs
