@@ -19,7 +19,7 @@ import torch
 
 from fsdp_cudagraph.capture.te import HAS_TE, TE_REASON, TE_VERSION, te_cudnn_version
 
-__all__ = ["versions", "write_record", "exit_process"]
+__all__ = ["commit", "versions", "write_record", "exit_process"]
 
 
 def _cudnn_version() -> Any:
@@ -37,13 +37,24 @@ def _cudnn_version() -> Any:
         return f"error: {exc}"[:300]
 
 
+def commit() -> str:
+    """The commit a record ran at: ``$GIT_COMMIT`` where set (a copy of the tree without ``.git``, e.g. on a GPU
+    machine, passes it in), else ``git rev-parse HEAD``, with ``+changes`` appended where tracked files differ from
+    that commit (a record of uncommitted code, or of a copy whose ``.git`` is older than its files, must not cite
+    the commit as if it had run it); ``unknown`` without git."""
+    given = os.environ.get("GIT_COMMIT")
+    if given:
+        return given
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - a tarball has no git
+        return "unknown"
+    return head + ("+changes" if changed else "")
+
+
 def versions() -> Dict[str, Any]:
-    commit = os.environ.get("GIT_COMMIT")  # a copy of the tree without .git (e.g. a GPU machine) passes it in
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        except Exception:  # noqa: BLE001 - a tarball has no git
-            commit = "unknown"
     return {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -54,7 +65,7 @@ def versions() -> Dict[str, Any]:
         "te_cudnn": ".".join(map(str, te_cudnn_version())) if HAS_TE else None,
         "python": platform.python_version(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "commit": commit,
+        "commit": commit(),
     }
 
 
