@@ -62,8 +62,8 @@ LIMIT_TOOL = os.path.join(ROOT, "benchmarks", "tools", "limit.py")
 
 
 def run_entry(cmd: Sequence[str], *, env: Optional[dict] = None, timeout: Optional[float] = None):
-    """``subprocess.run`` from the repository root, retried once when the process was killed by SIGABRT at
-    teardown with no Python error, or when its rendezvous port was taken between choosing it and binding it
+    """``subprocess.run`` from the repository root, retried once when the process (or a rank under ``torchrun``)
+    was killed by SIGABRT at teardown with no Python error, or when its rendezvous port was taken between choosing it and binding it
     (``EADDRINUSE``: other runs share the host; 2 of 40 tests of one GPU suite run beside another job on 4 x H200 at
     ``1d5df27``), then on a fresh ``MASTER_PORT`` (the policy ``tests.dist_utils.run_gloo`` applies to spawned
     ranks). The entry
@@ -83,7 +83,11 @@ def run_entry(cmd: Sequence[str], *, env: Optional[dict] = None, timeout: Option
                                  f"timeout, else FSDP_CUDAGRAPH_TEST_TIMEOUT, default {ENTRY_TIMEOUT_S:.0f}); where "
                                  f"each process stood when it was stopped:\n{out[-6000:]}\n{err[-12000:]}")
         done = subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
-        aborted = done.returncode == -6 and TEARDOWN_ABORT in err and "Traceback" not in err
+        aborted = TEARDOWN_ABORT in err and (
+            (done.returncode == -6 and "Traceback" not in err)  # the process itself
+            # a rank under torchrun: the launcher's traceback (ChildFailedError naming the SIGABRT) and none other
+            or (done.returncode != 0 and "ChildFailedError" in err and "Signal 6 (SIGABRT)" in err
+                and err.count("Traceback (most recent call last)") == 1))
         port_taken = done.returncode != 0 and "EADDRINUSE" in err
         if not (aborted or port_taken) or attempt == 2:
             return done

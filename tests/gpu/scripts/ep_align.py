@@ -201,4 +201,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # [Note: a group another library keeps alive] in fsdp_cudagraph/checker/records.py: where a DeviceMesh outlives
+    # the destroyed group (FSDP2's, or torch's DTensor caches after a DCP state dict), its Gloo group can abort the exit
+    from fsdp_cudagraph.checker.records import exit_process
+
+    exit_process(main())
