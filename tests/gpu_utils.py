@@ -63,8 +63,8 @@ LIMIT_TOOL = os.path.join(ROOT, "benchmarks", "tools", "limit.py")
 
 def run_entry(cmd: Sequence[str], *, env: Optional[dict] = None, timeout: Optional[float] = None):
     """``subprocess.run`` from the repository root, retried once when the process (or a rank under ``torchrun``)
-    was killed by SIGABRT at teardown with no Python error, or when its rendezvous port was taken between choosing it and binding it
-    (``EADDRINUSE``: other runs share the host; 2 of 40 tests of one GPU suite run beside another job on 4 x H200 at
+    was killed by SIGABRT at teardown with no Python error, or when its rendezvous port was taken between choosing
+    it and binding it (``EADDRINUSE``: other runs share the host; 2 of 40 tests of one GPU suite run beside another job on 4 x H200 at
     ``1d5df27``), then on a fresh ``MASTER_PORT`` (the policy ``tests.dist_utils.run_gloo`` applies to spawned
     ranks). The entry
     runs under ``benchmarks/tools/limit.py``: in a process group of its own with Python's fault handler on; past its
