@@ -45,7 +45,7 @@
 #                   GPTModel with TP under ours and NVIDIA's FullyShardedDataParallel (mcore_gpt.py --only-tp;
 #                   PYTHONPATH=/tmp/site)                                       -> tp-*.json
 #   fp8             FP8 with TE (needs TE): apps.align --rows FP8 and full_iteration_align --fp8-only on 1 GPU and
-#                   NPROC, the FP8 all-gather rows (tests/gpu/scripts/fp8_gather.py, ours and --engine nvidia) on 1
+#                   NPROC, the FP8 all-gather rows (tests/gpu/scripts/fp8_gather.py: ours, ours-kept, nvidia) on 1
 #                   and NPROC, and
 #                   benchmarks/fp8_numerics.py (every recipe and delayed with FP8 attention beside bf16,
 #                   FP8_STEPS=300) on 1 GPU
@@ -342,9 +342,10 @@ stage_fp8() {
     tail -3 "$OUT/fp8-align-${N}gpu.log" "$OUT/fp8-fi-${N}gpu.log"
   fi
   # TE's FP8 weights gathered as FP8 bytes against TE quantizing bf16 weights, eager and graphed (tests/gpu/scripts);
-  # then NVIDIA Megatron-FSDP gathering them, eager against per-layer graphs (--engine nvidia; PYTHONPATH=/tmp/site)
+  # the kept bf16 shards against casting at every gather, eager and graphed (--engine ours-kept); then NVIDIA
+  # Megatron-FSDP gathering them, eager against per-layer graphs (--engine nvidia; PYTHONPATH=/tmp/site)
   local e tag
-  for e in ours nvidia; do
+  for e in ours ours-kept nvidia; do
     tag=$([ $e = ours ] && echo "" || echo "-$e")
     step fp8-gather$tag-1gpu.log $ONE $LIMIT 150 python3 tests/gpu/scripts/fp8_gather.py --engine $e \
       --out "$OUT/fp8-gather$tag-1gpu.json"
