@@ -1068,10 +1068,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0 if ran and (margs.cpu_smoke or not result["evaluation"]["failed"]) else 1
     if any(COLUMN_SPECS[c][0] == "megatron_fsdp" for c in args.columns or COLUMNS[args.config]):
         # before any column starts: NVIDIA's standalone megatron-fsdp, first on the path, would fail every one of
-        # ours with another engine's error ([Note: one import name, two packages])
-        from fsdp_cudagraph.engines.megatron_fsdp import require_this_projects_engine
-
-        require_this_projects_engine()
+        # ours with another engine's error; importing our engine's folder refuses it, naming the path and the fix
+        # ([Note: one import name, two packages]: the check runs once, at that import)
+        import fsdp_cudagraph.engines.megatron_fsdp  # noqa: F401
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("bench_engines needs a CUDA GPU (it times the engines and measures the device's rates); none is "
               "visible, so nothing was measured (exit 2). --cpu-smoke runs the script's path on CPU.", file=sys.stderr)
