@@ -92,7 +92,8 @@ def exit_process(code: int) -> None:
     alone). Our engine's DCP state dicts have it too: their DTensors' mesh stays cached by torch's DTensor
     redistribution planner (seen on CPU, torch 2.13: ``tests/gpu/scripts/dcp_worlds.py``'s resume phase aborted
     so once in a CI run, after a correct run). Then this leaves through ``os._exit``, which skips the
-    interpreter's finalisation; stdout and stderr are flushed first and the status is kept. This module does not keep any group itself.
+    interpreter's finalisation; stdout and stderr are flushed first and the status is kept. This module does not
+    keep any group itself.
     """
     sys.stdout.flush()
     sys.stderr.flush()
